@@ -1,0 +1,51 @@
+"""Capture a model as an fx graph and profile one training step of it.
+
+``profiles.schema`` (GraphProfile and friends) is importable without torch, so solvers can
+read profiles; ``capture``/``profile`` import torch on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from profiles.errors import CaptureError, ProfileError
+from profiles.schema import SCHEMA_VERSION, GraphProfile, NodeProfile, StaticMemory, StorageInfo
+
+if TYPE_CHECKING:
+    from profiles.tracing import capture
+    from profiles.devices import DEVICES, DeviceSpec
+    from profiles.profiler import default_loss, profile
+    from profiles.recorded import load_recorded
+
+_LAZY = {
+    "capture": "profiles.tracing",
+    "profile": "profiles.profiler",
+    "default_loss": "profiles.profiler",
+    "DeviceSpec": "profiles.devices",
+    "DEVICES": "profiles.devices",
+    "load_recorded": "profiles.recorded",
+}
+
+__all__ = [
+    "DEVICES",
+    "SCHEMA_VERSION",
+    "CaptureError",
+    "DeviceSpec",
+    "GraphProfile",
+    "NodeProfile",
+    "ProfileError",
+    "StaticMemory",
+    "StorageInfo",
+    "capture",
+    "default_loss",
+    "load_recorded",
+    "profile",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'profiles' has no attribute {name!r}")

@@ -1,0 +1,185 @@
+"""GraphProfile: what one training step of a captured graph allocates, saves and costs.
+
+Pure pydantic (no torch import), so ``solvers`` can read profiles without torch. Units are in
+the field names: ``*_bytes`` are bytes, ``*_ms`` milliseconds.
+
+Memory model: every tensor lives in a *storage*; views share their base's storage, so a
+storage is the unit that is allocated and freed. Each storage has a kind: ``activation`` (an
+output of a node), ``internal`` (allocated inside a node, not an output, but kept by autograd,
+e.g. a dropout mask), or static (``param``, ``buffer``, ``input``: never activations).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+StorageKind = Literal["activation", "internal", "param", "buffer", "input"]
+STATIC_KINDS: frozenset[str] = frozenset({"param", "buffer", "input"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorMeta(_Strict):
+    """One tensor a node outputs."""
+
+    shape: list[int]
+    dtype: str
+    nbytes: int = Field(ge=0, description="numel * itemsize of this tensor (not its storage)")
+    storage: int = Field(ge=0, description="id of the storage it lives in")
+    requires_grad: bool
+
+
+class StorageInfo(_Strict):
+    id: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    kind: StorageKind
+    producer: int | None = Field(None, description="index of the node that allocated it")
+    name: str = Field("", description="parameter/buffer/input name for static storages")
+
+
+class NodeProfile(_Strict):
+    index: int = Field(ge=0, description="topological position")
+    name: str
+    op: str = Field(description="fx op (placeholder, call_module, ...) or 'loss'")
+    target: str
+    module: str = Field("", description="owning nn.Module path, '' at top level")
+    args: list[str] = Field(default_factory=list, description="names of input nodes")
+    users: list[str] = Field(default_factory=list)
+    outputs: list[TensorMeta] = Field(default_factory=list)
+    new_storages: list[int] = Field(
+        default_factory=list, description="storages allocated by this node that outlive it"
+    )
+    saved_storages: list[int] = Field(
+        default_factory=list, description="storages autograd saves when this node runs"
+    )
+    params: list[str] = Field(default_factory=list, description="parameters the node reads")
+    fwd_time_ms: float = Field(0.0, ge=0)
+    bwd_time_ms: float = Field(0.0, ge=0)
+    fwd_flops: int = Field(0, ge=0)
+    bwd_flops: int = Field(0, ge=0)
+    fwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond outputs, forward")
+    bwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond grads, backward")
+    stateful: bool = Field(False, description="mutates module state (BatchNorm running stats)")
+    random: bool = Field(False, description="draws random numbers (dropout)")
+
+
+class StaticMemory(_Strict):
+    param_bytes: int = Field(ge=0)
+    grad_bytes: int = Field(ge=0, description="parameter .grad, present after backward")
+    buffer_bytes: int = Field(ge=0)
+    input_bytes: int = Field(ge=0)
+    optimizer_state_bytes: int = Field(0, ge=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.param_bytes + self.grad_bytes + self.buffer_bytes + self.input_bytes
+                + self.optimizer_state_bytes)
+
+
+class GraphProfile(_Strict):
+    """Per-node memory and time of one training step, with a fingerprint of the graph."""
+
+    schema_version: int = SCHEMA_VERSION
+    model_name: str
+    capture_method: Literal["fx", "export"]
+    timing: Literal["measure", "estimate"]
+    device: str = Field(description="device the times are for, e.g. 'cpu', 'H100'")
+    torch_version: str
+    fingerprint: str
+    nodes: list[NodeProfile]
+    storages: list[StorageInfo]
+    static: StaticMemory
+
+    @model_validator(mode="after")
+    def _check(self) -> GraphProfile:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not {SCHEMA_VERSION}; "
+                             "re-run profiles.profile() with this version of the planner")
+        for i, node in enumerate(self.nodes):
+            if node.index != i:
+                raise ValueError(f"nodes[{i}].index is {node.index}; nodes must be in order")
+        for i, storage in enumerate(self.storages):
+            if storage.id != i:
+                raise ValueError(f"storages[{i}].id is {storage.id}; ids must be positions")
+        n_storages, n_nodes = len(self.storages), len(self.nodes)
+        for node in self.nodes:
+            for sid in [*node.new_storages, *node.saved_storages,
+                        *(t.storage for t in node.outputs)]:
+                if not 0 <= sid < n_storages:
+                    raise ValueError(f"node {node.name!r} refers to storage {sid}, which does "
+                                     f"not exist (there are {n_storages})")
+        for storage in self.storages:
+            if storage.producer is not None and not 0 <= storage.producer < n_nodes:
+                raise ValueError(f"storage {storage.id} has producer {storage.producer}, "
+                                 f"out of range")
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def node(self, name: str) -> NodeProfile:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node named {name!r} in the profile of {self.model_name}")
+
+    def saved_activation_storages(self) -> set[int]:
+        """Storages autograd keeps for backward that are activations (not params/inputs)."""
+        return {sid for node in self.nodes for sid in node.saved_storages
+                if self.storages[sid].kind not in STATIC_KINDS}
+
+    def saved_activation_bytes(self) -> int:
+        """Bytes autograd keeps for backward with no checkpointing, each storage once."""
+        return sum(self.storages[sid].nbytes for sid in self.saved_activation_storages())
+
+    @property
+    def fwd_time_ms(self) -> float:
+        return sum(n.fwd_time_ms for n in self.nodes)
+
+    @property
+    def bwd_time_ms(self) -> float:
+        return sum(n.bwd_time_ms for n in self.nodes)
+
+    def summary(self) -> str:
+        """A few readable lines about the profile."""
+        gib = 2**30
+        return "\n".join([
+            f"{self.model_name}: {len(self.nodes)} nodes ({self.capture_method}), "
+            f"fingerprint {self.fingerprint}",
+            f"  static {self.static.total_bytes / gib:.3f} GiB (params "
+            f"{self.static.param_bytes / gib:.3f}, grads {self.static.grad_bytes / gib:.3f}, "
+            f"buffers {self.static.buffer_bytes / gib:.3f}, inputs "
+            f"{self.static.input_bytes / gib:.3f}, optimizer "
+            f"{self.static.optimizer_state_bytes / gib:.3f})",
+            f"  saved activations {self.saved_activation_bytes() / gib:.3f} GiB",
+            f"  time ({self.timing} on {self.device}): forward {self.fwd_time_ms:.2f} ms, "
+            f"backward {self.bwd_time_ms:.2f} ms",
+        ])
+
+    # ------------------------------------------------------------------ files
+    def to_json(self, indent: int | None = None) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> GraphProfile:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> GraphProfile:
+        return cls.from_json(Path(path).read_text())
+
+
+def fingerprint(structure: list[object]) -> str:
+    """Short stable hash of JSON-serialisable structure (graph, shapes, dtypes)."""
+    text = json.dumps(structure, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,150 @@
+"""Capture a model as a torch.fx GraphModule: symbolic_trace first, then torch.export.
+
+The captured module shares the model's Parameter and buffer objects (no copies, tied weights
+stay tied), so a plan applied to it trains the user's own weights. ``gm.meta["planner"]`` keeps
+what profiling needs later: how it was captured, the loss function and the input binding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx._pytree as fx_pytree
+from torch import nn
+
+from profiles.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+Inputs = Any  # a tensor, a tuple of positional inputs, or a dict of keyword inputs
+
+
+def normalize_inputs(model: nn.Module, example_inputs: Inputs) -> tuple[tuple, dict]:
+    """Return ``(args, kwargs)`` for ``example_inputs``; None means the model's own dummies."""
+    if example_inputs is None:
+        example_inputs = getattr(model, "dummy_inputs", None)  # HF PreTrainedModel
+        if example_inputs is None:
+            example_inputs = getattr(model, "example_input_array", None)  # Lightning
+        if example_inputs is None:
+            raise ValueError(
+                f"{type(model).__name__} has no `dummy_inputs` or `example_input_array`; pass "
+                "example_inputs (a tensor, a tuple of positional inputs or a dict of keyword "
+                "inputs) shaped like one real training batch."
+            )
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, tuple | list):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict) or hasattr(example_inputs, "keys"):
+        return (), dict(example_inputs)
+    raise TypeError(
+        f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}"
+    )
+
+
+def flat_placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """Values for ``gm``'s placeholders, in graph order, from user-style ``args``/``kwargs``."""
+    info = gm.meta.get("planner", {})
+    if info.get("method") == "export":
+        in_spec = gm.graph._codegen.pytree_info.in_spec  # type: ignore[attr-defined]
+        return list(fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
+    signature = info.get("signature")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if signature is None:
+        return list(args) + [kwargs[n.target] for n in placeholders[len(args):]]
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return [bound.arguments[n.target] for n in placeholders]
+
+
+def _share_model_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
+    """Point ``gm``'s parameters and buffers at ``model``'s own objects (export may copy)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, tensor in list(gm.named_parameters(remove_duplicate=False)) + list(
+        gm.named_buffers(remove_duplicate=False)
+    ):
+        original = own.get(name)
+        if original is None or original is tensor:
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if isinstance(original, nn.Parameter):
+            owner._parameters[attr] = original
+        else:
+            owner._buffers[attr] = original
+
+
+def _trace_fx(model: nn.Module) -> torch.fx.GraphModule:
+    gm = torch.fx.symbolic_trace(model)
+    gm.meta["planner"] = {"method": "fx", "signature": inspect.signature(model.forward)}
+    return gm
+
+
+def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    program = torch.export.export(model, args, kwargs, strict=False)
+    gm = program.module()
+    _share_model_state(gm, model)
+    gm.meta["planner"] = {"method": "export", "signature": None}
+    return gm
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Inputs = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> torch.fx.GraphModule:
+    """Capture ``model`` as an fx GraphModule that shares its parameters and buffers.
+
+    Tries ``torch.fx.symbolic_trace`` (module-level nodes, keeps leaf modules) and, when that
+    fails, ``torch.export.export(..., strict=False).module()`` (aten-level nodes, handles HF
+    models and dict/ModelOutput outputs). ``loss_fn(output) -> scalar`` is stored with the
+    graph for profiling; the graph itself is the model's forward only.
+
+    >>> import torch
+    >>> gm = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.ones(2, 4))
+    >>> [n.op for n in gm.graph.nodes]
+    ['placeholder', 'call_module', 'call_module', 'output']
+
+    Raises:
+        CaptureError: both methods failed; the message names both causes and what to do.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture expects an nn.Module, got {type(model).__name__}")
+    args, kwargs = normalize_inputs(model, example_inputs)
+    errors: dict[str, BaseException] = {}
+    gm: torch.fx.GraphModule | None = None
+    try:
+        gm = _trace_fx(model)
+    except Exception as error:  # symbolic tracing fails on data-dependent Python control flow
+        errors["torch.fx.symbolic_trace"] = error
+        log.info("symbolic_trace failed (%s); trying torch.export", _first_line(error))
+    if gm is None:
+        try:
+            gm = _trace_export(model, args, kwargs)
+        except Exception as error:
+            errors["torch.export (non-strict)"] = error
+    if gm is None:
+        causes = "\n".join(f"  - {how}: {_first_line(err)}" for how, err in errors.items())
+        raise CaptureError(
+            f"Could not capture {type(model).__name__} as a graph:\n{causes}\n"
+            "What to do: remove Python control flow that depends on tensor values (an `if` on "
+            "a tensor, `.item()`, data-dependent shapes) from forward(), or move it into a "
+            "submodule that you do not want planned and mark it a leaf with "
+            "torch.fx.wrap / a custom fx.Tracer; torch.cond replaces tensor-dependent `if`s. "
+            "Check that example_inputs match what forward() expects."
+        ) from errors.get("torch.export (non-strict)")
+    gm.meta["planner"]["loss_fn"] = loss_fn
+    gm.meta["planner"]["model_name"] = type(model).__name__
+    gm.meta["planner"]["num_inputs"] = (len(args), tuple(kwargs))
+    return gm
