@@ -107,7 +107,8 @@ class CausalSelfAttention(nn.Module):
         self.d_model, self.n_head, self.head_dim = d_model, n_head, d_model // n_head
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
-        self.dropout = dropout
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # sizes come from the module, not the tensor, so torch.fx traces this without export
@@ -119,9 +120,9 @@ class CausalSelfAttention(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         mask = x.new_ones((seq, seq), dtype=torch.bool).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
-        attn = F.dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        attn = self.attn_drop(torch.softmax(scores, dim=-1))
         y = (attn @ v).transpose(1, 2).reshape(batch, seq, self.d_model)
-        return F.dropout(self.proj(y), self.dropout, self.training)
+        return self.resid_drop(self.proj(y))
 
 
 class GPTBlock(nn.Module):
@@ -132,12 +133,12 @@ class GPTBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.proj = nn.Linear(4 * d_model, d_model)
-        self.dropout = dropout
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         h = F.gelu(self.fc(self.ln_2(x)), approximate="tanh")
-        return x + F.dropout(self.proj(h), self.dropout, self.training)
+        return x + self.drop(self.proj(h))
 
 
 class GPT(nn.Module):

@@ -498,7 +498,8 @@ def profile(
 
     Args:
         gm: from :func:`profiles.capture` (a plain fx GraphModule works too).
-        example_inputs: a tensor, tuple or dict, as passed to capture.
+        example_inputs: a tensor, tuple or dict, as passed to capture; None: the inputs
+            capture was given (or found on the model).
         loss_fn: ``loss_fn(output) -> scalar``; default: the one given to capture, else
             :func:`default_loss`.
         optimizer: counted in static memory (its state after one step).
@@ -514,7 +515,10 @@ def profile(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     info = gm.meta.get("planner", {})
-    args, kwargs = normalize_inputs(gm, example_inputs)
+    if example_inputs is None and "inputs" in info:
+        args, kwargs = info["inputs"]
+    else:
+        args, kwargs = normalize_inputs(gm, example_inputs)
     flat_inputs = flat_placeholder_values(gm, args, kwargs)
     loss_fn = loss_fn or info.get("loss_fn") or default_loss
     params = dict(gm.named_parameters(remove_duplicate=False))

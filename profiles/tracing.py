@@ -59,7 +59,8 @@ def flat_placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         return list(args) + [kwargs[n.target] for n in placeholders[len(args):]]
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    return [bound.arguments[n.target] for n in placeholders]
+    # fx makes one placeholder per forward() parameter, in order (renamed when specialised)
+    return [bound.arguments[name] for name in signature.parameters][:len(placeholders)]
 
 
 def _share_model_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
@@ -80,9 +81,15 @@ def _share_model_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
             owner._buffers[attr] = original
 
 
-def _trace_fx(model: nn.Module) -> torch.fx.GraphModule:
-    gm = torch.fx.symbolic_trace(model)
-    gm.meta["planner"] = {"method": "fx", "signature": inspect.signature(model.forward)}
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    """symbolic_trace, specialising optional arguments the example leaves out to their
+    defaults (so ``if mask is not None`` follows the branch the example takes)."""
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
+    concrete = {name: param.default for name, param in signature.parameters.items()
+                if name not in bound.arguments and param.default is not inspect.Parameter.empty}
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    gm.meta["planner"] = {"method": "fx", "signature": signature}
     return gm
 
 
@@ -125,7 +132,7 @@ def capture(
     errors: dict[str, BaseException] = {}
     gm: torch.fx.GraphModule | None = None
     try:
-        gm = _trace_fx(model)
+        gm = _trace_fx(model, args, kwargs)
     except Exception as error:  # symbolic tracing fails on data-dependent Python control flow
         errors["torch.fx.symbolic_trace"] = error
         log.info("symbolic_trace failed (%s); trying torch.export", _first_line(error))
@@ -146,5 +153,5 @@ def capture(
         ) from errors.get("torch.export (non-strict)")
     gm.meta["planner"]["loss_fn"] = loss_fn
     gm.meta["planner"]["model_name"] = type(model).__name__
-    gm.meta["planner"]["num_inputs"] = (len(args), tuple(kwargs))
+    gm.meta["planner"]["inputs"] = (args, kwargs)  # profile()'s default inputs
     return gm

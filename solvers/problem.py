@@ -1,0 +1,315 @@
+"""The boundary type between profiling and solving: a `Problem` of nodes and storages.
+
+A problem is pure data (no torch): nodes in topological order, each with forward/backward
+time and transient memory, the activation storages it reads, allocates and saves for
+backward, and the bytes of every storage and of its gradient. Units are in field names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, model_validator
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Problem", "ProblemError"]
+
+
+class ProblemError(ValueError):
+    """A problem's data is inconsistent; the message says which field and what to fix.
+
+    Raised inside validation, so constructing a `Problem` surfaces it wrapped in pydantic's
+    `ValidationError` (also a `ValueError`); `from_networkx` raises it directly.
+    """
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ProblemError(msg)
+
+
+class Problem(BaseModel):
+    """One training step as a graph of nodes over activation storages.
+
+    Nodes are in topological order and the last node produces the scalar loss. Storage ids
+    index the per-storage lists (`storage_bytes`, `storage_producer`, `storage_grad_bytes`).
+    Parameters, buffers and user inputs are not storages: they are in `static_bytes`.
+
+    Optional `node_saves_static[i]` says node i's backward also saves a static tensor
+    (a parameter or user input). Such saves are invisible in `node_saved` but still count
+    for torch.utils.checkpoint's early stop and trigger the rerun; default: False.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "problem"
+    node_names: list[str]
+    fwd_time_ms: list[float]
+    bwd_time_ms: list[float]
+    fwd_temp_bytes: list[int]
+    bwd_temp_bytes: list[int]
+    recomputable: list[bool]
+    node_inputs: list[list[int]]
+    node_outputs: list[list[int]]
+    node_saved: list[list[int]]
+    storage_bytes: list[int]
+    storage_producer: list[int]
+    storage_grad_bytes: list[int]
+    static_bytes: int
+    param_grad_bytes: list[int]
+    block_of_node: list[int] | None = None
+    node_saves_static: list[bool] | None = None
+
+    @model_validator(mode="after")
+    def _validate(self) -> Problem:
+        n = len(self.node_names)
+        m = len(self.storage_bytes)
+        _check(n >= 1, "Problem has no nodes: node_names must list at least the loss node.")
+        per_node = {
+            "fwd_time_ms": self.fwd_time_ms,
+            "bwd_time_ms": self.bwd_time_ms,
+            "fwd_temp_bytes": self.fwd_temp_bytes,
+            "bwd_temp_bytes": self.bwd_temp_bytes,
+            "recomputable": self.recomputable,
+            "node_inputs": self.node_inputs,
+            "node_outputs": self.node_outputs,
+            "node_saved": self.node_saved,
+            "param_grad_bytes": self.param_grad_bytes,
+        }
+        if self.block_of_node is not None:
+            per_node["block_of_node"] = self.block_of_node
+        if self.node_saves_static is not None:
+            per_node["node_saves_static"] = self.node_saves_static
+        for field, values in per_node.items():
+            _check(
+                len(values) == n,
+                f"{field} has {len(values)} entries but node_names has {n}: "
+                f"give one entry per node, in node order.",
+            )
+        for field, values in (
+            ("storage_producer", self.storage_producer),
+            ("storage_grad_bytes", self.storage_grad_bytes),
+        ):
+            _check(
+                len(values) == m,
+                f"{field} has {len(values)} entries but storage_bytes has {m}: "
+                f"give one entry per storage id.",
+            )
+        for field in ("fwd_time_ms", "bwd_time_ms", "fwd_temp_bytes", "bwd_temp_bytes",
+                      "param_grad_bytes", "storage_bytes", "storage_grad_bytes"):
+            bad = [i for i, v in enumerate(getattr(self, field)) if v < 0]
+            _check(not bad, f"{field} must be non-negative; negative at indices {bad[:5]}.")
+        _check(self.static_bytes >= 0, "static_bytes must be non-negative.")
+
+        owner: dict[int, int] = {}
+        for i, outs in enumerate(self.node_outputs):
+            for s in outs:
+                _check(0 <= s < m, f"node_outputs[{i}] has storage id {s}, not in 0..{m - 1}.")
+                _check(
+                    s not in owner or owner[s] == i,
+                    f"storage {s} is listed in node_outputs of nodes {owner.get(s)} and {i}; "
+                    f"a storage is allocated by exactly one node (views allocate nothing).",
+                )
+                owner[s] = i
+        for s in range(m):
+            p = self.storage_producer[s]
+            _check(
+                owner.get(s) == p,
+                f"storage_producer[{s}] = {p} but storage {s} appears in node_outputs of "
+                f"node {owner.get(s)}; list each storage in its producer's node_outputs.",
+            )
+        for i in range(n):
+            for s in self.node_inputs[i]:
+                _check(0 <= s < m, f"node_inputs[{i}] has storage id {s}, not in 0..{m - 1}.")
+                _check(
+                    self.storage_producer[s] < i,
+                    f"node {i} ({self.node_names[i]}) reads storage {s} produced by node "
+                    f"{self.storage_producer[s]}; producers must come before consumers "
+                    f"(is node_names in topological order?).",
+                )
+            allowed = set(self.node_inputs[i]) | set(self.node_outputs[i])
+            for s in self.node_saved[i]:
+                _check(
+                    s in allowed,
+                    f"node {i} ({self.node_names[i]}) saves storage {s} that it neither reads "
+                    f"nor allocates; add it to node_inputs[{i}] or node_outputs[{i}].",
+                )
+        return self
+
+    # ---------------------------------------------------------------- derived data
+
+    @property
+    def n_nodes(self) -> int:
+        """Number of nodes."""
+        return len(self.node_names)
+
+    @property
+    def n_storages(self) -> int:
+        """Number of activation storages."""
+        return len(self.storage_bytes)
+
+    @cached_property
+    def inputs(self) -> tuple[tuple[int, ...], ...]:
+        """Deduplicated `node_inputs` in first-seen order."""
+        return tuple(tuple(dict.fromkeys(x)) for x in self.node_inputs)
+
+    @cached_property
+    def saved(self) -> tuple[tuple[int, ...], ...]:
+        """Deduplicated `node_saved` in first-seen order."""
+        return tuple(tuple(dict.fromkeys(x)) for x in self.node_saved)
+
+    @cached_property
+    def outputs(self) -> tuple[tuple[int, ...], ...]:
+        """Deduplicated `node_outputs` in first-seen order."""
+        return tuple(tuple(dict.fromkeys(x)) for x in self.node_outputs)
+
+    @cached_property
+    def consumers(self) -> tuple[tuple[int, ...], ...]:
+        """Per storage, the nodes reading it in forward, ascending."""
+        cons: list[list[int]] = [[] for _ in range(self.n_storages)]
+        for i, ins in enumerate(self.inputs):
+            for s in ins:
+                cons[s].append(i)
+        return tuple(tuple(c) for c in cons)
+
+    @cached_property
+    def packs(self) -> tuple[bool, ...]:
+        """Whether node i's backward saves anything (so checkpoint packs a tensor for it)."""
+        static = self.node_saves_static or [False] * self.n_nodes
+        return tuple(bool(self.saved[i]) or bool(static[i]) for i in range(self.n_nodes))
+
+    @property
+    def total_fwd_time_ms(self) -> float:
+        """Forward time of the whole graph, no recomputation."""
+        return float(sum(self.fwd_time_ms))
+
+    @property
+    def total_bwd_time_ms(self) -> float:
+        """Backward time of the whole graph."""
+        return float(sum(self.bwd_time_ms))
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """Maximal runs `(start, stop)` of consecutive nodes sharing a block id >= 0."""
+        if self.block_of_node is None:
+            return []
+        runs: list[tuple[int, int]] = []
+        start = 0
+        for i in range(1, self.n_nodes + 1):
+            if i == self.n_nodes or self.block_of_node[i] != self.block_of_node[start]:
+                if self.block_of_node[start] >= 0:
+                    runs.append((start, i))
+                start = i
+        return runs
+
+    # ---------------------------------------------------------------- builders
+
+    @classmethod
+    def chain(
+        cls,
+        act_bytes: Sequence[int],
+        fwd_time_ms: Sequence[float],
+        bwd_time_ms: Sequence[float] | None = None,
+        *,
+        static_bytes: int = 0,
+        fwd_temp_bytes: Sequence[int] | None = None,
+        bwd_temp_bytes: Sequence[int] | None = None,
+        param_grad_bytes: Sequence[int] | None = None,
+        recomputable: Sequence[bool] | None = None,
+        block_of_node: Sequence[int] | None = None,
+        name: str = "chain",
+    ) -> Problem:
+        """A chain: node i reads node i-1's output and saves it (like a linear layer).
+
+        Node 0 reads only static inputs and saves nothing; node i allocates one storage of
+        `act_bytes[i]` whose gradient has the same size. Backward time defaults to 2x forward.
+
+        >>> p = Problem.chain([4, 4, 1], [1.0, 1.0, 1.0])
+        >>> p.node_saved
+        [[], [0], [1]]
+        """
+        n = len(act_bytes)
+        bwd = list(bwd_time_ms) if bwd_time_ms is not None else [2.0 * t for t in fwd_time_ms]
+        return cls(
+            name=name,
+            node_names=[f"n{i}" for i in range(n)],
+            fwd_time_ms=list(fwd_time_ms),
+            bwd_time_ms=bwd,
+            fwd_temp_bytes=list(fwd_temp_bytes) if fwd_temp_bytes is not None else [0] * n,
+            bwd_temp_bytes=list(bwd_temp_bytes) if bwd_temp_bytes is not None else [0] * n,
+            recomputable=list(recomputable) if recomputable is not None else [True] * n,
+            node_inputs=[[]] + [[i - 1] for i in range(1, n)],
+            node_outputs=[[i] for i in range(n)],
+            node_saved=[[]] + [[i - 1] for i in range(1, n)],
+            storage_bytes=list(act_bytes),
+            storage_producer=list(range(n)),
+            storage_grad_bytes=list(act_bytes),
+            static_bytes=static_bytes,
+            param_grad_bytes=list(param_grad_bytes) if param_grad_bytes is not None else [0] * n,
+            block_of_node=list(block_of_node) if block_of_node is not None else None,
+        )
+
+    @classmethod
+    def from_networkx(cls, graph: nx.DiGraph, *, static_bytes: int = 0,
+                      name: str = "graph") -> Problem:
+        """Build from a DAG whose edges are data dependencies, one output storage per node.
+
+        Node attributes: `output_bytes` (required), `fwd_time_ms` (required), and optional
+        `bwd_time_ms` (default 2x forward), `fwd_temp_bytes`, `bwd_temp_bytes`,
+        `param_grad_bytes` (default 0), `recomputable` (True), `saves_inputs` (True),
+        `saves_output` (False), `grad_bytes` (default `output_bytes`), `block` (-1).
+        Nodes are ordered topologically (ties by insertion order); the graph needs exactly
+        one sink, the loss.
+        """
+        _check(nx.is_directed_acyclic_graph(graph), "graph has a cycle; pass a DAG.")
+        order_key = {v: k for k, v in enumerate(graph.nodes)}
+        order = list(nx.lexicographical_topological_sort(graph, key=lambda v: order_key[v]))
+        sinks = [v for v in order if graph.out_degree(v) == 0]
+        _check(len(sinks) == 1, f"graph must have exactly one sink (the loss); found {sinks}.")
+        index = {v: k for k, v in enumerate(order)}
+        attrs = [graph.nodes[v] for v in order]
+        for v, a in zip(order, attrs, strict=True):
+            for key in ("output_bytes", "fwd_time_ms"):
+                _check(key in a, f"graph node {v!r} lacks attribute {key!r}.")
+        inputs = [sorted(index[u] for u in graph.predecessors(v)) for v in order]
+        saved = []
+        for k, a in enumerate(attrs):
+            s = list(inputs[k]) if a.get("saves_inputs", True) else []
+            if a.get("saves_output", False):
+                s.append(k)
+            saved.append(s)
+        blocks = [int(a.get("block", -1)) for a in attrs]
+        return cls(
+            name=name,
+            node_names=[str(v) for v in order],
+            fwd_time_ms=[float(a["fwd_time_ms"]) for a in attrs],
+            bwd_time_ms=[float(a.get("bwd_time_ms", 2.0 * a["fwd_time_ms"])) for a in attrs],
+            fwd_temp_bytes=[int(a.get("fwd_temp_bytes", 0)) for a in attrs],
+            bwd_temp_bytes=[int(a.get("bwd_temp_bytes", 0)) for a in attrs],
+            recomputable=[bool(a.get("recomputable", True)) for a in attrs],
+            node_inputs=inputs,
+            node_outputs=[[k] for k in range(len(order))],
+            node_saved=saved,
+            storage_bytes=[int(a["output_bytes"]) for a in attrs],
+            storage_producer=list(range(len(order))),
+            storage_grad_bytes=[int(a.get("grad_bytes", a["output_bytes"])) for a in attrs],
+            static_bytes=static_bytes,
+            param_grad_bytes=[int(a.get("param_grad_bytes", 0)) for a in attrs],
+            block_of_node=blocks if any(b >= 0 for b in blocks) else None,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """A few headline numbers, for logs."""
+        return {
+            "name": self.name,
+            "nodes": self.n_nodes,
+            "storages": self.n_storages,
+            "activation_bytes": sum(self.storage_bytes),
+            "static_bytes": self.static_bytes,
+            "fwd_time_ms": self.total_fwd_time_ms,
+            "bwd_time_ms": self.total_bwd_time_ms,
+        }

@@ -1,0 +1,101 @@
+"""One result type for every solver: `Solution`, re-scored by `simulate`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict
+
+from solvers.problem import Problem
+from solvers.schedule import Schedule
+from solvers.simulate import simulate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Solution", "Status"]
+
+
+class Status(str, Enum):
+    """Outcome of a solve."""
+
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"
+    INFEASIBLE = "infeasible"
+
+
+class Solution(BaseModel):
+    """A solver's answer; memory and time numbers come from `simulate`, never the solver.
+
+    `objective_ms` is the recompute time of `schedule`; `bound_ms` a proven lower bound on the
+    recompute time of any schedule within the budget; `gap` is (objective - bound) / objective
+    (0 when both are 0). When INFEASIBLE, `schedule` is the lowest-peak schedule the solver
+    found (or None) and `min_feasible_budget_bytes` the smallest budget that could work
+    (exact when `min_feasible_budget_exact`, else a lower bound).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    solver: str
+    status: Status
+    schedule: Schedule | None
+    budget_bytes: int
+    objective_ms: float | None
+    bound_ms: float | None = None
+    gap: float | None = None
+    solve_time_s: float = 0.0
+    peak_bytes: int | None = None
+    total_time_ms: float | None = None
+    min_feasible_budget_bytes: int | None = None
+    min_feasible_budget_exact: bool = False
+
+    @property
+    def feasible(self) -> bool:
+        """True unless INFEASIBLE."""
+        return self.status != Status.INFEASIBLE
+
+    @classmethod
+    def scored(
+        cls,
+        problem: Problem,
+        schedule: Schedule,
+        budget_bytes: int,
+        *,
+        solver: str,
+        started_s: float,
+        proven_optimal: bool = False,
+        bound_ms: float | None = 0.0,
+        min_feasible_budget_bytes: int | None = None,
+        min_feasible_budget_exact: bool = False,
+    ) -> Solution:
+        """Simulate `schedule` and wrap it: FEASIBLE (or OPTIMAL) iff its peak fits the budget.
+
+        `started_s` is the `time.perf_counter()` value when the solve began.
+        """
+        tl = simulate(problem, schedule)
+        fits = tl.peak_bytes <= budget_bytes
+        objective = tl.recompute_time_ms
+        if fits:
+            status = Status.OPTIMAL if proven_optimal else Status.FEASIBLE
+            if proven_optimal:
+                bound_ms = objective
+        else:
+            status = Status.INFEASIBLE
+        gap = None
+        if fits and bound_ms is not None:
+            gap = 0.0 if objective <= 0 else max(0.0, (objective - bound_ms) / objective)
+        return cls(
+            solver=solver,
+            status=status,
+            schedule=schedule,
+            budget_bytes=budget_bytes,
+            objective_ms=objective if fits else None,
+            bound_ms=bound_ms if fits else None,
+            gap=gap,
+            solve_time_s=time.perf_counter() - started_s,
+            peak_bytes=tl.peak_bytes,
+            total_time_ms=tl.total_time_ms,
+            min_feasible_budget_bytes=None if fits else min_feasible_budget_bytes,
+            min_feasible_budget_exact=min_feasible_budget_exact and not fits,
+        )

@@ -1,0 +1,193 @@
+"""Schedules: the node order cut into consecutive STORE / RECOMPUTE regions.
+
+A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call;
+its `keep` nodes get `CheckpointPolicy.MUST_SAVE` (selective checkpointing) and its
+`children` are checkpoints nested inside it. `keep` names the region's own nodes, i.e. nodes
+not inside a child (a child has its own `keep`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+__all__ = ["RECOMPUTE", "STORE", "Mode", "Region", "Schedule", "ScheduleError"]
+
+Mode = Literal["store", "recompute"]
+STORE: Mode = "store"
+RECOMPUTE: Mode = "recompute"
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed or does not fit its problem."""
+
+
+class Region(BaseModel):
+    """Nodes `start..stop-1`, stored or recomputed. `Region(0, 3, "recompute")` works."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int
+    stop: int
+    mode: Mode = STORE
+    keep: frozenset[int] = frozenset()
+    children: tuple[Region, ...] = ()
+
+    def __init__(self, start: int | None = None, stop: int | None = None,
+                 mode: Mode = STORE, keep: Iterable[int] = frozenset(),
+                 children: Iterable[Region] = (), **data: Any) -> None:
+        if start is not None:
+            data["start"] = start
+        if stop is not None:
+            data["stop"] = stop
+        data.setdefault("mode", mode)
+        data.setdefault("keep", frozenset(keep))
+        data.setdefault("children", tuple(children))
+        super().__init__(**data)
+
+    @model_validator(mode="after")
+    def _validate(self) -> Region:
+        if not 0 <= self.start < self.stop:
+            raise ScheduleError(f"region [{self.start}, {self.stop}) is empty or negative.")
+        if self.mode == STORE and (self.keep or self.children):
+            raise ScheduleError(
+                f"STORE region [{self.start}, {self.stop}) has keep/children; only RECOMPUTE "
+                f"regions select kept nodes or nest checkpoints."
+            )
+        pos = self.start
+        for c in self.children:
+            if c.mode != RECOMPUTE:
+                raise ScheduleError(f"child [{c.start}, {c.stop}) must be a RECOMPUTE region.")
+            if c.start < pos or c.stop > self.stop:
+                raise ScheduleError(
+                    f"child [{c.start}, {c.stop}) of region [{self.start}, {self.stop}) must lie "
+                    f"inside it, sorted and not overlapping its siblings."
+                )
+            pos = c.stop
+        for k in self.keep:
+            if not self.start <= k < self.stop:
+                raise ScheduleError(f"kept node {k} is outside region [{self.start}, {self.stop}).")
+            if any(c.start <= k < c.stop for c in self.children):
+                raise ScheduleError(
+                    f"kept node {k} lies in a child region; put it in that child's keep."
+                )
+        return self
+
+    @property
+    def is_recompute(self) -> bool:
+        """True for a checkpointed region."""
+        return self.mode == RECOMPUTE
+
+    def walk(self) -> Iterator[Region]:
+        """This region and its descendants, pre-order."""
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+    def describe(self) -> str:
+        """Compact text, e.g. `R[0:3 keep=1 (R[1:2])]`."""
+        if not self.is_recompute:
+            return f"S[{self.start}:{self.stop}]"
+        parts = [f"R[{self.start}:{self.stop}"]
+        if self.keep:
+            parts.append(" keep=" + ",".join(map(str, sorted(self.keep))))
+        if self.children:
+            parts.append(" (" + " ".join(c.describe() for c in self.children) + ")")
+        return "".join(parts) + "]"
+
+
+class Schedule(BaseModel):
+    """Consecutive top-level regions covering nodes 0..n-1 in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    regions: tuple[Region, ...]
+
+    @model_validator(mode="after")
+    def _validate(self) -> Schedule:
+        if not self.regions:
+            raise ScheduleError("a schedule needs at least one region.")
+        pos = 0
+        for r in self.regions:
+            if r.start != pos:
+                raise ScheduleError(
+                    f"region [{r.start}, {r.stop}) should start at {pos}: top-level regions "
+                    f"must be consecutive and cover every node from 0."
+                )
+            pos = r.stop
+        return self
+
+    @property
+    def n_nodes(self) -> int:
+        """Number of nodes covered."""
+        return self.regions[-1].stop
+
+    @classmethod
+    def store_all(cls, n: int) -> Schedule:
+        """No checkpointing."""
+        return cls(regions=(Region(0, n, STORE),))
+
+    @classmethod
+    def from_segments(
+        cls,
+        n: int,
+        recompute: Iterable[tuple[int, int] | Region],
+        *,
+        keep: Iterable[int] = (),
+    ) -> Schedule:
+        """Recompute the given `(start, stop)` segments (or Regions), store the gaps.
+
+        `keep` lists nodes saved by selective checkpointing; each goes to the segment holding
+        it. `Schedule.from_segments(6, [(0, 3)]).describe() == 'R[0:3] S[3:6]'`.
+        """
+        keep_set = set(keep)
+        segs: list[Region] = []
+        for seg in sorted(recompute, key=lambda s: s.start if isinstance(s, Region) else s[0]):
+            if isinstance(seg, Region):
+                segs.append(seg)
+            else:
+                a, b = seg
+                segs.append(Region(a, b, RECOMPUTE, keep={k for k in keep_set if a <= k < b}))
+        regions: list[Region] = []
+        pos = 0
+        for r in segs:
+            if r.start > pos:
+                regions.append(Region(pos, r.start, STORE))
+            regions.append(r)
+            pos = r.stop
+        if pos < n:
+            regions.append(Region(pos, n, STORE))
+        covered = {k for r in segs for k in range(r.start, r.stop)}
+        if keep_set - covered:
+            raise ScheduleError(f"kept nodes {sorted(keep_set - covered)} are not recomputed.")
+        return cls(regions=tuple(regions))
+
+    @classmethod
+    def from_modes(cls, modes: Sequence[Mode]) -> Schedule:
+        """One top-level region per run of equal consecutive modes (no keep, no nesting)."""
+        regions: list[Region] = []
+        start = 0
+        for i in range(1, len(modes) + 1):
+            if i == len(modes) or modes[i] != modes[start]:
+                regions.append(Region(start, i, modes[start]))
+                start = i
+        return cls(regions=tuple(regions))
+
+    def walk(self) -> Iterator[Region]:
+        """All regions, pre-order."""
+        for r in self.regions:
+            yield from r.walk()
+
+    def recompute_regions(self) -> list[Region]:
+        """Every RECOMPUTE region, nested ones included, pre-order."""
+        return [r for r in self.walk() if r.is_recompute]
+
+    def recomputed_nodes(self) -> frozenset[int]:
+        """Nodes inside some RECOMPUTE region (kept ones included)."""
+        return frozenset(k for r in self.regions if r.is_recompute for k in range(r.start, r.stop))
+
+    def describe(self) -> str:
+        """Compact text, e.g. `R[0:2] S[2:5]`."""
+        return " ".join(r.describe() for r in self.regions)

@@ -1,0 +1,409 @@
+"""Replay one training step of a schedule: the single source of truth for memory and time.
+
+Execution model (what `torch.utils.checkpoint.checkpoint(fn, *inputs, use_reentrant=False)`
+does in torch/utils/checkpoint.py; decisions where the brief was open are marked *):
+
+Forward, in node order. Live bytes = static + live activation storages + gradients + the
+running node's temporaries. A node's event peak is live-before + its new outputs + its
+forward temp. A storage instance is freed as soon as nothing holds it:
+- a later node of the same pass still reads it;
+- a STORE node saved it for backward (held until that node's backward has run);
+- a top-level RECOMPUTE region's frame holds its inputs (`_CheckpointFrame.saved_args`,
+  storages produced before the region and read inside it) until the frame dies;
+- selective checkpointing: a kept (MUST_SAVE) node's outputs sit in the SAC cache until the
+  rerun consumes them, or until the frame dies if early stop never reaches that node;
+- the outputs of the last node (the loss) are held by the caller for the whole step.*
+Saved tensors of nodes inside a RECOMPUTE region are packed as holders: nothing is held.
+
+* Frame death: a frame lives while any SavedVariable packed by its hook lives, i.e. until
+  the backward of its earliest (forward order) own node that saves something, or until its
+  last nested child frame dies; a region whose nodes save nothing frees its inputs right
+  after its forward.
+
+Backward, nodes in reverse order. The first backward of a node that packed into frame F
+(`Problem.packs`) unpacks a holder and reruns F's forward from its first node
+(`_checkpoint_hook.unpack_hook`). Early stop (`_recomputation_hook`): the rerun stops right
+after the last pack the original forward made into F, i.e. after F's last own node that
+saves something, or at the entry of F's last child region with inputs (a child's inputs are
+saved into its parent, rule 2). Kept nodes are not re-run (the SAC cache returns the stored
+tensor: no time, no new memory) but their saves still count. Rerun-regenerated saved tensors
+are new storages (memory is counted again if the original is still held elsewhere) and live
+until the backward node that saves them has run (rule 4); other rerun tensors are freed
+after their last reader inside the rerun or when the rerun stops.
+
+* Nested regions: during a parent's rerun a child runs as a fresh checkpoint whose own
+  saves are not kept; its inputs and its kept outputs live until that rerun ends. A child's
+  rerun first needs its inputs unpacked from the parent, which reruns the parent first.
+
+Gradients: the gradient of a storage appears during the backward of its last forward reader
+(loss outputs: during the loss node's backward, the seed) and is freed after its producer's
+backward; unread outputs of other nodes get no gradient.* Parameter gradients appear at the
+backward of `param_grad_bytes`' node and stay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import count
+
+from solvers.problem import Problem
+from solvers.schedule import Region, Schedule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Event", "PeakBreakdown", "SimulationError", "Timeline", "simulate"]
+
+
+class SimulationError(ValueError):
+    """The schedule cannot run on this problem (wrong size, recomputes a stateful node)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One step of the replay: a forward, recompute or backward of one node."""
+
+    label: str
+    phase: str
+    node: int
+    time_ms: float
+    live_bytes: int
+    peak_bytes: int
+    cached: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PeakBreakdown:
+    """What the live bytes are made of at the peak."""
+
+    static_bytes: int = 0
+    kept_activation_bytes: int = 0
+    recomputed_activation_bytes: int = 0
+    gradient_bytes: int = 0
+    temp_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the parts, equal to the peak."""
+        return (self.static_bytes + self.kept_activation_bytes
+                + self.recomputed_activation_bytes + self.gradient_bytes + self.temp_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """Result of `simulate`: events, peak memory and step time."""
+
+    events: tuple[Event, ...]
+    peak_bytes: int
+    peak_event: int
+    forward_time_ms: float
+    backward_time_ms: float
+    recompute_time_ms: float
+    breakdown: PeakBreakdown = field(default_factory=PeakBreakdown)
+
+    @property
+    def total_time_ms(self) -> float:
+        """Forward + recompute + backward time of the step."""
+        return self.forward_time_ms + self.recompute_time_ms + self.backward_time_ms
+
+    @property
+    def peak_label(self) -> str:
+        """Label of the event where the peak happens."""
+        return self.events[self.peak_event].label
+
+
+@dataclass(eq=False)
+class _Frame:
+    uid: int
+    region: Region
+    parent: _Frame | None
+    children: list[_Frame]
+    inputs: tuple[int, ...]
+    rerun_stop: int
+    death: int | None
+    alive: bool = True
+    recomputed: bool = False
+    child_inputs: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+Inst = tuple[int, int]  # (storage id, generation: 0 = original forward, k = k-th rerun)
+Token = tuple
+
+
+class _Replay:
+    """Mutable state of one replay; `simulate` builds one per call."""
+
+    def __init__(self, p: Problem, schedule: Schedule) -> None:
+        self.p = p
+        self.n = p.n_nodes
+        self.holds: dict[Inst, set[Token]] = {}
+        self.by_token: dict[Token, set[Inst]] = defaultdict(set)
+        self.live_act = [0, 0]  # [original, recomputed] activation bytes
+        self.live_grad = 0
+        self.grads: set[int] = set()
+        self.events: list[Event] = []
+        self.peak = -1
+        self.peak_event = 0
+        self.breakdown = PeakBreakdown()
+        self.times = {"forward": 0.0, "recompute": 0.0, "backward": 0.0}
+        self.gens = count(1)
+        self.frames: list[_Frame] = []
+        self.innermost: list[_Frame | None] = [None] * self.n
+        self.top_entries: dict[int, list[_Frame]] = defaultdict(list)
+        self.deaths: dict[int, list[_Frame]] = defaultdict(list)
+        self.end_of_forward: dict[int, list[_Frame]] = defaultdict(list)
+        for r in schedule.regions:
+            if r.is_recompute:
+                self._build_frame(r, None)
+        for f in self.frames:
+            if f.death is None:
+                self.end_of_forward[f.region.stop - 1].append(f)
+            else:
+                self.deaths[f.death].append(f)
+
+    # ------------------------------------------------------------ structure
+
+    def _build_frame(self, r: Region, parent: _Frame | None) -> _Frame:
+        p = self.p
+        inputs = tuple(sorted({s for i in range(r.start, r.stop) for s in p.inputs[i]
+                               if p.storage_producer[s] < r.start}))
+        f = _Frame(len(self.frames), r, parent, [], inputs, rerun_stop=0, death=None)
+        self.frames.append(f)
+        if parent is None:
+            self.top_entries[r.start].append(f)
+        for i in range(r.start, r.stop):
+            self.innermost[i] = f
+        f.children = [self._build_frame(c, f) for c in r.children]
+        own = [i for i in range(r.start, r.stop) if self.innermost[i] is f and p.packs[i]]
+        stops = [i + 1 for i in own] + [c.region.start for c in f.children if c.inputs]
+        f.rerun_stop = max(stops, default=0)
+        lives = own + [c.death for c in f.children if c.inputs and c.death is not None]
+        f.death = min(lives, default=None)
+        return f
+
+    # ------------------------------------------------------------ memory
+
+    def _alloc(self, inst: Inst) -> None:
+        self.holds[inst] = set()
+        self.live_act[inst[1] > 0] += self.p.storage_bytes[inst[0]]
+
+    def _hold(self, inst: Inst, tok: Token) -> None:
+        self.holds[inst].add(tok)
+        self.by_token[tok].add(inst)
+
+    def _free_if_unheld(self, inst: Inst) -> None:
+        if inst in self.holds and not self.holds[inst]:
+            del self.holds[inst]
+            self.live_act[inst[1] > 0] -= self.p.storage_bytes[inst[0]]
+
+    def _release(self, tok: Token) -> None:
+        for inst in self.by_token.pop(tok, ()):
+            self.holds[inst].discard(tok)
+            self._free_if_unheld(inst)
+
+    def _release_one(self, inst: Inst, tok: Token) -> None:
+        if inst in self.holds and tok in self.holds[inst]:
+            self.holds[inst].discard(tok)
+            self.by_token[tok].discard(inst)
+            self._free_if_unheld(inst)
+
+    def _live(self) -> int:
+        return self.p.static_bytes + self.live_act[0] + self.live_act[1] + self.live_grad
+
+    def _record(self, label: str, phase: str, node: int, time_ms: float, peak: int,
+                parts: PeakBreakdown, cached: bool = False) -> None:
+        if peak > self.peak:
+            self.peak, self.peak_event, self.breakdown = peak, len(self.events), parts
+        self.events.append(Event(label, phase, node, time_ms, self._live(), peak, cached))
+        self.times[phase] += time_ms
+
+    # ------------------------------------------------------------ passes
+
+    def _pass(self, start: int, stop: int, env: dict[int, Inst], root: _Frame | None) -> None:
+        """Run nodes start..stop-1 forward (root None: the original forward; else a rerun)."""
+        p = self.p
+        gen = 0 if root is None else next(self.gens)
+        phase = "forward" if root is None else "recompute"
+        read_tok = ("read", gen)
+        end_tok = ("rerun_end", gen)
+        last_read: dict[int, int] = {}
+        for i in range(start, stop):
+            for s in p.inputs[i]:
+                last_read[s] = i
+        child_args = set() if root is None else {
+            s for c in root.children if c.region.start <= stop for s in c.inputs}
+        for s, inst in env.items():
+            if s in last_read:
+                self._hold(inst, read_tok)
+            if root is not None:
+                self._hold(inst, end_tok)
+        for i in range(start, stop):
+            inner = self.innermost[i]
+            # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
+            if root is None:
+                for f in self.top_entries.get(i, ()):
+                    for s in f.inputs:
+                        self._hold(env[s], ("frame", f.uid))
+            else:
+                self._enter_children(root, i, env, end_tok)
+            cached = root is not None and inner is root and i in root.region.keep
+            before = self._live()
+            new: list[Inst] = []
+            if cached:
+                for s in p.outputs[i]:
+                    env[s] = (s, 0)
+            else:
+                for s in p.outputs[i]:
+                    env[s] = (s, gen)
+                    self._alloc((s, gen))
+                    new.append((s, gen))
+            alloc = sum(p.storage_bytes[s] for s, _ in new)
+            temp = 0 if cached else p.fwd_temp_bytes[i]
+            parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
+                                  self.live_grad, temp)
+            # holds made by this node
+            for s in p.outputs[i]:
+                if any(c < stop for c in p.consumers[s] if c > i):
+                    self._hold(env[s], read_tok)
+                if s in child_args:  # passed to a nested checkpoint later in this rerun
+                    self._hold(env[s], end_tok)
+            if root is None:
+                if i == self.n - 1:
+                    for s in p.outputs[i]:
+                        self._hold(env[s], ("user",))
+                if inner is None:
+                    for s in p.saved[i]:
+                        self._hold(env[s], ("bwd", i))
+                elif i in inner.region.keep:
+                    for s in p.outputs[i]:
+                        self._hold(env[s], ("sac", inner.uid))
+            elif inner is root:
+                if p.packs[i]:
+                    for s in p.saved[i]:
+                        self._hold(env[s], ("bwd", i))
+            elif i in inner.region.keep:
+                for s in p.outputs[i]:
+                    self._hold(env[s], end_tok)
+            # frees after this node
+            if cached:
+                for s in p.outputs[i]:
+                    self._release_one((s, 0), ("sac", root.uid))
+            for s in p.inputs[i]:
+                if last_read.get(s) == i:
+                    self._release_one(env[s], read_tok)
+            for inst in new:
+                self._free_if_unheld(inst)
+            if root is None:
+                for f in self.end_of_forward.get(i, ()):
+                    self._kill(f)
+            label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
+            time = 0.0 if cached else p.fwd_time_ms[i]
+            self._record(label, phase, i, time, before + alloc + temp, parts, cached)
+        if root is not None:  # early stop may fall on a child's entry (its inputs' save)
+            self._enter_children(root, stop, env, end_tok)
+        self._release(read_tok)
+        self._release(end_tok)
+
+    def _enter_children(self, root: _Frame, i: int, env: dict[int, Inst], end_tok: Token) -> None:
+        """During root's rerun, a child entered at node i saves its inputs into root."""
+        for c in root.children:
+            if c.region.start == i and c.inputs:
+                for s in c.inputs:
+                    self._hold(env[s], end_tok)
+                    if c.alive:
+                        self._hold(env[s], ("child_input", c.uid))
+                        c.child_inputs[s] = env[s]
+
+    def _kill(self, f: _Frame) -> None:
+        f.alive = False
+        for kind in ("frame", "sac", "child_input"):
+            self._release((kind, f.uid))
+
+    def _ensure_recomputed(self, f: _Frame) -> None:
+        if f.recomputed:
+            return
+        if f.parent is not None and f.inputs:
+            self._ensure_recomputed(f.parent)
+        if f.parent is None:
+            env = {s: (s, 0) for s in f.inputs}
+        else:
+            env = dict(f.child_inputs)
+        f.recomputed = True
+        logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
+                     f.region.stop, f.rerun_stop)
+        self._pass(f.region.start, f.rerun_stop, env, f)
+        self._release(("child_input", f.uid))
+
+    def forward(self) -> None:
+        """The original forward pass."""
+        self._pass(0, self.n, {}, None)
+
+    def backward(self) -> None:
+        """Backward in reverse node order, with reruns on first unpack."""
+        p = self.p
+        for j in range(self.n - 1, -1, -1):
+            f = self.innermost[j]
+            if f is not None and p.packs[j]:
+                self._ensure_recomputed(f)
+            new = [s for s in p.inputs[j]
+                   if p.storage_grad_bytes[s] > 0 and p.consumers[s][-1] == j]
+            if j == self.n - 1:
+                new += [s for s in p.outputs[j]
+                        if p.storage_grad_bytes[s] > 0 and not p.consumers[s]]
+            new = [s for s in new if s not in self.grads]
+            add = sum(p.storage_grad_bytes[s] for s in new) + p.param_grad_bytes[j]
+            before = self._live()
+            parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
+                                  self.live_grad + add, p.bwd_temp_bytes[j])
+            self.grads.update(new)
+            self.live_grad += add
+            for s in p.outputs[j]:
+                if s in self.grads:
+                    self.grads.discard(s)
+                    self.live_grad -= p.storage_grad_bytes[s]
+            self._release(("bwd", j))
+            for fr in self.deaths.get(j, ()):
+                self._kill(fr)
+            self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j],
+                         before + add + p.bwd_temp_bytes[j], parts)
+
+
+def check_schedule(problem: Problem, schedule: Schedule) -> None:
+    """Raise `SimulationError` if `schedule` does not fit `problem`."""
+    if schedule.n_nodes != problem.n_nodes:
+        raise SimulationError(
+            f"schedule covers {schedule.n_nodes} nodes but problem {problem.name!r} has "
+            f"{problem.n_nodes}; build the schedule for this problem."
+        )
+    for r in schedule.recompute_regions():
+        for i in range(r.start, r.stop):
+            if not problem.recomputable[i]:
+                raise SimulationError(
+                    f"node {i} ({problem.node_names[i]}) is not recomputable (stateful, e.g. "
+                    f"BatchNorm in training) but lies in RECOMPUTE region "
+                    f"[{r.start}, {r.stop}); put it in a STORE region."
+                )
+
+
+def simulate(problem: Problem, schedule: Schedule) -> Timeline:
+    """Replay one step (forward, loss, backward) of `schedule` on `problem`.
+
+    >>> from solvers.problem import Problem
+    >>> p = Problem.chain([10, 10, 1], [1.0, 1.0, 1.0])
+    >>> simulate(p, Schedule.store_all(3)).peak_bytes  # 21 forward + loss seed + grad of s1
+    32
+    """
+    check_schedule(problem, schedule)
+    replay = _Replay(problem, schedule)
+    replay.forward()
+    replay.backward()
+    return Timeline(
+        events=tuple(replay.events),
+        peak_bytes=replay.peak,
+        peak_event=replay.peak_event,
+        forward_time_ms=replay.times["forward"],
+        backward_time_ms=replay.times["backward"],
+        recompute_time_ms=replay.times["recompute"],
+        breakdown=replay.breakdown,
+    )

@@ -1,0 +1,16 @@
+"""Docstring examples in `solvers` run."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["solvers.problem", "solvers.schedule", "solvers.simulate", "solvers.bruteforce"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0

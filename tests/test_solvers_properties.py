@@ -1,0 +1,168 @@
+"""Property tests on random small graphs (chains and DAGs with skips), no torch."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solvers import (
+    Problem,
+    Region,
+    Schedule,
+    Status,
+    baselines,
+    bruteforce,
+    memory_lower_bound,
+    simulate,
+)
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7) -> Problem:
+    n = draw(st.integers(min_nodes, max_nodes))
+    skips = draw(st.booleans())
+    inputs: list[list[int]] = []
+    outputs: list[list[int]] = []
+    saved: list[list[int]] = []
+    producer: list[int] = []
+    sizes: list[int] = []
+    grads: list[int] = []
+    main: list[int] = []  # main output storage of each node
+
+    def new_storage(node: int, nbytes: int, grad: bool) -> int:
+        producer.append(node)
+        sizes.append(nbytes)
+        grads.append(nbytes if grad else 0)
+        return len(sizes) - 1
+
+    for i in range(n):
+        ins: list[int] = []
+        if i > 0:
+            ins.append(main[i - 1])
+            if skips and i > 1 and draw(st.booleans()):
+                ins.append(main[draw(st.integers(0, i - 2))])
+        last = i == n - 1
+        out = [new_storage(i, 1 if last else draw(st.integers(1, 50)), True)]
+        if not last and draw(st.integers(0, 4)) == 0:  # dropout-like mask saved by itself
+            out.append(new_storage(i, draw(st.integers(1, 20)), False))
+        main.append(out[0])
+        candidates = ins + out
+        sv = [s for s in candidates if draw(st.booleans())]
+        inputs.append(ins)
+        outputs.append(out)
+        saved.append(sv)
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+    block = []
+    b = 0
+    for i in range(n):
+        if i in cuts:
+            b += 1
+        block.append(b)
+    return Problem(
+        name="random",
+        node_names=[f"v{i}" for i in range(n)],
+        fwd_time_ms=[float(draw(st.integers(1, 9))) for _ in range(n)],
+        bwd_time_ms=[float(draw(st.integers(1, 9))) for _ in range(n)],
+        fwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
+        bwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
+        recomputable=[draw(st.integers(0, 9)) > 0 for _ in range(n)],
+        node_inputs=inputs,
+        node_outputs=outputs,
+        node_saved=saved,
+        storage_bytes=sizes,
+        storage_producer=producer,
+        storage_grad_bytes=grads,
+        static_bytes=draw(st.integers(0, 100)),
+        param_grad_bytes=[draw(st.sampled_from([0, 0, 3, 10])) for _ in range(n)],
+        block_of_node=block,
+    )
+
+
+def _region(draw: st.DrawFn, p: Problem, a: int, b: int, depth: int) -> Region:
+    if not all(p.recomputable[a:b]) or not draw(st.booleans()):
+        return Region(a, b, "store") if depth == 0 else Region(a, b, "recompute")
+    children: list[Region] = []
+    if depth < 2 and b - a >= 2 and draw(st.booleans()):
+        ca = draw(st.integers(a, b - 1))
+        cb = draw(st.integers(ca + 1, b))
+        if (ca, cb) != (a, b):
+            children.append(_region(draw, p, ca, cb, depth + 1))
+    inside = {k for c in children for k in range(c.start, c.stop)}
+    own = [k for k in range(a, b) if k not in inside]
+    keep = {k for k in own if draw(st.integers(0, 3)) == 0}
+    return Region(a, b, "recompute", keep=keep, children=children)
+
+
+@st.composite
+def problem_and_schedule(draw: st.DrawFn) -> tuple[Problem, Schedule]:
+    p = draw(problems())
+    n = p.n_nodes
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    bounds = [0, *cuts, n]
+    regions = tuple(_region(draw, p, a, b, 0) for a, b in itertools.pairwise(bounds))
+    return p, Schedule(regions=regions)
+
+
+@FAST
+@given(problem_and_schedule())
+def test_simulate_invariants(case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    tl = simulate(p, sched)
+    final = p.static_bytes + sum(p.param_grad_bytes) + sum(
+        p.storage_bytes[s] for s in p.outputs[-1])
+    assert tl.events[-1].live_bytes == final
+    assert tl.peak_bytes == max(e.peak_bytes for e in tl.events)
+    assert all(e.peak_bytes >= e.live_bytes for e in tl.events)
+    assert tl.breakdown.total_bytes == tl.peak_bytes
+    assert tl.peak_bytes >= memory_lower_bound(p)
+    recomputed = sched.recomputed_nodes()
+    assert tl.recompute_time_ms <= sum(p.fwd_time_ms[i] for i in recomputed) * 2 + 1e-9
+    assert tl.forward_time_ms == sum(p.fwd_time_ms)
+    assert sum(1 for e in tl.events if e.phase == "backward") == p.n_nodes
+    assert simulate(p, sched) == tl  # deterministic and pure
+
+
+@FAST
+@given(problems(), st.floats(0.0, 1.5))
+def test_baselines_report_simulated_numbers(p: Problem, frac: float) -> None:
+    store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    budget = int(store_peak * frac)
+    for solve in baselines.BASELINES.values():
+        sol = solve(p, budget, 1.0)
+        tl = simulate(p, sol.schedule)
+        assert sol.peak_bytes == tl.peak_bytes
+        assert sol.total_time_ms == tl.total_time_ms
+        assert sol.feasible == (tl.peak_bytes <= budget)
+        if sol.feasible:
+            assert sol.objective_ms == tl.recompute_time_ms
+        else:
+            assert sol.min_feasible_budget_bytes is not None
+            assert sol.min_feasible_budget_bytes <= tl.peak_bytes
+
+
+@SLOW
+@given(problems(max_nodes=5), st.floats(0.0, 1.2))
+def test_bruteforce_no_worse_than_baselines(p: Problem, frac: float) -> None:
+    store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    budget = lower + int((store_peak - lower) * frac)
+    best = bruteforce.solve(p, budget, 60.0)
+    if best.schedule is not None:
+        assert best.peak_bytes == simulate(p, best.schedule).peak_bytes
+    if best.status == Status.INFEASIBLE:
+        assert best.min_feasible_budget_exact
+        assert lower <= best.min_feasible_budget_bytes
+        assert best.min_feasible_budget_bytes > budget
+    else:
+        assert best.status == Status.OPTIMAL and best.gap == 0.0
+        assert best.objective_ms == simulate(p, best.schedule).recompute_time_ms
+    for solve in baselines.BASELINES.values():
+        sol = solve(p, budget, 1.0)
+        if sol.feasible:
+            assert best.feasible
+            assert best.objective_ms <= sol.objective_ms + 1e-9

@@ -1,0 +1,163 @@
+"""Hand-computed replays of small graphs (bytes chosen so every sum is unambiguous)."""
+
+from __future__ import annotations
+
+import pytest
+
+from solvers import Problem, Region, Schedule, SimulationError, simulate
+
+
+def chain4() -> Problem:
+    # n_i reads and saves s_{i-1}; s0..s2 are 10 bytes, the loss s3 is 1 byte
+    return Problem.chain([10, 10, 10, 1], [1.0, 1.0, 1.0, 1.0])
+
+
+def labels(tl) -> list[str]:
+    return [e.label for e in tl.events]
+
+
+def test_store_all_chain_peak_and_times() -> None:
+    tl = simulate(chain4(), Schedule.store_all(4))
+    # forward keeps s0, s1, s2 (saved) + loss = 31; bwd of the loss adds the seed (1) and
+    # the grad of s2 (10)
+    assert [e.live_bytes for e in tl.events[:4]] == [10, 20, 30, 31]
+    assert tl.peak_bytes == 42 and tl.peak_label == "bwd:n3"
+    assert tl.recompute_time_ms == 0.0
+    assert tl.forward_time_ms == 4.0 and tl.backward_time_ms == 8.0
+    assert tl.total_time_ms == 12.0
+    assert tl.breakdown.total_bytes == tl.peak_bytes
+    assert tl.breakdown.gradient_bytes == 11
+
+
+def test_recompute_region_peak_and_time() -> None:
+    tl = simulate(chain4(), Schedule.from_segments(4, [(0, 3)]))
+    # forward holds only s2 (saved by the stored n3) and the loss
+    assert [e.live_bytes for e in tl.events[:4]] == [10, 10, 10, 11]
+    assert labels(tl)[4:8] == ["bwd:n3", "recompute:n0", "recompute:n1", "recompute:n2"]
+    # rerun: grad s2 (10) + loss (1) + s0' + s1' + s2' (n2 runs: it packs s1) = 41
+    assert tl.peak_bytes == 41 and tl.peak_label == "recompute:n2"
+    assert tl.recompute_time_ms == 3.0
+    assert tl.breakdown.recomputed_activation_bytes == 30
+
+
+def test_selective_keep_skips_recompute_of_kept_node() -> None:
+    sched = Schedule.from_segments(4, [(0, 3)], keep=[1])
+    tl = simulate(chain4(), sched)
+    cached = [e for e in tl.events if e.cached]
+    assert [e.label for e in cached] == ["recompute:n1"] and cached[0].time_ms == 0.0
+    assert tl.recompute_time_ms == 2.0
+    # s1 is held by the SAC cache through the forward
+    assert tl.events[2].live_bytes == 20
+    assert tl.peak_bytes == 41
+
+
+def test_early_stop_skips_nodes_after_last_save() -> None:
+    # n2 saves nothing (e.g. an add): the rerun of [0, 3) stops after n1
+    p = Problem(
+        node_names=["a", "b", "c", "loss"],
+        fwd_time_ms=[1.0, 2.0, 4.0, 8.0],
+        bwd_time_ms=[1.0, 1.0, 1.0, 1.0],
+        fwd_temp_bytes=[0, 0, 0, 0],
+        bwd_temp_bytes=[0, 0, 0, 0],
+        recomputable=[True] * 4,
+        node_inputs=[[], [0], [1], [2]],
+        node_outputs=[[0], [1], [2], [3]],
+        node_saved=[[], [0], [], [2]],
+        storage_bytes=[10, 20, 40, 1],
+        storage_producer=[0, 1, 2, 3],
+        storage_grad_bytes=[0, 0, 0, 0],
+        static_bytes=1000,
+        param_grad_bytes=[0, 0, 0, 0],
+    )
+    tl = simulate(p, Schedule.from_segments(4, [(0, 3)]))
+    assert [e.label for e in tl.events if e.phase == "recompute"] == [
+        "recompute:a", "recompute:b"]
+    assert tl.recompute_time_ms == 3.0
+    # the rerun is triggered by the backward of b, after c's backward
+    assert labels(tl)[4:8] == ["bwd:loss", "bwd:c", "recompute:a", "recompute:b"]
+    # peak at the forward of c: static + s1 (read by c) + s2 = 1000 + 20 + 40
+    assert tl.peak_bytes == 1060
+
+
+def skip_problem() -> Problem:
+    # n0 -> s0 (100); n1 = add-like, reads s0, saves nothing -> s1 (10);
+    # n2 reads and saves s1 -> s2 (20); n3 = loss reads s2 and s0 (skip), saves nothing
+    return Problem(
+        node_names=["n0", "n1", "n2", "n3"],
+        fwd_time_ms=[1.0, 1.0, 1.0, 1.0],
+        bwd_time_ms=[1.0, 1.0, 1.0, 1.0],
+        fwd_temp_bytes=[0, 0, 0, 0],
+        bwd_temp_bytes=[0, 0, 0, 0],
+        recomputable=[True] * 4,
+        node_inputs=[[], [0], [1], [2, 0]],
+        node_outputs=[[0], [1], [2], [3]],
+        node_saved=[[], [], [1], []],
+        storage_bytes=[100, 10, 20, 1],
+        storage_producer=[0, 1, 2, 3],
+        storage_grad_bytes=[0, 0, 0, 0],
+        static_bytes=0,
+        param_grad_bytes=[0, 0, 0, 0],
+    )
+
+
+def test_skip_connection_held_as_checkpoint_input() -> None:
+    p = skip_problem()
+    store = simulate(p, Schedule.store_all(4))
+    # stored: s0 dies after its last reader n3; s1 (saved by n2) + loss remain
+    assert store.events[3].live_bytes == 11
+    ckpt = simulate(p, Schedule.from_segments(4, [(1, 3)]))
+    # checkpoint of [1, 3) holds its input s0 until its frame dies (after bwd of n2)
+    assert ckpt.events[3].live_bytes == 101
+    ev = {e.label: e for e in ckpt.events}
+    assert ev["bwd:n3"].live_bytes == 101
+    assert ev["recompute:n1"].live_bytes == 111
+    assert ev["recompute:n2"].peak_bytes == 131 and ev["recompute:n2"].live_bytes == 111
+    assert ev["bwd:n2"].live_bytes == 1  # s1' used, frame dead: s0 released
+    assert ckpt.peak_bytes == 131 and ckpt.recompute_time_ms == 2.0
+
+
+def test_nested_regions_rerun_outer_then_inner() -> None:
+    p = Problem.chain([10, 10, 10, 10, 1], [1.0] * 5)
+    sched = Schedule(regions=(
+        Region(0, 4, "recompute", children=[Region(2, 4, "recompute")]), Region(4, 5)))
+    tl = simulate(p, sched)
+    assert labels(tl)[5:11] == ["bwd:n4", "recompute:n0", "recompute:n1", "recompute:n2",
+                                "recompute:n3", "bwd:n3"]
+    assert tl.recompute_time_ms == 4.0
+    assert tl.peak_bytes == 51
+    assert tl.events[-1].live_bytes == 1
+
+
+def test_temp_bytes_count_only_within_event() -> None:
+    p = Problem.chain([10, 10, 1], [1.0] * 3, fwd_temp_bytes=[0, 500, 0],
+                      bwd_temp_bytes=[0, 0, 7])
+    tl = simulate(p, Schedule.store_all(3))
+    assert tl.events[1].peak_bytes == 520 and tl.events[1].live_bytes == 20
+    assert tl.peak_bytes == 520 and tl.breakdown.temp_bytes == 500
+
+
+def test_param_grads_appear_and_stay() -> None:
+    p = Problem.chain([10, 10, 1], [1.0] * 3, param_grad_bytes=[1000, 0, 0])
+    tl = simulate(p, Schedule.store_all(3))
+    assert tl.events[-1].live_bytes == 1 + 1000
+    assert tl.peak_bytes == 1011
+
+
+def test_non_recomputable_node_in_recompute_region_is_rejected() -> None:
+    p = Problem.chain([10, 10, 1], [1.0] * 3, recomputable=[True, False, True])
+    with pytest.raises(SimulationError, match="not recomputable"):
+        simulate(p, Schedule.from_segments(3, [(0, 2)]))
+
+
+def test_schedule_size_mismatch_is_rejected() -> None:
+    with pytest.raises(SimulationError, match="covers 2 nodes"):
+        simulate(chain4(), Schedule.store_all(2))
+
+
+def test_simulate_does_not_mutate_inputs() -> None:
+    p = skip_problem()
+    sched = Schedule.from_segments(4, [(1, 3)])
+    before = (p.model_dump(), sched.model_dump())
+    simulate(p, sched)
+    simulate(p, sched)
+    assert (p.model_dump(), sched.model_dump()) == before
