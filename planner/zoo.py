@@ -186,22 +186,26 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def mlp(batch: int = 32, width: int = 256, depth: int = 6, seed: int = 0) -> ZooModel:
+def mlp(batch: int = 32, width: int = 256, depth: int = 6, seed: int = 0,
+        device: str | torch.device = "cpu") -> ZooModel:
     torch.manual_seed(seed)
-    model = MLP(width=width, depth=depth)
+    with torch.device(device):
+        model = MLP(width=width, depth=depth)
     gen = _generator(seed)
-    x = torch.randn(batch, 64, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+    x = torch.randn(batch, 64, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
     return ZooModel("mlp", model, (x,), lambda out: F.cross_entropy(out, y), "layers",
                     dict(batch=batch, width=width, depth=depth))
 
 
-def resnet(batch: int = 8, image: int = 32, blocks_per_stage: int = 2, seed: int = 0) -> ZooModel:
+def resnet(batch: int = 8, image: int = 32, blocks_per_stage: int = 2, seed: int = 0,
+           device: str | torch.device = "cpu") -> ZooModel:
     torch.manual_seed(seed)
-    model = ResNet(blocks_per_stage=blocks_per_stage)
+    with torch.device(device):
+        model = ResNet(blocks_per_stage=blocks_per_stage)
     gen = _generator(seed)
-    x = torch.randn(batch, 3, image, image, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+    x = torch.randn(batch, 3, image, image, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
     return ZooModel("resnet", model, (x,), lambda out: F.cross_entropy(out, y), "blocks",
                     dict(batch=batch, image=image, blocks_per_stage=blocks_per_stage))
 
@@ -232,14 +236,16 @@ def _require_transformers() -> Any:
 
 
 def hf_gpt2(n_layer: int = 2, n_embd: int = 128, n_head: int = 4, vocab_size: int = 1024,
-            batch: int = 2, seq_len: int = 64, seed: int = 0) -> ZooModel:
+            batch: int = 2, seq_len: int = 64, seed: int = 0,
+            device: str | torch.device = "cpu") -> ZooModel:
     transformers = _require_transformers()
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                                      vocab_size=vocab_size, n_positions=max(seq_len, 64),
                                      use_cache=False, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=_generator(seed))
+    with torch.device(device):
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=_generator(seed)).to(device)
     return ZooModel("hf-gpt2", model, {"input_ids": ids, "labels": ids}, None,
                     "transformer.h", dict(n_layer=n_layer, n_embd=n_embd, batch=batch,
                                           seq_len=seq_len))

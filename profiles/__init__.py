@@ -9,13 +9,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from profiles.errors import CaptureError, ProfileError
-from profiles.schema import SCHEMA_VERSION, GraphProfile, NodeProfile, StaticMemory, StorageInfo
+from profiles.schema import (
+    SCHEMA_VERSION,
+    GraphProfile,
+    NodeProfile,
+    StaticMemory,
+    StepTiming,
+    StorageInfo,
+)
 
 if TYPE_CHECKING:
-    from profiles.tracing import capture
     from profiles.devices import DEVICES, DeviceSpec
     from profiles.profiler import default_loss, profile
-    from profiles.recorded import load_recorded
+    from profiles.recorded import load_recorded, recorded_names
+    from profiles.tracing import capture
 
 _LAZY = {
     "capture": "profiles.tracing",
@@ -24,6 +31,7 @@ _LAZY = {
     "DeviceSpec": "profiles.devices",
     "DEVICES": "profiles.devices",
     "load_recorded": "profiles.recorded",
+    "recorded_names": "profiles.recorded",
 }
 
 __all__ = [
@@ -35,11 +43,13 @@ __all__ = [
     "NodeProfile",
     "ProfileError",
     "StaticMemory",
+    "StepTiming",
     "StorageInfo",
     "capture",
     "default_loss",
     "load_recorded",
     "profile",
+    "recorded_names",
 ]
 
 

@@ -31,7 +31,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 from tqdm.auto import tqdm
 
-from profiles.tracing import flat_placeholder_values, normalize_inputs
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
 from profiles.schema import (
@@ -39,10 +38,12 @@ from profiles.schema import (
     GraphProfile,
     NodeProfile,
     StaticMemory,
+    StepTiming,
     StorageInfo,
     TensorMeta,
     fingerprint,
 )
+from profiles.tracing import flat_placeholder_values, normalize_inputs
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,17 @@ class _Timer:
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.engine_overhead_ms = 0.0
+        self.engine_overhead_ms = self._engine_overhead_ms()
+
+    def _engine_overhead_ms(self) -> float:
+        """Time of a backward through one trivial op: the per-call cost of the engine."""
+        def setup() -> tuple:
+            leaf = torch.ones(1, device=self.device, requires_grad=True)
+            out = leaf.clone()
+            return [out], [leaf], [torch.ones_like(out)]
+
+        return self.median_ms(setup, _isolated_backward)
 
     def median_ms(self, setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
         samples = []
@@ -283,16 +295,19 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 Call = Callable[[tuple, dict], Any]
 
 
-def _fresh_inputs(args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+def _fresh_inputs(args: Any, kwargs: Any, params: list[torch.Tensor]
+                  ) -> tuple[Any, Any, list[torch.Tensor]]:
     """Copies of a node's arguments for an isolated run: tensors that need grad become new
-    leaves (passed on through a clone, so in-place ops on them stay legal); parameters stay."""
-    leaves: list[torch.Tensor] = []
+    leaves (passed on through a clone, so in-place ops on them stay legal). The parameters
+    the node reads (module attributes or arguments) are leaves as they are."""
+    leaves: list[torch.Tensor] = [p for p in params if p.requires_grad]
 
     def fresh(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         if value.is_leaf and value.requires_grad:
-            leaves.append(value)
+            if not any(value is leaf for leaf in leaves):
+                leaves.append(value)
             return value
         if value.requires_grad:
             leaf = value.detach().clone().requires_grad_()
@@ -310,11 +325,15 @@ def _isolated_forward(call: Call, state: tuple[Any, Any, list[torch.Tensor]]
     return [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None], leaves
 
 
-def _isolated_backward(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
+def _with_grad_outputs(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> tuple:
     outs, leaves = state
+    return outs, leaves, [torch.ones_like(t) for t in outs]
+
+
+def _isolated_backward(state: tuple[list[torch.Tensor], list[torch.Tensor], list]) -> Any:
+    outs, leaves, grads = state
     if not outs or not leaves:
         return ()
-    grads = [torch.ones_like(t) for t in outs]
     return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
 
 
@@ -325,9 +344,10 @@ class _Backward:
     temp_bytes: int = 0
 
 
-def _profile_backward(call: Call, args: Any, kwargs: Any, tracker: _OpTracker) -> _Backward:
+def _profile_backward(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor],
+                      tracker: _OpTracker) -> _Backward:
     """FLOPs, roofline time and temporaries of one node's backward, run in isolation."""
-    outs, leaves = _isolated_forward(call, _fresh_inputs(args, kwargs))
+    outs, leaves = _isolated_forward(call, _fresh_inputs(args, kwargs, params))
     if not outs or not leaves:
         return _Backward()
     grad_outputs = [torch.ones_like(t) for t in outs]
@@ -338,13 +358,19 @@ def _profile_backward(call: Call, args: Any, kwargs: Any, tracker: _OpTracker) -
     return _Backward(stats.flops, stats.estimated_ms, max(0, stats.peak_new_bytes - final))
 
 
-def _measure(call: Call, args: Any, kwargs: Any, timer: _Timer) -> tuple[float, float]:
-    """Warm median forward and backward wall time of one node on real tensors."""
-    forward_ms = timer.median_ms(lambda: _fresh_inputs(args, kwargs),
+def _measure(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor], timer: _Timer
+             ) -> tuple[float, float]:
+    """Warm median forward and backward wall time of one node on real tensors.
+
+    The backward time excludes the fixed cost of entering the autograd engine once per
+    node, which a whole-graph backward pays once (calibrated in ``_Timer``).
+    """
+    forward_ms = timer.median_ms(lambda: _fresh_inputs(args, kwargs, params),
                                  lambda state: _isolated_forward(call, state))
     backward_ms = timer.median_ms(
-        lambda: _isolated_forward(call, _fresh_inputs(args, kwargs)), _isolated_backward)
-    return forward_ms, backward_ms
+        lambda: _with_grad_outputs(_isolated_forward(call, _fresh_inputs(args, kwargs, params))),
+        _isolated_backward)
+    return forward_ms, max(0.0, backward_ms - timer.engine_overhead_ms)
 
 
 def _node_call(interp: torch.fx.Interpreter, node: torch.fx.Node) -> Call:
@@ -366,31 +392,69 @@ def _node_args(values: dict[torch.fx.Node, Any], node: torch.fx.Node) -> tuple[t
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
+@dataclass
+class _MeasuredTimes:
+    per_node: list[tuple[float, float]]  # (forward, backward) ms, loss last, calibrated
+    step_fwd_ms: float  # whole forward + loss, measured
+    step_bwd_ms: float  # whole backward, measured
+    fwd_scale: float  # whole / sum of isolated node times
+    bwd_scale: float
+
+
 def _measure_times(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], flat_inputs: list,
-                   loss_fn: Callable[[Any], torch.Tensor], timer: _Timer, progress: bool
-                   ) -> list[tuple[float, float]]:
+                   node_params: list[list[str]], loss_fn: Callable[[Any], torch.Tensor],
+                   timer: _Timer, progress: bool) -> _MeasuredTimes:
     """Forward/backward wall time of every node (loss last), on real tensors.
 
+    Isolated node times carry costs a whole step does not (cold caches, per-call engine
+    entry), most visibly on CPU; so the whole step is timed too and node times are scaled
+    to add up to it: nodes give the split, the step gives the total.
     Runs on copies of the buffers, so BatchNorm statistics of the model do not move.
     """
     buffers = {name: b.clone() for name, b in gm.named_buffers(remove_duplicate=False)}
     times: list[tuple[float, float]] = []
     with _reparametrize_module(gm, buffers, strict=False):
         interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        with torch.no_grad():
-            flat_out = interp.run(*flat_inputs, enable_io_processing=False)
+        # with grad enabled, so values know whether they need grad, as in training
+        flat_out = interp.run(*flat_inputs, enable_io_processing=False)
         values = interp.env
-        for node in tqdm(nodes, desc="timing nodes", disable=not progress, leave=False):
+        for node, names in tqdm(list(zip(nodes, node_params, strict=False)),
+                                desc="timing nodes", disable=not progress, leave=False):
             if node.op in COMPUTE_OPS:
                 args, kwargs = _node_args(values, node)
-                times.append(_measure(_node_call(interp, node), args, kwargs, timer))
+                params = [gm.get_parameter(name) for name in names]
+                times.append(_measure(_node_call(interp, node), args, kwargs, params, timer))
             else:
                 times.append((0.0, 0.0))
         output = gm.graph.process_outputs(flat_out)
         output = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())
                           if isinstance(t, torch.Tensor) else t, output)
-        times.append(_measure(_loss_call(loss_fn), (output,), {}, timer))
-    return times
+        times.append(_measure(_loss_call(loss_fn), (output,), {}, [], timer))
+        del values, interp, flat_out, output
+        step_fwd_ms, step_bwd_ms = _measure_step(gm, flat_inputs, loss_fn, timer)
+    fwd_scale = step_fwd_ms / max(sum(f for f, _ in times), 1e-9)
+    bwd_scale = step_bwd_ms / max(sum(b for _, b in times), 1e-9)
+    return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
+                          step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+
+
+def _measure_step(gm: torch.fx.GraphModule, flat_inputs: list,
+                  loss_fn: Callable[[Any], torch.Tensor], timer: _Timer) -> tuple[float, float]:
+    """Warm median time of the whole forward+loss and of the whole backward.
+
+    Gradients go through ``torch.autograd.grad``, so the model's ``.grad`` stay untouched.
+    """
+    params = [p for p in gm.parameters() if p.requires_grad]
+
+    def forward(_: Any = None) -> torch.Tensor:
+        flat_out = torch.fx.Interpreter(gm).run(*flat_inputs, enable_io_processing=False)
+        return loss_fn(gm.graph.process_outputs(flat_out))
+
+    def backward(loss: torch.Tensor) -> Any:
+        return torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+
+    return (timer.median_ms(lambda: None, forward),
+            max(0.0, timer.median_ms(forward, backward) - timer.engine_overhead_ms))
 
 
 def _target_name(target: Any) -> str:
@@ -444,7 +508,8 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None,
     for p in twin_params:
         p.grad = torch.zeros_like(p)
     try:
-        twin = type(optimizer)(groups, **optimizer.defaults)
+        # groups carry every hyperparameter; lr is passed for optimizers that require it
+        twin = type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
         twin.step()
     except Exception as error:
         raise ProfileError(f"could not size the state of {type(optimizer).__name__}: {error}; "
@@ -554,15 +619,16 @@ def profile(
             loss_record = _run_loss(interp, loss_fn, output, len(nodes))
             bar.update(1)
             backward = []
-            for node in nodes:
+            for node, record in zip(nodes, interp.records, strict=True):
                 if node.op in COMPUTE_OPS:
                     node_args, node_kwargs = _node_args(interp.values, node)
+                    reads = [storages.keep_alive[sid] for sid in sorted(record.stats.params)]
                     backward.append(_profile_backward(_node_call(interp, node), node_args,
-                                                      node_kwargs, tracker))
+                                                      node_kwargs, reads, tracker))
                 else:
                     backward.append(_Backward())
                 bar.update(1)
-            backward.append(_profile_backward(_loss_call(loss_fn), (output,), {}, tracker))
+            backward.append(_profile_backward(_loss_call(loss_fn), (output,), {}, [], tracker))
             bar.update(1)
         fake_params = {id(p): fake_state[key] for key, p in params.items()}
         static = StaticMemory(
@@ -574,19 +640,21 @@ def profile(
             optimizer_state_bytes=_optimizer_state_bytes(optimizer, fake_params),
         )
 
-    times: list[tuple[float, float]] | None = None
+    measured: _MeasuredTimes | None = None
     run_device = "cpu"
     if timing == "measure":
         tensors = [*params.values(), *input_tensors]
         run_device = str(tensors[0].device) if tensors else "cpu"
         with _rng_state_preserved():
-            times = _measure_times(gm, nodes, flat_inputs, loss_fn,
+            node_params = [[storages.infos[sid].name for sid in sorted(r.stats.params)]
+                           for r in interp.records]
+            measured = _measure_times(gm, nodes, flat_inputs, node_params, loss_fn,
                                    _Timer(torch.device(run_device), repeats, warmup), progress)
 
     records = [*interp.records, loss_record]
     node_profiles = [
         _node_profile(i, nodes[i] if i < len(nodes) else None, record, backward[i],
-                      times[i] if times else None, storages, loss_fn, nodes)
+                      measured.per_node[i] if measured else None, storages, loss_fn, nodes)
         for i, record in enumerate(records)
     ]
     structure: list[object] = [[p.op, p.target, p.args, [(t.shape, t.dtype) for t in p.outputs]]
@@ -603,6 +671,9 @@ def profile(
         nodes=node_profiles,
         storages=list(storages.infos),
         static=static,
+        step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
+                        fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
+        if measured else None,
     )
 
 

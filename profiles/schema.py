@@ -85,6 +85,15 @@ class StaticMemory(_Strict):
                 + self.optimizer_state_bytes)
 
 
+class StepTiming(_Strict):
+    """The unplanned step timed whole, and the factors applied to isolated node times."""
+
+    fwd_ms: float = Field(ge=0, description="forward + loss, measured whole")
+    bwd_ms: float = Field(ge=0, description="backward, measured whole")
+    fwd_scale: float = Field(gt=0, description="whole forward / sum of isolated node times")
+    bwd_scale: float = Field(gt=0, description="whole backward / sum of isolated node times")
+
+
 class GraphProfile(_Strict):
     """Per-node memory and time of one training step, with a fingerprint of the graph."""
 
@@ -98,6 +107,7 @@ class GraphProfile(_Strict):
     nodes: list[NodeProfile]
     storages: list[StorageInfo]
     static: StaticMemory
+    step: StepTiming | None = Field(None, description="measured whole step (measure only)")
 
     @model_validator(mode="after")
     def _check(self) -> GraphProfile:
@@ -160,7 +170,9 @@ class GraphProfile(_Strict):
             f"{self.static.optimizer_state_bytes / gib:.3f})",
             f"  saved activations {self.saved_activation_bytes() / gib:.3f} GiB",
             f"  time ({self.timing} on {self.device}): forward {self.fwd_time_ms:.2f} ms, "
-            f"backward {self.bwd_time_ms:.2f} ms",
+            f"backward {self.bwd_time_ms:.2f} ms"
+            + (f" (node times scaled by {self.step.fwd_scale:.2f} / {self.step.bwd_scale:.2f} "
+               "to the measured whole step)" if self.step else ""),
         ])
 
     # ------------------------------------------------------------------ files

@@ -1,0 +1,118 @@
+"""Command line: ``python -m planner {demo,profile} ...``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("planner")
+
+
+def _load_model(spec: str, overrides: list[str]) -> Any:
+    """A zoo name (``gpt``) or ``module:attr`` naming a ZooModel factory or an nn.Module."""
+    from planner import zoo
+
+    kwargs: dict[str, Any] = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    if ":" not in spec:
+        return zoo.get(spec, **kwargs)
+    module_name, _, attr = spec.partition(":")
+    target = getattr(importlib.import_module(module_name), attr)
+    built = target(**kwargs) if callable(target) and not hasattr(target, "forward") else target
+    if isinstance(built, zoo.ZooModel):
+        return built
+    return zoo.ZooModel(spec, built, None, None)
+
+
+def _profile(model: Any, args: argparse.Namespace) -> Any:
+    import profiles
+
+    started = time.perf_counter()
+    gm = profiles.capture(model.model, model.example_inputs, model.loss_fn)
+    log.info("captured %s with %s: %d nodes", model.name, gm.meta["planner"]["method"],
+             len(gm.graph.nodes))
+    prof = profiles.profile(gm, model.example_inputs, timing=args.timing, device=args.device,
+                            progress=not args.quiet)
+    log.info("profiled in %.1f s", time.perf_counter() - started)
+    return prof
+
+
+def _print_profile(prof: Any, top: int) -> None:
+    print(prof.summary())
+    saved: dict[int, int] = {}
+    for node in prof.nodes:
+        for sid in node.saved_storages:
+            storage = prof.storages[sid]
+            if storage.kind in ("activation", "internal"):
+                saved[storage.producer] = saved.get(storage.producer, 0) + storage.nbytes
+    print(f"\n  largest saved activations (top {top}), by producing node:")
+    print(f"  {'node':<32} {'module':<28} {'saved MiB':>10} {'fwd ms':>8} {'bwd ms':>8}")
+    for index, nbytes in sorted(saved.items(), key=lambda kv: -kv[1])[:top]:
+        node = prof.nodes[index]
+        print(f"  {node.name[:32]:<32} {node.module[:28]:<28} {nbytes / 2**20:>10.2f} "
+              f"{node.fwd_time_ms:>8.3f} {node.bwd_time_ms:>8.3f}")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    model = _load_model(args.model, args.set)
+    prof = _profile(model, args)
+    _print_profile(prof, args.top)
+    if args.out:
+        prof.save(args.out)
+        print(f"\nprofile written to {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Profile the zoo's GPT-style model: the built-in end-to-end example."""
+    args.model, args.set = "gpt", [f"size={args.size}"]
+    args.out = args.out or "demo-profile.json"
+    return cmd_profile(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m planner",
+                                     description="Activation-checkpointing planner.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def timing_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--timing", default="estimate", choices=["auto", "measure", "estimate"],
+                       help="measure on this machine, or estimate from FLOPs (default)")
+        p.add_argument("--device", default="H100",
+                       help="roofline for estimates: H100, H200, A100, cpu (default H100)")
+        p.add_argument("--top", type=int, default=10, help="rows in the table")
+        p.add_argument("--out", type=Path, default=None, help="write the profile JSON here")
+
+    demo = sub.add_parser("demo", help="profile the built-in GPT-style model")
+    demo.add_argument("--size", default="small", help="zoo GPT size: tiny, small, gpt2, "
+                      "gpt2-medium")
+    timing_options(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    prof = sub.add_parser("profile", help="profile a model's training step")
+    prof.add_argument("--model", required=True,
+                      help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
+    prof.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
+    timing_options(prof)
+    prof.set_defaults(func=cmd_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
