@@ -139,8 +139,10 @@ class _OpTracker(TorchDispatchMode):
     def window(self) -> Iterator[_OpStats]:
         """Collect stats for the ops run inside this block."""
         self.stats, self._new = _OpStats(), {}
-        yield self.stats
-        self._new = {}
+        try:
+            yield self.stats
+        finally:  # ops outside any window go to a throwaway record
+            self.stats, self._new = _OpStats(), {}
 
     def live_new_bytes(self) -> int:
         return sum(n for ref, n in self._new.items() if not ref.expired())
@@ -170,9 +172,10 @@ class _OpTracker(TorchDispatchMode):
                             stats.mutated.add(sid)
         if torch.Tag.nondeterministic_seeded in func.tags:
             stats.random = True
-        for tensor in outputs:
+        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+        for tensor in outputs:  # allocated by this op: not a view of (or same as) an input
             ref = StorageWeakRef(tensor.untyped_storage())
-            if ref not in self._new and ref not in self.storages.refs:
+            if ref not in aliased and ref not in self._new and ref not in self.storages.refs:
                 self._new[ref] = tensor.untyped_storage().nbytes()
         stats.peak_new_bytes = max(stats.peak_new_bytes, self.live_new_bytes())
         if self.spec is not None:
