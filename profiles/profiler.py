@@ -34,16 +34,14 @@ from tqdm.auto import tqdm
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
 from profiles.schema import (
-    STATIC_KINDS,
     GraphProfile,
     NodeProfile,
     StaticMemory,
     StepTiming,
     StorageInfo,
     TensorMeta,
-    fingerprint,
 )
-from profiles.tracing import flat_placeholder_values, normalize_inputs
+from profiles.tracing import flat_placeholder_values, graph_fingerprint, normalize_inputs
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +121,8 @@ class _OpStats:
     params: set[int] = field(default_factory=set)
     mutated: set[int] = field(default_factory=set)
     random: bool = False
+    ops: list[str] = field(default_factory=list)  # aten ops in call order (no prim ops)
+    op_outputs: list[set[StorageWeakRef]] = field(default_factory=list)
 
 
 class _OpTracker(TorchDispatchMode):
@@ -157,6 +157,7 @@ class _OpTracker(TorchDispatchMode):
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
         stats.flops += flops
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs}
         for tensor in inputs:
             sid = self.storages.lookup(tensor)
             if sid is not None and self.storages.infos[sid].kind == "param":
@@ -172,11 +173,14 @@ class _OpTracker(TorchDispatchMode):
                             stats.mutated.add(sid)
         if torch.Tag.nondeterministic_seeded in func.tags:
             stats.random = True
-        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs}
         for tensor in outputs:  # allocated by this op: not a view of (or same as) an input
             ref = StorageWeakRef(tensor.untyped_storage())
             if ref not in aliased and ref not in self._new and ref not in self.storages.refs:
                 self._new[ref] = tensor.untyped_storage().nbytes()
+        if func.namespace != "prim":
+            stats.ops.append(str(func))
+            stats.op_outputs.append({StorageWeakRef(t.untyped_storage()) for t in outputs}
+                                    - aliased)
         stats.peak_new_bytes = max(stats.peak_new_bytes, self.live_new_bytes())
         if self.spec is not None:
             traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
@@ -238,6 +242,7 @@ class _NodeRecord:
     saved_storages: list[int] = field(default_factory=list)
     stats: _OpStats = field(default_factory=_OpStats)
     fwd_temp_bytes: int = 0
+    output_ops: list[int] = field(default_factory=list)
 
 
 class _ProfilingInterpreter(torch.fx.Interpreter):
@@ -283,6 +288,9 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             record.saved_storages.append(self.storages.add(tensor, "internal", index))
         record.saved_storages = sorted(set(record.saved_storages))
         record.new_storages = list(range(known, len(self.storages.infos)))
+        new_refs = {ref for ref, sid in self.storages.refs.items() if sid >= known}
+        record.output_ops = [i for i, refs in enumerate(record.stats.op_outputs)
+                             if refs & new_refs]
 
     @staticmethod
     def _pack(record: _NodeRecord) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -298,12 +306,16 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 Call = Callable[[tuple, dict], Any]
 
 
-def _fresh_inputs(args: Any, kwargs: Any, params: list[torch.Tensor]
+def _fresh_inputs(args: Any, kwargs: Any, params: list[torch.Tensor],
+                  origins: list[torch.Tensor] | None = None
                   ) -> tuple[Any, Any, list[torch.Tensor]]:
     """Copies of a node's arguments for an isolated run: tensors that need grad become new
     leaves (passed on through a clone, so in-place ops on them stay legal). The parameters
-    the node reads (module attributes or arguments) are leaves as they are."""
+    the node reads (module attributes or arguments) are leaves as they are. ``origins``, if
+    given, receives the original tensor of each leaf."""
     leaves: list[torch.Tensor] = [p for p in params if p.requires_grad]
+    sources = origins if origins is not None else []
+    sources.extend(leaves)
 
     def fresh(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -311,10 +323,12 @@ def _fresh_inputs(args: Any, kwargs: Any, params: list[torch.Tensor]
         if value.is_leaf and value.requires_grad:
             if not any(value is leaf for leaf in leaves):
                 leaves.append(value)
+                sources.append(value)
             return value
         if value.requires_grad:
             leaf = value.detach().clone().requires_grad_()
             leaves.append(leaf)
+            sources.append(value)
             return leaf.clone()
         return value.detach()
 
@@ -345,20 +359,26 @@ class _Backward:
     flops: int = 0
     estimated_ms: float = 0.0
     temp_bytes: int = 0
+    grad_storages: list[int] = field(default_factory=list)  # inputs it sends gradients to
 
 
 def _profile_backward(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor],
                       tracker: _OpTracker) -> _Backward:
-    """FLOPs, roofline time and temporaries of one node's backward, run in isolation."""
-    outs, leaves = _isolated_forward(call, _fresh_inputs(args, kwargs, params))
+    """FLOPs, roofline time, temporaries and gradient targets of one node's backward, run in
+    isolation."""
+    origins: list[torch.Tensor] = []
+    outs, leaves = _isolated_forward(call, _fresh_inputs(args, kwargs, params, origins))
     if not outs or not leaves:
         return _Backward()
     grad_outputs = [torch.ones_like(t) for t in outs]
     with tracker.window() as stats:
         grads = torch.autograd.grad(outs, leaves, grad_outputs, allow_unused=True)
         final = tracker.live_new_bytes()
+    targets = {tracker.storages.lookup(origin)
+               for origin, grad in zip(origins, grads, strict=True) if grad is not None}
     del grads
-    return _Backward(stats.flops, stats.estimated_ms, max(0, stats.peak_new_bytes - final))
+    return _Backward(stats.flops, stats.estimated_ms, max(0, stats.peak_new_bytes - final),
+                     sorted(t for t in targets if t is not None))
 
 
 def _measure(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor], timer: _Timer
@@ -660,17 +680,13 @@ def profile(
                       measured.per_node[i] if measured else None, storages, loss_fn, nodes)
         for i, record in enumerate(records)
     ]
-    structure: list[object] = [[p.op, p.target, p.args, [(t.shape, t.dtype) for t in p.outputs]]
-                               for p in node_profiles]
-    structure.append([(s.kind, s.name, s.nbytes) for s in storages.infos
-                      if s.kind in STATIC_KINDS])
     return GraphProfile(
         model_name=name,
         capture_method=info.get("method", "fx"),
         timing=timing,
         device=spec.name if spec else run_device,
         torch_version=torch.__version__,
-        fingerprint=fingerprint(structure),
+        fingerprint=graph_fingerprint(gm, flat_inputs),
         nodes=node_profiles,
         storages=list(storages.infos),
         static=static,
@@ -727,4 +743,7 @@ def _node_profile(i: int, node: torch.fx.Node | None, record: _NodeRecord, bwd: 
         bwd_temp_bytes=bwd.temp_bytes,
         stateful=bool(stats.mutated),
         random=stats.random,
+        ops=stats.ops,
+        output_ops=record.output_ops,
+        grad_storages=bwd.grad_storages,
     )

@@ -70,6 +70,12 @@ class NodeProfile(_Strict):
     bwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond grads, backward")
     stateful: bool = Field(False, description="mutates module state (BatchNorm running stats)")
     random: bool = Field(False, description="draws random numbers (dropout)")
+    ops: list[str] = Field(default_factory=list,
+                           description="aten ops the forward dispatches, in call order")
+    output_ops: list[int] = Field(default_factory=list,
+                                  description="positions in ops that allocate new_storages")
+    grad_storages: list[int] = Field(
+        default_factory=list, description="storages whose gradient this node's backward makes")
 
 
 class StaticMemory(_Strict):
@@ -122,7 +128,7 @@ class GraphProfile(_Strict):
                 raise ValueError(f"storages[{i}].id is {storage.id}; ids must be positions")
         n_storages, n_nodes = len(self.storages), len(self.nodes)
         for node in self.nodes:
-            for sid in [*node.new_storages, *node.saved_storages,
+            for sid in [*node.new_storages, *node.saved_storages, *node.grad_storages,
                         *(t.storage for t in node.outputs)]:
                 if not 0 <= sid < n_storages:
                     raise ValueError(f"node {node.name!r} refers to storage {sid}, which does "

@@ -18,6 +18,7 @@ import torch.fx._pytree as fx_pytree
 from torch import nn
 
 from profiles.errors import CaptureError
+from profiles.schema import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,22 @@ def flat_placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
     bound.apply_defaults()
     # fx makes one placeholder per forward() parameter, in order (renamed when specialised)
     return [bound.arguments[name] for name in signature.parameters][:len(placeholders)]
+
+
+def graph_fingerprint(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> str:
+    """Hash of what determines a step's memory and time: the graph's nodes (ops, targets,
+    arguments and constants), parameter/buffer shapes and dtypes, and input shapes/dtypes.
+
+    Intermediate shapes follow from these, so no run is needed: ``apply`` checks a plan
+    against a model in milliseconds.
+    """
+    structure: list[object] = [node.format_node() for node in gm.graph.nodes]
+    structure += [(name, list(t.shape), str(t.dtype))
+                  for name, t in [*gm.named_parameters(remove_duplicate=False),
+                                  *gm.named_buffers(remove_duplicate=False)]]
+    structure += [(list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                  for t in flat_inputs]
+    return fingerprint(structure)
 
 
 def _share_model_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:

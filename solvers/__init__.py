@@ -1,15 +1,31 @@
-"""Torch-free decision code: problems, schedules, the simulator and the solvers."""
+"""Torch-free decision code: problems, schedules, the simulator and the solvers.
 
-from solvers import baselines, bruteforce
+`SOLVERS` maps a name to `solve(problem, budget_bytes, time_limit_s) -> Solution`: the exact
+solvers (`milp`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline.
+"""
+
+from collections.abc import Callable
+
+from solvers import auto, baselines, bruteforce, dp, milp
+from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
-from solvers.bruteforce import min_feasible_budget
-from solvers.problem import Problem, ProblemError
+from solvers.problem import MATMUL_KINDS, Problem, ProblemError
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, STORE, Region, Schedule, ScheduleError
 from solvers.simulate import Event, PeakBreakdown, SimulationError, Timeline, simulate
 
+SOLVERS: dict[str, Callable[[Problem, int, float], Solution]] = {
+    "auto": auto.solve,
+    "milp": milp.solve,
+    "dp": dp.solve,
+    "bruteforce": bruteforce.solve,
+    **baselines.BASELINES,
+}
+
 __all__ = [
+    "MATMUL_KINDS",
     "RECOMPUTE",
+    "SOLVERS",
     "STORE",
     "Event",
     "PeakBreakdown",
@@ -22,9 +38,12 @@ __all__ = [
     "Solution",
     "Status",
     "Timeline",
+    "auto",
     "baselines",
     "bruteforce",
+    "dp",
     "memory_lower_bound",
+    "milp",
     "min_feasible_budget",
     "recompute_time_lower_bound",
     "simulate",

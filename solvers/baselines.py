@@ -18,7 +18,8 @@ from solvers.schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASELINES", "Solver", "chen_sqrt", "every_block", "every_k", "none", "units"]
+__all__ = ["BASELINES", "Solver", "chen_greedy", "chen_sqrt", "every_block", "every_k", "none",
+           "save_matmuls", "units"]
 
 Solver = Callable[[Problem, int, float], Solution]
 
@@ -48,9 +49,10 @@ def units(problem: Problem) -> list[tuple[int, int]]:
 
 
 def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
-           solver: str, t0: float) -> Solution:
+           solver: str, t0: float, *, keep_matmuls: bool = False) -> Solution:
     regions = [run for a, b in segments for run in _recomputable_runs(problem, a, b)]
-    schedule = Schedule.from_segments(problem.n_nodes, regions)
+    keep = [i for a, b in regions for i in range(a, b) if keep_matmuls and problem.is_matmul(i)]
+    schedule = Schedule.from_segments(problem.n_nodes, regions, keep=keep)
     sol = Solution.scored(problem, schedule, budget_bytes, solver=solver, started_s=t0)
     if not sol.feasible:
         mfb, exact = min_feasible_budget(problem, exact_max_nodes=0)
@@ -92,10 +94,66 @@ def chen_sqrt(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0) ->
     return _score(problem, segments, budget_bytes, "chen_sqrt", time.perf_counter())
 
 
+def _greedy_segments(problem: Problem, blocks: list[tuple[int, int]],
+                     threshold: int) -> list[tuple[int, int]]:
+    """Chen's greedy: close a segment once its activation bytes exceed `threshold`."""
+    sizes = [0] * problem.n_nodes
+    for s, b in enumerate(problem.storage_bytes):
+        sizes[problem.storage_producer[s]] += b
+    segs: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for k, (a, b) in enumerate(blocks):
+        acc += sum(sizes[a:b])
+        if acc > threshold and k < len(blocks) - 1:
+            segs.append((blocks[start][0], b))
+            start, acc = k + 1, 0
+    return segs
+
+
+def chen_greedy(problem: Problem, budget_bytes: int, time_limit_s: float = 10.0) -> Solution:
+    """Chen et al. 2016 greedy: segments closed at a byte threshold, threshold searched.
+
+    Tries thresholds from the largest block up to the total activation bytes (32 values);
+    keeps the fitting schedule with least recompute time (else the lowest peak).
+    """
+    from solvers.accounting import Context, evaluate
+
+    t0 = time.perf_counter()
+    blocks = units(problem)
+    ctx = Context(problem)
+    total = sum(problem.storage_bytes)
+    lo = max(1, min(total, max(sum(problem.storage_bytes[s] for s in range(problem.n_storages)
+                                   if a <= problem.storage_producer[s] < b) for a, b in blocks)))
+    best: tuple[tuple[int, float, int], list[tuple[int, int]]] | None = None
+    for k in range(32):
+        if time.perf_counter() - t0 > time_limit_s:
+            break
+        threshold = int(lo * (total / lo) ** (k / 31)) if total > lo else lo
+        segs = _greedy_segments(problem, blocks, threshold)
+        regions = [run for a, b in segs for run in _recomputable_runs(problem, a, b)]
+        peak, rt = evaluate(problem, Schedule.from_segments(problem.n_nodes, regions), ctx)
+        key = (0, rt, peak) if peak <= budget_bytes else (1, float(peak), 0)
+        if best is None or key < best[0]:
+            best = (key, segs)
+    assert best is not None
+    return _score(problem, best[1], budget_bytes, "chen_greedy", t0)
+
+
+def save_matmuls(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0) -> Solution:
+    """Selective checkpointing per block keeping matmul-like outputs (torchtitan's op policy).
+
+    Without `op_kind` nothing is kept: the same as `every_block`.
+    """
+    return _score(problem, units(problem), budget_bytes, "save_matmuls", time.perf_counter(),
+                  keep_matmuls=True)
+
+
 BASELINES: dict[str, Solver] = {
     "none": none,
     "every_block": every_block,
     "every_2": every_k(2),
     "every_4": every_k(4),
     "chen_sqrt": chen_sqrt,
+    "chen_greedy": chen_greedy,
+    "save_matmuls": save_matmuls,
 }

@@ -16,6 +16,7 @@ from solvers.problem import Problem
 
 __all__ = ["detect_block_prefix", "problem_from_profile"]
 
+_NEVER_RECOMPUTED = frozenset({"placeholder", "output", "loss"})
 _INDEXED = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)(?:\.|$)")
 
 
@@ -65,11 +66,13 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
                     == node.index:
                 grad_bytes[sid] = storages[tensor.storage].nbytes
 
-    node_inputs, node_outputs, node_saved, saves_static = [], [], [], []
+    node_inputs, node_outputs, node_saved, saves_static, grad_inputs = [], [], [], [], []
     for node in profile.nodes:
         reads = {new_id[t.storage] for arg in node.args
                  for t in profile.nodes[index_of[arg]].outputs if t.storage in new_id}
         node_inputs.append(sorted(reads))
+        grad_inputs.append(sorted({new_id[s] for s in node.grad_storages if s in new_id}
+                                  & reads))
         node_outputs.append([new_id[s] for s in node.new_storages if s in new_id])
         node_saved.append(sorted({new_id[s] for s in node.saved_storages if s in new_id}))
         saves_static.append(any(storages[s].kind in STATIC_KINDS for s in node.saved_storages))
@@ -98,7 +101,8 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         bwd_time_ms=[n.bwd_time_ms for n in profile.nodes],
         fwd_temp_bytes=[n.fwd_temp_bytes for n in profile.nodes],
         bwd_temp_bytes=[n.bwd_temp_bytes for n in profile.nodes],
-        recomputable=[not n.stateful for n in profile.nodes],
+        # the loss and the graph's inputs/outputs live outside any checkpoint region
+        recomputable=[not n.stateful and n.op not in _NEVER_RECOMPUTED for n in profile.nodes],
         node_inputs=node_inputs,
         node_outputs=node_outputs,
         node_saved=node_saved,
@@ -110,4 +114,5 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         param_grad_bytes=param_grad,
         block_of_node=blocks,
         node_saves_static=saves_static,
+        node_grad_inputs=grad_inputs,
     )

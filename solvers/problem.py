@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Problem", "ProblemError"]
+__all__ = ["MATMUL_KINDS", "Problem", "ProblemError"]
+
+MATMUL_KINDS = frozenset({
+    "mm", "matmul", "bmm", "addmm", "baddbmm", "linear", "conv", "conv1d", "conv2d",
+    "conv3d", "convolution", "einsum", "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+})
 
 
 class ProblemError(ValueError):
@@ -43,6 +49,13 @@ class Problem(BaseModel):
     Optional `node_saves_static[i]` says node i's backward also saves a static tensor
     (a parameter or user input). Such saves are invisible in `node_saved` but still count
     for torch.utils.checkpoint's early stop and trigger the rerun; default: False.
+
+    Optional `node_grad_inputs[i]` lists the storages node i's backward sends gradients to
+    (a subset of `node_inputs[i]`; default: all of them). A loss that only selects
+    `output.loss` reads the logits but sends them no gradient.
+
+    Optional `op_kind[i]` names node i's operation (e.g. "mm", "linear", "relu");
+    `is_matmul(i)` says whether it is matmul-like (what save-matmuls policies keep).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +77,8 @@ class Problem(BaseModel):
     param_grad_bytes: list[int]
     block_of_node: list[int] | None = None
     node_saves_static: list[bool] | None = None
+    op_kind: list[str] | None = None
+    node_grad_inputs: list[list[int]] | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
@@ -85,6 +100,14 @@ class Problem(BaseModel):
             per_node["block_of_node"] = self.block_of_node
         if self.node_saves_static is not None:
             per_node["node_saves_static"] = self.node_saves_static
+        if self.op_kind is not None:
+            per_node["op_kind"] = self.op_kind
+        if self.node_grad_inputs is not None:
+            per_node["node_grad_inputs"] = self.node_grad_inputs
+            for i, targets in enumerate(self.node_grad_inputs):
+                bad = [s for s in targets if s not in self.node_inputs[i]]
+                _check(not bad, f"node_grad_inputs[{i}] has storages {bad[:5]} that node {i} "
+                       "does not read; a node sends gradients only to its inputs.")
         for field, values in per_node.items():
             _check(
                 len(values) == n,
@@ -178,10 +201,33 @@ class Problem(BaseModel):
         return tuple(tuple(c) for c in cons)
 
     @cached_property
+    def grad_inputs(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the storages its backward sends gradients to (default: its inputs)."""
+        if self.node_grad_inputs is None:
+            return self.inputs
+        return tuple(tuple(dict.fromkeys(x)) for x in self.node_grad_inputs)
+
+    @cached_property
+    def grad_consumers(self) -> tuple[tuple[int, ...], ...]:
+        """Per storage, the nodes whose backward makes a gradient for it, ascending."""
+        cons: list[list[int]] = [[] for _ in range(self.n_storages)]
+        for i, targets in enumerate(self.grad_inputs):
+            for s in targets:
+                cons[s].append(i)
+        return tuple(tuple(c) for c in cons)
+
+    @cached_property
     def packs(self) -> tuple[bool, ...]:
         """Whether node i's backward saves anything (so checkpoint packs a tensor for it)."""
         static = self.node_saves_static or [False] * self.n_nodes
         return tuple(bool(self.saved[i]) or bool(static[i]) for i in range(self.n_nodes))
+
+    def is_matmul(self, i: int) -> bool:
+        """Whether node i is matmul-like per `op_kind` (False when op kinds are unknown)."""
+        if self.op_kind is None:
+            return False
+        kind = self.op_kind[i].lower().rsplit(".", 1)[-1]
+        return kind in MATMUL_KINDS
 
     @property
     def total_fwd_time_ms(self) -> float:

@@ -12,7 +12,9 @@ forward temp. A storage instance is freed as soon as nothing holds it:
   storages produced before the region and read inside it) until the frame dies;
 - selective checkpointing: a kept (MUST_SAVE) node's outputs sit in the SAC cache until the
   rerun consumes them, or until the frame dies if early stop never reaches that node;
-- the outputs of the last node (the loss) are held by the caller for the whole step.*
+- the outputs of the last node (the loss) are held by the caller for the whole step,
+  except the tensors its own backward saves (log-softmax of a cross entropy), which are
+  freed with its backward like any saved tensor.*
 Saved tensors of nodes inside a RECOMPUTE region are packed as holders: nothing is held.
 
 * Frame death: a frame lives while any SavedVariable packed by its hook lives, i.e. until
@@ -37,7 +39,9 @@ after their last reader inside the rerun or when the rerun stops.
 
 Gradients: the gradient of a storage appears during the backward of its last forward reader
 (loss outputs: during the loss node's backward, the seed) and is freed after its producer's
-backward; unread outputs of other nodes get no gradient.* Parameter gradients appear at the
+backward; unread outputs of other nodes get no gradient.* Every earlier reader (in backward
+order, a later one) makes a fresh gradient that autograd adds into the existing buffer: a
+transient of that gradient's size during its backward. Parameter gradients appear at the
 backward of `param_grad_bytes`' node and stay.
 """
 
@@ -269,9 +273,10 @@ class _Replay:
                 if s in child_args:  # passed to a nested checkpoint later in this rerun
                     self._hold(env[s], end_tok)
             if root is None:
-                if i == self.n - 1:
+                if i == self.n - 1:  # the loss tensor; its internals go with its backward
                     for s in p.outputs[i]:
-                        self._hold(env[s], ("user",))
+                        if s not in p.saved[i]:
+                            self._hold(env[s], ("user",))
                 if inner is None:
                     for s in p.saved[i]:
                         self._hold(env[s], ("bwd", i))
@@ -346,16 +351,20 @@ class _Replay:
             f = self.innermost[j]
             if f is not None and p.packs[j]:
                 self._ensure_recomputed(f)
-            new = [s for s in p.inputs[j]
-                   if p.storage_grad_bytes[s] > 0 and p.consumers[s][-1] == j]
+            new = [s for s in p.grad_inputs[j]
+                   if p.storage_grad_bytes[s] > 0 and p.grad_consumers[s][-1] == j]
             if j == self.n - 1:
                 new += [s for s in p.outputs[j]
                         if p.storage_grad_bytes[s] > 0 and not p.consumers[s]]
             new = [s for s in new if s not in self.grads]
             add = sum(p.storage_grad_bytes[s] for s in new) + p.param_grad_bytes[j]
+            # a reader whose input already has a gradient buffer makes a fresh gradient and
+            # autograd adds it into the buffer: a transient the size of that gradient
+            accumulate = sum(p.storage_grad_bytes[s] for s in set(p.grad_inputs[j])
+                             if s in self.grads and s not in new)
             before = self._live()
             parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
-                                  self.live_grad + add, p.bwd_temp_bytes[j])
+                                  self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
             self.grads.update(new)
             self.live_grad += add
             for s in p.outputs[j]:
@@ -366,7 +375,7 @@ class _Replay:
             for fr in self.deaths.get(j, ()):
                 self._kill(fr)
             self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j],
-                         before + add + p.bwd_temp_bytes[j], parts)
+                         before + add + p.bwd_temp_bytes[j] + accumulate, parts)
 
 
 def check_schedule(problem: Problem, schedule: Schedule) -> None:

@@ -1,0 +1,183 @@
+"""Solver scaling on synthetic graphs (numpy only, no torch).
+
+Transformer-like chains (embedding, N blocks of ~40 nodes, head + loss) and random DAGs of
+about 100, 1,000, 5,000 and 20,000 nodes. For each graph the budget is halfway between the
+lowest peak the exact solver reaches and the no-checkpoint peak. Prints per solver: solve time,
+status, gap, recompute time and the ratio of each baseline's recompute time to the optimum.
+
+    python benchmarks/solver_scaling.py            # full run (minutes)
+    python benchmarks/solver_scaling.py --quick    # smoke run (< 30 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from solvers import SOLVERS, Problem, Schedule, Solution, dp, simulate
+
+MiB = 2**20
+
+# one transformer block: (name, op kind, out MiB, fwd ms, saves inputs, saves output, inputs)
+# inputs are relative indices inside the block (-1 = previous block's output)
+_BLOCK = [
+    ("ln1", "layer_norm", 8, 0.05, True, False, [-1]),
+    ("q", "linear", 8, 0.30, True, False, [0]),
+    ("k", "linear", 8, 0.30, True, False, [0]),
+    ("v", "linear", 8, 0.30, True, False, [0]),
+    ("qv", "view", 0, 0.00, False, False, [1]),
+    ("kv", "view", 0, 0.00, False, False, [2]),
+    ("scores", "bmm", 32, 0.20, True, False, [4, 5]),
+    ("softmax", "softmax", 32, 0.10, False, True, [6]),
+    ("drop_att", "dropout", 40, 0.05, True, False, [7]),
+    ("ctx", "bmm", 8, 0.20, True, False, [8, 3]),
+    ("proj", "linear", 8, 0.30, True, False, [9]),
+    ("drop1", "dropout", 10, 0.02, True, False, [10]),
+    ("res1", "add", 8, 0.02, False, False, [-1, 11]),
+    ("ln2", "layer_norm", 8, 0.05, True, False, [12]),
+    ("fc1", "linear", 32, 1.20, True, False, [13]),
+    ("gelu", "gelu", 32, 0.10, True, False, [14]),
+    ("fc2", "linear", 8, 1.20, True, False, [15]),
+    ("drop2", "dropout", 10, 0.02, True, False, [16]),
+    ("res2", "add", 8, 0.02, False, False, [12, 17]),
+]
+
+
+def transformer(n_blocks: int, width: int = 2, seed: int = 0) -> Problem:
+    """A GPT-like chain: `width` copies of each block op per block (~19 * width nodes)."""
+    del seed  # blocks are identical, as in a real transformer
+    names, kinds, out_b, fwd, saves_in, saves_out, ins, block = [], [], [], [], [], [], [], []
+
+    def add(name, kind, mib, ms, si, so, inputs, b):
+        names.append(name)
+        kinds.append(kind)
+        out_b.append(int(mib * MiB))
+        fwd.append(ms)
+        saves_in.append(si)
+        saves_out.append(so)
+        ins.append(inputs)
+        block.append(b)
+        return len(names) - 1
+
+    prev = add("embed", "embedding", 8, 0.1, False, False, [], -1)
+    prev = add("pos", "add", 8, 0.02, False, False, [prev], -1)
+    for b in range(n_blocks):
+        for w in range(width):
+            local: list[int] = []
+            for name, kind, mib, ms, si, so, rel in _BLOCK:
+                inputs = [prev if r < 0 else local[r] for r in rel]
+                local.append(add(f"b{b}.{w}.{name}", kind, mib / width, ms / width, si, so,
+                                 inputs, b))
+            prev = local[-1]
+    prev = add("ln_f", "layer_norm", 8, 0.05, True, False, [prev], -1)
+    prev = add("lm_head", "linear", 200, 3.0, True, False, [prev], -1)
+    add("loss", "cross_entropy", 0, 0.5, True, False, [prev], -1)
+    return _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, "transformer")
+
+
+def random_dag(n: int, seed: int = 0, skip: float = 0.05) -> Problem:
+    """A random DAG: a main path with local fan-in and occasional long skips."""
+    rng = np.random.default_rng(seed)
+    ins = [[]]
+    for i in range(1, n):
+        inputs = [i - 1]
+        if i > 2 and rng.random() < 0.3:
+            inputs.append(int(rng.integers(max(0, i - 8), i - 1)))
+        if i > 10 and rng.random() < skip:
+            inputs.append(int(rng.integers(0, i - 1)))
+        ins.append(sorted(set(inputs)))
+    out_b = [int(x) for x in rng.integers(1, 64, n) * MiB]
+    out_b[-1] = 4
+    fwd = [float(x) for x in rng.uniform(0.05, 1.0, n)]
+    kinds = [str(k) for k in rng.choice(["linear", "relu", "add", "bmm"], n)]
+    saves_in = [bool(x) for x in rng.random(n) < 0.8]
+    return _build([f"v{i}" for i in range(n)], kinds, out_b, fwd, saves_in, [False] * n, ins,
+                  [-1] * n, "random_dag")
+
+
+def _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, name) -> Problem:
+    n = len(names)
+    saved = [(list(ins[i]) if saves_in[i] else []) + ([i] if saves_out[i] else [])
+             for i in range(n)]
+    return Problem(
+        name=name, node_names=names, fwd_time_ms=fwd, bwd_time_ms=[2 * t for t in fwd],
+        fwd_temp_bytes=[0] * n, bwd_temp_bytes=[0] * n, recomputable=[True] * n,
+        node_inputs=ins, node_outputs=[[i] for i in range(n)], node_saved=saved,
+        storage_bytes=out_b, storage_producer=list(range(n)), storage_grad_bytes=out_b,
+        static_bytes=1024 * MiB, param_grad_bytes=[0] * n,
+        block_of_node=block if any(b >= 0 for b in block) else None, op_kind=kinds)
+
+
+BASELINE_NAMES = ["none", "every_block", "every_2", "every_4", "chen_sqrt", "chen_greedy",
+                  "save_matmuls"]
+
+
+def _fmt(sol: Solution, opt: Solution | None) -> str:
+    obj = f"{sol.objective_ms:10.2f}" if sol.objective_ms is not None else f"{'-':>10}"
+    gap = f"{100 * sol.gap:6.2f}%" if sol.gap is not None else f"{'-':>7}"
+    ratio = "-"
+    if opt is not None and opt.objective_ms is not None and sol.objective_ms is not None:
+        ratio = "inf" if opt.objective_ms == 0 and sol.objective_ms > 0 else (
+            f"{sol.objective_ms / opt.objective_ms:.3f}" if opt.objective_ms else "1.000")
+    peak = f"{sol.peak_bytes / MiB:9.0f}" if sol.peak_bytes is not None else f"{'-':>9}"
+    return (f"  {sol.solver:<16} {sol.solve_time_s:8.2f}s {sol.status.value:<10} {gap} "
+            f"{obj} {peak} {ratio:>7}")
+
+
+def run_case(problem: Problem, exact: list[str], time_limit_s: float) -> None:
+    """Solve one graph at a mid budget with the exact solvers and every baseline."""
+    store = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
+    hf = SOLVERS["every_block"](problem, 10**18, 1.0).peak_bytes or store
+    budget = (min(hf, store) + store) // 2
+    chain = dp.applies(problem)
+    print(f"\n{problem.name}: {problem.n_nodes} nodes, {len(problem.blocks())} blocks, "
+          f"chain={chain}, budget {budget / MiB:.0f} MiB (no-ckpt peak {store / MiB:.0f} MiB)")
+    print(f"  {'solver':<16} {'time':>9} {'status':<10} {'gap':>7} {'recomp_ms':>10} "
+          f"{'peak_MiB':>9} {'ratio':>7}")
+    opt = None
+    for name in exact:
+        t0 = time.perf_counter()
+        sol = SOLVERS[name](problem, budget, time_limit_s)
+        sol = sol.model_copy(update={"solve_time_s": time.perf_counter() - t0})
+        if sol.feasible and (opt is None or sol.objective_ms < opt.objective_ms):
+            opt = sol
+        print(_fmt(sol, None))
+    for name in BASELINE_NAMES:
+        print(_fmt(SOLVERS[name](problem, budget, 10.0), opt))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small graphs only (< 30 s)")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if args.quick:
+        cases = [(transformer(4, 1), ["auto", "dp", "milp"]),
+                 (random_dag(100), ["auto", "milp"])]
+    else:
+        cases = [
+            (transformer(4, 1), ["auto", "dp", "milp"]),          # ~100 nodes
+            (transformer(24, 2), ["auto", "dp", "milp"]),         # ~1,000 nodes
+            (transformer(130, 2), ["auto", "dp"]),                # ~5,000 nodes
+            (transformer(525, 2), ["auto", "dp"]),                # ~20,000 nodes
+            (random_dag(100), ["auto", "milp"]),
+            (random_dag(1000), ["auto", "milp"]),
+            (random_dag(5000), ["auto", "dp"]),
+            (random_dag(20000), ["auto", "dp"]),
+        ]
+    limit = min(args.time_limit, 5.0) if args.quick else args.time_limit
+    for problem, exact in cases:
+        run_case(problem, exact, limit)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`auto.solve`: pick exact solvers by graph shape and time limit; exact minimum budgets."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from solvers import bruteforce, dp, milp
+from solvers.bounds import memory_lower_bound
+from solvers.problem import Problem
+from solvers.result import Solution, Status
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["min_feasible_budget", "solve"]
+
+MILP_MAX_NODES = 400  # CP-SAT on larger graphs is slow (see benchmarks); chains use the DP
+
+
+def _rank(sol: Solution) -> tuple:
+    return (not sol.feasible, sol.objective_ms if sol.feasible else 0.0,
+            sol.status != Status.OPTIMAL, sol.peak_bytes or 0)
+
+
+def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> Solution:
+    """Best proven result of the exact solvers that fit the graph and the time limit.
+
+    Chains of blocks: the DP first (fast), then CP-SAT warm-started with its schedule on what
+    is left of the time limit (small and mid-size graphs). Other graphs: CP-SAT, with the DP
+    over merged stages as warm start. Returns the feasible answer with least recompute time
+    (OPTIMAL preferred on ties); `solver` names which one, prefixed `auto/`.
+    """
+    t0 = time.perf_counter()
+    results: list[Solution] = []
+    d = dp.solve(problem, budget_bytes, time_limit_s * (0.5 if dp.applies(problem) else 0.3))
+    results.append(d)
+    left = time_limit_s - (time.perf_counter() - t0)
+    chain_done = dp.applies(problem) and d.status == Status.OPTIMAL and problem.n_nodes > 200
+    if problem.n_nodes <= MILP_MAX_NODES and left > 0.1 and not chain_done:
+        results.append(milp.solve(problem, budget_bytes, left, hint=d.schedule))
+    best = min(results, key=_rank)
+    if not best.feasible:
+        mfb = [r.min_feasible_budget_bytes for r in results if r.min_feasible_budget_bytes]
+        best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
+    return best.model_copy(update={"solver": f"auto/{best.solver}",
+                                   "solve_time_s": time.perf_counter() - t0})
+
+
+def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXACT_BUDGET_MAX_NODES,
+                        *, time_limit_s: float = 30.0) -> tuple[int, bool]:
+    """Smallest budget at which the solvers find a schedule, and whether it is proven exact.
+
+    Up to `exact_max_nodes` nodes: brute force (the minimum over all non-nested schedules).
+    Beyond: CP-SAT minimises the simulated peak over its candidate space; when it proves
+    that, `milp.solve` is feasible at the returned budget and INFEASIBLE one byte below, and
+    the flag is True iff that space is the complete one (small graphs). If CP-SAT cannot
+    answer in time, or `exact_max_nodes == 0`, the schedule-independent
+    `memory_lower_bound` is returned with False.
+    """
+    if exact_max_nodes <= 0:
+        return memory_lower_bound(problem), False
+    if problem.n_nodes <= exact_max_nodes:
+        return bruteforce.min_feasible_budget(problem, exact_max_nodes)
+    if problem.n_nodes > MILP_MAX_NODES:
+        return memory_lower_bound(problem), False
+    peak, proven, _ = milp.min_peak(problem, time_limit_s)
+    if peak == 0:
+        return memory_lower_bound(problem), False
+    return peak, proven

@@ -1,0 +1,183 @@
+"""Exact solvers (milp, dp, auto) against brute force and simulate, on random small graphs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_properties import problems
+
+from solvers import (
+    SOLVERS,
+    Problem,
+    Region,
+    Schedule,
+    Status,
+    auto,
+    baselines,
+    bruteforce,
+    dp,
+    memory_lower_bound,
+    milp,
+    min_feasible_budget,
+    simulate,
+)
+from solvers.accounting import evaluate
+
+FEW = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+SOME = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _budget(p: Problem, frac: float) -> int:
+    store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    return lower + int((store_peak - lower) * frac)
+
+
+@st.composite
+def flat_schedules(draw: st.DrawFn) -> tuple[Problem, Schedule]:
+    p = draw(problems(max_nodes=8))
+    n = p.n_nodes
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    regions = []
+    for a, b in itertools.pairwise([0, *cuts, n]):
+        if all(p.recomputable[a:b]) and draw(st.booleans()):
+            keep = {k for k in range(a, b) if draw(st.integers(0, 2)) == 0}
+            regions.append(Region(a, b, "recompute", keep=keep))
+        else:
+            regions.append(Region(a, b))
+    return p, Schedule(regions=tuple(regions))
+
+
+@SOME
+@given(flat_schedules())
+def test_accounting_equals_simulate(case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    tl = simulate(p, sched)
+    peak, rt = evaluate(p, sched)
+    assert peak == tl.peak_bytes
+    assert rt == pytest.approx(tl.recompute_time_ms)
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(a))
+
+
+@FEW
+@given(problems(max_nodes=6), st.floats(0.0, 1.2))
+def test_milp_reaches_bruteforce_optimum(p: Problem, frac: float) -> None:
+    budget = _budget(p, frac)
+    best = bruteforce.solve(p, budget, 60.0)
+    sol = milp.solve(p, budget, 20.0)
+    assert sol.feasible == best.feasible
+    if best.feasible:
+        assert sol.status == Status.OPTIMAL and _same(sol.objective_ms, best.objective_ms)
+        assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+    else:
+        assert sol.min_feasible_budget_exact
+        assert sol.min_feasible_budget_bytes == best.min_feasible_budget_bytes
+
+
+@FEW
+@given(problems(max_nodes=6), st.floats(0.0, 1.2))
+def test_dp_reaches_bruteforce_optimum_on_chains(p: Problem, frac: float) -> None:
+    p = p.model_copy(update={"block_of_node": None})  # node-level stages
+    budget = _budget(p, frac)
+    sol = dp.solve(p, budget, 20.0)
+    if sol.schedule is not None:
+        assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
+    if not dp.applies(p):
+        return
+    best = bruteforce.solve(p, budget, 60.0)
+    assert sol.feasible == best.feasible
+    if best.feasible:
+        assert sol.status == Status.OPTIMAL and _same(sol.objective_ms, best.objective_ms)
+
+
+@FEW
+@given(problems(max_nodes=6), st.floats(0.0, 1.3))
+def test_reported_peaks_are_simulated_and_optimum_beats_baselines(p: Problem,
+                                                                  frac: float) -> None:
+    budget = _budget(p, frac)
+    opt = SOLVERS["milp"](p, budget, 20.0)
+    for name, solve in SOLVERS.items():
+        sol = solve(p, budget, 20.0)
+        if sol.schedule is not None:
+            tl = simulate(p, sol.schedule)
+            assert sol.peak_bytes == tl.peak_bytes, name
+            assert sol.feasible == (tl.peak_bytes <= budget), name
+        if sol.feasible:
+            assert opt.feasible
+            assert opt.objective_ms <= sol.objective_ms + 1e-9, name
+
+
+@FEW
+@given(problems(max_nodes=6))
+def test_min_feasible_budget_is_tight(p: Problem) -> None:
+    mfb, exact = min_feasible_budget(p)
+    assert exact
+    assert milp.solve(p, mfb, 20.0).feasible
+    assert auto.solve(p, mfb, 20.0).feasible
+    below = milp.solve(p, mfb - 1, 20.0)
+    assert below.status == Status.INFEASIBLE and below.min_feasible_budget_bytes == mfb
+    assert auto.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+
+
+def test_min_feasible_budget_beyond_bruteforce_is_milp_tight() -> None:
+    p = Problem.chain([10, 30, 10, 30, 10, 30, 10, 30, 10, 30, 1], [1.0] * 11)
+    mfb, _ = min_feasible_budget(p)
+    assert milp.solve(p, mfb, 20.0).feasible
+    assert milp.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+
+
+def blocks_with_ops() -> Problem:
+    kinds = ["embedding", "linear", "relu", "linear", "relu", "linear", "relu", "loss"]
+    return Problem.chain([10] * 7 + [1], [1.0] * 8, block_of_node=[-1, 0, 0, 0, 1, 1, 1, -1],
+                         name="ops").model_copy(update={"op_kind": kinds})
+
+
+def test_op_kind_validated_and_matmul_flag() -> None:
+    p = blocks_with_ops()
+    assert Problem.model_validate_json(p.model_dump_json()) == p
+    assert [p.is_matmul(i) for i in range(8)] == [False, True, False, True, False, True,
+                                                   False, False]
+    data = p.model_dump()
+    data["op_kind"] = ["mm"]
+    with pytest.raises(ValueError, match="op_kind has 1 entries"):
+        Problem(**data)
+
+
+def test_save_matmuls_and_chen_greedy() -> None:
+    p = blocks_with_ops()
+    sm = baselines.save_matmuls(p, 10**9, 1.0)
+    assert sm.schedule.describe() == "S[0:1] R[1:4 keep=1,3] R[4:7 keep=5] S[7:8]"
+    greedy = baselines.chen_greedy(p, 10**9, 1.0)
+    assert greedy.feasible and greedy.objective_ms == 0.0  # plenty of memory: no recompute
+    tight = baselines.chen_greedy(p, baselines.every_block(p, 10**9, 1.0).peak_bytes, 1.0)
+    assert tight.peak_bytes == simulate(p, tight.schedule).peak_bytes  # last segment stored
+
+
+def test_dp_on_block_chain_and_non_chain() -> None:
+    p = blocks_with_ops()
+    assert dp.applies(p)
+    hf = baselines.every_block(p, 10**9, 1.0)
+    sol = dp.solve(p, hf.peak_bytes, 10.0)
+    assert sol.status == Status.OPTIMAL and sol.objective_ms <= hf.objective_ms
+    data = p.model_dump()
+    data["node_inputs"][7] = [6, 0]  # the loss reads the embedding output: a long skip
+    skip = Problem(**data)
+    assert not dp.applies(skip)
+    stages, is_chain = dp.chain_stages(skip)
+    assert not is_chain and stages == [(0, 1), (1, 8)]
+    sol = dp.solve(skip, 10**9, 10.0)
+    assert sol.feasible and sol.peak_bytes == simulate(skip, sol.schedule).peak_bytes
+
+
+def test_infeasible_solutions_carry_minimum() -> None:
+    p = blocks_with_ops()
+    for name in ("milp", "dp", "auto"):
+        sol = SOLVERS[name](p, 5, 10.0)
+        assert sol.status == Status.INFEASIBLE
+        assert sol.min_feasible_budget_bytes is not None and sol.min_feasible_budget_bytes > 5
