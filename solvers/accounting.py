@@ -1,15 +1,17 @@
 """Closed-form memory accounting of non-nested schedules, consistent with `simulate`.
 
 For schedules whose RECOMPUTE regions do not nest, `simulate`'s live bytes at every event
-decompose into (a) schedule-independent constants (static memory, gradients, the loss output,
-a node's new outputs and temporaries) plus (b) the bytes of each activation storage instance
-over the interval in which something holds it. A storage's holders are: a later reader in
-the same pass, a STORE node that saves it (until that node's backward), a RECOMPUTE region's
-frame when it is the region's input (until the frame dies), the SAC cache for kept outputs
-(until the rerun consumes them or the frame dies), and, after a rerun, the backward of the
-rerun node that saved it. This module computes those intervals; `evaluate` sums them and
-equals `simulate(...).peak_bytes` (tests hold it to that). The exact solvers (`milp`, `dp`)
-are built on the same pieces, so their memory model is `simulate`'s, not an approximation.
+decompose into (a) schedule-independent constants (static memory, gradients and their
+accumulation transients, the loss outputs the caller holds, a node's new outputs and
+temporaries) plus (b) the bytes of each activation storage instance over the interval in
+which something holds it. A storage's holders are: a later reader in the same pass, a STORE
+node that saves it (until that node's backward; this includes the loss outputs the loss's
+own backward saves), a RECOMPUTE region's frame when it is the region's input (until the
+frame dies), the SAC cache for kept outputs (until the rerun consumes them or the frame
+dies), and, after a rerun, the backward of the rerun node that saved it. This module
+computes those intervals; `evaluate` sums them and equals `simulate(...).peak_bytes` (tests
+hold it to that). The exact solvers (`milp`, `dp`) are built on the same pieces, so their
+memory model is `simulate`'s, not an approximation.
 
 `profile` evaluates a window of nodes `[a, b)` only, counting the storages produced in the
 window plus those read in it from before `a` that the previous window does not hold

@@ -12,9 +12,9 @@ import re
 from collections import Counter
 
 from profiles.schema import STATIC_KINDS, GraphProfile
-from solvers.problem import Problem
+from solvers.problem import MATMUL_KINDS, Problem
 
-__all__ = ["detect_block_prefix", "problem_from_profile"]
+__all__ = ["detect_block_prefix", "op_kind", "problem_from_profile"]
 
 _NEVER_RECOMPUTED = frozenset({"placeholder", "output", "loss"})
 _INDEXED = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)(?:\.|$)")
@@ -35,6 +35,15 @@ def detect_block_prefix(profile: GraphProfile) -> str | None:
             indices.setdefault(match["prefix"], set()).add(int(match["index"]))
     candidates = [p for p, _ in counts.most_common() if len(indices[p]) >= 2]
     return candidates[0] if candidates else None
+
+
+def op_kind(ops: list[str], fx_op: str) -> str:
+    """A node's kind for op policies: its first matmul-like aten op, else its last op."""
+    names = [op.split(".")[1] if op.count(".") >= 2 else op for op in ops]
+    for name in names:
+        if name in MATMUL_KINDS:
+            return name
+    return names[-1] if names else fx_op
 
 
 def _block_of(module: str, prefix: str) -> int:
@@ -115,4 +124,5 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         block_of_node=blocks,
         node_saves_static=saves_static,
         node_grad_inputs=grad_inputs,
+        op_kind=[op_kind(n.ops, n.op) for n in profile.nodes],
     )

@@ -117,8 +117,15 @@ def _rerun_delta(ctx: Context, r: RegionInfo) -> int:
     return int(best or 0)
 
 
-def _regen_at(r: RegionInfo, j: int, nbytes: list[int]) -> int:
-    return sum(nbytes[i.storage] for i in r.regen if i.savers and min(i.savers) <= j)
+def _regen_live(r: RegionInfo, nbytes: list[int]) -> list[int]:
+    """Per node j in [r.a, r.trigger]: rerun-made saved bytes still live at backward j."""
+    live = [0] * (r.trigger - r.a + 1)
+    for inst in r.regen:
+        if inst.savers:  # held until the backward of its earliest saver has run
+            live[min(inst.savers) - r.a] += nbytes[inst.storage]
+    for t in range(1, len(live)):
+        live[t] += live[t - 1]
+    return live
 
 
 @dataclass
@@ -218,8 +225,7 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
     for c, r in enumerate(cands):
         if r.death is None:
             continue
-        for j in range(r.a, r.trigger + 1):
-            g = _regen_at(r, j, nbytes)
+        for j, g in enumerate(_regen_live(r, nbytes), start=r.a):
             if g:
                 regen_terms[j].append(g * x[c])
     for j in range(n):
@@ -229,8 +235,9 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
         if r.death is None:
             continue
         rest = p.static_bytes + ctx.g_rest[r.trigger] + ctx.loss_bytes
-        big = rest + total + _rerun_delta(ctx, r)
-        md.Add(rest + A[2 * r.trigger + 1] + _rerun_delta(ctx, r) <= B + big * (1 - x[c]))
+        delta = _rerun_delta(ctx, r)
+        big = rest + total + delta
+        md.Add(rest + A[2 * r.trigger + 1] + delta <= B + big * (1 - x[c]))
     # forward events: storages read later are live; past their last read, held iff h(s)
     enter: dict[int, list] = defaultdict(list)
     read_live = [0] * (n + 1)

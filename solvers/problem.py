@@ -8,7 +8,7 @@ backward, and the bytes of every storage and of its gradient. Units are in field
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -347,6 +347,15 @@ class Problem(BaseModel):
             param_grad_bytes=[int(a.get("param_grad_bytes", 0)) for a in attrs],
             block_of_node=blocks if any(b >= 0 for b in blocks) else None,
         )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Problem:
+        """Copy, as pydantic does, but without the derived data cached from the old fields."""
+        copied = super().model_copy(update=update, deep=deep)
+        for name, attr in vars(Problem).items():
+            if isinstance(attr, cached_property):
+                copied.__dict__.pop(name, None)
+        return copied
 
     def summary(self) -> dict[str, Any]:
         """A few headline numbers, for logs."""

@@ -181,3 +181,26 @@ def test_infeasible_solutions_carry_minimum() -> None:
         sol = SOLVERS[name](p, 5, 10.0)
         assert sol.status == Status.INFEASIBLE
         assert sol.min_feasible_budget_bytes is not None and sol.min_feasible_budget_bytes > 5
+
+
+def test_accounting_and_bound_on_grad_accumulation_and_saved_loss() -> None:
+    # n2 reads s1 and s0: its backward makes s0's gradient, n1's adds into it (transient)
+    acc = Problem(name="acc", node_names=["v0", "v1", "v2"], fwd_time_ms=[1.0] * 3,
+                  bwd_time_ms=[1.0] * 3, fwd_temp_bytes=[0] * 3, bwd_temp_bytes=[0] * 3,
+                  recomputable=[True] * 3, node_inputs=[[], [0], [1, 0]],
+                  node_outputs=[[0], [1], [2]], node_saved=[[], [], []],
+                  storage_bytes=[1, 1, 1], storage_producer=[0, 1, 2],
+                  storage_grad_bytes=[1, 1, 1], static_bytes=0, param_grad_bytes=[0, 3, 0])
+    assert simulate(acc, Schedule.store_all(3)).peak_bytes == 7
+    # the loss saves its own output: freed with its backward, not held all step
+    saved_loss = acc.model_copy(update={"node_saved": [[], [0], [2, 1]]})
+    # the loss sends no gradient to s0: n1's backward creates it, no accumulation
+    no_grad = acc.model_copy(update={"node_grad_inputs": [[], [0], [1]]})
+    for p in (acc, saved_loss, no_grad):
+        for sched in (Schedule.store_all(3), Schedule(regions=(
+                Region(0, 2, "recompute"), Region(2, 3))), Schedule(regions=(
+                Region(0, 1), Region(1, 3, "recompute", keep={2})))):
+            tl = simulate(p, sched)
+            assert evaluate(p, sched) == (tl.peak_bytes, tl.recompute_time_ms)
+            assert memory_lower_bound(p) <= tl.peak_bytes
+    assert simulate(no_grad, Schedule.store_all(3)).peak_bytes == 6

@@ -81,3 +81,12 @@ def test_schedule_helpers_and_errors() -> None:
         Region(0, 2, "recompute", keep={5})
     with pytest.raises(ScheduleError, match="not recomputed"):
         Schedule.from_segments(4, [(0, 2)], keep=[3])
+
+
+def test_model_copy_drops_cached_derived_data() -> None:
+    p = Problem.chain([4, 4, 1], [1.0] * 3)
+    assert p.saved == ((), (0,), (1,)) and p.grad_inputs == ((), (0,), (1,))
+    q = p.model_copy(update={"node_saved": [[], [], [1]], "node_grad_inputs": [[], [], []]})
+    assert q.saved == ((), (), (1,)) and q.packs == (False, False, True)
+    assert q.grad_inputs == ((), (), ()) and q.grad_consumers == ((), (), ())
+    assert p.saved == ((), (0,), (1,))  # the original keeps its own
