@@ -1,4 +1,4 @@
-"""Command line: ``python -m planner {demo,profile} ...``."""
+"""Command line: ``python -m planner {demo,optimize,show,profile} ...``."""
 
 from __future__ import annotations
 
@@ -64,17 +64,50 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model = _load_model(args.model, args.set)
     prof = _profile(model, args)
     _print_profile(prof, args.top)
-    if args.out:
-        prof.save(args.out)
-        print(f"\nprofile written to {args.out}")
+    prof.save(args.out)
+    print(f"\nprofile written to {args.out}")
+    return 0
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from planner import optimize
+
+    model = _load_model(args.model, args.set)
+    plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
+                    loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
+                    timing=args.timing, device=args.device, progress=not args.quiet)
+    print(plan.summary())
+    plan.save(args.out)
+    print(f"\nplan written to {args.out}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner import Plan
+
+    print(Plan.load(args.plan).summary())
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Profile the zoo's GPT-style model: the built-in end-to-end example."""
-    args.model, args.set = "gpt", [f"size={args.size}"]
-    args.out = args.out or "demo-profile.json"
-    return cmd_profile(args)
+    """Plan the zoo's GPT-style model at a budget that forces checkpointing."""
+    from planner import optimize
+
+    model = _load_model("gpt", [f"size={args.size}"])
+    first = optimize(model.model, model.example_inputs, budget_gb=1e6, loss_fn=model.loss_fn,
+                     timing=args.timing, device=args.device, progress=not args.quiet)
+    static = first.profile.static.total_bytes
+    budget = static + args.fraction * (first.unplanned_peak_bytes - static)
+    print(f"{model.name}: unplanned peak {first.unplanned_peak_bytes / 2**30:.4f} GiB, static "
+          f"{static / 2**30:.4f} GiB; planning at static + {100 * args.fraction:.0f} % of the "
+          f"activations = {budget / 2**30:.4f} GiB\n")
+    plan = optimize(model.model, model.example_inputs, budget_gb=budget / 2**30,
+                    loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
+                    timing=args.timing, device=args.device, progress=not args.quiet)
+    print(plan.summary())
+    plan.save(args.out)
+    print(f"\nplan written to {args.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,13 +122,35 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="H100",
                        help="roofline for estimates: H100, H200, A100, cpu (default H100)")
         p.add_argument("--top", type=int, default=10, help="rows in the table")
-        p.add_argument("--out", type=Path, default=None, help="write the profile JSON here")
+        p.add_argument("--out", type=Path, default=Path("plan.json"),
+                       help="write the JSON here")
 
-    demo = sub.add_parser("demo", help="profile the built-in GPT-style model")
+    def solver_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--solver", default="auto", help="auto, milp, dp or a baseline name")
+        p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+
+    demo = sub.add_parser("demo", help="plan the built-in GPT-style model")
     demo.add_argument("--size", default="small", help="zoo GPT size: tiny, small, gpt2, "
                       "gpt2-medium")
+    demo.add_argument("--fraction", type=float, default=0.5,
+                      help="budget = static + this fraction of the unplanned activations")
     timing_options(demo)
-    demo.set_defaults(func=cmd_demo)
+    solver_options(demo)
+    demo.set_defaults(func=cmd_demo, out=Path("demo-plan.json"))
+
+    opt = sub.add_parser("optimize", help="plan a model under a memory budget")
+    opt.add_argument("--model", required=True,
+                     help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
+    opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="zoo builder argument, e.g. --set batch=4 (repeatable)")
+    opt.add_argument("--budget-gb", type=float, required=True, help="peak GiB of one step")
+    timing_options(opt)
+    solver_options(opt)
+    opt.set_defaults(func=cmd_optimize)
+
+    show = sub.add_parser("show", help="print a saved plan")
+    show.add_argument("plan", type=Path)
+    show.set_defaults(func=cmd_show)
 
     prof = sub.add_parser("profile", help="profile a model's training step")
     prof.add_argument("--model", required=True,

@@ -43,6 +43,30 @@ class CheckpointedRegion:
     module: torch.fx.GraphModule
     keep_ops: frozenset[tuple[str, int]]  # (op name, occurrence in the region's forward)
     name: str
+    restored_buffers: tuple[str, ...] = ()  # updated in forward (BatchNorm): not on rerun
+
+    def body(self) -> Any:
+        """The function checkpoint calls: the region, but on a rerun the buffers it updates
+        (BatchNorm running statistics) are put back, so recomputing changes no state."""
+        if not self.restored_buffers:
+            return self.module
+        calls = 0
+
+        def run(*inputs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self.module(*inputs)
+            buffers = [self.module.get_buffer(name) for name in self.restored_buffers]
+            before = [b.detach().clone() for b in buffers]
+            try:
+                return self.module(*inputs)
+            finally:  # also when early stop interrupts the rerun
+                with torch.no_grad():
+                    for buffer, value in zip(buffers, before, strict=True):
+                        buffer.copy_(value)
+
+        return run
 
     def context_fn(self) -> Any:
         """Fresh SAC contexts per checkpoint call: counting restarts for every (re)run."""
@@ -68,13 +92,26 @@ def run_region(region: CheckpointedRegion, *inputs: Any) -> Any:
     if not torch.is_grad_enabled():
         return region.module(*inputs)
     if region.keep_ops:
-        return checkpoint(region.module, *inputs, use_reentrant=False,
+        return checkpoint(region.body(), *inputs, use_reentrant=False,
                           context_fn=region.context_fn)
-    return checkpoint(region.module, *inputs, use_reentrant=False)
+    return checkpoint(region.body(), *inputs, use_reentrant=False)
 
 
 def _keep_ops(profile: GraphProfile, region: Region) -> frozenset[tuple[str, int]]:
     """Name the kept nodes' output-allocating ops by their occurrence in the region."""
+    for index in region.keep:
+        if not profile.nodes[index].keepable:
+            raise RewriteError(
+                f"node {profile.nodes[index].name!r} cannot be kept by selective "
+                "checkpointing: an in-place op finishes one of its outputs (a dropout mask), "
+                "and in-place ops cannot be replayed from SAC's cache")
+        saved = set(profile.nodes[index].new_storages)
+        for later in range(index + 1, region.stop):
+            if saved & set(profile.nodes[later].written_storages):
+                raise RewriteError(
+                    f"kept node {profile.nodes[index].name!r} has its output mutated in place "
+                    f"by {profile.nodes[later].name!r} later in the region; selective "
+                    "checkpointing cannot cache it. Plan without keeping it.")
     counter: Counter[str] = Counter()
     kept: set[tuple[str, int]] = set()
     for index in range(region.start, region.stop):
@@ -122,12 +159,6 @@ class _Outliner:
                                        "outputs cannot be recomputed")
                 env[node] = graph.node_copy(node, lambda n: env[n])
         inner = [n for n in span if n.op not in HOISTED_OPS]
-        for node in inner:
-            if self.profile.nodes[self.index[node]].stateful:
-                raise RewriteError(
-                    f"{node.format_node()} mutates module state (BatchNorm running "
-                    "statistics?) and would update it twice if recomputed; the plan must "
-                    "keep it out of RECOMPUTE regions")
         members = set(inner)
         inputs: list[torch.fx.Node] = []
         attributes: list[torch.fx.Node] = []
@@ -147,8 +178,10 @@ class _Outliner:
         self.emit(inner, region.children, sub, sub_env)
         sub.output(tuple(sub_env[n] for n in outputs))
         name = f"_planner_region_{len(self.regions)}"
+        mutated = sorted({b for n in inner for b in self.profile.nodes[self.index[n]]
+                          .mutated_buffers})
         wrapper = CheckpointedRegion(torch.fx.GraphModule(self.gm, sub, class_name=name),
-                                     _keep_ops(self.profile, region), name)
+                                     _keep_ops(self.profile, region), name, tuple(mutated))
         self.regions[name] = wrapper
         object.__setattr__(self.gm, name, wrapper)  # plain attribute: not a submodule
         call = graph.call_function(run_region, (graph.get_attr(name),

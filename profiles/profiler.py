@@ -122,7 +122,9 @@ class _OpStats:
     mutated: set[int] = field(default_factory=set)
     random: bool = False
     ops: list[str] = field(default_factory=list)  # aten ops in call order (no prim ops)
-    op_outputs: list[set[StorageWeakRef]] = field(default_factory=list)
+    op_allocs: list[set[StorageWeakRef]] = field(default_factory=list)  # per op: allocated
+    op_inplace: list[set[StorageWeakRef]] = field(default_factory=list)  # per op: mutated
+    written: set[int] = field(default_factory=set)  # known activations mutated in place
 
 
 class _OpTracker(TorchDispatchMode):
@@ -162,15 +164,20 @@ class _OpTracker(TorchDispatchMode):
             sid = self.storages.lookup(tensor)
             if sid is not None and self.storages.infos[sid].kind == "param":
                 stats.params.add(sid)
+        written: set[StorageWeakRef] = set()
         if func._schema.is_mutable:
             for index, argument in enumerate(func._schema.arguments):
                 if argument.alias_info is not None and argument.alias_info.is_write:
                     value = args[index] if index < len(args) else kwargs.get(argument.name)
                     for tensor in _tensors(value):
+                        written.add(StorageWeakRef(tensor.untyped_storage()))
                         sid = self.storages.lookup(tensor)
-                        if sid is not None and self.storages.infos[sid].kind in ("buffer",
-                                                                                 "param"):
+                        if sid is None:
+                            continue
+                        if self.storages.infos[sid].kind in ("buffer", "param"):
                             stats.mutated.add(sid)
+                        else:
+                            stats.written.add(sid)
         if torch.Tag.nondeterministic_seeded in func.tags:
             stats.random = True
         for tensor in outputs:  # allocated by this op: not a view of (or same as) an input
@@ -179,8 +186,9 @@ class _OpTracker(TorchDispatchMode):
                 self._new[ref] = tensor.untyped_storage().nbytes()
         if func.namespace != "prim":
             stats.ops.append(str(func))
-            stats.op_outputs.append({StorageWeakRef(t.untyped_storage()) for t in outputs}
-                                    - aliased)
+            stats.op_allocs.append({StorageWeakRef(t.untyped_storage())
+                                    for t in outputs} - aliased)
+            stats.op_inplace.append(written)
         stats.peak_new_bytes = max(stats.peak_new_bytes, self.live_new_bytes())
         if self.spec is not None:
             traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
@@ -243,6 +251,7 @@ class _NodeRecord:
     stats: _OpStats = field(default_factory=_OpStats)
     fwd_temp_bytes: int = 0
     output_ops: list[int] = field(default_factory=list)
+    keepable: bool = True
 
 
 class _ProfilingInterpreter(torch.fx.Interpreter):
@@ -288,9 +297,19 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             record.saved_storages.append(self.storages.add(tensor, "internal", index))
         record.saved_storages = sorted(set(record.saved_storages))
         record.new_storages = list(range(known, len(self.storages.infos)))
+        # A SAC policy can keep a storage only by saving the op that allocates it, and only
+        # if no later op of the node mutates it (callers keep using the mutated argument, so
+        # an in-place op cannot be replayed from a cache): dropout's mask is not keepable.
+        stats = record.stats
         new_refs = {ref for ref, sid in self.storages.refs.items() if sid >= known}
-        record.output_ops = [i for i, refs in enumerate(record.stats.op_outputs)
-                             if refs & new_refs]
+        allocator: dict[StorageWeakRef, int] = {}
+        for position, refs in enumerate(stats.op_allocs):
+            for ref in refs & new_refs:
+                allocator.setdefault(ref, position)
+        mutated_later = {ref for position, refs in enumerate(stats.op_inplace)
+                         for ref in refs if ref in allocator and position > allocator[ref]}
+        record.keepable = not mutated_later
+        record.output_ops = sorted(set(allocator.values())) if record.keepable else []
 
     @staticmethod
     def _pack(record: _NodeRecord) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -713,6 +732,15 @@ def _run_loss(interp: _ProfilingInterpreter, loss_fn: Callable[[Any], torch.Tens
     return record
 
 
+def _owned_state(storages: _Storages, mutated: set[int]) -> list[str]:
+    """Buffers a stateful node may update: every buffer of each module whose state it was
+    seen mutating. (native_batch_norm updates running stats without declaring it in its
+    schema; only num_batches_tracked's add_ is visible.)"""
+    owners = {storages.infos[s].name.rpartition(".")[0] for s in mutated}
+    return sorted(info.name for info in storages.infos if info.kind == "buffer"
+                  and info.name.rpartition(".")[0] in owners)
+
+
 def _node_profile(i: int, node: torch.fx.Node | None, record: _NodeRecord, bwd: _Backward,
                   measured: tuple[float, float] | None, storages: _Storages,
                   loss_fn: Callable[..., Any], nodes: list[torch.fx.Node]) -> NodeProfile:
@@ -745,5 +773,8 @@ def _node_profile(i: int, node: torch.fx.Node | None, record: _NodeRecord, bwd: 
         random=stats.random,
         ops=stats.ops,
         output_ops=record.output_ops,
+        keepable=record.keepable,
+        written_storages=sorted(stats.written),
+        mutated_buffers=_owned_state(storages, stats.mutated),
         grad_storages=bwd.grad_storages,
     )

@@ -69,11 +69,17 @@ class NodeProfile(_Strict):
     fwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond outputs, forward")
     bwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond grads, backward")
     stateful: bool = Field(False, description="mutates module state (BatchNorm running stats)")
+    mutated_buffers: list[str] = Field(default_factory=list,
+                                       description="buffers/params it updates in place")
     random: bool = Field(False, description="draws random numbers (dropout)")
     ops: list[str] = Field(default_factory=list,
                            description="aten ops the forward dispatches, in call order")
     output_ops: list[int] = Field(default_factory=list,
                                   description="positions in ops that allocate new_storages")
+    keepable: bool = Field(True, description="a SAC policy can save its outputs (no output "
+                           "is finished by an in-place op)")
+    written_storages: list[int] = Field(
+        default_factory=list, description="earlier activations this node mutates in place")
     grad_storages: list[int] = Field(
         default_factory=list, description="storages whose gradient this node's backward makes")
 
@@ -129,6 +135,7 @@ class GraphProfile(_Strict):
         n_storages, n_nodes = len(self.storages), len(self.nodes)
         for node in self.nodes:
             for sid in [*node.new_storages, *node.saved_storages, *node.grad_storages,
+                        *node.written_storages,
                         *(t.storage for t in node.outputs)]:
                 if not 0 <= sid < n_storages:
                     raise ValueError(f"node {node.name!r} refers to storage {sid}, which does "

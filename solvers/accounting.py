@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
+from solvers.simulate import ACCUMULATION_COPIES
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
                     if p.storage_grad_bytes[s] > 0 and not p.consumers[s]]
         new = [s for s in dict.fromkeys(new) if s not in grads]
         add = sum(p.storage_grad_bytes[s] for s in new) + p.param_grad_bytes[j]
-        accumulate = sum(p.storage_grad_bytes[s] for s in set(p.grad_inputs[j])
-                         if s in grads and s not in new)
+        accumulate = ACCUMULATION_COPIES * sum(p.storage_grad_bytes[s]
+                                               for s in set(p.grad_inputs[j])
+                                               if s in grads and s not in new)
         rest[j] = live
         event[j] = live + add + accumulate
         grads.update(new)

@@ -51,7 +51,8 @@ def units(problem: Problem) -> list[tuple[int, int]]:
 def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
            solver: str, t0: float, *, keep_matmuls: bool = False) -> Solution:
     regions = [run for a, b in segments for run in _recomputable_runs(problem, a, b)]
-    keep = [i for a, b in regions for i in range(a, b) if keep_matmuls and problem.is_matmul(i)]
+    keep = [i for a, b in regions for i in range(a, b)
+            if keep_matmuls and problem.is_matmul(i) and problem.can_keep(i)]
     schedule = Schedule.from_segments(problem.n_nodes, regions, keep=keep)
     sol = Solution.scored(problem, schedule, budget_bytes, solver=solver, started_s=t0)
     if not sol.feasible:
@@ -142,7 +143,8 @@ def chen_greedy(problem: Problem, budget_bytes: int, time_limit_s: float = 10.0)
 def save_matmuls(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0) -> Solution:
     """Selective checkpointing per block keeping matmul-like outputs (torchtitan's op policy).
 
-    Without `op_kind` nothing is kept: the same as `every_block`.
+    Without `op_kind` nothing is kept: the same as `every_block`. Matmuls that are not
+    `Problem.can_keep` (not keepable) are recomputed, not kept.
     """
     return _score(problem, units(problem), budget_bytes, "save_matmuls", time.perf_counter(),
                   keep_matmuls=True)

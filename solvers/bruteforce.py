@@ -2,7 +2,8 @@
 
 The enumerated space: every cut of the node order into consecutive regions (adjacent STORE
 regions merged, which changes nothing), each RECOMPUTE region with every subset of kept
-nodes. Nested regions are not enumerated. Stateful nodes are never recomputed.
+nodes (`Problem.can_keep`). Nested regions are not enumerated. Stateful nodes are never
+recomputed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _tails(problem: Problem, start: int, prev_store: bool) -> Iterator[tuple[Reg
             for rest in _tails(problem, stop, True):
                 yield (Region(start, stop, STORE), *rest)
         if all(problem.recomputable[start:stop]):
-            for keep in _subsets(list(range(start, stop))):
+            for keep in _subsets([i for i in range(start, stop) if problem.can_keep(i)]):
                 region = Region(start, stop, RECOMPUTE, keep=keep)
                 for rest in _tails(problem, stop, False):
                     yield (region, *rest)

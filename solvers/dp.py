@@ -8,9 +8,10 @@ only on the segment, its option and which of its inputs the previous segment hol
 (`solvers.accounting.profile`). The DP walks the stages keeping, per (stage, inputs-held
 state), the Pareto front of (bytes held so far, recompute time); a segment of stages is STORE
 or one RECOMPUTE region per recomputable run, with keep = nothing, the matmul-like nodes, or,
-for tiny problems, any subset. Fronts larger than `max_front` are discretised into that many
-memory slots, rounding held bytes up (the schedule is still simulated and safe); a second
-pass rounding down gives the lower bound, and the difference is reported as the gap.
+for tiny problems, any subset (only nodes that `Problem.can_keep` are ever kept). Fronts
+larger than `max_front` are discretised into that many memory slots, rounding held bytes up
+(the schedule is still simulated and safe); a second pass rounding down gives the lower
+bound, and the difference is reported as the gap.
 
 Not a chain (a storage read two or more stages later, e.g. a mask or a tied embedding
 output used at the end): the stages it skips are merged (conservative; logged), so the DP
@@ -99,13 +100,15 @@ def _options(ctx: Context, a: int, b: int, single: bool,
     if not runs:
         return opts
     opts.append(tuple(ctx.region(x, y) for x, y in runs))
-    mm = tuple(ctx.region(x, y, [i for i in range(x, y) if p.is_matmul(i)]) for x, y in runs)
+    mm = tuple(ctx.region(x, y, [i for i in range(x, y) if p.is_matmul(i) and p.can_keep(i)])
+               for x, y in runs)
     if mm != opts[-1]:
         opts.append(mm)
     if subsets and len(runs) == 1:
         x, y = runs[0]
-        for r in range(1, y - x + 1):
-            for keep in itertools.combinations(range(x, y), r):
+        keepable = [i for i in range(x, y) if p.can_keep(i)]
+        for r in range(1, len(keepable) + 1):
+            for keep in itertools.combinations(keepable, r):
                 opts.append((ctx.region(x, y, keep),))
     return opts
 
@@ -165,7 +168,8 @@ def _signature(ctx: Context, a: int, b: int) -> tuple:
                 tuple(k - a for k in ctx.savers[s]))
 
     return tuple((p.fwd_time_ms[i], p.fwd_temp_bytes[i], p.bwd_temp_bytes[i],
-                  p.recomputable[i], p.packs[i], p.is_matmul(i), ctx.g_event[i], ctx.g_rest[i],
+                  p.recomputable[i], p.packs[i], p.is_matmul(i), p.can_keep(i),
+                  ctx.g_event[i], ctx.g_rest[i],
                   tuple(rel(s) for s in p.inputs[i]), tuple(rel(s) for s in p.outputs[i]),
                   tuple(rel(s) for s in p.saved[i])) for i in range(a, b))
 

@@ -110,8 +110,9 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         bwd_time_ms=[n.bwd_time_ms for n in profile.nodes],
         fwd_temp_bytes=[n.fwd_temp_bytes for n in profile.nodes],
         bwd_temp_bytes=[n.bwd_temp_bytes for n in profile.nodes],
-        # the loss and the graph's inputs/outputs live outside any checkpoint region
-        recomputable=[not n.stateful and n.op not in _NEVER_RECOMPUTED for n in profile.nodes],
+        # the loss and the graph's inputs/outputs live outside any checkpoint region; stateful
+        # nodes (BatchNorm) are recomputable: the rewrite restores the buffers they update
+        recomputable=[n.op not in _NEVER_RECOMPUTED for n in profile.nodes],
         node_inputs=node_inputs,
         node_outputs=node_outputs,
         node_saved=node_saved,
@@ -125,4 +126,5 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_saves_static=saves_static,
         node_grad_inputs=grad_inputs,
         op_kind=[op_kind(n.ops, n.op) for n in profile.nodes],
+        keepable=[n.keepable for n in profile.nodes],
     )

@@ -11,7 +11,8 @@ peak equals `simulate`'s for every non-nested schedule, so OPTIMAL means: least 
 time among all schedules made of non-overlapping candidate regions whose simulated peak fits
 the budget. Candidates: for small problems every region and every kept subset (exactly the
 brute-force space); for larger ones, regions between stage boundaries (blocks, single nodes
-outside blocks) with keep = nothing or the matmul-like nodes. The answer is re-scored with
+outside blocks) with keep = nothing or the matmul-like nodes. Only nodes that
+`Problem.can_keep` are ever kept. The answer is re-scored with
 `simulate`; a mismatch would add a no-good cut and re-solve (it is logged as a bug).
 
 Why CP-SAT and not MathOpt + HiGHS/SCIP: memory constraints are in bytes (10^10 and more)
@@ -58,11 +59,11 @@ def stages(problem: Problem) -> list[tuple[int, int]]:
 
 def _keep_options(problem: Problem, a: int, b: int, full: bool) -> list[frozenset[int]]:
     if full:
-        nodes = list(range(a, b))
+        nodes = [i for i in range(a, b) if problem.can_keep(i)]
         return [frozenset(c) for r in range(len(nodes) + 1)
                 for c in itertools.combinations(nodes, r)]
     opts = [frozenset()]
-    mm = frozenset(i for i in range(a, b) if problem.is_matmul(i))
+    mm = frozenset(i for i in range(a, b) if problem.is_matmul(i) and problem.can_keep(i))
     if mm and len(mm) < b - a:
         opts.append(mm)
     return opts

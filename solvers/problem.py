@@ -50,6 +50,9 @@ class Problem(BaseModel):
     (a parameter or user input). Such saves are invisible in `node_saved` but still count
     for torch.utils.checkpoint's early stop and trigger the rerun; default: False.
 
+    Optional `keepable[i]` says whether a RECOMPUTE region may keep node i (selective
+    checkpointing); default: every recomputable node may be kept.
+
     Optional `node_grad_inputs[i]` lists the storages node i's backward sends gradients to
     (a subset of `node_inputs[i]`; default: all of them). A loss that only selects
     `output.loss` reads the logits but sends them no gradient.
@@ -79,6 +82,7 @@ class Problem(BaseModel):
     node_saves_static: list[bool] | None = None
     op_kind: list[str] | None = None
     node_grad_inputs: list[list[int]] | None = None
+    keepable: list[bool] | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
@@ -102,6 +106,8 @@ class Problem(BaseModel):
             per_node["node_saves_static"] = self.node_saves_static
         if self.op_kind is not None:
             per_node["op_kind"] = self.op_kind
+        if self.keepable is not None:
+            per_node["keepable"] = self.keepable
         if self.node_grad_inputs is not None:
             per_node["node_grad_inputs"] = self.node_grad_inputs
             for i, targets in enumerate(self.node_grad_inputs):
@@ -221,6 +227,14 @@ class Problem(BaseModel):
         """Whether node i's backward saves anything (so checkpoint packs a tensor for it)."""
         static = self.node_saves_static or [False] * self.n_nodes
         return tuple(bool(self.saved[i]) or bool(static[i]) for i in range(self.n_nodes))
+
+    def can_keep(self, i: int) -> bool:
+        """Whether a RECOMPUTE region may keep node i: recomputable and `keepable` (default).
+
+        Every solver and baseline picks kept nodes only among these; `simulate` rejects a
+        schedule keeping any other (e.g. a node whose output an in-place op finishes).
+        """
+        return bool(self.recomputable[i]) and (self.keepable is None or bool(self.keepable[i]))
 
     def is_matmul(self, i: int) -> bool:
         """Whether node i is matmul-like per `op_kind` (False when op kinds are unknown)."""

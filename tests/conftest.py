@@ -5,13 +5,14 @@ import torch
 
 from planner import zoo
 
-# Small sizes keep the suite fast on 2 CPU cores; the zoo's defaults are already small.
+# Small sizes keep the suite fast on 2 CPU cores, with batches large enough that
+# activations, not parameters and their gradients, dominate memory (so budgets bite).
 ZOO_CASES = {
-    "mlp": {},
-    "resnet": {},
-    "gpt": {"size": "tiny"},
-    "hf-gpt2": {},
-    "hf-llama": {},
+    "mlp": {"batch": 1024, "width": 128, "depth": 4},
+    "resnet": {"batch": 16},
+    "gpt": {"size": "tiny", "batch": 4},
+    "hf-gpt2": {"batch": 4},
+    "hf-llama": {"batch": 4},
 }
 
 

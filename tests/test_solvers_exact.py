@@ -7,7 +7,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_solvers_properties import problems
+from test_solvers_properties import keeps_only_keepable, problems
 
 from solvers import (
     SOLVERS,
@@ -24,7 +24,7 @@ from solvers import (
     min_feasible_budget,
     simulate,
 )
-from solvers.accounting import evaluate
+from solvers.accounting import Context, evaluate
 
 FEW = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -44,7 +44,7 @@ def flat_schedules(draw: st.DrawFn) -> tuple[Problem, Schedule]:
     regions = []
     for a, b in itertools.pairwise([0, *cuts, n]):
         if all(p.recomputable[a:b]) and draw(st.booleans()):
-            keep = {k for k in range(a, b) if draw(st.integers(0, 2)) == 0}
+            keep = {k for k in range(a, b) if p.can_keep(k) and draw(st.integers(0, 2)) == 0}
             regions.append(Region(a, b, "recompute", keep=keep))
         else:
             regions.append(Region(a, b))
@@ -125,6 +125,47 @@ def test_min_feasible_budget_is_tight(p: Problem) -> None:
     assert auto.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
 
 
+@FEW
+@given(problems(max_nodes=6, unkeepable=True), st.floats(0.0, 1.3),
+       st.lists(st.sampled_from(["linear", "relu", "dropout"]), min_size=8, max_size=8))
+def test_no_solver_keeps_unkeepable_nodes(p: Problem, frac: float, kinds: list[str]) -> None:
+    p = p.model_copy(update={"op_kind": kinds[:p.n_nodes]})  # save_matmuls keeps linears
+    budget = _budget(p, frac)
+    best = bruteforce.solve(p, budget, 60.0)
+    for name, solve in SOLVERS.items():
+        sol = solve(p, budget, 20.0)
+        if sol.schedule is not None:
+            assert keeps_only_keepable(p, sol.schedule), name
+        if name in ("milp", "auto"):  # exact over the brute-force space, keepable respected
+            assert sol.feasible == best.feasible, name
+            if best.feasible:
+                assert _same(sol.objective_ms, best.objective_ms), name
+                assert name != "milp" or sol.status == Status.OPTIMAL
+    chain = p.model_copy(update={"block_of_node": None})  # node-level stages
+    if dp.applies(chain):
+        d = dp.solve(chain, budget, 20.0)
+        assert d.feasible == best.feasible
+        if best.feasible:
+            assert keeps_only_keepable(p, d.schedule)
+            assert d.status == Status.OPTIMAL and _same(d.objective_ms, best.objective_ms)
+    ctx = Context(p)
+    for full in (True, False):
+        cands, _ = milp.candidates(ctx, full=full)
+        assert all(p.can_keep(k) for r in cands for k in r.keep)
+
+
+def test_exact_solvers_give_up_a_keep_that_is_not_keepable() -> None:
+    p = Problem.chain([10, 10, 10, 1], [1.0, 2.0, 1.0, 1.0])
+    free = bruteforce.solve(p, 35, 10.0)
+    assert free.schedule.describe() == "R[0:2 keep=1] S[2:3] R[3:4 keep=3]"
+    assert free.objective_ms == 1.0
+    q = p.model_copy(update={"keepable": [True, False, True, True]})
+    for name in ("bruteforce", "milp", "dp", "auto"):
+        sol = SOLVERS[name](q, 35, 10.0)
+        assert sol.feasible and 1 not in {k for r in sol.schedule.walk() for k in r.keep}, name
+        assert sol.objective_ms == 3.0, name
+
+
 def test_min_feasible_budget_beyond_bruteforce_is_milp_tight() -> None:
     p = Problem.chain([10, 30, 10, 30, 10, 30, 10, 30, 10, 30, 1], [1.0] * 11)
     mfb, _ = min_feasible_budget(p)
@@ -153,6 +194,9 @@ def test_save_matmuls_and_chen_greedy() -> None:
     p = blocks_with_ops()
     sm = baselines.save_matmuls(p, 10**9, 1.0)
     assert sm.schedule.describe() == "S[0:1] R[1:4 keep=1,3] R[4:7 keep=5] S[7:8]"
+    no3 = p.model_copy(update={"keepable": [True, True, True, False] + [True] * 4})
+    sm = baselines.save_matmuls(no3, 10**9, 1.0)  # the linear at 3 cannot be kept
+    assert sm.schedule.describe() == "S[0:1] R[1:4 keep=1] R[4:7 keep=5] S[7:8]"
     greedy = baselines.chen_greedy(p, 10**9, 1.0)
     assert greedy.feasible and greedy.objective_ms == 0.0  # plenty of memory: no recompute
     tight = baselines.chen_greedy(p, baselines.every_block(p, 10**9, 1.0).peak_bytes, 1.0)

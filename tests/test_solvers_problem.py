@@ -90,3 +90,13 @@ def test_model_copy_drops_cached_derived_data() -> None:
     assert q.saved == ((), (), (1,)) and q.packs == (False, False, True)
     assert q.grad_inputs == ((), (), ()) and q.grad_consumers == ((), (), ())
     assert p.saved == ((), (0,), (1,))  # the original keeps its own
+
+
+def test_can_keep_needs_recomputable_and_keepable() -> None:
+    p = Problem.chain([4, 4, 4, 1], [1.0] * 4, recomputable=[True, True, False, True])
+    assert [p.can_keep(i) for i in range(4)] == [True, True, False, True]  # default: keepable
+    q = p.model_copy(update={"keepable": [False, True, True, True]})
+    assert [q.can_keep(i) for i in range(4)] == [False, True, False, True]
+    assert Problem.model_validate_json(q.model_dump_json()) == q
+    with pytest.raises(ValueError, match="keepable has 2 entries"):
+        Problem(**{**p.model_dump(), "keepable": [True, True]})

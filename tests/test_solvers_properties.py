@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,7 @@ from solvers import (
     Problem,
     Region,
     Schedule,
+    SimulationError,
     Status,
     baselines,
     bruteforce,
@@ -23,7 +25,10 @@ SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 
 
 @st.composite
-def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7) -> Problem:
+def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
+             unkeepable: bool | None = None) -> Problem:
+    """Random small problem; `unkeepable` True: some recomputable node is not keepable,
+    False: `keepable` is None, None (default): either."""
     n = draw(st.integers(min_nodes, max_nodes))
     skips = draw(st.booleans())
     partial_grads = draw(st.booleans())  # some reads send no gradient (node_grad_inputs)
@@ -59,6 +64,14 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7) -> Problem
         grad_inputs.append([s for s in ins if not partial_grads or draw(st.integers(0, 2)) > 0])
         outputs.append(out)
         saved.append(sv)
+    recomputable = [draw(st.integers(0, 9)) > 0 for _ in range(n)]
+    keepable: list[bool] | None = None
+    if unkeepable or (unkeepable is None and draw(st.booleans())):
+        # e.g. a dropout whose mask an in-place op finishes: selective checkpointing can't save it
+        keepable = [draw(st.integers(0, 2)) > 0 for _ in range(n)]
+        rec = [i for i in range(n) if recomputable[i]]
+        if unkeepable and rec:
+            keepable[draw(st.sampled_from(rec))] = False
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
     block = []
     b = 0
@@ -73,7 +86,7 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7) -> Problem
         bwd_time_ms=[float(draw(st.integers(1, 9))) for _ in range(n)],
         fwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
         bwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
-        recomputable=[draw(st.integers(0, 9)) > 0 for _ in range(n)],
+        recomputable=recomputable,
         node_inputs=inputs,
         node_outputs=outputs,
         node_saved=saved,
@@ -84,6 +97,7 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7) -> Problem
         param_grad_bytes=[draw(st.sampled_from([0, 0, 3, 10])) for _ in range(n)],
         block_of_node=block,
         node_grad_inputs=grad_inputs if partial_grads else None,
+        keepable=keepable,
     )
 
 
@@ -98,7 +112,7 @@ def _region(draw: st.DrawFn, p: Problem, a: int, b: int, depth: int) -> Region:
             children.append(_region(draw, p, ca, cb, depth + 1))
     inside = {k for c in children for k in range(c.start, c.stop)}
     own = [k for k in range(a, b) if k not in inside]
-    keep = {k for k in own if draw(st.integers(0, 3)) == 0}
+    keep = {k for k in own if p.can_keep(k) and draw(st.integers(0, 3)) == 0}
     return Region(a, b, "recompute", keep=keep, children=children)
 
 
@@ -171,3 +185,42 @@ def test_bruteforce_no_worse_than_baselines(p: Problem, frac: float) -> None:
         if sol.feasible:
             assert best.feasible
             assert best.objective_ms <= sol.objective_ms + 1e-9
+
+
+def kept_nodes(schedule: Schedule) -> set[int]:
+    """Every node some RECOMPUTE region (nested ones included) keeps."""
+    return {k for r in schedule.walk() for k in r.keep}
+
+
+def keeps_only_keepable(p: Problem, schedule: Schedule) -> bool:
+    return all(p.can_keep(k) for k in kept_nodes(schedule))
+
+
+@SLOW
+@given(problems(max_nodes=5, unkeepable=True), st.floats(0.0, 1.2))
+def test_bruteforce_respects_keepable(p: Problem, frac: float) -> None:
+    free = p.model_copy(update={"keepable": None})
+    unrestricted = list(bruteforce.enumerate_schedules(free))
+    rejected = [s for s in unrestricted if not keeps_only_keepable(p, s)]
+    # some recomputable node is unkeepable: keeping it is in the free space
+    assert rejected or not any(p.recomputable)
+    # the enumeration is exactly the unrestricted space minus schedules keeping unkeepables
+    assert [s.describe() for s in bruteforce.enumerate_schedules(p)] == [
+        s.describe() for s in unrestricted if keeps_only_keepable(p, s)]
+    for sched in rejected[:3]:
+        with pytest.raises(SimulationError, match="keepable"):
+            simulate(p, sched)
+    store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    budget = lower + int((store_peak - lower) * frac)
+    best = bruteforce.solve(p, budget, 60.0)
+    assert best.schedule is not None and keeps_only_keepable(p, best.schedule)
+    relaxed = bruteforce.solve(free, budget, 60.0)
+    if best.feasible:
+        assert best.status == Status.OPTIMAL
+        assert relaxed.feasible and relaxed.objective_ms <= best.objective_ms + 1e-9
+        if keeps_only_keepable(p, relaxed.schedule):  # the relaxed optimum is allowed too
+            assert best.objective_ms == relaxed.objective_ms
+    else:
+        assert best.min_feasible_budget_exact
+        assert best.min_feasible_budget_bytes >= (relaxed.min_feasible_budget_bytes or 0)

@@ -51,6 +51,19 @@ def test_selective_keep_skips_recompute_of_kept_node() -> None:
     assert tl.peak_bytes == 41
 
 
+def test_keeping_an_unkeepable_node_is_rejected() -> None:
+    p = chain4().model_copy(update={"keepable": [True, False, True, True]})
+    assert [p.can_keep(i) for i in range(4)] == [True, False, True, True]
+    with pytest.raises(SimulationError, match=r"node 1 \(n1\) is kept .* keepable\[1\] is False"):
+        simulate(p, Schedule.from_segments(4, [(0, 3)], keep=[1]))
+    with pytest.raises(SimulationError, match="keepable"):  # in a nested region too
+        simulate(p, Schedule(regions=(Region(0, 3, "recompute", children=(
+            Region(1, 3, "recompute", keep={1}),)), Region(3, 4))))
+    # the same region without the keep runs, as does keeping a keepable node
+    assert simulate(p, Schedule.from_segments(4, [(0, 3)])).recompute_time_ms == 3.0
+    assert simulate(p, Schedule.from_segments(4, [(0, 3)], keep=[2])).peak_bytes > 0
+
+
 def test_early_stop_skips_nodes_after_last_save() -> None:
     # n2 saves nothing (e.g. an add): the rerun of [0, 3) stops after n1
     p = Problem(
