@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -58,11 +59,13 @@ class CheckpointedRegion:
             if calls == 1:
                 return self.module(*inputs)
             buffers = [self.module.get_buffer(name) for name in self.restored_buffers]
-            before = [b.detach().clone() for b in buffers]
+            # outside the dispatch modes: SAC's replay must see only the region's own ops
+            with _disable_current_modes(), torch.no_grad():
+                before = [b.clone() for b in buffers]
             try:
                 return self.module(*inputs)
             finally:  # also when early stop interrupts the rerun
-                with torch.no_grad():
+                with _disable_current_modes(), torch.no_grad():
                     for buffer, value in zip(buffers, before, strict=True):
                         buffer.copy_(value)
 

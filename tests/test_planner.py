@@ -18,8 +18,8 @@ from planner import (
     apply,
     optimize,
     verify,
+    zoo,
 )
-from planner import zoo
 from planner.api import _input_specs, plan_for_profile
 from profiles.tracing import normalize_inputs
 
@@ -53,7 +53,7 @@ def test_plans_honour_budgets_measured_on_cpu(zoo_model: zoo.ZooModel, fraction:
 
 
 def test_optimize_apply_round_trip_and_batchnorm_state(tmp_path: object) -> None:
-    model = zoo.get("resnet", batch=4, image=16, blocks_per_stage=1)
+    model = zoo.get("resnet", batch=16)
     first = optimize(model.model, model.example_inputs, budget_gb=1e3, loss_fn=model.loss_fn,
                      progress=False)
     assert not first.checkpointing and "No checkpointing needed" in first.note
