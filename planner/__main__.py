@@ -85,7 +85,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from planner import Plan
 
-    print(Plan.load(args.plan).summary())
+    plan = Plan.load(args.plan)
+    print(plan.summary())
+    if args.html is not None:
+        from planner.report import write_html_report
+
+        write_html_report(plan, args.html)
+        print(f"\nHTML report written to {args.html}")
     return 0
 
 
@@ -150,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan", type=Path)
+    show.add_argument("--html", type=Path, default=None, metavar="PATH",
+                      help="also write a self-contained HTML report (plan table and plots)")
     show.set_defaults(func=cmd_show)
 
     prof = sub.add_parser("profile", help="profile a model's training step")

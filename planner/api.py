@@ -25,7 +25,17 @@ from planner.plan import (
 from planner.rewrite import rewrite
 from profiles.schema import GraphProfile
 from profiles.tracing import flat_placeholder_values, graph_fingerprint, normalize_inputs
-from solvers import SOLVERS, Region, Schedule, Status, simulate
+from solvers import (
+    SOLVERS,
+    Problem,
+    Region,
+    Schedule,
+    Solution,
+    Status,
+    memory_lower_bound,
+    simulate,
+)
+from solvers.baselines import BASELINES
 from solvers.from_profile import problem_from_profile
 
 log = logging.getLogger(__name__)
@@ -155,18 +165,32 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
              budget_bytes / GIB)
     solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
     if not solution.feasible or solution.schedule is None:
-        minimum = solution.min_feasible_budget_bytes or 0
-        exact = "" if solution.min_feasible_budget_exact else " at least"
-        raise InfeasibleBudgetError(
-            f"No checkpointing schedule of {prof.model_name} fits in "
-            f"{budget_bytes / GIB:.3f} GiB: the minimum is{exact} {minimum / GIB:.3f} GiB "
-            f"({minimum} bytes; static memory alone is {prof.static.total_bytes / GIB:.3f} "
-            "GiB). Raise budget_gb, shrink the batch, or shard parameters/optimizer state.",
-            minimum)
+        raise _infeasible(prof, problem, budget_bytes, solution)
     report = SolverReport(name=solution.solver, status=solution.status.value,
                           objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
                           gap=solution.gap, solve_time_s=solution.solve_time_s)
     return _make_plan(prof, solution.schedule, budget_bytes, report, inputs)
+
+
+def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,
+                solution: Solution) -> InfeasibleBudgetError:
+    """The error for a budget no schedule met, naming the lowest peak any schedule reached
+    (the budget to ask for) and, when it is not proven minimal, the proven lower bound."""
+    tried = [solution] + [baseline(problem, budget_bytes, 1.0)
+                          for baseline in BASELINES.values()]
+    reached = [(s.peak_bytes, s.solver) for s in tried if s.peak_bytes]
+    lowest, how = min(reached) if reached else (0, "")
+    bound = solution.min_feasible_budget_bytes or memory_lower_bound(problem)
+    exact = solution.min_feasible_budget_exact and bound >= lowest
+    minimum = f"{lowest / GIB:.4f} GiB ({lowest} bytes, reached by {how})"
+    if not exact:
+        minimum += (f"; no schedule can go below {bound / GIB:.4f} GiB, and schedules in "
+                    "between may exist that the solver did not find in its time limit")
+    return InfeasibleBudgetError(
+        f"No checkpointing schedule of {prof.model_name} found within {budget_bytes / GIB:.4f} "
+        f"GiB: the minimum is {minimum}. Static memory alone is "
+        f"{prof.static.total_bytes / GIB:.4f} GiB. Raise budget_gb, shrink the batch, or "
+        "shard parameters/optimizer state.", lowest)
 
 
 def _model_device(model: nn.Module) -> torch.device:
