@@ -69,6 +69,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_and_save(plan: Any, out: Path) -> int:
+    print(plan.summary())
+    plan.save(out)
+    print(f"\nplan written to {out}")
+    return 0
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from planner import optimize
 
@@ -76,10 +83,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
                     loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
                     timing=args.timing, device=args.device, progress=not args.quiet)
-    print(plan.summary())
-    plan.save(args.out)
-    print(f"\nplan written to {args.out}")
-    return 0
+    return _print_and_save(plan, args.out)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -98,22 +102,20 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plan the zoo's GPT-style model at a budget that forces checkpointing."""
     from planner import optimize
+    from planner.api import plan_for_profile
 
     model = _load_model("gpt", [f"size={args.size}"])
-    first = optimize(model.model, model.example_inputs, budget_gb=1e6, loss_fn=model.loss_fn,
-                     timing=args.timing, device=args.device, progress=not args.quiet)
-    static = first.profile.static.total_bytes
-    budget = static + args.fraction * (first.unplanned_peak_bytes - static)
-    print(f"{model.name}: unplanned peak {first.unplanned_peak_bytes / 2**30:.4f} GiB, static "
-          f"{static / 2**30:.4f} GiB; planning at static + {100 * args.fraction:.0f} % of the "
-          f"activations = {budget / 2**30:.4f} GiB\n")
-    plan = optimize(model.model, model.example_inputs, budget_gb=budget / 2**30,
-                    loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
-                    timing=args.timing, device=args.device, progress=not args.quiet)
-    print(plan.summary())
-    plan.save(args.out)
-    print(f"\nplan written to {args.out}")
-    return 0
+    unplanned = optimize(model.model, model.example_inputs, budget_gb=1e6,
+                         loss_fn=model.loss_fn, timing=args.timing, device=args.device,
+                         progress=not args.quiet)
+    static = unplanned.profile.static.total_bytes
+    budget = int(static + args.fraction * (unplanned.unplanned_peak_bytes - static))
+    print(f"{model.name}: unplanned peak {unplanned.unplanned_peak_bytes / 2**30:.4f} GiB, "
+          f"static {static / 2**30:.4f} GiB; planning at static + {100 * args.fraction:.0f} % "
+          f"of the activations = {budget / 2**30:.4f} GiB\n")
+    plan = plan_for_profile(unplanned.profile, budget, unplanned.inputs, solver=args.solver,
+                            time_limit_s=args.time_limit)
+    return _print_and_save(plan, args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,32 +91,25 @@ def test_selective_saves_and_nested_regions() -> None:
     _check(model, gm, prof, nested)
 
 
-def test_batchnorm_statistics_are_updated_once() -> None:
+def _assert_same_state_after_one_step(gm: torch.fx.GraphModule, planned: torch.nn.Module,
+                                      model: zoo.ZooModel) -> None:
+    reference = {k: v.clone() for k, v in gm.state_dict().items()}
+    _step(gm, model)
+    after_plain = {k: v.clone() for k, v in gm.state_dict().items()}
+    gm.load_state_dict(reference)
+    _step(planned, model)
+    assert all(torch.equal(after_plain[k], v) for k, v in gm.state_dict().items())
+
+
+def test_batchnorm_statistics_are_updated_once_per_step() -> None:
     model = zoo.get("resnet", batch=4, image=16, blocks_per_stage=1)
     gm, prof = _setup(model)
     problem = problem_from_profile(prof)
-    schedule = baselines.every_block(problem, 2**62).schedule
-    planned = rewrite(gm, prof, schedule)
-    reference = {k: v.clone() for k, v in gm.state_dict().items()}
-    _step(gm, model)
-    after_plain = {k: v.clone() for k, v in gm.state_dict().items()}
-    gm.load_state_dict(reference)
-    _step(planned, model)
-    assert all(torch.equal(after_plain[k], v) for k, v in gm.state_dict().items())
-
-
-def test_recomputed_batchnorm_updates_its_statistics_once() -> None:
-    model = zoo.get("resnet", batch=4, image=16, blocks_per_stage=1)
-    gm, prof = _setup(model)
+    schedule = baselines.every_block(problem, 2**62).schedule  # blocks hold BatchNorms
+    _assert_same_state_after_one_step(gm, rewrite(gm, prof, schedule), model)
     bn = next(n.index for n in prof.nodes if n.stateful)
     assert prof.nodes[bn].mutated_buffers
-    schedule = Schedule(regions=(Region(0, bn - 1), Region(bn - 1, bn + 2, "recompute"),
-                                 Region(bn + 2, len(prof.nodes))))
-    _check(model, gm, prof, schedule)
-    planned = rewrite(gm, prof, schedule)
-    reference = {k: v.clone() for k, v in gm.state_dict().items()}
-    _step(gm, model)
-    after_plain = {k: v.clone() for k, v in gm.state_dict().items()}
-    gm.load_state_dict(reference)
-    _step(planned, model)
-    assert all(torch.equal(after_plain[k], v) for k, v in gm.state_dict().items())
+    around_bn = Schedule(regions=(Region(0, bn - 1), Region(bn - 1, bn + 2, "recompute"),
+                                  Region(bn + 2, len(prof.nodes))))
+    _check(model, gm, prof, around_bn)
+    _assert_same_state_after_one_step(gm, rewrite(gm, prof, around_bn), model)
