@@ -363,7 +363,9 @@ def _legend(fig: Figure, kinds: Iterable[str], extra: Sequence[Any] = ()) -> Non
 
     handles = [Patch(fc=STATUS_COLORS[k], ec="0.25", label=_KIND_LABELS[k])
                for k in (STORED, RECOMPUTED, SAVED, MIXED) if k in set(kinds)]
-    fig.legend(handles=[*handles, *extra], loc="outside lower center", ncol=4, frameon=False)
+    entries = [*handles, *extra]
+    per_row = max(1, min(len(entries), int(fig.get_size_inches()[0] // 3.7)))
+    fig.legend(handles=entries, loc="outside lower center", ncol=per_row, frameon=False)
 
 
 _KIND_LABELS = {STORED: "stored (autograd keeps its activations)",
@@ -570,20 +572,23 @@ _MARKERS = "osD^Pv<>Xh"
 
 def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] | None = None,
                   baselines: Sequence[str] = DEFAULT_BASELINES, *, n_budgets: int = 8,
-                  solver: str = "auto", time_limit_s: float = 1.0) -> Figure:
+                  solver: str = "auto", time_limit_s: float = 1.0,
+                  points: Sequence[FrontierPoint] | None = None) -> Figure:
     """Predicted overhead (%) against peak memory (GiB) over a sweep of budgets.
 
     The optimal solver's answers at each budget (``frontier_points``) give the Pareto
     frontier, drawn as a staircase (the best overhead reachable at that peak or more); the
     ``baselines`` are labelled points; a plan, when given, is starred. All numbers come from
-    ``simulate()``.
+    ``simulate()``. ``points`` from :func:`frontier_points` skips the solving.
     """
     from matplotlib.lines import Line2D
 
     plan = profile_or_plan if isinstance(profile_or_plan, Plan) else None
     profile = plan.profile if plan else profile_or_plan
     base = baseline_points(profile, baselines)
-    if budgets is None:  # the default sweep, plus each baseline's peak and the plan's budget
+    if points is not None:
+        budgets = [p.budget_bytes or p.peak_bytes for p in points]
+    elif budgets is None:  # the default sweep, plus each baseline's peak and the plan's budget
         problem, _ = _problem(profile)
         lo = memory_lower_bound(problem)
         hi = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
@@ -591,7 +596,8 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
                           for k in range(n_budgets)}
                          | {p.peak_bytes for p in base}
                          | ({plan.budget_bytes} if plan else set()))
-    points = frontier_points(profile, budgets, solver=solver, time_limit_s=time_limit_s)
+    if points is None:
+        points = frontier_points(profile, budgets, solver=solver, time_limit_s=time_limit_s)
     front = pareto(points)
     fig = _figure(10.5, 6.2)
     ax = fig.add_subplot()

@@ -1,0 +1,45 @@
+"""Smoke test of benchmarks/frontier.py --quick: it runs, measures, and our plans fit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+FRONTIER = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
+
+
+def _load_frontier():
+    spec = importlib.util.spec_from_file_location("frontier_bench", FRONTIER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_frontier_quick(tmp_path: Path) -> None:
+    frontier = _load_frontier()
+    began = time.perf_counter()
+    frontier.main(["--quick", "--out", str(tmp_path)])
+    elapsed = time.perf_counter() - began
+    assert elapsed < 60, f"--quick took {elapsed:.0f} s"
+
+    result = json.loads((tmp_path / "frontier-cpu-quick.json").read_text())
+    assert result["torch"] and result["device_name"] and result["date"]
+    assert (tmp_path / "frontier-cpu-quick.md").read_text().startswith("# Frontier")
+    assert (tmp_path / "frontier-cpu-quick.png").stat().st_size > 0
+
+    measured = [r for r in result["rows"] if r.get("status") == "ok"]
+    peers = [r for r in measured if r["kind"] == "peer"]
+    ours = [r for r in measured if r["kind"] == "ours"]
+    assert {r["strategy"] for r in peers} >= {"none", "every-layer", "sac-matmuls"}
+    assert ours, "no plan of ours was measured"
+    for r in measured:
+        assert r["peak_bytes"] > 0 and r["step_ms"] > 0
+        assert r["grads_equal"], f"{r['strategy']}: gradients differ from no checkpointing"
+    for r in ours:
+        assert r["peak_bytes"] <= r["budget_bytes"], (
+            f"{r['strategy']}: measured {r['peak_bytes']} B over budget {r['budget_bytes']} B")
+    # strategies that cannot run here are recorded with a reason, not dropped
+    assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible"))
+               for r in result["rows"])

@@ -1,0 +1,110 @@
+"""`auto` never loses to a baseline; the DP on real-graph structure (pins, empty stages)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_properties import problems
+
+from solvers import Problem, Schedule, Status, auto, baselines, dp, memory_lower_bound, simulate
+
+FEW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+
+
+def _budget(p: Problem, frac: float) -> int:
+    store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    return lower + int((store_peak - lower) * frac)
+
+
+def _no_worse_than_baselines(p: Problem, budget: int, sol) -> None:
+    if sol.schedule is not None:
+        assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
+    for name, solve in baselines.BASELINES.items():
+        b = solve(p, budget, 1.0)
+        if b.feasible:
+            assert sol.feasible, name
+            assert sol.objective_ms <= b.objective_ms + 1e-9, name
+
+
+@FEW
+@given(problems(max_nodes=6), st.floats(0.0, 1.3))
+def test_auto_no_worse_than_any_baseline(p: Problem, frac: float) -> None:
+    budget = _budget(p, frac)
+    _no_worse_than_baselines(p, budget, auto.solve(p, budget, 20.0))
+
+
+def _masked_blocks(n_blocks: int = 6) -> Problem:
+    """Embedding, a mask read by every block (a long skip), blocks of 3 nodes, a loss.
+
+    Nodes 0-1 are empty (placeholders: no storage read or made).
+    """
+    ins, outs, saved, block, size = [[], []], [[], []], [[], []], [-1, -1], []
+
+    def node(inputs, nbytes, saves, b):
+        s = len(size)
+        size.append(nbytes)
+        ins.append(inputs)
+        outs.append([s])
+        saved.append(saves)
+        block.append(b)
+        return s
+
+    x = node([], 8, [], -1)
+    mask = node([], 2, [], -1)
+    for b in range(n_blocks):
+        h = node([x, mask], 16, [x, mask], b)
+        g = node([h], 16, [h], b)
+        x = node([g, x], 8, [g], b)
+    node([x], 1, [x], -1)
+    n = len(ins)
+    return Problem(
+        name="masked", node_names=[f"v{i}" for i in range(n)],
+        fwd_time_ms=[0.0, 0.0] + [1.0 + 0.1 * (i % 3) for i in range(n - 2)],
+        bwd_time_ms=[0.0, 0.0] + [2.0] * (n - 2), fwd_temp_bytes=[0] * n,
+        bwd_temp_bytes=[0] * n, recomputable=[True] * n, node_inputs=ins, node_outputs=outs,
+        node_saved=saved, storage_bytes=size, storage_producer=[i + 2 for i in range(len(size))],
+        storage_grad_bytes=[0 if s == 1 else b for s, b in enumerate(size)], static_bytes=5,
+        param_grad_bytes=[0, 0] + [1] * (n - 2), block_of_node=block)
+
+
+def test_dp_pins_long_skips_and_compacts_empty_stages() -> None:
+    p = _masked_blocks()
+    assert dp.pinned_storages(p) == frozenset({1})
+    stages, is_chain = dp.chain_stages(p, dp.pinned_storages(p))
+    assert is_chain  # with the mask pinned the blocks stay separate stages
+    assert dp.compact_stages(p, stages)[0] == (0, 3)  # empty nodes 0, 1 join the embedding
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    hf = baselines.every_block(p, 10**9, 1.0).peak_bytes
+    for budget in (hf, (hf + store) // 2, store):
+        sol = dp.solve(p, budget, 10.0)
+        assert sol.feasible and sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
+        assert sol.bound_ms <= sol.objective_ms + 1e-9
+        _no_worse_than_baselines(p, budget, auto.solve(p, budget, 10.0))
+
+
+def test_auto_falls_back_to_baselines_when_exact_solvers_run_out_of_time() -> None:
+    p = _masked_blocks(8)
+    budget = baselines.every_block(p, 10**9, 1.0).peak_bytes
+    sol = auto.solve(p, budget, 0.0)  # no time: the DP gives up, CP-SAT is not started
+    assert sol.status == Status.FEASIBLE and sol.solver.startswith("auto/")
+    assert sol.bound_ms == 0.0 and sol.gap == 1.0
+    _no_worse_than_baselines(p, budget, sol)
+
+
+@pytest.mark.skipif(not (DATA / "gpt2-medium-b8.problem.json").exists(), reason="no data")
+def test_dp_optimal_on_gpt2_medium_and_beats_baselines() -> None:
+    p = Problem.model_validate_json((DATA / "gpt2-medium-b8.problem.json").read_text())
+    unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    budget = int(p.static_bytes + 0.3 * (unplanned - p.static_bytes))
+    sol = dp.solve(p, budget, 30.0)
+    assert sol.status == Status.OPTIMAL and sol.gap == 0.0
+    assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+    for name, solve in baselines.BASELINES.items():
+        b = solve(p, budget, 1.0)
+        if b.feasible:
+            assert sol.objective_ms <= b.objective_ms + 1e-9, name
