@@ -7,6 +7,11 @@ status, gap, recompute time and the ratio of each baseline's recompute time to t
 
     python benchmarks/solver_scaling.py            # full run (minutes)
     python benchmarks/solver_scaling.py --quick    # smoke run (< 30 s)
+    python benchmarks/solver_scaling.py --real     # the profiled GPT-2-medium and Llama-7B
+
+`--real` loads `benchmarks/data/*.problem.json` and solves each at static memory plus 30 %,
+50 % and 80 % of the unplanned activations with `auto`, printing per budget: solver, status,
+solve time, gap, recompute ms, peak GiB, and each baseline's recompute time over auto's.
 """
 
 from __future__ import annotations
@@ -153,13 +158,62 @@ def run_case(problem: Problem, exact: list[str], time_limit_s: float) -> None:
         print(_fmt(SOLVERS[name](problem, budget, 10.0), opt))
 
 
+REAL = ["gpt2-medium-b8.problem.json", "llama-7b-b1-s2048.problem.json"]
+GiB = 2**30
+
+
+def run_real(time_limit_s: float, fractions: tuple[float, ...] = (0.3, 0.5, 0.8)) -> None:
+    """Solve the saved real problems at static + f * unplanned activations."""
+    data = Path(__file__).resolve().parent / "data"
+    for fname in REAL:
+        path = data / fname
+        if not path.exists():
+            print(f"\n{fname}: missing, skipped")
+            continue
+        p = Problem.model_validate_json(path.read_text())
+        unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+        print(f"\n{p.name} ({fname}): {p.n_nodes} nodes, {len(p.blocks())} blocks, static "
+              f"{p.static_bytes / GiB:.2f} GiB, unplanned peak {unplanned / GiB:.2f} GiB, "
+              f"pinned storages {len(dp.pinned_storages(p))}")
+        for f in fractions:
+            budget = int(p.static_bytes + f * (unplanned - p.static_bytes))
+            t0 = time.perf_counter()
+            sol = SOLVERS["auto"](p, budget, time_limit_s)
+            wall = time.perf_counter() - t0
+            gap = f"{100 * sol.gap:.2f}%" if sol.gap is not None else "-"
+            obj = f"{sol.objective_ms:.2f}" if sol.objective_ms is not None else "-"
+            peak = f"{sol.peak_bytes / GiB:.2f}" if sol.peak_bytes is not None else "-"
+            extra = ""
+            if not sol.feasible and sol.min_feasible_budget_bytes:
+                extra = f" (min feasible >= {sol.min_feasible_budget_bytes / GiB:.2f} GiB)"
+            print(f"  f={f:.1f} budget {budget / GiB:.2f} GiB: {sol.solver} {sol.status.value} "
+                  f"{wall:.2f}s gap {gap} recompute {obj} ms peak {peak} GiB{extra}")
+            ratios = []
+            for name in BASELINE_NAMES:
+                b = SOLVERS[name](p, budget, 10.0)
+                if not b.feasible:
+                    r = "infeasible"
+                elif not sol.feasible:
+                    r = "auto infeasible"
+                elif sol.objective_ms == 0:
+                    r = "1.000" if b.objective_ms == 0 else "inf"
+                else:
+                    r = f"{b.objective_ms / sol.objective_ms:.3f}"
+                ratios.append(f"{name}={r}")
+            print("    baseline/auto: " + ", ".join(ratios))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small graphs only (< 30 s)")
+    ap.add_argument("--real", action="store_true", help="the saved real problems only")
     ap.add_argument("--time-limit", type=float, default=60.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.real:
+        run_real(args.time_limit)
+        return
     if args.quick:
         cases = [(transformer(4, 1), ["auto", "dp", "milp"]),
                  (random_dag(100), ["auto", "milp"])]

@@ -24,13 +24,16 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 from solvers.simulate import ACCUMULATION_COPIES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Context", "RegionInfo", "SegmentProfile", "evaluate", "gradient_bytes", "profile"]
+__all__ = ["Context", "RegionInfo", "SegmentProfile", "WindowParts", "evaluate", "gradient_bytes",
+           "profile", "profile_parts"]
 
 
 def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
@@ -87,6 +90,12 @@ class Context:
         self.alloc = [sum(p.storage_bytes[s] for s in p.outputs[i]) for i in range(n)]
         # gradient bytes in backward event j's peak / live just before it (reruns see this)
         self.g_event, self.g_rest = gradient_bytes(p)
+        # per slot kind, the gradient + loss bytes at node j: rerun at trigger j (j),
+        # backward of j (n + j), forward (2n + j: none)
+        self.g_table = np.concatenate([
+            np.asarray(self.g_rest, dtype=np.int64) + self.loss_bytes,
+            np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
+            np.zeros(n, dtype=np.int64)])
         self._regions: dict[tuple[int, int, frozenset[int]], RegionInfo] = {}
 
     def region(self, a: int, b: int, keep: Iterable[int] = ()) -> RegionInfo:
@@ -189,14 +198,45 @@ def _top_regions(schedule: Schedule) -> list[Region]:
     return [r for r in schedule.regions if r.is_recompute]
 
 
-def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
-            external: frozenset[int] = frozenset()) -> SegmentProfile:
-    """Exact local memory of the events of nodes `[a0, b0)` under top-level `regions`.
+@dataclass(frozen=True)
+class WindowParts:
+    """`profile` split into what depends on the window's position and what does not.
 
-    `regions` lie inside the window and do not overlap; the other nodes of the window are
-    STORE. Constants (gradients, loss, temporaries) are global; static bytes are not added.
+    The live bytes at slot t are `local[t] + ctx.g_table[g_index[t] + a0]`: `local` holds the
+    storage intervals and the per-node constants (allocations, temporaries); the gradient and
+    loss bytes, which differ between otherwise identical blocks (parameter gradients pile up),
+    come from the position-dependent table. So identical windows at different positions share
+    one `WindowParts` (see `solvers.dp`).
+    """
+
+    local: np.ndarray  # int64 per slot
+    g_index: np.ndarray  # int64 per slot, relative to the window start
+    residue_bytes: int
+    held_out: frozenset[int]
+    time_ms: float
+
+    def peak(self, ctx: Context, a0: int, table: np.ndarray | None = None) -> int:
+        """Local peak of the window placed at `a0` (what `profile` reports).
+
+        `table` replaces `ctx.g_table` (same layout), e.g. with bytes of storages left out
+        of the window (`skip`) added by position.
+        """
+        if not len(self.local):
+            return 0
+        g = ctx.g_table if table is None else table
+        return max(0, int((self.local + g[self.g_index + a0]).max()))
+
+
+def profile_parts(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
+                  external: frozenset[int] = frozenset(),
+                  skip: frozenset[int] = frozenset()) -> WindowParts:
+    """`profile`'s computation, returned as position-independent parts (`WindowParts`).
+
+    Storages in `skip` are left out (their original instance; copies a rerun regenerates
+    still count): the caller accounts for them by position (`WindowParts.peak`'s table).
     """
     p = ctx.p
+    n = ctx.n
     n_fw = b0 - a0
     in_region: dict[int, RegionInfo] = {}
     by_trigger: dict[int, RegionInfo] = {}
@@ -206,47 +246,59 @@ def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
         if r.packs:
             by_trigger[r.trigger] = r
     const: list[int] = [ctx.alloc[i] + p.fwd_temp_bytes[i] for i in range(a0, b0)]
+    gidx: list[int] = [2 * n + k for k in range(n_fw)]
     bwd_slot = [0] * n_fw
     rerun_slot: dict[int, int] = {}  # node -> slot of its rerun step (one region per node)
     for j in range(b0 - 1, a0 - 1, -1):
         r = by_trigger.get(j)
         if r is not None:
-            base = ctx.g_rest[j] + ctx.loss_bytes
             for off, i in enumerate(r.steps()):
                 rerun_slot[i] = len(const)
-                const.append(base + r.step_const[off])
+                const.append(r.step_const[off])
+                gidx.append(j - a0)
         bwd_slot[j - a0] = len(const)
-        const.append(ctx.g_event[j] + p.bwd_temp_bytes[j] + ctx.loss_bytes)
-    diff = [0] * (len(const) + 1)
+        const.append(p.bwd_temp_bytes[j])
+        gidx.append(n + j - a0)
+    diff = np.zeros(len(const) + 1, dtype=np.int64)
+    starts: list[int] = []
+    ends: list[int] = []
+    sizes: list[int] = []
 
     def add(nbytes: int, start: int, end: int) -> None:
         if end >= start and nbytes:
-            diff[start] += nbytes
-            diff[end + 1] -= nbytes
+            starts.append(start)
+            ends.append(end + 1)
+            sizes.append(nbytes)
 
-    local = [s for i in range(a0, b0) for s in p.outputs[i] if s not in ctx.loss]
+    loss = ctx.loss | skip
+    local = [s for i in range(a0, b0) for s in p.outputs[i] if s not in loss]
     local += [s for s in sorted({s for i in range(a0, b0) for s in p.inputs[i]
-                                 if p.storage_producer[s] < a0}) if s not in external]
+                                 if p.storage_producer[s] < a0})
+              if s not in external and s not in skip]
     frame_of: dict[int, list[RegionInfo]] = {}
     for r in regions:
         for s in r.inputs:
             frame_of.setdefault(s, []).append(r)
-    kept_region: dict[int, RegionInfo] = {s: r for r in regions for s in r.kept_ends}
+    kept_region: dict[int, RegionInfo] = {s: r for r in regions for s in r.kept_ends
+                                          if s not in skip}
     residue = 0
     held_out: set[int] = set()
+    last_read, savers_of, producer = ctx.last_read, ctx.savers, p.storage_producer
     for s in local:
-        prod = p.storage_producer[s]
+        prod = producer[s]
         start = prod - a0 + 1 if prod >= a0 else 0
         end = -1
         through = False  # held through the end of the forward
-        lr = ctx.last_read[s]
+        lr = last_read[s]
         if lr >= b0:
             end = n_fw - 1
         elif lr > prod:
             end = lr - a0
-        for k in ctx.savers[s]:
+        for k in savers_of[s]:
             if a0 <= k < b0 and k not in in_region:
-                end = max(end, bwd_slot[k - a0])
+                slot = bwd_slot[k - a0]
+                if slot > end:
+                    end = slot
                 through = True
         for r in frame_of.get(s, ()):
             if r.death is None:
@@ -282,13 +334,26 @@ def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
             for k in inst.savers:
                 end = max(end, bwd_slot[k - a0])
             add(p.storage_bytes[inst.storage], rerun_slot[inst.step] + 1, end)
-    peak = 0
-    live = 0
-    for t, c in enumerate(const):
-        live += diff[t]
-        peak = max(peak, c + live)
+    if sizes:
+        sz = np.asarray(sizes, dtype=np.int64)
+        np.add.at(diff, np.asarray(starts, dtype=np.int64), sz)
+        np.add.at(diff, np.asarray(ends, dtype=np.int64), -sz)
+    live = np.cumsum(diff[:-1])
     time_ms = float(sum(r.time_ms for r in regions))
-    return SegmentProfile(peak, residue, frozenset(held_out), time_ms)
+    return WindowParts(np.asarray(const, dtype=np.int64) + live,
+                       np.asarray(gidx, dtype=np.int64), residue, frozenset(held_out), time_ms)
+
+
+def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
+            external: frozenset[int] = frozenset()) -> SegmentProfile:
+    """Exact local memory of the events of nodes `[a0, b0)` under top-level `regions`.
+
+    `regions` lie inside the window and do not overlap; the other nodes of the window are
+    STORE. Constants (gradients, loss, temporaries) are global; static bytes are not added.
+    """
+    parts = profile_parts(ctx, a0, b0, regions, external)
+    return SegmentProfile(parts.peak(ctx, a0), parts.residue_bytes, parts.held_out,
+                          parts.time_ms)
 
 
 def evaluate(problem: Problem, schedule: Schedule, ctx: Context | None = None) -> tuple[int, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from solvers import bruteforce, dp, milp
+from solvers import baselines, bruteforce, dp, milp
 from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -23,24 +23,41 @@ def _rank(sol: Solution) -> tuple:
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> Solution:
-    """Best proven result of the exact solvers that fit the graph and the time limit.
+    """Best result of the exact solvers that fit the graph and the time limit, and the baselines.
 
     Chains of blocks: the DP first (fast), then CP-SAT warm-started with its schedule on what
     is left of the time limit (small and mid-size graphs). Other graphs: CP-SAT, with the DP
-    over merged stages as warm start. Returns the feasible answer with least recompute time
-    (OPTIMAL preferred on ties); `solver` names which one, prefixed `auto/`.
+    over merged stages as warm start. The cheap baselines (`baselines.BASELINES`) run too, so
+    the answer is never worse than any of them. Returns the feasible answer with least
+    recompute time (OPTIMAL preferred on ties); `solver` names which one, prefixed `auto/`.
+    When no exact solver proved that answer optimal, the status is FEASIBLE and `bound_ms` /
+    `gap` carry the best lower bound the exact solvers proved (0 ms when none did).
     """
     t0 = time.perf_counter()
-    results: list[Solution] = []
-    d = dp.solve(problem, budget_bytes, time_limit_s * (0.5 if dp.applies(problem) else 0.3))
-    results.append(d)
+    exact: list[Solution] = []
+    if problem.n_nodes > MILP_MAX_NODES:
+        share = 0.8  # no CP-SAT after the DP; the rest is for the baselines
+    else:
+        share = 0.5 if dp.applies(problem) else 0.3
+    d = dp.solve(problem, budget_bytes, time_limit_s * share)
+    exact.append(d)
     left = time_limit_s - (time.perf_counter() - t0)
-    chain_done = dp.applies(problem) and d.status == Status.OPTIMAL and problem.n_nodes > 200
+    chain_done = d.status == Status.OPTIMAL and problem.n_nodes > 200
     if problem.n_nodes <= MILP_MAX_NODES and left > 0.1 and not chain_done:
-        results.append(milp.solve(problem, budget_bytes, left, hint=d.schedule))
-    best = min(results, key=_rank)
+        exact.append(milp.solve(problem, budget_bytes, left, hint=d.schedule))
+    base = [fn(problem, budget_bytes, 1.0) for fn in baselines.BASELINES.values()]
+    best = min(exact + base, key=_rank)
     if not best.feasible:
-        mfb = [r.min_feasible_budget_bytes for r in results if r.min_feasible_budget_bytes]
+        best = min(exact, key=_rank)  # the exact solvers' lowest-peak schedule and minimum
+    if best.feasible and best.status != Status.OPTIMAL:
+        bounds = [s.bound_ms for s in exact if s.feasible and s.bound_ms is not None]
+        bound = min(max(bounds, default=0.0), best.objective_ms)
+        obj = best.objective_ms
+        gap = 0.0 if obj <= 0 else max(0.0, (obj - bound) / obj)
+        best = best.model_copy(update={"status": Status.FEASIBLE, "bound_ms": bound,
+                                       "gap": gap})
+    if not best.feasible:
+        mfb = [r.min_feasible_budget_bytes for r in exact if r.min_feasible_budget_bytes]
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0})

@@ -25,9 +25,14 @@ def memory_lower_bound(problem: Problem) -> int:
     loss_bytes = sum(p.storage_bytes[s] for s in loss)
     g_event, _ = gradient_bytes(p)
     best = 0
+    diff = [0] * (n + 1)  # storage s is live at the forward of nodes producer..last_read
+    for s, b in enumerate(p.storage_bytes):
+        if p.storage_producer[s] <= last_read[s]:
+            diff[p.storage_producer[s]] += b
+            diff[last_read[s] + 1] -= b
+    act = 0
     for i in range(n):
-        act = sum(b for s, b in enumerate(p.storage_bytes)
-                  if p.storage_producer[s] <= i <= last_read[s])
+        act += diff[i]
         best = max(best, act + p.fwd_temp_bytes[i])
     for j in range(n - 1, -1, -1):
         saved = sum(p.storage_bytes[s] for s in set(p.saved[j]) - loss)

@@ -13,11 +13,26 @@ larger than `max_front` are discretised into that many memory slots, rounding he
 (the schedule is still simulated and safe); a second pass rounding down gives the lower
 bound, and the difference is reported as the gap.
 
-Not a chain (a storage read two or more stages later, e.g. a mask or a tied embedding
-output used at the end): the stages it skips are merged (conservative; logged), so the DP
-still answers, over a coarser space. Nested regions are not produced: torch's nested
-non-reentrant checkpoints rerun the parent's saves early, which rarely pays off.
-OPTIMAL therefore means optimal over this schedule space, with the memory model exact.
+Not a chain (a storage read two or more stages later): a storage whose skip spans a block
+(an attention mask or rotary table read by every block) is pinned (`pinned_storages`): left
+out of the window accounting and counted by position over the longest life any schedule can
+give it (conservative: the schedule stays safe; a second pass counting only its sure life,
+producer to last reader, gives a valid lower bound and the gap; when both agree the result is
+OPTIMAL). Short skips across single nodes (a position id read two nodes later, logits read by
+the loss after an `output` node) merge the stages they skip (exact over a slightly coarser
+space; logged). Parameters, tied ones included, are static memory and their gradients are
+schedule-independent constants, so a tied embedding read by the LM head is exact as is.
+
+Speed on real graphs: stages of only `_empty` nodes (parameter placeholders) join the next
+stage (`compact_stages`); window profiles are cached by a translation-invariant signature
+without gradient bytes or forward times (`accounting.WindowParts` adds gradients by position,
+`_run` the recompute time), so identical blocks are profiled once per window length; a
+segment from stage t stops growing once the saved bytes of its largest recomputed run exceed
+the room left. `simulate` is called once, on the final schedule, whose numbers are reported.
+
+Nested regions are not produced: torch's nested non-reentrant checkpoints rerun the parent's
+saves early, which rarely pays off. OPTIMAL therefore means optimal over this schedule space,
+with the memory model exact.
 """
 
 from __future__ import annotations
@@ -28,7 +43,7 @@ import time
 
 import numpy as np
 
-from solvers.accounting import Context, RegionInfo, profile
+from solvers.accounting import Context, RegionInfo, profile_parts
 from solvers.bounds import memory_lower_bound
 from solvers.milp import stages as problem_stages
 from solvers.problem import Problem
@@ -37,13 +52,42 @@ from solvers.schedule import RECOMPUTE, Region, Schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["applies", "chain_stages", "solve"]
+__all__ = ["applies", "chain_stages", "compact_stages", "pinned_storages", "solve"]
 
 SUBSET_MAX_NODES = 8  # problems this small try every kept subset per segment
 
 
-def chain_stages(problem: Problem) -> tuple[list[tuple[int, int]], bool]:
-    """Stages, merged until the problem is a chain of them; True if nothing was merged."""
+def pinned_storages(problem: Problem) -> frozenset[int]:
+    """Storages read across a multi-node stage (a block) after the one that makes them.
+
+    Merging the stages such a storage spans (an attention mask or rotary table read by every
+    block) would fuse the whole chain, so the DP pins it instead: it is left out of the
+    window accounting and counted by position, live from its producer to the end of the
+    forward and through the backward down to its producer's backward (conservative: no
+    schedule holds it longer). Short skips across single nodes are merged (exact).
+    """
+    st = problem_stages(problem)
+    stage_of = [0] * problem.n_nodes
+    for t, (a, b) in enumerate(st):
+        for i in range(a, b):
+            stage_of[i] = t
+    loss = set(problem.outputs[-1])
+    out = set()
+    for s, cons in enumerate(problem.consumers):
+        if not cons or s in loss:
+            continue
+        t, u = stage_of[problem.storage_producer[s]], stage_of[cons[-1]]
+        if any(st[v][1] - st[v][0] > 1 for v in range(t + 1, u)):
+            out.add(s)
+    return frozenset(out)
+
+
+def chain_stages(problem: Problem,
+                 pinned: frozenset[int] = frozenset()) -> tuple[list[tuple[int, int]], bool]:
+    """Stages, merged until the problem is a chain of them; True if nothing was merged.
+
+    Storages in `pinned` (see `pinned_storages`) are ignored when looking for skips.
+    """
     st = problem_stages(problem)
     merged = False
     while True:
@@ -54,7 +98,7 @@ def chain_stages(problem: Problem) -> tuple[list[tuple[int, int]], bool]:
         cut = [True] * len(st)  # cut[t]: boundary before stage t kept
         bad = False
         for s, cons in enumerate(problem.consumers):
-            if not cons:
+            if not cons or s in pinned:
                 continue
             t, u = stage_of[problem.storage_producer[s]], stage_of[cons[-1]]
             if u > t + 1:
@@ -80,6 +124,41 @@ def applies(problem: Problem) -> bool:
     return chain_stages(problem)[1]
 
 
+def _empty(problem: Problem, i: int) -> bool:
+    """Node i touches no activation memory: no storage read, made or saved, no temporaries.
+
+    Such nodes (parameter placeholders, `size()` calls) change no live bytes wherever they
+    sit, in a region or not; only their forward time differs (a rerun pays it).
+    """
+    p = problem
+    return not (p.inputs[i] or p.outputs[i] or p.packs[i] or p.fwd_temp_bytes[i]
+                or p.bwd_temp_bytes[i])
+
+
+def compact_stages(problem: Problem, st: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge every stage made only of `_empty` nodes into the next stage (the last: previous).
+
+    Exact for the DP's space: a cut next to an empty stage changes no memory, and `_runs`
+    starts each region at its first non-empty node, so no schedule of the finer stages is
+    lost or beaten on time.
+    """
+    out: list[tuple[int, int]] = []
+    pending: int | None = None
+    for a, b in st:
+        if all(_empty(problem, i) for i in range(a, b)):
+            if pending is None:
+                pending = a
+            continue
+        out.append((a if pending is None else pending, b))
+        pending = None
+    if pending is not None:
+        if out:
+            out[-1] = (out[-1][0], problem.n_nodes)
+        else:
+            out.append((pending, problem.n_nodes))
+    return out
+
+
 def _runs(problem: Problem, a: int, b: int) -> list[tuple[int, int]]:
     runs, start = [], None
     for i in range(a, b + 1):
@@ -89,7 +168,14 @@ def _runs(problem: Problem, a: int, b: int) -> list[tuple[int, int]]:
         elif not ok and start is not None:
             runs.append((start, i))
             start = None
-    return [(x, y) for x, y in runs if any(problem.packs[x:y])]
+    out = []
+    for x, y in runs:
+        if not any(problem.packs[x:y]):
+            continue
+        while _empty(problem, x):  # leading empty nodes: same memory, rerun time saved
+            x += 1
+        out.append((x, y))
+    return out
 
 
 def _options(ctx: Context, a: int, b: int, single: bool,
@@ -158,25 +244,50 @@ class _Front:
 
 
 def _signature(ctx: Context, a: int, b: int) -> tuple:
-    """Translation-invariant description of nodes [a, b) for caching window profiles."""
+    """Translation-invariant description of nodes [a, b) for caching window profiles.
+
+    Gradient and loss bytes and forward times are left out: `WindowParts` adds the first by
+    position and `_run` the recompute time, so identical blocks share one signature although
+    parameter gradients pile up along the chain and measured times differ from block to block.
+    """
     p = ctx.p
 
     def rel(s: int) -> tuple:
         prod = p.storage_producer[s]
+        lr = ctx.last_read[s]
         return (prod - a, p.outputs[prod].index(s), p.storage_bytes[s],
-                p.storage_grad_bytes[s], ctx.last_read[s] - a, s in ctx.loss,
+                p.storage_grad_bytes[s], lr - a if lr >= 0 else None, s in ctx.loss,
                 tuple(k - a for k in ctx.savers[s]))
 
-    return tuple((p.fwd_time_ms[i], p.fwd_temp_bytes[i], p.bwd_temp_bytes[i],
+    return tuple((p.fwd_temp_bytes[i], p.bwd_temp_bytes[i],
                   p.recomputable[i], p.packs[i], p.is_matmul(i), p.can_keep(i),
-                  ctx.g_event[i], ctx.g_rest[i],
                   tuple(rel(s) for s in p.inputs[i]), tuple(rel(s) for s in p.outputs[i]),
                   tuple(rel(s) for s in p.saved[i])) for i in range(a, b))
 
 
+def _pin_tables(ctx: Context, pinned: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`ctx.g_table` plus the pinned storages: conservative (upper) and sure (lower) lives.
+
+    Upper: live at forward events after the producer, at reruns triggered by and backward
+    events of nodes >= the producer. Lower: live at the forward events after the producer up
+    to its last reader (a later reader holds it: true under every schedule).
+    """
+    n = ctx.n
+    up = ctx.g_table.copy()
+    low = ctx.g_table.copy()
+    for s in pinned:
+        nbytes = ctx.p.storage_bytes[s]
+        prod, last = ctx.p.storage_producer[s], ctx.last_read[s]
+        up[2 * n + prod + 1:3 * n] += nbytes
+        up[prod:n] += nbytes
+        up[n + prod:2 * n] += nbytes
+        low[2 * n + prod + 1:2 * n + last + 1] += nbytes
+    return up, low
+
+
 def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
-         optimistic: bool, deadline: float,
-         cache: dict) -> tuple[tuple[float, list[RegionInfo]] | None, bool]:
+         optimistic: bool, deadline: float, cache: dict, table: np.ndarray,
+         pinned: frozenset[int]) -> tuple[tuple[float, list[RegionInfo]] | None, bool]:
     p = ctx.p
     m = len(st)
     subsets = p.n_nodes <= SUBSET_MAX_NODES
@@ -192,6 +303,28 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
         prod = p.storage_producer[s]
         return prod - a, p.outputs[prod].index(s)
 
+    def run_lb(a: int, b: int) -> int:
+        """Max over the recomputable runs of [a, b) of the bytes made and saved inside it.
+
+        At the backward of a run's trigger, after its rerun, every such storage is alive
+        (a regenerated copy, or the kept original), whatever the kept subset.
+        """
+        best = 0
+        for x, y in _runs(p, a, b):
+            key = (x, y)
+            v = lb_cache.get(key)
+            if v is None:
+                made = {s for i in range(x, y) for s in p.saved[i]
+                        if x <= p.storage_producer[s] and s not in ctx.loss
+                        and s not in pinned}
+                v = lb_cache[key] = sum(p.storage_bytes[s] for s in made)
+            best = max(best, v)
+        return best
+
+    lb_cache: dict[tuple[int, int], int] = {}
+    fwd = np.asarray(p.fwd_time_ms, dtype=float)
+    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
+
     for t in range(m):
         if time.perf_counter() > deadline:
             raise TimeoutError
@@ -199,25 +332,38 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
         for held_rel, front in fronts[t].items():
             rounded |= front.prune(max_front, optimistic)
             held_in = frozenset(p.outputs[a + r][k] for r, k in held_rel)
+            room = limit - int(front.held[0])  # the least held bytes of this front
             for u in range(t + 1, m + 1):
                 b = st[u - 1][1]
+                # every multi-stage option recomputes the recomputable runs of [a, b): the
+                # saved bytes of its largest run are a lower bound on its peak that only grows
+                # with u, so once it exceeds the room no longer segment from t can fit
+                if u > t + 1 and run_lb(a, b) > room:
+                    break
                 key = (tuple(stage_sig[t:u]), u == t + 1, held_rel)
                 profs = cache.get(key)
                 if profs is None:
-                    profs = [profile(ctx, a, b, regions, held_in)
-                             for regions in _options(ctx, a, b, u == t + 1, subsets)]
-                    profs = [(pr.peak_bytes, pr.residue_bytes, pr.time_ms,
-                              tuple(sorted(rel(s, a) for s in pr.held_out))) for pr in profs]
+                    profs = []
+                    for regions in _options(ctx, a, b, u == t + 1, subsets):
+                        parts = profile_parts(ctx, a, b, regions, held_in, pinned)
+                        spans = [(r.a - a, r.stop - a) for r in regions if r.packs]
+                        kept = [k - a for r in regions if r.packs for k in r.keep if k < r.stop]
+                        profs.append((parts, tuple(sorted(rel(s, a) for s in parts.held_out)),
+                                      spans, np.asarray(kept, dtype=np.int64)))
                     cache[key] = profs
-                for oi, (peak, residue, tms, out_rel) in enumerate(profs):
+                for oi, (parts, out_rel, spans, kept) in enumerate(profs):
+                    peak = parts.peak(ctx, a, table)
+                    # recompute time by position (the window's structure is shared)
+                    tms = float(sum(fwd_sum[a + y] - fwd_sum[a + x] for x, y in spans)
+                                - fwd[kept + a].sum())
                     cnt = int(np.searchsorted(front.held, limit - peak, side="right"))
                     if cnt == 0:
                         continue
                     nxt_rel = tuple((r - (st[u][0] - a) if u < m else r, k)
                                     for r, k in out_rel)
                     dst = fronts[u].setdefault(nxt_rel, _Front())
-                    dst.add(front.held[:cnt] + residue, front.time[:cnt] + tms,
-                            (t, held_rel, u, oi))
+                    dst.add(front.held[:cnt] + parts.residue_bytes,
+                            front.time[:cnt] + tms, (t, held_rel, u, oi))
     finals = [(float(f.time.min()), key, f) for key, f in fronts[m].items()
               if f.chunks and (f.prune(max_front, optimistic) or True) and len(f.time)]
     if not finals:
@@ -242,12 +388,14 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ctx = Context(problem)
-    st, _ = chain_stages(problem)
+    pinned = pinned_storages(problem)
+    st = compact_stages(problem, chain_stages(problem, pinned)[0])
+    up, low = _pin_tables(ctx, pinned)
     limit = budget_bytes - problem.static_bytes
     cache: dict = {}
     for attempt in range(4):
         try:
-            best, rounded = _run(ctx, st, limit, max_front, False, deadline, cache)
+            best, rounded = _run(ctx, st, limit, max_front, False, deadline, cache, up, pinned)
         except TimeoutError:
             logger.warning("dp hit its %.1f s limit", time_limit_s)
             best, rounded = None, True
@@ -256,14 +404,19 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         sched = Schedule.from_segments(problem.n_nodes, [
             Region(r.a, r.b, RECOMPUTE, keep=r.keep) for r in best[1]])
         bound = best[0]
-        if rounded:
+        exact = not rounded and not pinned
+        if not exact:
             try:
-                low, _ = _run(ctx, st, limit, max_front, True, deadline, cache)
-                bound = low[0] if low is not None else best[0]
+                lower, _ = _run(ctx, st, budget_bytes - problem.static_bytes, max_front, True,
+                                deadline, cache, low, pinned)
+                bound = lower[0] if lower is not None else best[0]
             except TimeoutError:
                 bound = 0.0
         sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
-                              proven_optimal=not rounded, bound_ms=bound)
+                              proven_optimal=exact, bound_ms=bound)
+        if sol.feasible and not exact and sol.objective_ms <= bound + 1e-9 * max(1.0, bound):
+            sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
+                                  proven_optimal=True)
         if sol.feasible:
             return sol
         logger.error("dp schedule peaks at %d > budget %d (attempt %d); tightening",

@@ -75,9 +75,10 @@ def _masked_blocks(n_blocks: int = 6) -> Problem:
 def test_dp_pins_long_skips_and_compacts_empty_stages() -> None:
     p = _masked_blocks()
     assert dp.pinned_storages(p) == frozenset({1})
-    stages, is_chain = dp.chain_stages(p, dp.pinned_storages(p))
-    assert is_chain  # with the mask pinned the blocks stay separate stages
-    assert dp.compact_stages(p, stages)[0] == (0, 3)  # empty nodes 0, 1 join the embedding
+    stages, _ = dp.chain_stages(p, dp.pinned_storages(p))
+    assert dp.chain_stages(p)[0][3] == (3, 22)  # unpinned, the mask fuses every block
+    compact = dp.compact_stages(p, stages)  # pinned, the blocks stay separate stages
+    assert compact[0] == (0, 3) and len(compact) == 2 + 6  # empty nodes 0, 1 join node 2
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     hf = baselines.every_block(p, 10**9, 1.0).peak_bytes
     for budget in (hf, (hf + store) // 2, store):
