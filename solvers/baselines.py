@@ -127,7 +127,7 @@ def chen_greedy(problem: Problem, budget_bytes: int, time_limit_s: float = 10.0)
                                    if a <= problem.storage_producer[s] < b) for a, b in blocks)))
     best: tuple[tuple[int, float, int], list[tuple[int, int]]] | None = None
     for k in range(32):
-        if time.perf_counter() - t0 > time_limit_s:
+        if k and time.perf_counter() - t0 > time_limit_s:  # always try one threshold
             break
         threshold = int(lo * (total / lo) ** (k / 31)) if total > lo else lo
         segs = _greedy_segments(problem, blocks, threshold)

@@ -61,3 +61,11 @@ def test_min_feasible_budget_exact_and_bound() -> None:
 def test_bruteforce_refuses_big_problems() -> None:
     with pytest.raises(ValueError, match="over its limit"):
         bruteforce.solve(Problem.chain([1] * 12, [1.0] * 12), 10**9, 1.0)
+
+
+def test_chen_greedy_answers_even_without_time() -> None:
+    from solvers import Problem, baselines
+
+    problem = Problem.chain([8] * 6, [1.0] * 6)
+    solution = baselines.chen_greedy(problem, 10**9, time_limit_s=0.0)
+    assert solution.feasible and solution.schedule is not None
