@@ -24,20 +24,6 @@ __all__ = ["BASELINES", "Solver", "chen_greedy", "chen_sqrt", "every_block", "ev
 Solver = Callable[[Problem, int, float], Solution]
 
 
-def _recomputable_runs(problem: Problem, start: int, stop: int) -> list[tuple[int, int]]:
-    """Maximal runs of recomputable nodes inside [start, stop)."""
-    runs: list[tuple[int, int]] = []
-    a = None
-    for i in range(start, stop + 1):
-        ok = i < stop and problem.recomputable[i]
-        if ok and a is None:
-            a = i
-        elif not ok and a is not None:
-            runs.append((a, i))
-            a = None
-    return runs
-
-
 def units(problem: Problem) -> list[tuple[int, int]]:
     """The repeated blocks `(start, stop)`; one unit per node if the problem has no blocks."""
     blocks = problem.blocks()
@@ -50,7 +36,7 @@ def units(problem: Problem) -> list[tuple[int, int]]:
 
 def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
            solver: str, t0: float, *, keep_matmuls: bool = False) -> Solution:
-    regions = [run for a, b in segments for run in _recomputable_runs(problem, a, b)]
+    regions = [run for a, b in segments for run in problem.recomputable_runs(a, b)]
     keep = [i for a, b in regions for i in range(a, b)
             if keep_matmuls and problem.is_matmul(i) and problem.can_keep(i)]
     schedule = Schedule.from_segments(problem.n_nodes, regions, keep=keep)
@@ -131,7 +117,7 @@ def chen_greedy(problem: Problem, budget_bytes: int, time_limit_s: float = 10.0)
             break
         threshold = int(lo * (total / lo) ** (k / 31)) if total > lo else lo
         segs = _greedy_segments(problem, blocks, threshold)
-        regions = [run for a, b in segs for run in _recomputable_runs(problem, a, b)]
+        regions = [run for a, b in segs for run in problem.recomputable_runs(a, b)]
         peak, rt = evaluate(problem, Schedule.from_segments(problem.n_nodes, regions), ctx)
         key = (0, rt, peak) if peak <= budget_bytes else (1, float(peak), 0)
         if best is None or key < best[0]:

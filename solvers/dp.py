@@ -160,16 +160,8 @@ def compact_stages(problem: Problem, st: list[tuple[int, int]]) -> list[tuple[in
 
 
 def _runs(problem: Problem, a: int, b: int) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i in range(a, b + 1):
-        ok = i < b and problem.recomputable[i]
-        if ok and start is None:
-            start = i
-        elif not ok and start is not None:
-            runs.append((start, i))
-            start = None
     out = []
-    for x, y in runs:
+    for x, y in problem.recomputable_runs(a, b):
         if not any(problem.packs[x:y]):
             continue
         while _empty(problem, x):  # leading empty nodes: same memory, rerun time saved

@@ -236,6 +236,19 @@ class Problem(BaseModel):
         """
         return bool(self.recomputable[i]) and (self.keepable is None or bool(self.keepable[i]))
 
+    def recomputable_runs(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Maximal runs ``(a, b)`` of recomputable nodes inside ``[start, stop)``."""
+        runs: list[tuple[int, int]] = []
+        first = None
+        for i in range(start, stop + 1):
+            ok = i < stop and self.recomputable[i]
+            if ok and first is None:
+                first = i
+            elif not ok and first is not None:
+                runs.append((first, i))
+                first = None
+        return runs
+
     def is_matmul(self, i: int) -> bool:
         """Whether node i is matmul-like per `op_kind` (False when op kinds are unknown)."""
         if self.op_kind is None:
