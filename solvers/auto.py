@@ -38,7 +38,10 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # baselines first: on very large graphs they take seconds, and the exact solvers get
     # what is left of the time limit
     base = [fn(problem, budget_bytes, 1.0) for fn in baselines.BASELINES.values()]
-    left = max(0.0, time_limit_s - (time.perf_counter() - t0))
+    # keep a little of the limit for what follows a timed-out DP (its INFEASIBLE answer's
+    # bound, scoring) and for picking the answer, so that auto itself returns in time
+    reserve = min(0.05 * time_limit_s, 3.0)
+    left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
     if problem.n_nodes > MILP_MAX_NODES:
         share = 1.0  # no CP-SAT after the DP
     else:

@@ -335,8 +335,14 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
                 key = (tuple(stage_sig[t:u]), u == t + 1, held_rel)
                 profs = cache.get(key)
                 if profs is None:
+                    # profiling a long window costs time linear in its length: check the
+                    # deadline per window and per option, not only per stage
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError
                     profs = []
                     for regions in _options(ctx, a, b, u == t + 1, subsets):
+                        if time.perf_counter() > deadline:
+                            raise TimeoutError
                         parts = profile_parts(ctx, a, b, regions, held_in, pinned)
                         spans = [(r.a - a, r.stop - a) for r in regions if r.packs]
                         kept = [k - a for r in regions if r.packs for k in r.keep if k < r.stop]
