@@ -32,6 +32,7 @@ from solvers import (
     Schedule,
     Solution,
     Status,
+    Timeline,
     memory_lower_bound,
     simulate,
 )
@@ -82,11 +83,10 @@ def _plan_regions(profile: GraphProfile, regions: tuple[Region, ...]) -> list[Pl
                        children=_plan_regions(profile, r.children)) for r in regions]
 
 
-def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int, report:
-               SolverReport, inputs: list[InputSpec], note: str = "") -> Plan:
-    problem = problem_from_profile(profile)
+def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
+               schedule: Schedule, budget_bytes: int, report: SolverReport,
+               inputs: list[InputSpec], note: str = "") -> Plan:
     timeline = simulate(problem, schedule)
-    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     breakdown = timeline.breakdown
     return Plan(
         model_name=profile.model_name,
@@ -159,8 +159,8 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
         note = (f"No checkpointing needed: the unplanned step peaks at "
                 f"{unplanned.peak_bytes / GIB:.3f} GiB, within the budget.")
         log.info(note)
-        return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
-                          inputs, note)
+        return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
+                          budget_bytes, report, inputs, note)
     log.info("solving with %s: %d nodes, budget %.3f GiB", solver, problem.n_nodes,
              budget_bytes / GIB)
     solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
@@ -169,7 +169,8 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
     report = SolverReport(name=solution.solver, status=solution.status.value,
                           objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
                           gap=solution.gap, solve_time_s=solution.solve_time_s)
-    return _make_plan(prof, solution.schedule, budget_bytes, report, inputs)
+    return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes, report,
+                      inputs)
 
 
 def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,

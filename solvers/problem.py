@@ -200,11 +200,7 @@ class Problem(BaseModel):
     @cached_property
     def consumers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes reading it in forward, ascending."""
-        cons: list[list[int]] = [[] for _ in range(self.n_storages)]
-        for i, ins in enumerate(self.inputs):
-            for s in ins:
-                cons[s].append(i)
-        return tuple(tuple(c) for c in cons)
+        return self._invert(self.inputs)
 
     @cached_property
     def grad_inputs(self) -> tuple[tuple[int, ...], ...]:
@@ -216,11 +212,15 @@ class Problem(BaseModel):
     @cached_property
     def grad_consumers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes whose backward makes a gradient for it, ascending."""
-        cons: list[list[int]] = [[] for _ in range(self.n_storages)]
-        for i, targets in enumerate(self.grad_inputs):
-            for s in targets:
-                cons[s].append(i)
-        return tuple(tuple(c) for c in cons)
+        return self._invert(self.grad_inputs)
+
+    def _invert(self, per_node: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """Per storage, the nodes whose entry in ``per_node`` lists it, ascending."""
+        nodes: list[list[int]] = [[] for _ in range(self.n_storages)]
+        for i, storages in enumerate(per_node):
+            for s in storages:
+                nodes[s].append(i)
+        return tuple(tuple(c) for c in nodes)
 
     @cached_property
     def packs(self) -> tuple[bool, ...]:
