@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from profiles.errors import CaptureError, ProfileError
 from profiles.schema import (
     SCHEMA_VERSION,
+    CheckpointCosts,
     GraphProfile,
     NodeProfile,
     StaticMemory,
@@ -38,6 +39,7 @@ __all__ = [
     "DEVICES",
     "SCHEMA_VERSION",
     "CaptureError",
+    "CheckpointCosts",
     "DeviceSpec",
     "GraphProfile",
     "NodeProfile",

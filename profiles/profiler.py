@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 from tqdm.auto import tqdm
 
+from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
 from profiles.schema import (
@@ -46,6 +47,7 @@ from profiles.tracing import flat_placeholder_values, graph_fingerprint, normali
 log = logging.getLogger(__name__)
 
 LOSS_NODE = "loss"
+CALIBRATION_S = 0.5  # time spent measuring checkpoint overhead (timing="measure")
 
 
 # ----------------------------------------------------------------------------- loss
@@ -201,10 +203,16 @@ class _OpTracker(TorchDispatchMode):
 
 
 class _Timer:
-    """Warm median wall time of a callable: CUDA events on a GPU, perf_counter on CPU."""
+    """Warm median wall time of a callable: CUDA events on a GPU, perf_counter on CPU.
+
+    On CPU with one intra-op thread the process's CPU time is used instead: the same on a
+    quiet host, but time the host gives other processes does not count (a shared host makes
+    wall times erratic); with more threads CPU time would add them up, so wall time stays.
+    """
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
         self.engine_overhead_ms = 0.0
         self.engine_overhead_ms = self._engine_overhead_ms()
 
@@ -231,9 +239,9 @@ class _Timer:
                 torch.cuda.synchronize(self.device)
                 elapsed = start.elapsed_time(end)
             else:
-                begin = time.perf_counter()
+                begin = self.clock()
                 run(state)
-                elapsed = (time.perf_counter() - begin) * 1e3
+                elapsed = (self.clock() - begin) * 1e3
             if i >= self.warmup:
                 samples.append(elapsed)
         return statistics.median(samples)
@@ -610,9 +618,11 @@ def profile(
         loss_fn: ``loss_fn(output) -> scalar``; default: the one given to capture, else
             :func:`default_loss`.
         optimizer: counted in static memory (its state after one step).
-        timing: ``"measure"`` runs nodes on the model's device (warm median of ``repeats``);
-            ``"estimate"`` uses FLOPs and the roofline of ``device``; ``"auto"`` measures
-            real tensors and estimates meta/fake ones.
+        timing: ``"measure"`` runs nodes on the model's device (warm median of ``repeats``)
+            and calibrates the checkpoint overhead there (``profiles.calibrate``, about
+            ``CALIBRATION_S``); ``"estimate"`` uses FLOPs and the roofline of ``device``, and
+            its default checkpoint overhead; ``"auto"`` measures real tensors and estimates
+            meta/fake ones.
         device: roofline for estimates (``"H100"``, ``"A100"``, ``"cpu"`` or a DeviceSpec);
             default: H100 when estimating.
         progress: show a progress bar.
@@ -684,6 +694,7 @@ def profile(
 
     measured: _MeasuredTimes | None = None
     run_device = "cpu"
+    costs = spec.checkpoint_costs() if spec else None
     if timing == "measure":
         tensors = [*params.values(), *input_tensors]
         run_device = str(tensors[0].device) if tensors else "cpu"
@@ -692,6 +703,7 @@ def profile(
                            for r in interp.records]
             measured = _measure_times(gm, nodes, flat_inputs, node_params, loss_fn,
                                    _Timer(torch.device(run_device), repeats, warmup), progress)
+            costs = calibrate_checkpoint_costs(run_device, budget_s=CALIBRATION_S)
 
     records = [*interp.records, loss_record]
     node_profiles = [
@@ -712,6 +724,7 @@ def profile(
         step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
                         fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
         if measured else None,
+        checkpoint_costs=costs,
     )
 
 
@@ -774,6 +787,7 @@ def _node_profile(i: int, node: torch.fx.Node | None, record: _NodeRecord, bwd: 
         ops=stats.ops,
         output_ops=record.output_ops,
         keepable=record.keepable,
+        saved_tensors=len(record.saved),
         written_storages=sorted(stats.written),
         mutated_buffers=_owned_state(storages, stats.mutated),
         grad_storages=bwd.grad_storages,

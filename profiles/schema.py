@@ -78,6 +78,9 @@ class NodeProfile(_Strict):
                                   description="positions in ops that allocate new_storages")
     keepable: bool = Field(True, description="a SAC policy can save its outputs (no output "
                            "is finished by an in-place op)")
+    saved_tensors: int | None = Field(
+        None, ge=0, description="tensors autograd saves when this node runs (pack-hook calls,"
+        " parameters included); None in older profiles")
     written_storages: list[int] = Field(
         default_factory=list, description="earlier activations this node mutates in place")
     grad_storages: list[int] = Field(
@@ -106,6 +109,24 @@ class StepTiming(_Strict):
     bwd_scale: float = Field(gt=0, description="whole backward / sum of isolated node times")
 
 
+class CheckpointCosts(_Strict):
+    """Host time ``torch.utils.checkpoint`` adds per RECOMPUTE region beyond re-running it.
+
+    Measured with tiny ops (``profiles.calibrate``) or per-device defaults
+    (``profiles.devices``). A region that reruns (something in it saves a tensor) costs
+    ``region_ms + pack_ms * saved tensors + (sac_op_ms * aten ops if it keeps nodes)``,
+    counted over the nodes up to its early stop (``solvers.Problem.checkpoint_overhead_ms``).
+    """
+
+    region_ms: float = Field(ge=0, description="per region: frame, RNG stash/restore, hooks, "
+                             "the unpack that starts the rerun, early stop")
+    pack_ms: float = Field(ge=0, description="per saved tensor: pack in forward, unpack in "
+                           "backward, repack and check in the rerun")
+    sac_op_ms: float = Field(ge=0, description="per aten op of a region with kept nodes: the "
+                             "selective-checkpoint policy in forward and in the rerun")
+    source: str = Field("", description="how they were obtained")
+
+
 class GraphProfile(_Strict):
     """Per-node memory and time of one training step, with a fingerprint of the graph."""
 
@@ -120,6 +141,9 @@ class GraphProfile(_Strict):
     storages: list[StorageInfo]
     static: StaticMemory
     step: StepTiming | None = Field(None, description="measured whole step (measure only)")
+    checkpoint_costs: CheckpointCosts | None = Field(
+        None, description="checkpoint overhead on this device; None: not modelled (profiles "
+        "recorded before it was)")
 
     @model_validator(mode="after")
     def _check(self) -> GraphProfile:

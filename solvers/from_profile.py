@@ -103,6 +103,8 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
             blocks = [_block_of(node.module, prefix) for node in profile.nodes]
 
     static = profile.static
+    costs = profile.checkpoint_costs
+    saved = [n.saved_tensors for n in profile.nodes]
     return Problem(
         name=profile.model_name,
         node_names=[n.name for n in profile.nodes],
@@ -127,4 +129,10 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_grad_inputs=grad_inputs,
         op_kind=[op_kind(n.ops, n.op) for n in profile.nodes],
         keepable=[n.keepable for n in profile.nodes],
+        # checkpoint overhead: not modelled (0) for profiles recorded without it
+        checkpoint_region_ms=costs.region_ms if costs else 0.0,
+        checkpoint_pack_ms=costs.pack_ms if costs else 0.0,
+        checkpoint_sac_op_ms=costs.sac_op_ms if costs else 0.0,
+        node_ops=[len(n.ops) for n in profile.nodes],
+        node_packed=None if None in saved else saved,
     )

@@ -9,10 +9,13 @@ those `w` (chained integer variables, so the model stays linear in size); each c
 rerun adds its own precomputed profile on top of the bytes live when it starts. The model's
 peak equals `simulate`'s for every non-nested schedule, so OPTIMAL means: least recompute
 time among all schedules made of non-overlapping candidate regions whose simulated peak fits
-the budget. Candidates: for small problems every region and every kept subset (exactly the
-brute-force space); for larger ones, regions between stage boundaries (blocks, single nodes
-outside blocks) with keep = nothing or the matmul-like nodes. Only nodes that
-`Problem.can_keep` are ever kept. The answer is re-scored with
+the budget. The objective charges each chosen candidate its `RegionInfo.time_ms`: the rerun's
+forward time plus `Problem.checkpoint_overhead_ms` (fixed per candidate: it depends only on
+the region's start, early stop and keep), so it is `simulate`'s recompute time exactly, up
+to rounding to 1e-6 ms per region. Candidates: for small problems every region and every
+kept subset (exactly the brute-force space); for larger ones, regions between stage
+boundaries (blocks, single nodes outside blocks) with keep = nothing or the matmul-like
+nodes. Only nodes that `Problem.can_keep` are ever kept. The answer is re-scored with
 `simulate`; a mismatch would add a no-good cut and re-solve (it is logged as a bug).
 
 Why CP-SAT and not MathOpt + HiGHS/SCIP: memory constraints are in bytes (10^10 and more)

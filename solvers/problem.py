@@ -7,8 +7,9 @@ backward, and the bytes of every storage and of its gradient. Units are in field
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -59,6 +60,13 @@ class Problem(BaseModel):
 
     Optional `op_kind[i]` names node i's operation (e.g. "mm", "linear", "relu");
     `is_matmul(i)` says whether it is matmul-like (what save-matmuls policies keep).
+
+    Checkpoint overhead (`checkpoint_overhead_ms`): host time a RECOMPUTE region costs beyond
+    re-running its nodes, `checkpoint_region_ms` per region, `checkpoint_pack_ms` per saved
+    tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes; all 0 by default (not
+    modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
+    `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
+    plus one if it saves a static tensor).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,6 +91,11 @@ class Problem(BaseModel):
     op_kind: list[str] | None = None
     node_grad_inputs: list[list[int]] | None = None
     keepable: list[bool] | None = None
+    checkpoint_region_ms: float = 0.0
+    checkpoint_pack_ms: float = 0.0
+    checkpoint_sac_op_ms: float = 0.0
+    node_ops: list[int] | None = None
+    node_packed: list[int] | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
@@ -108,6 +121,10 @@ class Problem(BaseModel):
             per_node["op_kind"] = self.op_kind
         if self.keepable is not None:
             per_node["keepable"] = self.keepable
+        if self.node_ops is not None:
+            per_node["node_ops"] = self.node_ops
+        if self.node_packed is not None:
+            per_node["node_packed"] = self.node_packed
         if self.node_grad_inputs is not None:
             per_node["node_grad_inputs"] = self.node_grad_inputs
             for i, targets in enumerate(self.node_grad_inputs):
@@ -130,10 +147,13 @@ class Problem(BaseModel):
                 f"give one entry per storage id.",
             )
         for field in ("fwd_time_ms", "bwd_time_ms", "fwd_temp_bytes", "bwd_temp_bytes",
-                      "param_grad_bytes", "storage_bytes", "storage_grad_bytes"):
-            bad = [i for i, v in enumerate(getattr(self, field)) if v < 0]
+                      "param_grad_bytes", "storage_bytes", "storage_grad_bytes", "node_ops",
+                      "node_packed"):
+            bad = [i for i, v in enumerate(getattr(self, field) or ()) if v < 0]
             _check(not bad, f"{field} must be non-negative; negative at indices {bad[:5]}.")
         _check(self.static_bytes >= 0, "static_bytes must be non-negative.")
+        for field in ("checkpoint_region_ms", "checkpoint_pack_ms", "checkpoint_sac_op_ms"):
+            _check(getattr(self, field) >= 0, f"{field} must be non-negative.")
 
         owner: dict[int, int] = {}
         for i, outs in enumerate(self.node_outputs):
@@ -227,6 +247,46 @@ class Problem(BaseModel):
         """Whether node i's backward saves anything (so checkpoint packs a tensor for it)."""
         static = self.node_saves_static or [False] * self.n_nodes
         return tuple(bool(self.saved[i]) or bool(static[i]) for i in range(self.n_nodes))
+
+    @cached_property
+    def _overhead_prefix(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Prefix sums of the saved tensors and of the aten ops per node."""
+        static = self.node_saves_static or [False] * self.n_nodes
+        packed = self.node_packed or [len(self.saved[i]) + int(static[i])
+                                      for i in range(self.n_nodes)]
+        ops = self.node_ops or [1] * self.n_nodes
+        return (tuple(itertools.accumulate(packed, initial=0)),
+                tuple(itertools.accumulate(ops, initial=0)))
+
+    def checkpoint_overhead_ms(self, start: int, rerun_stop: int,
+                               keep: Iterable[int] = ()) -> float:
+        """Host time of one RECOMPUTE region beyond re-running its nodes.
+
+        `start` is the region's first node, `rerun_stop` its early stop (exclusive: one past
+        the last node that saves something; `<= start`: nothing packs, no rerun, 0 ms).
+        Over nodes `[start, rerun_stop)`, with P saved tensors and O aten ops::
+
+            checkpoint_region_ms + checkpoint_pack_ms * P
+                + (checkpoint_sac_op_ms * O if a node of keep lies there else 0)
+
+        The SAC term covers the policy in the forward and in the rerun; ops after the early
+        stop and kept nodes past it (they never pay off) are not counted. `simulate`,
+        `accounting` (hence `milp`) and `dp` all charge exactly this per region.
+
+        >>> p = Problem.chain([4, 4, 1], [1.0, 1.0, 1.0]).model_copy(update={
+        ...     "checkpoint_region_ms": 0.5, "checkpoint_pack_ms": 0.1,
+        ...     "checkpoint_sac_op_ms": 0.2})
+        >>> round(p.checkpoint_overhead_ms(0, 2), 6), round(p.checkpoint_overhead_ms(0, 2, [0]), 6)
+        (0.6, 1.0)
+        """
+        if rerun_stop <= start:
+            return 0.0
+        packed, ops = self._overhead_prefix
+        ms = self.checkpoint_region_ms + self.checkpoint_pack_ms * (packed[rerun_stop]
+                                                                    - packed[start])
+        if self.checkpoint_sac_op_ms and any(start <= k < rerun_stop for k in keep):
+            ms += self.checkpoint_sac_op_ms * (ops[rerun_stop] - ops[start])
+        return ms
 
     def can_keep(self, i: int) -> bool:
         """Whether a RECOMPUTE region may keep node i: recomputable and `keepable` (default).

@@ -37,6 +37,13 @@ after their last reader inside the rerun or when the rerun stops.
   saves are not kept; its inputs and its kept outputs live until that rerun ends. A child's
   rerun first needs its inputs unpacked from the parent, which reruns the parent first.
 
+Time: forward and backward events cost the nodes' `fwd_time_ms` / `bwd_time_ms`; a rerun
+costs the `fwd_time_ms` of the nodes it runs (kept nodes are free) plus, once per frame that
+reruns (nested ones each on their own), `Problem.checkpoint_overhead_ms(start, rerun stop,
+keep)`: the host time of the checkpoint itself (frame, RNG, pack/unpack hooks, SAC policy),
+charged to the rerun's first event. Forward-side parts of that overhead are counted there
+too, so `recompute_time_ms` is everything checkpointing adds to the step.
+
 Gradients: the gradient of a storage appears during the backward of its last forward reader
 (loss outputs: during the loss node's backward, the seed) and is freed after its producer's
 backward; unread outputs of other nodes get no gradient.* Every earlier reader (in backward
@@ -230,8 +237,12 @@ class _Replay:
 
     # ------------------------------------------------------------ passes
 
-    def _pass(self, start: int, stop: int, env: dict[int, Inst], root: _Frame | None) -> None:
-        """Run nodes start..stop-1 forward (root None: the original forward; else a rerun)."""
+    def _pass(self, start: int, stop: int, env: dict[int, Inst], root: _Frame | None,
+              overhead_ms: float = 0.0) -> None:
+        """Run nodes start..stop-1 forward (root None: the original forward; else a rerun).
+
+        `overhead_ms` (a rerun's checkpoint overhead) is added to the first event's time.
+        """
         p = self.p
         gen = 0 if root is None else next(self.gens)
         phase = "forward" if root is None else "recompute"
@@ -310,6 +321,8 @@ class _Replay:
                     self._kill(f)
             label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
             time = 0.0 if cached else p.fwd_time_ms[i]
+            if i == start:
+                time += overhead_ms
             self._record(label, phase, i, time, before + alloc + temp, parts, cached)
         if root is not None:  # early stop may fall on a child's entry (its inputs' save)
             self._enter_children(root, stop, env, end_tok)
@@ -343,7 +356,8 @@ class _Replay:
         f.recomputed = True
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
                      f.region.stop, f.rerun_stop)
-        self._pass(f.region.start, f.rerun_stop, env, f)
+        self._pass(f.region.start, f.rerun_stop, env, f,
+                   self.p.checkpoint_overhead_ms(f.region.start, f.rerun_stop, f.region.keep))
         self._release(("child_input", f.uid))
 
     def forward(self) -> None:

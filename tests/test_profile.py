@@ -9,6 +9,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import profiles
 from planner import zoo
 from profiles.tracing import normalize_inputs
+from solvers.from_profile import problem_from_profile
 
 
 def _profile(model: zoo.ZooModel, **kwargs: object) -> tuple[torch.fx.GraphModule,
@@ -117,6 +118,16 @@ def test_measured_timing_on_cpu_is_positive_and_labelled() -> None:
     assert abs(prof.fwd_time_ms - prof.step.fwd_ms) < 1e-6 * prof.step.fwd_ms + 1e-9
     linears = [n for n in prof.nodes if n.op == "call_module" and n.params]
     assert linears and all(n.fwd_time_ms > 0 and n.bwd_time_ms > 0 for n in linears)
+    # checkpoint overhead calibrated on this CPU, and the counts it is charged by
+    costs = prof.checkpoint_costs
+    assert costs is not None and "measured" in costs.source
+    assert costs.region_ms > 0 and costs.pack_ms > 0 and costs.sac_op_ms > 0
+    # addmm saves its input and weight; the first layer's input needs no grad: weight only
+    assert [n.saved_tensors for n in linears] == [1, 2, 2, 2]
+    problem = problem_from_profile(prof)
+    assert problem.checkpoint_region_ms == costs.region_ms
+    assert problem.node_packed == [n.saved_tensors for n in prof.nodes]
+    assert problem.node_ops == [len(n.ops) for n in prof.nodes]
 
 
 def test_estimate_uses_the_named_device() -> None:
@@ -124,6 +135,7 @@ def test_estimate_uses_the_named_device() -> None:
     _, h100 = _profile(model, device="H100")
     _, a100 = _profile(model, device="a100")
     assert h100.device == "H100" and a100.device == "A100"
+    assert h100.checkpoint_costs == profiles.DEVICES["H100"].checkpoint_costs()
     assert a100.fwd_time_ms > h100.fwd_time_ms
     with pytest.raises(KeyError, match="DeviceSpec"):
         _profile(model, device="tpu-v9")

@@ -1,0 +1,156 @@
+"""Checkpoint overhead in the time model: simulate, accounting, dp and milp charge one formula."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_exact import flat_schedules
+from test_solvers_properties import problem_and_schedule, problems
+
+from profiles.schema import GraphProfile
+from solvers import Problem, Region, Schedule, Status, bruteforce, dp, milp, simulate
+from solvers.accounting import evaluate
+from solvers.from_profile import problem_from_profile
+
+SOME = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+FEW = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+RECORDED = Path(__file__).resolve().parents[1] / "profiles" / "recorded"
+
+
+@st.composite
+def overheads(draw: st.DrawFn, p: Problem) -> Problem:
+    """`p` with random checkpoint costs, op counts and (sometimes) saved-tensor counts."""
+    n = p.n_nodes
+    return Problem.model_validate({
+        **p.model_dump(),
+        "checkpoint_region_ms": draw(st.sampled_from([0.0, 0.5, 3.0])),
+        "checkpoint_pack_ms": draw(st.sampled_from([0.0, 0.25, 1.0])),
+        "checkpoint_sac_op_ms": draw(st.sampled_from([0.0, 0.125, 2.0])),
+        "node_ops": draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)),
+        "node_packed": draw(st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n)),
+    })
+
+
+def _zero(p: Problem) -> Problem:
+    return p.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0,
+                                "checkpoint_sac_op_ms": 0.0})
+
+
+def _formula(p: Problem, start: int, stop: int, keep: frozenset[int]) -> float:
+    """The documented formula, written out independently of `Problem`."""
+    static = p.node_saves_static or [False] * p.n_nodes
+    packed = p.node_packed or [len(set(p.node_saved[i])) + static[i] for i in range(p.n_nodes)]
+    ops = p.node_ops or [1] * p.n_nodes
+    ms = p.checkpoint_region_ms + p.checkpoint_pack_ms * sum(packed[start:stop])
+    if any(start <= k < stop for k in keep):
+        ms += p.checkpoint_sac_op_ms * sum(ops[start:stop])
+    return ms
+
+
+def test_default_problem_has_no_overhead() -> None:
+    p = Problem.chain([4, 4, 4, 1], [1.0, 2.0, 3.0, 1.0])
+    sched = Schedule.from_segments(4, [(0, 3)], keep=[1])
+    assert p.checkpoint_overhead_ms(0, 3, {1}) == 0.0
+    assert simulate(p, sched).recompute_time_ms == 1.0 + 3.0  # node 1 kept
+    assert simulate(p.model_copy(update={"node_ops": [9] * 4}), sched) == simulate(p, sched)
+
+
+@SOME
+@given(flat_schedules().flatmap(lambda c: st.tuples(overheads(c[0]), st.just(c[1]))))
+def test_simulate_charges_the_formula_once_per_rerun(case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    expected = simulate(_zero(p), sched).recompute_time_ms
+    for r in sched.recompute_regions():
+        packing = [i for i in range(r.start, r.stop) if p.packs[i]]
+        if packing:  # the region reruns up to its last saving node
+            expected += _formula(p, r.start, max(packing) + 1, r.keep)
+    tl = simulate(p, sched)
+    assert tl.recompute_time_ms == pytest.approx(expected)
+    assert sum(e.time_ms for e in tl.events if e.phase == "recompute") == pytest.approx(
+        tl.recompute_time_ms)
+
+
+def test_nested_regions_pay_per_frame() -> None:
+    p = Problem.chain([4, 4, 4, 4, 4, 1], [1.0] * 6).model_copy(update={
+        "checkpoint_region_ms": 10.0, "checkpoint_pack_ms": 1.0, "node_ops": [1] * 6})
+    child = Region(2, 4, "recompute")
+    sched = Schedule.from_segments(6, [Region(1, 5, "recompute", children=[child])])
+    # the parent reruns nodes 1..4 (4 saving nodes), the child its nodes 2..3 again
+    zero = simulate(_zero(p), sched).recompute_time_ms
+    assert simulate(p, sched).recompute_time_ms == pytest.approx(zero + (10 + 4) + (10 + 2))
+
+
+@SOME
+@given(problem_and_schedule().flatmap(lambda c: st.tuples(overheads(c[0]), st.just(c[1]))))
+def test_overhead_is_nonnegative_and_zero_constants_change_nothing(
+        case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    with_costs, without = simulate(p, sched), simulate(_zero(p), sched)
+    assert with_costs.recompute_time_ms >= without.recompute_time_ms - 1e-9
+    assert with_costs.peak_bytes == without.peak_bytes
+    plain = _zero(p).model_copy(update={"node_ops": None, "node_packed": None})
+    assert simulate(plain, sched) == without
+
+
+@SOME
+@given(flat_schedules().flatmap(lambda c: st.tuples(overheads(c[0]), st.just(c[1]))))
+def test_accounting_equals_simulate_with_overhead(case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    tl = simulate(p, sched)
+    peak, rt = evaluate(p, sched)
+    assert peak == tl.peak_bytes
+    assert rt == pytest.approx(tl.recompute_time_ms)
+
+
+@FEW
+@given(problems(max_nodes=6).flatmap(overheads), st.floats(0.0, 1.2))
+def test_exact_solvers_reach_bruteforce_optimum_with_overhead(p: Problem, frac: float) -> None:
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lowest = bruteforce.min_feasible_budget(p)[0]
+    budget = lowest + int((store - lowest) * frac)
+    best = bruteforce.solve(p, budget, 60.0)
+    sol = milp.solve(p, budget, 20.0)
+    assert sol.feasible == best.feasible
+    if best.feasible:
+        assert sol.status == Status.OPTIMAL
+        assert sol.objective_ms == pytest.approx(best.objective_ms, rel=1e-6, abs=1e-6)
+    chain = p.model_copy(update={"block_of_node": None})
+    if dp.applies(chain):
+        best = bruteforce.solve(chain, budget, 60.0)
+        sol = dp.solve(chain, budget, 20.0)
+        assert sol.feasible == best.feasible
+        if best.feasible:
+            assert sol.objective_ms == pytest.approx(best.objective_ms, rel=1e-6, abs=1e-6)
+
+
+def test_large_overhead_makes_exact_solvers_drop_regions_and_keeps() -> None:
+    # node 2 is slow: without overhead the optimum keeps it (2 ms recomputed, brute force)
+    cheap = Problem.chain([8, 8, 8, 8, 8, 1], [1.0, 1.0, 10.0, 1.0, 1.0, 1.0])
+    costly = cheap.model_copy(update={"checkpoint_region_ms": 5.0,
+                                      "checkpoint_sac_op_ms": 20.0})
+    budget = 37
+    for solver in (dp, milp):
+        ignored = solver.solve(cheap, budget, 20.0)
+        assert ignored.objective_ms == pytest.approx(2.0) and ignored.schedule is not None
+        assert any(2 in r.keep for r in ignored.schedule.recompute_regions())
+        sol = solver.solve(costly, budget, 20.0)
+        assert sol.status == Status.OPTIMAL and sol.schedule is not None
+        regions = sol.schedule.recompute_regions()
+        assert len(regions) == 1 and not regions[0].keep
+        assert len(regions) <= len(ignored.schedule.recompute_regions())
+        assert sol.objective_ms == pytest.approx(1 + 1 + 10 + 5)  # the rerun + one region
+        # the plan made ignoring the overhead is worse once the overhead is charged
+        assert simulate(costly, ignored.schedule).recompute_time_ms > sol.objective_ms + 1
+
+
+@pytest.mark.parametrize("path", sorted(RECORDED.glob("*.json")), ids=lambda p: p.stem)
+def test_old_profiles_load_without_overhead(path: Path) -> None:
+    prof = GraphProfile.load(path)
+    assert prof.checkpoint_costs is None
+    p = problem_from_profile(prof)
+    assert (p.checkpoint_region_ms, p.checkpoint_pack_ms, p.checkpoint_sac_op_ms) == (0, 0, 0)
+    assert p.node_ops == [len(n.ops) for n in prof.nodes]
+    assert p.checkpoint_overhead_ms(0, p.n_nodes, range(p.n_nodes)) == 0.0
