@@ -108,14 +108,29 @@ def random_dag(n: int, seed: int = 0, skip: float = 0.05) -> Problem:
 
 
 def _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, name) -> Problem:
+    """Nodes of kind "view" alias their input's storage (as torch views do): no storage of
+    their own, and readers of the view read (and saves of it hold) the base storage."""
     n = len(names)
-    saved = [(list(ins[i]) if saves_in[i] else []) + ([i] if saves_out[i] else [])
+    storage_of: list[int] = []
+    producer: list[int] = []
+    sizes: list[int] = []
+    for i in range(n):
+        if kinds[i] == "view" and len(ins[i]) == 1:
+            storage_of.append(storage_of[ins[i][0]])
+        else:
+            storage_of.append(len(producer))
+            producer.append(i)
+            sizes.append(out_b[i])
+    node_in = [sorted({storage_of[j] for j in ins[i]}) for i in range(n)]
+    node_out = [[storage_of[i]] if producer[storage_of[i]] == i else [] for i in range(n)]
+    saved = [sorted(set((node_in[i] if saves_in[i] else []) + (node_out[i] if saves_out[i]
+                                                                  else [])))
              for i in range(n)]
     return Problem(
         name=name, node_names=names, fwd_time_ms=fwd, bwd_time_ms=[2 * t for t in fwd],
         fwd_temp_bytes=[0] * n, bwd_temp_bytes=[0] * n, recomputable=[True] * n,
-        node_inputs=ins, node_outputs=[[i] for i in range(n)], node_saved=saved,
-        storage_bytes=out_b, storage_producer=list(range(n)), storage_grad_bytes=out_b,
+        node_inputs=node_in, node_outputs=node_out, node_saved=saved,
+        storage_bytes=sizes, storage_producer=producer, storage_grad_bytes=sizes,
         static_bytes=1024 * MiB, param_grad_bytes=[0] * n,
         block_of_node=block if any(b >= 0 for b in block) else None, op_kind=kinds)
 

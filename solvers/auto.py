@@ -69,11 +69,27 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
                                    "solve_time_s": time.perf_counter() - t0})
 
 
+def _nested_minimum(problem: Problem, flat: int, time_limit_s: float) -> int:
+    """Least budget below `flat` at which the dp (nested schedules included) is feasible."""
+    if not dp.applies(problem) or not dp.solve(problem, flat - 1, time_limit_s).feasible:
+        return flat
+    lo, hi = memory_lower_bound(problem) - 1, flat - 1  # lo infeasible, hi feasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if dp.solve(problem, mid, time_limit_s).feasible:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXACT_BUDGET_MAX_NODES,
                         *, time_limit_s: float = 30.0) -> tuple[int, bool]:
     """Smallest budget at which the solvers find a schedule, and whether it is proven exact.
 
-    Up to `exact_max_nodes` nodes: brute force (the minimum over all non-nested schedules).
+    Up to `exact_max_nodes` nodes: brute force (the minimum over all non-nested schedules),
+    then bisection with the dp, whose two-level nested schedules may reach lower (then that
+    lower budget is returned with False: no search covers every nested schedule).
     Beyond: CP-SAT minimises the simulated peak over its candidate space; when it proves
     that, `milp.solve` is feasible at the returned budget and INFEASIBLE one byte below, and
     the flag is True iff that space is the complete one (small graphs). If CP-SAT cannot
@@ -83,7 +99,9 @@ def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXAC
     if exact_max_nodes <= 0:
         return memory_lower_bound(problem), False
     if problem.n_nodes <= exact_max_nodes:
-        return bruteforce.min_feasible_budget(problem, exact_max_nodes)
+        flat, exact = bruteforce.min_feasible_budget(problem, exact_max_nodes)
+        nested = _nested_minimum(problem, flat, time_limit_s)
+        return (nested, False) if nested < flat else (flat, exact)
     if problem.n_nodes > MILP_MAX_NODES:
         return memory_lower_bound(problem), False
     peak, proven, _ = milp.min_peak(problem, time_limit_s)

@@ -80,6 +80,18 @@ def test_milp_reaches_bruteforce_optimum(p: Problem, frac: float) -> None:
         assert sol.min_feasible_budget_bytes == best.min_feasible_budget_bytes
 
 
+def _matches_bruteforce(sol, best, name: str) -> None:
+    """Brute force covers the flat schedules; dp (and auto through it) also has two-level
+    nested ones, which may reach lower: equal to brute force unless the answer nests."""
+    nested = sol.schedule is not None and any(r.children for r in sol.schedule.regions)
+    if best.feasible:
+        assert sol.feasible, name
+        assert sol.objective_ms <= best.objective_ms + 1e-9, name
+        assert _same(sol.objective_ms, best.objective_ms) or nested, name
+    else:
+        assert not sol.feasible or nested, name
+
+
 @FEW
 @given(problems(max_nodes=6), st.floats(0.0, 1.2))
 def test_dp_reaches_bruteforce_optimum_on_chains(p: Problem, frac: float) -> None:
@@ -91,9 +103,8 @@ def test_dp_reaches_bruteforce_optimum_on_chains(p: Problem, frac: float) -> Non
     if not dp.applies(p):
         return
     best = bruteforce.solve(p, budget, 60.0)
-    assert sol.feasible == best.feasible
-    if best.feasible:
-        assert sol.status == Status.OPTIMAL and _same(sol.objective_ms, best.objective_ms)
+    _matches_bruteforce(sol, best, "dp")
+    assert not sol.feasible or sol.status == Status.OPTIMAL
 
 
 @FEW
@@ -117,12 +128,15 @@ def test_reported_peaks_are_simulated_and_optimum_beats_baselines(p: Problem,
 @given(problems(max_nodes=6))
 def test_min_feasible_budget_is_tight(p: Problem) -> None:
     mfb, exact = min_feasible_budget(p)
-    assert exact
-    assert milp.solve(p, mfb, 20.0).feasible
     assert auto.solve(p, mfb, 20.0).feasible
-    below = milp.solve(p, mfb - 1, 20.0)
-    assert below.status == Status.INFEASIBLE and below.min_feasible_budget_bytes == mfb
     assert auto.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+    if exact:  # the flat minimum: milp (flat schedules) agrees
+        assert milp.solve(p, mfb, 20.0).feasible
+        below = milp.solve(p, mfb - 1, 20.0)
+        assert below.status == Status.INFEASIBLE and below.min_feasible_budget_bytes == mfb
+    else:  # below every flat schedule, reached by a nested one
+        assert not milp.solve(p, mfb, 20.0).feasible
+        assert any(r.children for r in dp.solve(p, mfb, 20.0).schedule.regions)
 
 
 @FEW
@@ -137,17 +151,15 @@ def test_no_solver_keeps_unkeepable_nodes(p: Problem, frac: float, kinds: list[s
         if sol.schedule is not None:
             assert keeps_only_keepable(p, sol.schedule), name
         if name in ("milp", "auto"):  # exact over the brute-force space, keepable respected
-            assert sol.feasible == best.feasible, name
-            if best.feasible:
-                assert _same(sol.objective_ms, best.objective_ms), name
-                assert name != "milp" or sol.status == Status.OPTIMAL
+            _matches_bruteforce(sol, best, name)
+            assert name != "milp" or not best.feasible or sol.status == Status.OPTIMAL
     chain = p.model_copy(update={"block_of_node": None})  # node-level stages
     if dp.applies(chain):
         d = dp.solve(chain, budget, 20.0)
-        assert d.feasible == best.feasible
-        if best.feasible:
+        _matches_bruteforce(d, best, "dp")
+        if d.feasible:
             assert keeps_only_keepable(p, d.schedule)
-            assert d.status == Status.OPTIMAL and _same(d.objective_ms, best.objective_ms)
+            assert d.status == Status.OPTIMAL
     ctx = Context(p)
     for full in (True, False):
         cands, _ = milp.candidates(ctx, full=full)

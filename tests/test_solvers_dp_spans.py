@@ -1,0 +1,111 @@
+"""The DP on long chains (capped spans bracket the optimum) and its nested options."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_properties import problems
+
+from solvers import SOLVERS, Schedule, Status, dp, memory_lower_bound, simulate
+from solvers.accounting import Context
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from solver_scaling import transformer
+
+
+def _passes(p, budget: int, span: int, splittable_at: int,
+            monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+    monkeypatch.setattr(dp, "SPLIT_RELAXED_STAGES", splittable_at)
+    ctx = Context(p)
+    pinned = dp.pinned_storages(p)
+    st = dp.compact_stages(p, dp.chain_stages(p, pinned)[0])
+    up, low = dp._pin_tables(ctx, pinned)
+    bounds = dp._SpanBounds(ctx, pinned)
+    limit = budget - p.static_bytes
+    deadline = time.perf_counter() + 60
+    upper, _, _ = dp._run(ctx, st, limit, 2000, False, deadline, {}, up, pinned, bounds, span)
+    lower, _, _ = dp._run(ctx, st, limit, 2000, True, deadline, {}, low, pinned, bounds, span)
+    assert lower is not None
+    return (upper[0] if upper is not None else float("inf")), lower[0]
+
+
+@pytest.mark.parametrize("frac", [0.2, 0.7])
+@pytest.mark.parametrize("splittable_at", [0, 10**6], ids=["split-safe", "every-length"])
+def test_capped_spans_bracket_the_optimum(frac: float, splittable_at: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    p = transformer(10, 1)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    low_peak = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    budget = low_peak + int(frac * (store - low_peak))
+    opt = dp.solve(p, budget, 60.0)  # 15 stages: the full space in one pass
+    assert opt.status == Status.OPTIMAL
+    tightest = None
+    for span in (1, 2, 3):
+        upper, lower = _passes(p, budget, span, splittable_at, monkeypatch)
+        assert lower <= opt.objective_ms + 1e-6 <= upper + 2e-6, (span, lower, upper)
+        tightest = lower if tightest is None else max(tightest, lower)
+    # relaxing every length (every kept output in the residue) is the tight bound; the
+    # split-safe one leaves unsaved kept outputs out and is much looser (see dp docstring)
+    assert tightest > (0.5 if splittable_at else 0.2) * opt.objective_ms or opt.objective_ms == 0
+
+
+def test_solve_on_a_long_chain_reports_a_proven_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dp, "FULL_SPAN_STAGES", 4)
+    monkeypatch.setattr(dp, "FIRST_SPAN", 2)
+    p = transformer(10, 1)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    budget = int(0.6 * store)
+    exact = SOLVERS["milp"](p, budget, 30.0) if p.n_nodes <= 400 else None
+    sol = dp.solve(p, budget, 60.0)
+    assert sol.feasible and sol.bound_ms is not None
+    assert sol.bound_ms <= sol.objective_ms + 1e-9
+    if exact is not None and exact.status == Status.OPTIMAL:
+        assert sol.bound_ms <= exact.objective_ms + 1e-6
+
+
+def test_nested_options_reach_below_flat_schedules(caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotor's two-level checkpoints: below every flat schedule's minimum the dp still finds
+    a nested one; its own time model agrees with simulate (no error logged)."""
+    p = transformer(12, 1)
+    every_block = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    budget = every_block - 64 * 2**20
+    monkeypatch.setattr(dp, "NEST_MAX_STAGES", 0)
+    flat = dp.solve(p, budget, 30.0)
+    assert not flat.feasible
+    monkeypatch.undo()
+    with caplog.at_level("ERROR", logger="solvers.dp"):
+        sol = dp.solve(p, budget, 30.0)
+    assert not caplog.records
+    assert sol.status == Status.OPTIMAL and sol.peak_bytes <= budget
+    assert any(r.children for r in sol.schedule.regions)
+    assert simulate(p, sol.schedule).recompute_time_ms == sol.objective_ms
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(problems(max_nodes=8), st.floats(0.0, 1.0))
+def test_dp_model_agrees_with_simulate_nested_included(p, frac: float) -> None:
+    """On random chains (node-level stages, so windows of 2..8 nodes get nested options) the
+    dp's internal time and memory model equals simulate for the schedule it returns."""
+    p = p.model_copy(update={"block_of_node": None})
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    budget = lower + int((store - lower) * frac)
+    logger = logging.getLogger("solvers.dp")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        sol = dp.solve(p, budget, 20.0)
+    finally:
+        logger.removeHandler(handler)
+    assert not records, records[0].getMessage()
+    if sol.feasible:
+        assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
