@@ -8,7 +8,11 @@ only on the segment, its option and which of its inputs the previous segment hol
 (`solvers.accounting.profile`). The DP walks the stages keeping, per (stage, inputs-held
 state), the Pareto front of (bytes held so far, recompute time); a segment of stages is STORE
 or one RECOMPUTE region per recomputable run, with keep = nothing, the matmul-like nodes, or,
-for tiny problems, any subset (only nodes that `Problem.can_keep` are ever kept). Fronts
+for tiny problems, any subset (only nodes that `Problem.can_keep` are ever kept); a segment
+of 2..`NEST_MAX_STAGES` stages may also be one parent region with one nested child per stage
+(`_nested_options`: Rotor's two-level persistent checkpoints, for budgets below every flat
+schedule; children keep nothing or their matmuls). Recompute times include
+`Problem.checkpoint_overhead_ms` per rerun, as `simulate` charges it. Fronts
 larger than `max_front` are thinned to one entry per memory bucket (`_Front.prune`): the
 upper-bound pass keeps each bucket's fastest real entry, a second, lower-bound pass pairs
 that time with the bucket's least held bytes; the difference is reported as the gap.
@@ -17,8 +21,9 @@ Long chains (more than `FULL_SPAN_STAGES` stages): segments are capped at a span
 beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's upper-bound
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to
 prefix-sum bounds on their peak, residue and time (`_SpanBounds`), so it bounds the full
-space. Measured on the synthetic chains of `benchmarks/solver_scaling.py`: 4,945 nodes
-gap 0.8 % at span 16, 19,955 nodes gap 38 % at span 8 within 60 s.
+flat space (nested options are left out on long chains: the bounds do not cover them).
+Measured on the synthetic chains of `benchmarks/solver_scaling.py` (dp alone, 2 cores):
+4,945 nodes gap 0.7 % in 56 s, 19,955 nodes gap 38 % at span 16 in 61 s.
 
 Not a chain (a storage read two or more stages later): a storage whose skip spans a block
 (an attention mask or rotary table read by every block) is pinned (`pinned_storages`): left
@@ -37,9 +42,9 @@ without gradient bytes or forward times (`accounting.WindowParts` adds gradients
 segment from stage t stops growing once the saved bytes of its largest recomputed run exceed
 the room left. `simulate` is called once, on the final schedule, whose numbers are reported.
 
-Nested regions are not produced: torch's nested non-reentrant checkpoints rerun the parent's
-saves early, which rarely pays off. OPTIMAL therefore means optimal over this schedule space,
-with the memory model exact.
+OPTIMAL means optimal over this schedule space (flat segments, plus two-level nesting with
+one child per stage), with the memory and time model exactly `simulate`'s; deeper nesting
+and other child splits are not searched.
 """
 
 from __future__ import annotations
