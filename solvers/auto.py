@@ -50,8 +50,14 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     exact.append(d)
     left = time_limit_s - (time.perf_counter() - t0)
     chain_done = d.status == Status.OPTIMAL and problem.n_nodes > 200
-    if problem.n_nodes <= MILP_MAX_NODES and left > 0.1 and not chain_done:
-        exact.append(milp.solve(problem, budget_bytes, left, hint=d.schedule))
+    nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
+    if (problem.n_nodes <= MILP_MAX_NODES and left > 0.1 and not chain_done
+            and not nothing_to_beat):
+        # warm start from the best schedule so far (the dp's, else a baseline's): CP-SAT
+        # then improves a feasible point and proves a bound instead of searching blind
+        start = min([d, *base], key=_rank)
+        exact.append(milp.solve(problem, budget_bytes, left,
+                                hint=start.schedule if start.feasible else d.schedule))
     best = min(exact + base, key=_rank)
     if not best.feasible:
         best = min(exact, key=_rank)  # the exact solvers' lowest-peak schedule and minimum
