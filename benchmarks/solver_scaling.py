@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None) -> None:
             (transformer(130, 2), ["auto", "dp"]),                # ~5,000 nodes
             (transformer(525, 2), ["auto", "dp"]),                # ~20,000 nodes
             (random_dag(100), ["auto", "milp"]),
-            (random_dag(1000), ["auto", "milp"]),
-            (random_dag(5000), ["auto", "dp"]),
-            (random_dag(20000), ["auto", "dp"]),
+            # CP-SAT's model alone takes minutes to build at 1,000 nodes; auto skips it
+            (random_dag(1000), ["auto"]),
+            (random_dag(5000), ["auto"]),
+            (random_dag(20000), ["auto"]),
         ]
     limit = min(args.time_limit, 5.0) if args.quick else args.time_limit
     for problem, exact in cases:
