@@ -9,16 +9,43 @@ measured. Our plans are made at budgets equal to each peer's measured peak.
     python benchmarks/frontier.py --quick         # smallest sizes, for the smoke test
 
 Writes benchmarks/results/frontier-<device>.{json,md,png} (``--out`` to change the folder).
-Every number written is measured in that run.
+Every number written is measured in that run (``--models``/``--peers`` for a short run).
+
+Peer "torch auto-SAC (sac_ilp)" is torch's own automatic selective checkpointing
+(``torch.distributed._tools``, needs ``pulp`` and ``pwlf``), run as torch's tests do: one
+training step of a fake-tensor copy of the model under MemTracker, RuntimeEstimator and
+SACEstimator, ``aggregate_stats`` + ``parse_module_info``, then ``sac_milp`` picks the modules
+to checkpoint and the share of each one's activations to discard, and
+``get_optimal_checkpointing_policy_per_module`` (at 1 - that share) picks the ops each of those
+modules keeps; each is then run under ``checkpoint(use_reentrant=False)`` with a
+``create_selective_checkpoint_contexts`` policy that keeps those ops. It is solved at the
+measured peak of each other peer (same-memory comparison), and our planner plans at its
+measured peak in turn. ``sac_milp``'s budget is in its own memory model (parameters, gradients,
+activations in GiB; not inputs nor what the loss allocates outside the model), so the budget it
+gets is the target less the gap between our measured no-checkpointing peak and its own
+estimate of it. torch's two runtime modes need CUDA (the cost model asserts it; the benchmark
+times with CUDA events), so on CPU the estimators use a CPU port of "operator-level-benchmark"
+(same fake-to-real inputs, ``time.perf_counter``); on GPU torch's own benchmark mode.
+Adaptations, each recorded in the JSON rows: a module whose outputs need no gradient gets its
+forward memory snapshot as its missing backward ones (as torch's test fills POST_BW); the
+per-op decisions are moved onto the ops the real model runs where the fake run recorded
+others (``eager_ops_not_in_sac_estimator``); a module whose per-module MILP is infeasible at
+1 - share (ops it must save) keeps just those (``widened_modules``); and where SAC refuses a
+kept output that an in-place op then changes, the run is redone with
+``allow_cache_entry_mutation=True`` (gradients still compared bit for bit).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
+import difflib
 import functools
+import io
 import json
+import logging
 import math
 import platform
 import statistics
@@ -26,10 +53,11 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map, tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -205,14 +233,331 @@ def peer_not_run(name: str, device: str) -> str | None:
             return f"not run: rockmate not installed ({error})"
         return "not run: Rockmate adapter not written for this torch version"
     if name == "auto-sac-milp":
-        try:
-            from torch.distributed._tools import sac_ilp  # noqa: F401
-        except ImportError as error:
-            if "pulp" in str(error):
-                return "not run: torch's sac_ilp needs pulp, which is not installed"
-            return f"not run: torch.distributed._tools.sac_ilp does not import ({error})"
-        return None
+        return auto_sac_not_run()
     return None
+
+
+# --------------------------------------------------------------------------- torch auto-SAC
+
+AUTO_SAC = "torch auto-SAC (sac_ilp)"
+
+
+def auto_sac_not_run() -> str | None:
+    """Why torch's auto-SAC (``sac_ilp`` + ``SACEstimator``) cannot run here, or None."""
+    try:
+        from torch.distributed._tools import sac_ilp  # noqa: F401
+    except ImportError as error:
+        if "pulp" in str(error):
+            return "not run: torch's sac_ilp needs pulp, which is not installed (pip install pulp)"
+        return f"not run: torch.distributed._tools.sac_ilp does not import ({error})"
+    try:
+        import pwlf  # noqa: F401
+    except ImportError as error:
+        return (f"not run: torch's SACEstimator needs pwlf to fit its trade-off curves "
+                f"(pip install pwlf): {error}")
+    return None
+
+
+def _cpu_operator_benchmark(func: Any, args: Any, kwargs: Any) -> tuple[Any, float]:
+    """RuntimeEstimator's "operator-level-benchmark" for CPU tensors (torch's times with CUDA
+    events): the fake op's result, and the milliseconds the op takes on real inputs made like
+    torch's (``rand_like`` for floating point, ``ones_like`` otherwise); 1 warm-up, mean of 2.
+    Ops that cannot run on such inputs count 0 ms, as torch counts ops it cannot benchmark."""
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+    from torch.utils._mode_utils import no_dispatch
+    from torch.utils._runtime_estimation import _FLOAT_TYPES, _VIEW_OPS
+
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if func._overloadpacket in _VIEW_OPS:
+        return out, 0.0
+    fake_mode = RuntimeEstimator.fake_mode
+
+    def real(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and fake_mode.is_our_fake(t):
+            make = torch.rand_like if t.dtype in _FLOAT_TYPES else torch.ones_like
+            return make(t, device=t.fake_device)
+        return t
+
+    try:
+        with no_dispatch():
+            real_args, real_kwargs = tree_map(real, (args, kwargs))
+            func(*real_args, **real_kwargs)
+            began = time.perf_counter()
+            for _ in range(2):
+                func(*real_args, **real_kwargs)
+            ms = (time.perf_counter() - began) * 1e3 / 2
+    except Exception:  # e.g. an op that needs meaningful data
+        ms = 0.0
+    return out, ms
+
+
+class AutoSACStats(NamedTuple):  # NamedTuple: the smoke test loads this file unregistered
+    """What torch's estimators measured on one training step, ready for ``sac_milp``."""
+
+    graph: Any  # ilp_utils.Graph
+    sac_stats: dict[str, Any]  # module fqn -> SACStats
+    model_peak_bytes: int  # sac_milp's own estimate of the peak without checkpointing
+    estimate_mode: str
+    collect_s: float
+    filled: list[str]  # modules given their POST_FW snapshot as backward ones (see below)
+
+
+def collect_auto_sac_stats(zm: zoo.ZooModel, device: str) -> AutoSACStats:
+    """Run one step of a fake-tensor copy of ``zm.model`` under torch's MemTracker,
+    RuntimeEstimator and SACEstimator (as torch's test_sac_ilp does) and aggregate them."""
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.ilp_utils import (
+        aggregate_stats,
+        get_peak_memory_runtime_baseline,
+        parse_module_info,
+    )
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+    from torch.distributed._tools.sac_estimator import SACEstimator
+
+    began = time.perf_counter()
+    model_device = next(zm.model.parameters()).device
+    # the loss functions close over real targets: let the fake mode convert them
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    for t in [*zm.model.parameters(), *zm.model.buffers()]:
+        fake = fake_mode.from_tensor(t.detach())
+        memo[id(t)] = (nn.Parameter(fake, requires_grad=t.requires_grad)
+                       if isinstance(t, nn.Parameter) else fake)
+    model = copy.deepcopy(zm.model, memo)  # same modules, fake parameters and buffers
+    args, kwargs = split_inputs(zm.example_inputs)
+    args, kwargs = tree_map_only(torch.Tensor, fake_mode.from_tensor, (args, kwargs))
+    loss_fn = zm.loss_fn or default_loss
+    mode = "operator-level-benchmark"
+    cpu = device != "cuda"  # torch's estimate modes need CUDA
+
+    with torch.random.fork_rng(), fake_mode, contextlib.redirect_stdout(io.StringIO()):
+        mem_tracker = MemTracker()
+        mem_tracker.track_external(model)
+        with mem_tracker:
+            loss_fn(model(*args, **kwargs)).backward()
+        model.zero_grad(set_to_none=True)
+        # a module whose outputs need no gradient (Llama's rotary embedding) has no backward,
+        # so MemTracker takes no backward snapshots of it, which aggregate_stats reads; as
+        # torch's test_sac_ilp fills in missing POST_BW snapshots, give it its POST_FW one
+        filled = []
+        for mod_stats in mem_tracker.memory_tracking.values():
+            snapshots = mod_stats.snapshots
+            if _ModState.PRE_BW not in snapshots and _ModState.POST_FW in snapshots:
+                for state in (_ModState.PRE_BW, _ModState.PEAK_BW):
+                    snapshots[state] = [copy.deepcopy(snapshots[_ModState.POST_FW][-1])]
+                filled.append(mod_stats.mod_fqn)
+
+        runtime_estimator = RuntimeEstimator()
+        runtime_estimator(estimate_mode_type=mode)
+        if cpu:
+            runtime_estimator._estimate = _cpu_operator_benchmark
+        with runtime_estimator:
+            loss_fn(model(*args, **kwargs)).backward()
+        model.zero_grad(set_to_none=True)
+
+        sac_estimator = SACEstimator()
+        sac_estimator(estimate_mode_type=mode)
+        if cpu:
+            sac_estimator._estimate_runtime = _cpu_operator_benchmark
+        with sac_estimator:
+            out = model(*args, **kwargs)
+        loss_fn(out).backward()
+        model.zero_grad(set_to_none=True)
+
+    np.random.seed(0)  # pwlf fits the trade-off curves by differential evolution
+    module_info = aggregate_stats(model, mem_tracker, runtime_estimator, sac_estimator,
+                                  model_device)
+    graph = parse_module_info(module_info)
+    model_peak, _ = get_peak_memory_runtime_baseline(graph)
+    return AutoSACStats(graph, dict(sac_estimator.sac_mod_stats), model_peak,
+                        mode + (" (CPU port)" if cpu else ""), time.perf_counter() - began,
+                        filled)
+
+
+class AutoSACPlan(NamedTuple):
+    ac_decisions: dict[str, float]  # module fqn -> share of its activation memory to discard
+    recompute_ms: float  # sac_milp's estimate
+    peak_bytes: int  # sac_milp's memory model's peak under its decisions
+    policies: dict[str, tuple[list[str], list[int]]]  # fqn -> (op names, 1 save / 0 recompute)
+    widened: list[str]  # modules whose per-module MILP needed a larger budget (see below)
+
+
+def _forced_save_fraction(sac_stats: Any) -> float:
+    """Share of a module's op memory that get_optimal_checkpointing_policy_per_module must
+    save whatever the budget: in-place ops on tensors from outside the module (BatchNorm's
+    running statistics), the ops in place on those, and random ops if they must be stored."""
+    forced = {op for op, parent in sac_stats.inplace_ops if op == parent}
+    if sac_stats.force_store_random:
+        forced |= set(sac_stats.rand_ops)
+    grew = True
+    while grew:
+        more = {op for op, parent in sac_stats.inplace_ops if parent in forced} - forced
+        forced |= more
+        grew = bool(more)
+    total = sum(sac_stats.memory)
+    return sum(sac_stats.memory[i] for i in forced) / total if total else 0.0
+
+
+def sac_milp_peak(graph: Any, ac_decisions: dict[str, float]) -> int:
+    """Peak bytes of ``sac_milp``'s memory model under ``ac_decisions`` (world size 1): its
+    max over modules of m_i, which it bounds by the budget but does not return."""
+    discarded = {}
+    for node in graph.nodes:
+        if (r := ac_decisions.get(node["fqn"])) is not None:  # d_i = ACM_i r_i - (ACM_i - IA_i)
+            acm, ia = node["sac_memory"], node["act_fw_per_module"]
+            discarded[node["fqn"]] = acm * r - (acm - ia)
+    params = graph.nodes[0]["param_per_module"]
+    return round(max(
+        node["act_total"] + node["act_grad_per_module"] + params + node["grad_total"]
+        - sum(discarded.get(f, 0.0) for f in graph.fw_post_order[:node["pos_fw_post_order"]])
+        for node in graph.nodes))
+
+
+def solve_auto_sac(stats: AutoSACStats, budget_bytes: float) -> AutoSACPlan | None:
+    """``sac_milp`` at ``budget_bytes`` (its own memory model), then the per-module op policies
+    of the modules it checkpoints; None where ``sac_milp`` finds no solution."""
+    from torch.distributed._tools.sac_ilp import (
+        get_optimal_checkpointing_policy_per_module,
+        sac_milp,
+    )
+
+    logger = logging.getLogger("torch.distributed._tools.sac_ilp")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # its warnings and "solver failed" land in our rows
+    try:
+        with warnings.catch_warnings():  # PuLP 3's deprecations of the PuLP 2 API it uses
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ac_decisions, recompute_ms, peak = sac_milp(stats.graph,
+                                                        memory_budget=budget_bytes / GIB)
+            if peak == -1:
+                return None
+            policies: dict[str, tuple[list[str], list[int]]] = {}
+            widened = []
+            for fqn, discard in ac_decisions.items():
+                sac_stats = stats.sac_stats[fqn]
+                keep = 1.0 - discard
+                decisions = get_optimal_checkpointing_policy_per_module(sac_stats, keep)
+                if not decisions and sac_stats.func_names:
+                    # infeasible: the ops it must save already exceed 1 - discard: keep those
+                    keep = min(1.0, max(keep, _forced_save_fraction(sac_stats) + 1e-9))
+                    decisions = get_optimal_checkpointing_policy_per_module(sac_stats, keep)
+                    widened.append(fqn)
+                if len(decisions) != len(sac_stats.func_names):
+                    raise RuntimeError(f"no per-module SAC policy for {fqn} at memory "
+                                       f"budget {keep}")
+                policies[fqn] = (list(sac_stats.func_names), decisions)
+    finally:
+        logger.setLevel(level)
+    return AutoSACPlan(ac_decisions, recompute_ms, sac_milp_peak(stats.graph, ac_decisions),
+                       policies, widened)
+
+
+def eager_op_names(zm: zoo.ZooModel, fqns: list[str]) -> dict[str, list[str]]:
+    """The ops (less ``OPS_TO_ALWAYS_SKIP``) that each module in ``fqns`` runs in one eager
+    training-mode forward of the real model: the sequence its SAC policy will be asked about.
+    SACEstimator's, from the fake-tensor run, can differ (on CPU, the math SDPA with dropout
+    builds its causal mask with other ops under FakeTensorMode)."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.distributed._tools.sac_estimator import OPS_TO_ALWAYS_SKIP
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: dict[str, list[str]] = {f: [] for f in fqns}
+    tracker = ModTracker()
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func not in OPS_TO_ALWAYS_SKIP:
+                for parent in tracker.parents:
+                    if parent in names:
+                        names[parent].append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    args, kwargs = split_inputs(zm.example_inputs)
+    state = {k: v.detach().clone() for k, v in zm.model.state_dict().items()}
+    with torch.random.fork_rng(), tracker, Recorder():
+        zm.model(*args, **kwargs)  # output dropped: no backward
+    zm.model.load_state_dict(state)  # BatchNorm's running statistics
+    return names
+
+
+def align_decisions(recorded: list[str], decisions: list[int], eager: list[str]
+                    ) -> tuple[list[int], int]:
+    """SACEstimator's per-op decisions moved onto the eager op sequence (longest matching
+    blocks of op names); eager ops it did not record are recomputed. Also: how many those."""
+    aligned = [0] * len(eager)
+    matched = 0
+    matcher = difflib.SequenceMatcher(None, recorded, eager, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            aligned[j1:j2] = decisions[i1:i2]
+            matched += i2 - i1
+    return aligned, len(eager) - matched
+
+
+class OpListPolicy:
+    """A SAC policy from per-op decisions (1 save, 0 recompute) over the module's eager op
+    sequence (``eager_op_names``), consumed in order, separately in the forward and in the
+    recompute; the ops SACEstimator leaves out (``OPS_TO_ALWAYS_SKIP``) are recomputed. An op
+    that is not the one expected at that position is an error, not a silent misalignment."""
+
+    def __init__(self, fqn: str, names: list[str], decisions: list[int]):
+        from torch.distributed._tools.sac_estimator import OPS_TO_ALWAYS_SKIP
+
+        self.fqn, self.names, self.decisions = fqn, names, decisions
+        self.skip = OPS_TO_ALWAYS_SKIP
+        self.count = {False: 0, True: 0}
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in self.skip:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        i = self.count[ctx.is_recompute]
+        self.count[ctx.is_recompute] += 1
+        name = func._overloadpacket.__name__
+        if i >= len(self.names) or self.names[i] != name:
+            expected = self.names[i] if i < len(self.names) else "no more ops"
+            raise RuntimeError(f"auto-SAC policy of {self.fqn}: op {i} is {name}, "
+                               f"expected {expected}")
+        return (CheckpointPolicy.PREFER_SAVE if self.decisions[i]
+                else CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def _auto_sac_contexts(fqn: str, names: list[str], decisions: list[int],
+                       allow_mutation: bool) -> Any:
+    return create_selective_checkpoint_contexts(OpListPolicy(fqn, names, decisions),
+                                                allow_cache_entry_mutation=allow_mutation)
+
+
+def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], Any],
+                          *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+@contextlib.contextmanager
+def auto_sac_modules(model: nn.Module, policies: dict[str, tuple[list[str], list[int]]],
+                     allow_mutation: bool = False) -> Iterator[None]:
+    """Run each module named in ``policies`` (fqns as torch's ModTracker names them, rooted at
+    the model's class name) under a non-reentrant checkpoint with its SAC policy, a fresh
+    policy per call. ``forward`` is patched on the instances, as in ``checkpointed_blocks``.
+    ``allow_mutation``: ``create_selective_checkpoint_contexts``'s
+    ``allow_cache_entry_mutation`` (torch's per-module MILP saves an in-place op together with
+    the op whose output it mutates, e.g. BatchNorm then ``relu_``; SAC refuses that by
+    default)."""
+    patched = []
+    try:
+        for fqn, (names, decisions) in policies.items():
+            module = model.get_submodule(fqn.partition(".")[2])
+            context_fn = functools.partial(_auto_sac_contexts, fqn, names, decisions,
+                                           allow_mutation)
+            module.forward = functools.partial(_checkpointed_forward, module.forward, context_fn)
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
 
 
 # --------------------------------------------------------------------------- measuring
@@ -230,6 +575,7 @@ class Runner:
 
     def _reset(self) -> None:
         self.zm.model.load_state_dict(self.state)
+        self.zm.model.zero_grad(set_to_none=True)  # a run that failed mid-step leaves some
         torch.manual_seed(1234)
         if self.device == "cuda":
             torch.cuda.manual_seed_all(1234)
@@ -288,8 +634,111 @@ def grads_match(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tenso
     return all(torch.equal(reference[k], grads[k]) for k in reference), diff
 
 
+def distinct_peaks(rows: list[dict[str, Any]]) -> list[tuple[int, list[str]]]:
+    """The measured peaks of ``rows`` (status ok), those within 0.5 % merged, ascending, each
+    with the short names of the rows at it."""
+    budgets: list[tuple[int, list[str]]] = []
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        for b in budgets:
+            if abs(b[0] - r["peak_bytes"]) <= 0.005 * b[0]:
+                b[1].append(r.get("short", r["strategy"]))
+                break
+        else:
+            budgets.append((r["peak_bytes"], [r.get("short", r["strategy"])]))
+    return sorted(budgets)
+
+
+def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict[str, Any]],
+                  reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
+                  ) -> None:
+    """torch's auto-SAC at the measured peak of each other peer (see the module docstring)."""
+    none = next((r for r in rows if r["strategy"] == "none" and r.get("status") == "ok"), None)
+    if none is None:
+        row(AUTO_SAC, "peer", status="not run: needs the measured peak of 'none' to calibrate "
+            "sac_milp's memory model")
+        return
+    targets = [(peak, names) for peak, names in distinct_peaks(
+        [r for r in rows if r["kind"] == "peer" and r["strategy"] != "none"])
+        if peak < 0.995 * none["peak_bytes"]]
+    if not targets:
+        row(AUTO_SAC, "peer", status="not run: no other peer's peak to solve it at")
+        return
+    try:
+        stats = collect_auto_sac_stats(zm, device)
+    except Exception as error:  # fake-tensor tracing, estimators or pwlf fits that fail
+        row(AUTO_SAC, "peer", status=f"not run: torch's estimators failed on this model: "
+            f"{type(error).__name__}: {error}"[:300])
+        return
+    try:
+        eager = eager_op_names(zm, list(stats.sac_stats))
+    except Exception as error:
+        row(AUTO_SAC, "peer", status=f"not run: recording the model's eager ops failed: "
+            f"{type(error).__name__}: {error}"[:300])
+        return
+    # sac_milp counts parameters, gradients and activations; our measured peak also counts
+    # the inputs and what the loss allocates: give it the target less that gap
+    offset = none["peak_bytes"] - stats.model_peak_bytes
+    first = True  # the first plan's planning time includes the estimators'
+    for target, names in targets:
+        label = f"{AUTO_SAC} @ {'/'.join(names)}"
+        fields: dict[str, Any] = dict(
+            short=f"auto-SAC@{'/'.join(names)}", budget_bytes=target,
+            sac_milp_budget_gib=(target - offset) / GIB,
+            sac_milp_unmodelled_bytes=offset, sac_milp_no_ac_peak_bytes=stats.model_peak_bytes,
+            estimate_mode=stats.estimate_mode, estimators_s=stats.collect_s,
+            no_backward_snapshot_modules=stats.filled)
+        began = time.perf_counter()
+        try:
+            plan = solve_auto_sac(stats, target - offset)
+        except Exception as error:
+            row(label, "peer", status=f"failed: {type(error).__name__}: {error}"[:300], **fields)
+            continue
+        if plan is None:
+            row(label, "peer", status=f"infeasible: sac_milp found no plan within "
+                f"{(target - offset) / GIB:.4f} GiB of its memory model (its no-checkpointing "
+                f"peak: {stats.model_peak_bytes / GIB:.4f} GiB)", **fields)
+            continue
+        policies, unmatched = {}, {}
+        for fqn, (names_, decisions) in plan.policies.items():
+            aligned, misses = align_decisions(names_, decisions, eager[fqn])
+            policies[fqn] = (eager[fqn], aligned)
+            if misses:
+                unmatched[fqn] = f"{misses}/{len(aligned)}"
+        planning_s = time.perf_counter() - began + (stats.collect_s if first else 0.0)
+        fields.update(
+            predicted_peak_bytes=plan.peak_bytes + offset, planning_s=planning_s,
+            planning_how=("estimators + sac_milp" if first else "sac_milp (stats reused)"),
+            sac_milp_peak_bytes=plan.peak_bytes, sac_milp_recompute_ms=plan.recompute_ms,
+            ac_decisions=plan.ac_decisions,
+            saved_ops={f: f"{sum(d)}/{len(d)}" for f, (_, d) in policies.items()},
+            widened_modules=plan.widened, eager_ops_not_in_sac_estimator=unmatched)
+        first = False
+        try:
+            try:
+                peak, ms, base, grads = runner.run(
+                    zm.model, functools.partial(auto_sac_modules, zm.model, policies))
+            except RuntimeError as error:
+                if "has been mutated" not in str(error):
+                    raise
+                # torch's policy keeps an output that an in-place op then changes: run it
+                # with SAC's opt-in for that, and say so (the gradients are still compared)
+                fields["allow_cache_entry_mutation"] = True
+                peak, ms, base, grads = runner.run(zm.model, functools.partial(
+                    auto_sac_modules, zm.model, policies, True))
+        except Exception as error:  # e.g. ops that differ from the recorded eager ones
+            row(label, "peer", status=f"failed: {type(error).__name__}: {error}"[:300], **fields)
+            continue
+        equal, diff = grads_match(reference, grads)
+        row(label, "peer", status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
+            within_budget=peak <= target,
+            peak_error=(fields["predicted_peak_bytes"] - peak) / peak,
+            grads_equal=equal, grad_max_abs_diff=diff, **fields)
+
+
 def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quick: bool,
-                timing: str) -> list[dict[str, Any]]:
+                timing: str, peers: list[str] | None = None) -> list[dict[str, Any]]:
     zm = zoo.get(name, **kwargs)
     runner = Runner(zm, device, steps)
     rows: list[dict[str, Any]] = []
@@ -306,13 +755,16 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         print(format_row(out), flush=True)
         return out
 
-    for peer in QUICK_PEERS if quick else PEERS:
+    selected = QUICK_PEERS if quick else PEERS
+    if peers is not None:  # "none" always: it is the reference for gradients and memory
+        selected = tuple(p for p in PEERS if p == "none" or p in peers)
+    for peer in selected:
         reason = peer_not_run(peer, device)
-        if peer == "auto-sac-milp" and reason is None:
-            reason = "not run: sac_ilp imported, but no adapter to apply its per-module " \
-                     "decisions is written yet"
         if reason:
-            row(peer, "peer", status=reason)
+            row(AUTO_SAC if peer == "auto-sac-milp" else peer, "peer", status=reason)
+            continue
+        if peer == "auto-sac-milp":
+            auto_sac_peer(zm, runner, device, rows, reference, row)
             continue
         try:
             peak, ms, base, grads = runner.run(zm.model, functools.partial(peer_context, peer, zm))
@@ -326,19 +778,10 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
             grads_equal=equal,
             grad_max_abs_diff=diff)
 
-    # our plans, one per distinct peer peak: the first via optimize() (capture + profile +
-    # solve, timed), the others reuse its profile (plan_for_profile, timed)
-    budgets: list[tuple[int, list[str]]] = []
-    for r in rows:
-        if r.get("status") != "ok":
-            continue
-        for b in budgets:
-            if abs(b[0] - r["peak_bytes"]) <= 0.005 * b[0]:
-                b[1].append(r["strategy"])
-                break
-        else:
-            budgets.append((r["peak_bytes"], [r["strategy"]]))
-    budgets.sort()
+    # our plans, one per distinct peer peak (torch auto-SAC's included): the first via
+    # optimize() (capture + profile + solve, timed), the others reuse its profile
+    # (plan_for_profile, timed)
+    budgets = distinct_peaks(rows)
     profile = None
     args, kw = normalize_inputs(zm.model, zm.example_inputs)
     for budget, peers in budgets:
@@ -398,20 +841,28 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['model']} | {r['strategy']} | {status} | | | | {budget} "
                          "| | | | | |")
             continue
-        ours = r["kind"] == "ours"
+        planned = "within_budget" in r  # ours, and torch's auto-SAC
         grads = "yes" if r["grads_equal"] else f"no (max diff {r['grad_max_abs_diff']:.2e})"
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['peak_bytes'] / GIB:.4f} | "
             f"{r['step_ms']:.1f} | {r['base_step_ms']:.1f} | {_pct(r.get('overhead'))} | "
             + (f"{r['budget_bytes'] / GIB:.4f} | {'yes' if r['within_budget'] else 'NO'} | "
                f"{r['predicted_peak_bytes'] / GIB:.4f} | {_pct(r['peak_error'])} | "
-               f"{r['planning_s']:.1f} | " if ours else "| | | | | ")
+               f"{r['planning_s']:.1f} | " if planned else "| | | | | ")
             + grads + " |")
     lines += ["", f"Wall time of the whole run: {result['wall_s']:.0f} s. "
               "Overhead: median step time over that of the model without checkpointing, their "
               "steps interleaved in the same loop. Planning s: the first "
               "plan per model is `planner.optimize` (capture, profile, solve); later ones "
-              "reuse that profile (`plan_for_profile`)."]
+              "reuse that profile (`plan_for_profile`).",
+              "",
+              f"{AUTO_SAC} @ X: torch's `sac_milp` + `get_optimal_checkpointing_policy_per_module`"
+              " solved at peer X's measured peak (budget), less the memory its model leaves out "
+              "(our measured no-checkpointing peak minus its estimate of it); predicted: its "
+              "estimate plus that gap; planning s: the first per model includes its estimators "
+              "(MemTracker, RuntimeEstimator, SACEstimator on a fake-tensor step). The JSON "
+              "rows hold its decisions (`ac_decisions`, `saved_ops`) and the adaptations made "
+              "(see frontier.py's docstring)."]
     return "\n".join(lines) + "\n"
 
 
@@ -427,17 +878,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 5.2 * nrows), squeeze=False)
     for ax, model in zip(axes.flat, models, strict=False):
         ok = [r for r in result["rows"] if r["model"] == model and r.get("status") == "ok"]
-        peers = [r for r in ok if r["kind"] == "peer"]
+        auto = sorted((r for r in ok if r["strategy"].startswith(AUTO_SAC)),
+                      key=lambda r: r["peak_bytes"])
+        peers = [r for r in ok if r["kind"] == "peer" and r not in auto]
         ours = sorted((r for r in ok if r["kind"] == "ours"), key=lambda r: r["peak_bytes"])
         for r in peers:
             x, y = r["peak_bytes"] / GIB, 100 * r.get("overhead", 0.0)
             ax.scatter(x, y, s=60, marker="s", zorder=3)
             ax.annotate(r["strategy"], (x, y), textcoords="offset points", xytext=(6, 6),
                         fontsize=9)
+        if auto:
+            ax.plot([r["peak_bytes"] / GIB for r in auto],
+                    [100 * r.get("overhead", 0.0) for r in auto], "^--", color="m",
+                    lw=1.5, label=f"{AUTO_SAC} (budget = a peer's peak)", zorder=4)
         if ours:
             ax.plot([r["peak_bytes"] / GIB for r in ours],
                     [100 * r.get("overhead", 0.0) for r in ours], "o-", color="black",
                     lw=2, label="our plans (budget = a peer's peak)", zorder=4)
+        if ours or auto:
             ax.legend(loc="best", fontsize=9)
         ax.margins(x=0.1, y=0.18)  # room for the labels
         ax.axhline(0, color="grey", lw=0.8)
@@ -463,6 +921,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timing", default="measure", choices=["measure", "estimate"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--models", nargs="*", default=None, help="zoo names to keep")
+    parser.add_argument("--peers", nargs="*", default=None, choices=PEERS,
+                        help="peer strategies to run ('none' always runs)")
     opts = parser.parse_args(argv)
     steps = opts.steps or (2 if opts.quick else 7)
     if opts.device == "cuda" and not torch.cuda.is_available():
@@ -476,7 +936,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if opts.models and name not in opts.models:
             continue
         print(f"== {name} {kwargs}", flush=True)
-        rows += bench_model(name, kwargs, opts.device, steps, opts.quick, opts.timing)
+        rows += bench_model(name, kwargs, opts.device, steps, opts.quick, opts.timing,
+                            opts.peers)
     result = {
         "torch": torch.__version__, "device": opts.device, "device_name": device_name,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
