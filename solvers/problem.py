@@ -113,20 +113,11 @@ class Problem(BaseModel):
             "node_saved": self.node_saved,
             "param_grad_bytes": self.param_grad_bytes,
         }
-        if self.block_of_node is not None:
-            per_node["block_of_node"] = self.block_of_node
-        if self.node_saves_static is not None:
-            per_node["node_saves_static"] = self.node_saves_static
-        if self.op_kind is not None:
-            per_node["op_kind"] = self.op_kind
-        if self.keepable is not None:
-            per_node["keepable"] = self.keepable
-        if self.node_ops is not None:
-            per_node["node_ops"] = self.node_ops
-        if self.node_packed is not None:
-            per_node["node_packed"] = self.node_packed
+        for optional in ("block_of_node", "node_saves_static", "op_kind", "keepable",
+                         "node_ops", "node_packed", "node_grad_inputs"):
+            if getattr(self, optional) is not None:
+                per_node[optional] = getattr(self, optional)
         if self.node_grad_inputs is not None:
-            per_node["node_grad_inputs"] = self.node_grad_inputs
             for i, targets in enumerate(self.node_grad_inputs):
                 bad = [s for s in targets if s not in self.node_inputs[i]]
                 _check(not bad, f"node_grad_inputs[{i}] has storages {bad[:5]} that node {i} "
