@@ -49,8 +49,8 @@ def main() -> None:
         model = zoo.get(name, device=device, **spec)
         inputs = model.example_inputs
         started = time.perf_counter()
-        gm = profiles.capture(model.model, inputs, model.loss_fn)
-        prof = profiles.profile(gm, inputs, timing="measure", progress=False)
+        prof = profiles.profile(model.model, inputs, loss_fn=model.loss_fn, timing="measure",
+                                progress=False)
         path = RECORDED_DIR / f"{label}.{suffix}.json"
         prof.save(path)
         elapsed = time.perf_counter() - started

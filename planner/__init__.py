@@ -1,24 +1,49 @@
-"""Activation-checkpointing planner: profile a model's graph, solve exactly, rewrite.
+"""Activation-checkpointing planner: profile a model's training step, solve exactly, and
+checkpoint the model's own modules.
 
 >>> from planner import optimize, apply, verify, Plan  # doctest: +SKIP
 >>> plan = optimize(model, example_inputs, budget_gb=8)  # doctest: +SKIP
->>> fast = apply(model, plan)  # doctest: +SKIP
+>>> model = apply(model, plan)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from planner.api import VerifyReport, apply, measure_step, optimize, verify
-from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
-from profiles.errors import CaptureError
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CaptureError",
-    "InfeasibleBudgetError",
-    "Plan",
-    "PlanMismatchError",
-    "VerifyReport",
-    "apply",
-    "measure_step",
-    "optimize",
-    "verify",
-]
+if TYPE_CHECKING:
+    from planner.api import (
+        VerifyReport,
+        apply,
+        measure_step,
+        optimize,
+        remove,
+        replan,
+        verify,
+    )
+    from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
+    from profiles.errors import ProfileError
+
+_LAZY = {
+    "VerifyReport": "planner.api",
+    "apply": "planner.api",
+    "measure_step": "planner.api",
+    "optimize": "planner.api",
+    "remove": "planner.api",
+    "replan": "planner.api",
+    "verify": "planner.api",
+    "InfeasibleBudgetError": "planner.plan",
+    "Plan": "planner.plan",
+    "PlanMismatchError": "planner.plan",
+    "ProfileError": "profiles.errors",
+}
+
+__all__ = ["InfeasibleBudgetError", "Plan", "PlanMismatchError", "ProfileError",
+           "VerifyReport", "apply", "measure_step", "optimize", "remove", "replan", "verify"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

@@ -35,12 +35,10 @@ def _profile(model: Any, args: argparse.Namespace) -> Any:
     import profiles
 
     started = time.perf_counter()
-    gm = profiles.capture(model.model, model.example_inputs, model.loss_fn)
-    log.info("captured %s with %s: %d nodes", model.name, gm.meta["planner"]["method"],
-             len(gm.graph.nodes))
-    prof = profiles.profile(gm, model.example_inputs, timing=args.timing, device=args.device,
-                            progress=not args.quiet)
-    log.info("profiled in %.1f s", time.perf_counter() - started)
+    prof = profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                            timing=args.timing, device=args.device, progress=not args.quiet)
+    log.info("profiled %s in %.1f s: %d ops, %d module calls", model.name,
+             time.perf_counter() - started, len(prof.nodes), len(prof.module_calls))
     return prof
 
 
@@ -52,8 +50,8 @@ def _print_profile(prof: Any, top: int) -> None:
             storage = prof.storages[sid]
             if storage.kind in ("activation", "internal"):
                 saved[storage.producer] = saved.get(storage.producer, 0) + storage.nbytes
-    print(f"\n  largest saved activations (top {top}), by producing node:")
-    print(f"  {'node':<32} {'module':<28} {'saved MiB':>10} {'fwd ms':>8} {'bwd ms':>8}")
+    print(f"\n  largest saved activations (top {top}), by producing op:")
+    print(f"  {'op':<32} {'module':<28} {'saved MiB':>10} {'fwd ms':>8} {'bwd ms':>8}")
     for index, nbytes in sorted(saved.items(), key=lambda kv: -kv[1])[:top]:
         node = prof.nodes[index]
         print(f"  {node.name[:32]:<32} {node.module[:28]:<28} {nbytes / 2**20:>10.2f} "
@@ -100,9 +98,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Plan the zoo's GPT-style model at a budget that forces checkpointing."""
-    from planner import optimize
-    from planner.api import plan_for_profile
+    """Plan the zoo's GPT-style model at a budget that forces checkpointing, apply the plan
+    to the model and measure one training step of it."""
+    from planner import optimize, replan, verify
+    from planner.plan import format_bytes
 
     model = _load_model("gpt", [f"size={args.size}"])
     unplanned = optimize(model.model, model.example_inputs, budget_gb=1e6,
@@ -110,12 +109,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          progress=not args.quiet)
     static = unplanned.profile.static.total_bytes
     budget = int(static + args.fraction * (unplanned.unplanned_peak_bytes - static))
-    print(f"{model.name}: unplanned peak {unplanned.unplanned_peak_bytes / 2**30:.4f} GiB, "
-          f"static {static / 2**30:.4f} GiB; planning at static + {100 * args.fraction:.0f} % "
-          f"of the activations = {budget / 2**30:.4f} GiB\n")
-    plan = plan_for_profile(unplanned.profile, budget, unplanned.inputs, solver=args.solver,
-                            time_limit_s=args.time_limit)
-    return _print_and_save(plan, args.out)
+    print(f"{model.name}: unplanned peak {format_bytes(unplanned.unplanned_peak_bytes)}, "
+          f"static {format_bytes(static)}; planning at static + {100 * args.fraction:.0f} % "
+          f"of the activations = {format_bytes(budget)}\n")
+    plan = replan(unplanned, budget_bytes=budget, solver=args.solver,
+                  time_limit_s=args.time_limit)
+    status = _print_and_save(plan, args.out)
+    report = verify(model.model, plan, model.example_inputs, model.loss_fn)
+    print(f"\none measured training step of the planned model ({report.device}):\n  "
+          f"{report.summary()}")
+    return status if report.within_budget and report.grads_equal else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

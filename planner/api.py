@@ -1,18 +1,25 @@
-"""optimize / apply / verify: plan a model's checkpoints under a memory budget and use them."""
+"""optimize / apply / remove / verify: plan a model's checkpoints under a memory budget."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import numbers
 import statistics
 import time
-from collections.abc import Callable
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 import profiles
+from planner.emit import RegionSpec, checkpointed_modules, install_checkpoints, remove_checkpoints
 from planner.plan import (
     GIB,
     InfeasibleBudgetError,
@@ -21,30 +28,41 @@ from planner.plan import (
     PlanMismatchError,
     PlanRegion,
     SolverReport,
+    format_bytes,
 )
-from planner.rewrite import rewrite
-from profiles.schema import GraphProfile
-from profiles.tracing import flat_placeholder_values, graph_fingerprint, normalize_inputs
-from solvers import (
-    SOLVERS,
-    Problem,
-    Region,
-    Schedule,
-    Solution,
-    Status,
-    Timeline,
-    memory_lower_bound,
-    simulate,
-)
-from solvers.baselines import BASELINES
+from profiles.inputs import normalize_inputs
+from profiles.schema import GraphProfile, fingerprint
+from solvers import SOLVERS, Problem, Region, Schedule, Solution, Status, Timeline, simulate
+from solvers.auto import lowest_peak
 from solvers.from_profile import problem_from_profile
 
 log = logging.getLogger(__name__)
 
+__all__ = ["PlanGuard", "PlanMismatchWarning", "VerifyReport", "apply", "measure_step",
+           "optimize", "plan_for_profile", "plan_for_schedule", "remove", "replan",
+           "structure_fingerprint", "verify"]
+
+
+class PlanMismatchWarning(UserWarning):
+    """A planned model runs outside what its plan guarantees (larger inputs, precision)."""
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _budget_bytes(budget_gb: Any) -> int:
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, numbers.Real):
+        raise TypeError(f"budget_gb must be a number of GiB (2**30 bytes), got "
+                        f"{type(budget_gb).__name__} {budget_gb!r}")
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise ValueError(f"budget_gb must be a positive, finite number of GiB, got "
+                         f"{budget_gb!r}")
+    return int(budget_gb * GIB)
+
 
 def _input_specs(args: tuple, kwargs: dict) -> list[InputSpec]:
     specs: list[InputSpec] = []
-    seen: dict[int, str] = {}  # the same tensor passed twice traces differently: keep it so
+    seen: dict[int, str] = {}
     for keyword, items in ((False, enumerate(args)), (True, kwargs.items())):
         for name, value in items:
             if isinstance(value, torch.Tensor):
@@ -53,44 +71,249 @@ def _input_specs(args: tuple, kwargs: dict) -> list[InputSpec]:
                                        same_as=seen.get(id(value))))
                 seen.setdefault(id(value), str(name))
             else:
-                specs.append(InputSpec(name=str(name), keyword=keyword, value=value))
+                specs.append(InputSpec(name=str(name), keyword=keyword,
+                                       value=value if _plain(value) else repr(value)))
     return specs
 
 
-def _stand_in_inputs(plan: Plan, device: torch.device) -> tuple[tuple, dict]:
-    """Zeros shaped like the planned inputs: enough to capture the same graph again."""
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    made: dict[str, Any] = {}
-    for spec in plan.inputs:
-        value = spec.value
-        if spec.same_as is not None:
-            value = made[spec.same_as]
-        elif spec.shape is not None:
-            value = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
-        made[spec.name] = value
-        if spec.keyword:
-            kwargs[spec.name] = value
-        else:
-            args.append(value)
-    return tuple(args), kwargs
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _ambient_autocast(device_type: str) -> torch.dtype | None:
+    if device_type in ("meta",) or not torch.amp.is_autocast_available(device_type):
+        return None
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def structure_fingerprint(model: nn.Module) -> str:
+    """Hash of the module tree (paths and classes) and every parameter's and buffer's
+    name, shape and dtype: what a plan needs of the model it is applied to."""
+    structure: list[object] = [(name, type(m).__name__) for name, m in model.named_modules()]
+    structure += [(name, list(t.shape), str(t.dtype)) for name, t in
+                  [*model.named_parameters(remove_duplicate=False),
+                   *model.named_buffers(remove_duplicate=False)]]
+    return fingerprint(structure)
+
+
+@contextlib.contextmanager
+def _training_config(model: nn.Module) -> Iterator[bool]:
+    """Hugging Face models cache keys and values (``use_cache``) unless told not to; a
+    training step does not need them, and a checkpoint's rerun would append to the cache a
+    second time, so HF itself turns the cache off under gradient checkpointing. Planning
+    does the same while it profiles; yields whether it had to."""
+    config = getattr(model, "config", None)
+    on = bool(getattr(config, "use_cache", False))
+    if on:
+        config.use_cache = False
+    try:
+        yield on
+    finally:
+        if on:
+            config.use_cache = True
+
+
+def _refuse_existing_checkpointing(model: nn.Module) -> None:
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # transformers 5 renamed it
+    if getattr(model, flag, False):
+        raise ValueError(
+            f"{type(model).__name__} already has Hugging Face gradient checkpointing on; a "
+            "plan replaces it. Call model.gradient_checkpointing_disable() first.")
+
+
+# ----------------------------------------------------------------------------- optimize
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    budget_gb: float,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    autocast: torch.dtype | None = None,
+    solver: str = "auto",
+    time_limit_s: float = 60.0,
+    timing: str = "auto",
+    device: str | None = None,
+    execution: str = "auto",
+    progress: bool = True,
+) -> Plan:
+    """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
+
+    The budget covers parameters, gradients, buffers, inputs, activations, temporaries and,
+    when ``optimizer`` is given, its state (1 GiB = 2**30 bytes), for one step run as
+    ``loss_fn(model(*inputs)).backward()``. ``autocast`` plans mixed precision (e.g.
+    ``torch.bfloat16``); called inside ``torch.autocast``, that dtype is used.
+    ``time_limit_s`` bounds the solving (profiling comes on top). See
+    :func:`profiles.profile` for ``timing``, ``device`` and ``execution``.
+
+    Raises:
+        InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
+        ProfileError: one training step of the model could not run.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
+    budget_bytes = _budget_bytes(budget_gb)
+    if not (isinstance(time_limit_s, numbers.Real) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be a positive number, got {time_limit_s!r}")
+    _refuse_existing_checkpointing(model)
+    args, kwargs = normalize_inputs(model, example_inputs)
+    if autocast is None:
+        autocast = _ambient_autocast(_model_device(model).type)
+        if autocast is not None:
+            log.info("planning under the ambient torch.autocast(%s)", autocast)
+    with _training_config(model) as cache_off:
+        prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
+                                optimizer=optimizer, autocast=autocast, timing=timing,
+                                device=device, execution=execution, progress=progress)
+    plan = plan_for_profile(prof, budget_bytes, _input_specs(args, kwargs),
+                            structure_fingerprint(model), solver=solver,
+                            time_limit_s=time_limit_s)
+    if cache_off:
+        plan = plan.model_copy(update={"note": (plan.note + " " if plan.note else "")
+                                       + "Profiled with config.use_cache=False (a training "
+                                       "step keeps no cache); apply() turns it off."})
+    return plan
+
+
+def _as_inputs(args: tuple, kwargs: dict) -> Any:
+    if kwargs and args:
+        raise ValueError("example_inputs mixes positional and keyword inputs; pass a tuple or "
+                         "a dict")
+    return kwargs if kwargs else args
+
+
+SPACES = {
+    "dp": "chains of module-call segments (flat, or a call with its submodule calls nested)",
+    "milp": "non-overlapping module calls, each keeping none, its matmuls or any subset",
+    "bruteforce": "every schedule of module calls",
+    "none": "",
+}
+
+
+def _report(solution: Solution) -> SolverReport:
+    base = solution.solver.removeprefix("auto/")
+    space = SPACES.get(base, "") if solution.status == Status.OPTIMAL else ""
+    return SolverReport(name=solution.solver, status=solution.status.value,
+                        objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
+                        gap=solution.gap, solve_time_s=solution.solve_time_s, space=space)
+
+
+def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
+                     structure: str, *, solver: str = "auto",
+                     time_limit_s: float = 60.0) -> Plan:
+    """The solving half of :func:`optimize`, for a profile already taken."""
+    started = time.perf_counter()
+    problem = problem_from_profile(prof)
+    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
+    if unplanned.peak_bytes <= budget_bytes:
+        report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
+                              bound_ms=0.0, gap=0.0, solve_time_s=0.0,
+                              space="every schedule (nothing is recomputed)")
+        note = (f"No checkpointing needed: the unplanned step peaks at "
+                f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
+        log.info(note)
+        return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
+                          budget_bytes, report, inputs, structure, note)
+    log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
+             len(problem.module_spans or ()), format_bytes(budget_bytes))
+    solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
+    if not solution.feasible or solution.schedule is None:
+        left = max(1.0, time_limit_s - (time.perf_counter() - started))
+        lowest = lowest_peak(problem, left)
+        if lowest.schedule is None or lowest.peak_bytes is None \
+                or lowest.peak_bytes > budget_bytes:
+            raise _infeasible(prof, problem, budget_bytes, lowest)
+        solution = lowest  # the solver missed a schedule that fits
+    return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes,
+                      _report(solution), inputs, structure)
+
+
+def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+           solver: str = "auto", time_limit_s: float = 60.0) -> Plan:
+    """A plan for the same model, inputs and precision at another budget (no profiling).
+
+    >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
+    """
+    if (budget_gb is None) == (budget_bytes is None):
+        raise TypeError("give budget_gb or budget_bytes")
+    budget = _budget_bytes(budget_gb) if budget_bytes is None else int(budget_bytes)
+    return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
+                            solver=solver, time_limit_s=time_limit_s)
+
+
+def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],
+                      structure: str, budget_bytes: int | None = None) -> Plan:
+    """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
+    hand or by another tool; its numbers come from ``simulate`` like every plan's."""
+    problem = problem_from_profile(prof)
+    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
+    timeline = simulate(problem, schedule)
+    report = SolverReport(name="given", status=Status.FEASIBLE.value,
+                          objective_ms=timeline.recompute_time_ms, bound_ms=None, gap=None,
+                          solve_time_s=0.0)
+    return _make_plan(prof, problem, unplanned, schedule,
+                      timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
+                      inputs, structure)
+
+
+def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,
+                lowest: Solution) -> InfeasibleBudgetError:
+    """The error for a budget no schedule met: the lowest peak of any schedule found (a
+    budget that yields a plan) and, when proven, the bound no schedule goes below."""
+    if lowest.peak_bytes is None:
+        raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
+    peak = lowest.peak_bytes
+    bound = lowest.min_feasible_budget_bytes
+    if lowest.min_feasible_budget_exact:
+        proof = " No schedule of module checkpoints peaks lower (proven)."
+    elif bound is not None and bound < peak:
+        proof = (f" No schedule can peak below {format_bytes(bound)} (a proven bound: static "
+                 "memory plus the largest working set of one op); plans between the two may "
+                 "exist that the solvers did not find.")
+    else:
+        proof = ""
+    return InfeasibleBudgetError(
+        f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
+        f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
+        f"{lowest.solver}); optimize(..., budget_gb=error.min_budget_gb) returns that plan."
+        f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
+        f"state) is {format_bytes(prof.static.total_bytes)}. Raise the budget, shrink the "
+        "batch, use autocast=torch.bfloat16, or shard parameters and optimizer state.",
+        peak, bound if bound is not None and bound <= peak else None)
 
 
 def _plan_regions(profile: GraphProfile, regions: tuple[Region, ...]) -> list[PlanRegion]:
     names = [n.name for n in profile.nodes]
+    paths = {}
+    for call in profile.module_calls:
+        paths.setdefault((call.start, call.stop), call.path)
     return [PlanRegion(start=r.start, stop=r.stop, mode=r.mode, nodes=names[r.start:r.stop],
+                       module=paths.get((r.start, r.stop)) if r.is_recompute else None,
                        kept=[names[i] for i in sorted(r.keep)],
                        children=_plan_regions(profile, r.children)) for r in regions]
 
 
 def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
                schedule: Schedule, budget_bytes: int, report: SolverReport,
-               inputs: list[InputSpec], note: str = "") -> Plan:
+               inputs: list[InputSpec], structure: str, note: str = "") -> Plan:
     timeline = simulate(problem, schedule)
     breakdown = timeline.breakdown
     return Plan(
         model_name=profile.model_name,
         fingerprint=profile.fingerprint,
+        structure_fingerprint=structure,
+        autocast_dtype=profile.autocast_dtype,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=timeline.peak_bytes,
         peak_breakdown={"static": breakdown.static_bytes,
@@ -112,113 +335,160 @@ def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
     )
 
 
-def optimize(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    budget_gb: float,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    solver: str = "auto",
-    time_limit_s: float = 60.0,
-    timing: str = "auto",
-    device: str | None = None,
-    progress: bool = True,
-) -> Plan:
-    """Plan which activations to keep so one training step peaks under ``budget_gb`` GiB.
+# ----------------------------------------------------------------------------- apply
 
-    The budget covers parameters, gradients, buffers, inputs, activations, temporaries and,
-    when ``optimizer`` is given, its state (1 GiB = 2**30 bytes).
+
+def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
+    """What to install on each checkpointed module: kept ops by (op, occurrence in the
+    module's forward), the ops the forward is expected to run, buffers to restore."""
+    nodes = plan.profile.nodes
+    calls = {(c.start, c.stop, c.path): c for c in plan.profile.module_calls}
+    out = []
+
+    def visit(region: PlanRegion) -> None:
+        if region.mode != "recompute":
+            return
+        path = region.module or ""
+        call = calls[(region.start, region.stop, path)]
+        counter: Counter[str] = Counter()
+        kept = set(region.kept)
+        keep_ops = set()
+        for node in nodes[region.start:region.stop]:
+            if node.target in _SAC_UNSEEN:  # never shown to a SAC policy
+                continue
+            if node.name in kept:
+                keep_ops.add((node.target, counter[node.target]))
+            counter[node.target] += 1
+        prefix = f"{path}." if path else ""
+        out.append(RegionSpec(path, frozenset(keep_ops),
+                              tuple(b.removeprefix(prefix) for b in call.mutated_buffers),
+                              tuple(sorted(counter.items())), strict))
+        for child in region.children:
+            visit(child)
+
+    for region in plan.regions:
+        visit(region)
+    return out
+
+
+_SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)
+
+
+class PlanGuard:
+    """Forward pre-hook on a planned model: warns (or raises, ``strict``) when a training
+    step runs with inputs larger than planned or under another precision than planned."""
+
+    def __init__(self, plan: Plan, device_type: str, strict: bool,
+                 restore_use_cache: bool) -> None:
+        self.inputs = [(spec.name, spec.keyword, tuple(spec.shape))
+                       for spec in plan.inputs if spec.shape is not None]
+        self.autocast_dtype = plan.autocast_dtype
+        self.device_type = device_type
+        self.strict = strict
+        self.restore_use_cache = restore_use_cache
+        self.model_name = plan.model_name
+        self.budget = format_bytes(plan.budget_bytes)
+        self._told: set[str] = set()
+
+    def _complain(self, message: str) -> None:
+        if self.strict:
+            raise PlanMismatchError(message)
+        if message not in self._told:
+            self._told.add(message)
+            warnings.warn(message, PlanMismatchWarning, stacklevel=4)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # inference is not planned; compiled graphs were checked when traced
+        for name, keyword, shape in self.inputs:
+            value = kwargs.get(name) if keyword else (
+                args[int(name)] if int(name) < len(args) else None)
+            if isinstance(value, torch.Tensor) and (
+                    value.dim() != len(shape)
+                    or any(a > b for a, b in zip(value.shape, shape, strict=True))):
+                self._complain(
+                    f"{self.model_name} was planned for input {name!r} of shape "
+                    f"{list(shape)} but runs with {list(value.shape)}: the {self.budget} "
+                    "budget holds only for inputs no larger than planned. Plan again "
+                    "with the larger shape (planner.optimize).")
+        enabled = self.device_type != "meta" and torch.amp.is_autocast_available(
+            self.device_type) and torch.is_autocast_enabled(self.device_type)
+        dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") \
+            if enabled else None
+        if dtype != self.autocast_dtype:
+            planned = f"autocast {self.autocast_dtype}" if self.autocast_dtype else "no autocast"
+            running = f"autocast {dtype}" if dtype else "no autocast"
+            self._complain(
+                f"{self.model_name} was planned under {planned} but runs under {running}: "
+                f"activations change size, so the {self.budget} budget does not hold. "
+                "Plan with optimize(..., autocast=...) matching how you train.")
+
+
+def _guards(model: nn.Module) -> list[int]:
+    return [key for key, hook in model._forward_pre_hooks.items()
+            if isinstance(hook, PlanGuard)]
+
+
+def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
+    """Checkpoint ``model``'s own modules as ``plan`` says, and return ``model``.
+
+    The model keeps its class, module tree, parameters and ``state_dict``; compose it with
+    autocast, FSDP2 (``fully_shard`` its blocks after this), DDP and ``torch.compile`` as
+    usual. A guard warns (``strict``: raises ``PlanMismatchError``) when a training step runs
+    with inputs larger than planned or another autocast dtype. :func:`remove` undoes it.
 
     Raises:
-        CaptureError: the model cannot be captured as a graph.
-        InfeasibleBudgetError: no schedule fits; the message names the minimum in GiB.
+        PlanMismatchError: the model's module tree or parameter shapes differ from the
+            planned model's.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
-    if budget_gb <= 0:
-        raise ValueError(f"budget_gb must be positive, got {budget_gb}")
-    budget_bytes = int(budget_gb * GIB)
-    args, kwargs = normalize_inputs(model, example_inputs)
-    inputs = _input_specs(args, kwargs)
-    gm = profiles.capture(model, kwargs or args, loss_fn)
-    prof = profiles.profile(gm, None, loss_fn=loss_fn, optimizer=optimizer, timing=timing,
-                            device=device, progress=progress)
-    return plan_for_profile(prof, budget_bytes, inputs, solver=solver,
-                            time_limit_s=time_limit_s)
-
-
-def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec], *,
-                     solver: str = "auto", time_limit_s: float = 60.0) -> Plan:
-    """The solving half of :func:`optimize`, for a profile already taken."""
-    problem = problem_from_profile(prof)
-    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
-    if unplanned.peak_bytes <= budget_bytes:
-        report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
-                              bound_ms=0.0, gap=0.0, solve_time_s=0.0)
-        note = (f"No checkpointing needed: the unplanned step peaks at "
-                f"{unplanned.peak_bytes / GIB:.3f} GiB, within the budget.")
-        log.info(note)
-        return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
-                          budget_bytes, report, inputs, note)
-    log.info("solving with %s: %d nodes, budget %.3f GiB", solver, problem.n_nodes,
-             budget_bytes / GIB)
-    solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
-    if not solution.feasible or solution.schedule is None:
-        raise _infeasible(prof, problem, budget_bytes, solution)
-    report = SolverReport(name=solution.solver, status=solution.status.value,
-                          objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
-                          gap=solution.gap, solve_time_s=solution.solve_time_s)
-    return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes, report,
-                      inputs)
-
-
-def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,
-                solution: Solution) -> InfeasibleBudgetError:
-    """The error for a budget no schedule met, naming the lowest peak any schedule reached
-    (the budget to ask for) and, when it is not proven minimal, the proven lower bound."""
-    tried = [solution] + [baseline(problem, budget_bytes, 1.0)
-                          for baseline in BASELINES.values()]
-    reached = [(s.peak_bytes, s.solver) for s in tried if s.peak_bytes]
-    lowest, how = min(reached) if reached else (0, "")
-    bound = solution.min_feasible_budget_bytes or memory_lower_bound(problem)
-    exact = solution.min_feasible_budget_exact and bound >= lowest
-    minimum = f"{lowest / GIB:.4f} GiB ({lowest} bytes, reached by {how})"
-    if not exact:
-        minimum += (f"; no schedule can go below {bound / GIB:.4f} GiB, and schedules in "
-                    "between may exist that the solver did not find in its time limit")
-    return InfeasibleBudgetError(
-        f"No checkpointing schedule of {prof.model_name} found within {budget_bytes / GIB:.4f} "
-        f"GiB: the minimum is {minimum}. Static memory alone is "
-        f"{prof.static.total_bytes / GIB:.4f} GiB. Raise budget_gb, shrink the batch, or "
-        "shard parameters/optimizer state.", lowest)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in [*model.parameters(), *model.buffers()]:
-        return tensor.device
-    return torch.device("cpu")
-
-
-def apply(model: nn.Module, plan: Plan) -> torch.fx.GraphModule:
-    """A module that runs ``plan``: call it exactly like ``model``; it trains ``model``'s own
-    parameters (same objects, same ``state_dict()``).
-
-    Raises:
-        PlanMismatchError: the model or its input shapes differ from the planned ones.
-    """
-    args, kwargs = _stand_in_inputs(plan, _model_device(model))
-    gm = profiles.capture(model, kwargs or args)
-    actual = graph_fingerprint(gm, flat_placeholder_values(gm, args, kwargs))
-    if actual != plan.fingerprint:
+    _refuse_existing_checkpointing(model)
+    actual = structure_fingerprint(model)
+    if actual != plan.structure_fingerprint:
         raise PlanMismatchError(
-            f"This plan was made for {plan.model_name} with fingerprint {plan.fingerprint}, "
-            f"but {type(model).__name__} with the planned input shapes has fingerprint "
-            f"{actual}: the architecture, parameter shapes, dtypes or input shapes differ. "
-            "Run planner.optimize() on this model and these inputs.")
-    planned = rewrite(gm, plan.profile, plan.schedule)
-    planned.meta["planner"]["plan_fingerprint"] = plan.fingerprint
-    return planned
+            f"This plan was made for a {plan.model_name} with structure fingerprint "
+            f"{plan.structure_fingerprint}, but this {type(model).__name__} has {actual}: its "
+            "module tree, parameter or buffer shapes or dtypes differ. Run planner.optimize() "
+            "on this model (apply the plan before sharding it with FSDP2).")
+    if checkpointed_modules(model) or _guards(model):
+        remove(model)
+    missing = [spec.path for spec in region_specs(plan)
+               if not _has_submodule(model, spec.path)]
+    if missing:
+        raise PlanMismatchError(f"the plan checkpoints modules {missing[:3]} that "
+                                f"{type(model).__name__} does not have")
+    install_checkpoints(model, region_specs(plan, strict))
+    config = getattr(model, "config", None)
+    cache_was_on = bool(getattr(config, "use_cache", False))
+    if cache_was_on:
+        log.warning("%s: setting config.use_cache=False for training with checkpoints (a "
+                    "rerun would extend the cache twice); planner.remove() restores it",
+                    type(model).__name__)
+        config.use_cache = False
+    guard = PlanGuard(plan, _model_device(model).type, strict, cache_was_on)
+    model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+    return model
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Take a plan off ``model`` (checkpoints and guard); returns ``model``."""
+    for key in _guards(model):
+        guard = model._forward_pre_hooks.pop(key)
+        model._forward_pre_hooks_with_kwargs.pop(key, None)
+        if guard.restore_use_cache and getattr(model, "config", None) is not None:
+            model.config.use_cache = True
+    remove_checkpoints(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- verify
 
 
 @dataclass(frozen=True)
@@ -248,25 +518,33 @@ class VerifyReport:
         return self.step_ms / self.unplanned_step_ms - 1.0
 
     def summary(self) -> str:
-        return (f"measured peak {self.measured_peak_bytes / GIB:.3f} GiB vs predicted "
-                f"{self.predicted_peak_bytes / GIB:.3f} GiB ({100 * self.peak_error:+.2f} %), "
-                f"budget {self.budget_bytes / GIB:.3f} GiB "
+        return (f"measured peak {format_bytes(self.measured_peak_bytes)} vs predicted "
+                f"{format_bytes(self.predicted_peak_bytes)} ({100 * self.peak_error:+.2f} %), "
+                f"budget {format_bytes(self.budget_bytes)} "
                 f"({'met' if self.within_budget else 'EXCEEDED'}); unplanned "
-                f"{self.unplanned_peak_bytes / GIB:.3f} GiB; step {self.step_ms:.1f} ms vs "
+                f"{format_bytes(self.unplanned_peak_bytes)}; step {self.step_ms:.1f} ms vs "
                 f"{self.unplanned_step_ms:.1f} ms ({100 * self.overhead:+.1f} %); losses "
                 f"{'equal' if self.losses_equal else 'DIFFER'}, gradients "
                 f"{'bit-identical' if self.grads_equal else 'DIFFER'}")
 
 
+def _autocast(device_type: str, dtype: str | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, dtype))
+
+
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
-                 loss_fn: Callable[[Any], torch.Tensor]) -> tuple[int, torch.Tensor, dict]:
+                 loss_fn: Callable[[Any], torch.Tensor],
+                 autocast_dtype: str | None = None) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (CUDA allocator or MemTracker), the loss
     and the gradients. Gradients are cleared afterwards."""
     device = _model_device(module)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        loss = loss_fn(module(*args, **kwargs))
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
         loss.backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
@@ -277,7 +555,8 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
         tracker.track_external(module, *[t for t in [*args, *kwargs.values()]
                                          if isinstance(t, torch.Tensor)])
         with tracker:
-            loss = loss_fn(module(*args, **kwargs))
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_fn(module(*args, **kwargs))
             loss.backward()
         peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()
@@ -287,14 +566,17 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
 
 
 def _time_step(module: nn.Module, args: tuple, kwargs: dict,
-               loss_fn: Callable[[Any], torch.Tensor], repeats: int) -> float:
+               loss_fn: Callable[[Any], torch.Tensor], repeats: int,
+               autocast_dtype: str | None) -> float:
     device = _model_device(module)
     samples = []
     for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         begin = time.perf_counter()
-        loss_fn(module(*args, **kwargs)).backward()
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:
@@ -303,26 +585,50 @@ def _time_step(module: nn.Module, args: tuple, kwargs: dict,
     return statistics.median(samples)
 
 
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Yields a function that puts the model's state and the RNG back as they were."""
+    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    rng = torch.get_rng_state()
+
+    def restore() -> None:
+        with torch.no_grad():
+            for key, value in model.state_dict(keep_vars=True).items():
+                value.copy_(state[key])
+        torch.set_rng_state(rng)
+
+    try:
+        yield restore
+    finally:
+        restore()
+
+
 def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
            repeats: int = 3) -> VerifyReport:
-    """Run one step of the planned and the unplanned model; compare with the plan.
+    """Run one step of the model without and with the plan; compare with the plan.
 
-    Model state (parameters, buffers such as BatchNorm statistics, RNG) is restored after
-    the unplanned step, so both steps start from the same state.
+    Both steps start from the same state (parameters, buffers such as BatchNorm statistics,
+    RNG); the model is left as it was given (planned or not) and in the state it had.
     """
     args, kwargs = normalize_inputs(model, example_inputs)
     loss_fn = loss_fn or profiles.default_loss
-    planned = apply(model, plan)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    rng = torch.get_rng_state()
-    _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn)
-    model.load_state_dict(state)
-    torch.set_rng_state(rng)
-    peak, loss, grads = measure_step(planned, args, kwargs, loss_fn)
-    unplanned_ms = _time_step(model, args, kwargs, loss_fn, repeats)
-    step_ms = _time_step(planned, args, kwargs, loss_fn, repeats)
-    model.load_state_dict(state)
+    was_planned = bool(checkpointed_modules(model) or _guards(model))
+    dtype = plan.autocast_dtype
+    with _state_kept(model) as restore, warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanMismatchWarning)
+        remove(model)
+        with _training_config(model):
+            _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn, dtype)
+            restore()
+            unplanned_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
+            restore()
+        apply(model, plan)
+        peak, loss, grads = measure_step(model, args, kwargs, loss_fn, dtype)
+        restore()
+        step_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
+        if not was_planned:
+            remove(model)
     device = _model_device(model)
     return VerifyReport(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from planner.plan import GIB, Plan
+from planner.plan import GIB, Plan, format_bytes
 from profiles.schema import GraphProfile
 from solvers import SOLVERS, Schedule, Timeline, simulate
 from solvers.baselines import BASELINES
@@ -92,7 +92,15 @@ def _gib_axis(ax: Axes, axis: Literal["x", "y"]) -> None:
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.4g} GiB"
+    return format_bytes(nbytes)
+
+
+def _unit(largest: float) -> tuple[str, int]:
+    """The byte unit an axis up to ``largest`` bytes reads best in."""
+    for name, size in (("GiB", GIB), ("MiB", 2**20)):
+        if largest >= size:
+            return name, size
+    return "KiB", 2**10
 
 
 # ---------------------------------------------------------------- shared data
@@ -135,8 +143,9 @@ def _runs(phases: Sequence[str]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def _curve(timeline: Timeline, x: str) -> tuple[list[float], list[float], list[float]]:
-    """Per event its start and end on the x axis and its peak in GiB."""
+def _curve(timeline: Timeline, x: str, size: int = GIB
+           ) -> tuple[list[float], list[float], list[float]]:
+    """Per event its start and end on the x axis and its peak in units of ``size`` bytes."""
     starts, ends, ys = [], [], []
     clock = 0.0
     for i, event in enumerate(timeline.events):
@@ -147,7 +156,7 @@ def _curve(timeline: Timeline, x: str) -> tuple[list[float], list[float], list[f
         else:
             starts.append(float(i))
             ends.append(float(i + 1))
-        ys.append(event.peak_bytes / GIB)
+        ys.append(event.peak_bytes / size)
     return starts, ends, ys
 
 
@@ -177,8 +186,9 @@ def plot_timeline(plan: Plan, measured: Sequence[tuple[float, float]] | None = N
     from matplotlib.patches import Patch
 
     problem, _ = _problem(plan)
+    unit, size = _unit(max(plan.unplanned_peak_bytes, plan.budget_bytes))
     timeline = simulate(problem, plan.schedule)
-    starts, ends, ys = _curve(timeline, x)
+    starts, ends, ys = _curve(timeline, x, size)
     fig = _figure(11, 5.6)
     ax = fig.add_subplot()
     handles: list[Any] = []
@@ -203,7 +213,7 @@ def plot_timeline(plan: Plan, measured: Sequence[tuple[float, float]] | None = N
 
     if show_unplanned and plan.checkpointing:
         base = simulate(problem, Schedule.store_all(problem.n_nodes))
-        bs, be, by = _curve(base, x)
+        bs, be, by = _curve(base, x, size)
         handles += ax.plot(*_steps(bs, be, by, range(len(by))), color="0.55", lw=1.2,
                            ls=(0, (4, 2)), zorder=2,
                            label=f"no checkpointing (peak {_gib(base.peak_bytes)})")
@@ -214,13 +224,14 @@ def plot_timeline(plan: Plan, measured: Sequence[tuple[float, float]] | None = N
                 lw=2.6, zorder=4)
     if measured:
         mx, my = zip(*measured, strict=True)
-        handles += ax.plot(mx, [v / GIB for v in my], color="#7B3294", lw=1.6, zorder=5,
+        handles += ax.plot(mx, [v / size for v in my], color="#7B3294", lw=1.6, zorder=5,
                            label="measured")
-    handles.append(ax.axhline(plan.budget_bytes / GIB, color=BUDGET_COLOR, ls="--", lw=1.6,
+    handles.append(ax.axhline(plan.budget_bytes / size, color=BUDGET_COLOR, ls="--", lw=1.6,
                               zorder=4, label=f"budget {_gib(plan.budget_bytes)}"))
-    static = problem.static_bytes / GIB
+    static = problem.static_bytes / size
     handles.append(ax.axhline(static, color="0.35", ls=":", lw=1.2, zorder=1,
-                              label=f"static (params, buffers, inputs) {static:.4g} GiB"))
+                              label="static (params, buffers, inputs) "
+                              f"{_gib(problem.static_bytes)}"))
 
     k = timeline.peak_event
     px, py = starts[k], ys[k]
@@ -232,13 +243,13 @@ def plot_timeline(plan: Plan, measured: Sequence[tuple[float, float]] | None = N
                 bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "0.6", "alpha": 0.9},
                 arrowprops={"arrowstyle": "->", "color": "0.3"}, zorder=7)
 
-    top = max([*ys, plan.budget_bytes / GIB, plan.unplanned_peak_bytes / GIB]
-              + ([v / GIB for _, v in measured] if measured else []))
+    top = max([*ys, plan.budget_bytes / size, plan.unplanned_peak_bytes / size]
+              + ([v / size for _, v in measured] if measured else []))
     ax.set_ylim(0, top * 1.22)
     ax.set_xlim(starts[0], ends[-1])
     _gib_axis(ax, "y")
     ax.set_xlabel("predicted time in the step (ms)" if x == "time" else "event index")
-    ax.set_ylabel("allocated memory (GiB)")
+    ax.set_ylabel(f"allocated memory ({unit})")
     ax.set_title(f"Memory timeline of one training step: {plan.model_name}\n"
                  f"peak {_gib(timeline.peak_bytes)} of {_gib(plan.budget_bytes)} budget, "
                  f"overhead {100 * plan.predicted_overhead:.1f} % "
@@ -389,7 +400,7 @@ def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> 
     groups = module_groups(profile)
     if block is None and len(profile.nodes) <= max_nodes:
         members = list(range(len(profile.nodes)))
-        return _plot_nodes(plan, members, status, index_of, f"all {len(members)} nodes")
+        return _plot_nodes(plan, members, status, index_of, f"all {len(members)} ops")
     if block is not None:
         chosen = [g for g in groups if block in (g.key, g.label)]
         if not chosen:
@@ -397,7 +408,9 @@ def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> 
             raise ValueError(f"no block {block!r} in the graph of {plan.model_name}; "
                              f"choose one of {names}")
         members = sorted(i for g in chosen for i in g.nodes)
-        return _plot_nodes(plan, members, status, index_of, f"{block}, {len(members)} nodes")
+        key = chosen[0].key or None
+        return _plot_nodes(plan, members, status, index_of,
+                           f"{block}, {len(members)} ops by submodule call", key)
 
     graph = nx.DiGraph()
     owner = {i: k for k, g in enumerate(groups) for i in g.nodes}
@@ -405,7 +418,7 @@ def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> 
         counts = {s: sum(status[i] == s for i in g.nodes) for s in (STORED, RECOMPUTED, SAVED)}
         parts = [f"{c} {s.split()[0]}" for s, c in counts.items() if c]
         kind = _group_status([status[i] for i in g.nodes])
-        graph.add_node(k, label=f"{g.label}\n{len(g.nodes)} node{'s' * (len(g.nodes) > 1)}: "
+        graph.add_node(k, label=f"{g.label}\n{len(g.nodes)} op{'s' * (len(g.nodes) > 1)}: "
                        + ", ".join(parts),
                        color=STATUS_COLORS[kind], kind=kind)
     for node in profile.nodes:
@@ -419,46 +432,66 @@ def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> 
     fig = _figure(max(9.0, 2.3 * ncols), 1.3 + 1.15 * rows)
     ax = fig.add_subplot()
     _draw(ax, graph, pos, fontsize=9)
-    ax.set_title(f"Checkpoint plan of {plan.model_name}: {len(profile.nodes)} nodes "
+    ax.set_title(f"Checkpoint plan of {plan.model_name}: {len(profile.nodes)} ops "
                  f"collapsed to {len(groups)} modules (read left to right, snaking down)")
     _legend(fig, [d["kind"] for _, d in graph.nodes(data=True)])
     return fig
 
 
-def _short(name: str, block: str | None) -> str:
-    if block:
-        stem = block.replace(".", "_") + "_"
-        if name.startswith(stem) and len(name) > len(stem):
-            return name[len(stem):]
-    return name
+def _units(profile: GraphProfile, members: list[int], block: str | None
+           ) -> list[tuple[str, list[int]]]:
+    """Boxes to draw for ``members``: inside ``block``, each call of a submodule one level
+    below it is one box (``attn: 24 ops``), the block's own ops one box each; without a
+    block, every op is a box."""
+    units: list[tuple[str, list[int]]] = []
+    for i in members:
+        module = profile.nodes[i].module
+        key = f"op{i}"
+        if block is not None and module.startswith(block + "."):
+            key = block + "." + module[len(block) + 1:].split(".", 1)[0]
+        if units and units[-1][0] == key and not key.startswith("op"):
+            units[-1][1].append(i)
+        else:
+            units.append((key, [i]))
+    out = []
+    for key, nodes in units:
+        if key.startswith("op"):
+            name = profile.nodes[nodes[0]].name
+            label = name.split("/", 1)[1] if "/" in name else name
+        else:
+            label = f"{key[len(block) + 1:]}: {len(nodes)} op{'s' * (len(nodes) > 1)}"
+        out.append((label, nodes))
+    return out
 
 
 def _plot_nodes(plan: Plan, members: list[int], status: list[str], index_of: dict[str, int],
-                what: str) -> Figure:
+                what: str, block: str | None = None) -> Figure:
     import networkx as nx
     from matplotlib.patches import Patch
 
     profile = plan.profile
-    inside = set(members)
-    common = _group_key(profile.nodes[members[0]].module, detect_block_prefix(profile))
-    block = common if all(_group_key(profile.nodes[i].module, detect_block_prefix(profile))
-                          == common for i in members) else None
+    units = _units(profile, members, block)
+    owner = {i: k for k, (_, nodes) in enumerate(units) for i in nodes}
     graph = nx.DiGraph()
-    for i in members:
-        graph.add_node(i, label=_short(profile.nodes[i].name, block),
-                       color=STATUS_COLORS[status[i]])
+    for k, (label, nodes) in enumerate(units):
+        graph.add_node(k, label=label,
+                       color=STATUS_COLORS[_group_status([status[i] for i in nodes])])
     outside = False
     for i in members:
         for arg in profile.nodes[i].args:
             j = index_of[arg]
-            if j not in inside:
-                outside = True
-                graph.add_node(j, label=f"in: {arg}", color="white", edge="0.5", ls="--")
-            graph.add_edge(j, i)
+            if j in owner:
+                if owner[j] != owner[i]:
+                    graph.add_edge(owner[j], owner[i])
+                continue
+            outside = True
+            source = ("in", j)
+            graph.add_node(source, label=f"in: {arg}", color="white", edge="0.5", ls="--")
+            graph.add_edge(source, owner[i])
     depth = _layers(graph)
     graph.graph["depth"] = depth
-    by_layer: dict[int, list[int]] = {}
-    for v in sorted(graph.nodes):
+    by_layer: dict[int, list[Any]] = {}
+    for v in sorted(graph.nodes, key=str):
         by_layer.setdefault(depth[v], []).append(v)
     _order_layers(graph, by_layer)
     width = max(len(vs) for vs in by_layer.values())
@@ -468,9 +501,9 @@ def _plot_nodes(plan: Plan, members: list[int], status: list[str], index_of: dic
     vertical = n_layers > 12
     if not vertical:  # short graphs read better left to right
         pos = {v: (-y / 0.55 * 1.4, x / 1.6 * 0.8) for v, (x, y) in pos.items()}
-        fig = _figure(max(9.0, 1.5 * n_layers), 2.0 + 0.8 * width)
+        fig = _figure(max(9.0, min(28.0, 1.5 * n_layers)), max(3.5, 2.0 + 0.8 * width))
     else:
-        fig = _figure(max(8.0, 2.4 * width), 1.6 + 0.36 * n_layers)
+        fig = _figure(max(8.0, min(28.0, 2.4 * width)), 1.6 + 0.36 * n_layers)
     ax = fig.add_subplot()
     _draw(ax, graph, pos, fontsize=8)
     ax.set_ylim(min(p[1] for p in pos.values()) - 0.4, max(p[1] for p in pos.values()) + 0.4)
@@ -599,18 +632,19 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
     if points is None:
         points = frontier_points(profile, budgets, solver=solver, time_limit_s=time_limit_s)
     front = pareto(points)
+    unit, size = _unit(max([p.peak_bytes for p in [*points, *base]] or [GIB]))
     fig = _figure(10.5, 6.2)
     ax = fig.add_subplot()
     handles: list[Any] = []
     if front:
-        xs = [p.peak_bytes / GIB for p in front]
+        xs = [p.peak_bytes / size for p in front]
         ys = [p.overhead_pct for p in front]
         handles += ax.plot(xs, ys, drawstyle="steps-post", color="#0072B2", lw=2, zorder=2,
                            label=f"Pareto frontier ({solver} solver, {len(front)} points)")
         ax.plot(xs, ys, "o", color="#0072B2", ms=6, zorder=3)
         rest = [p for p in points if p not in front]
         if rest:
-            handles += ax.plot([p.peak_bytes / GIB for p in rest],
+            handles += ax.plot([p.peak_bytes / size for p in rest],
                                [p.overhead_pct for p in rest], "o", mfc="none", mec="#0072B2",
                                ms=6, zorder=2, label="dominated solver answers")
     # baselines with the same schedule score land on one point: label them together
@@ -619,20 +653,20 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
         merged.setdefault((p.peak_bytes, round(p.overhead_pct, 9)), []).append(p.name)
     for k, ((peak, pct), names) in enumerate(sorted(merged.items())):
         label = " = ".join(names)
-        handles.append(ax.scatter([peak / GIB], [pct], marker=_MARKERS[k % len(_MARKERS)],
+        handles.append(ax.scatter([peak / size], [pct], marker=_MARKERS[k % len(_MARKERS)],
                                   s=70, color=f"C{(k + 1) % 10}", edgecolor="black",
                                   lw=0.6, zorder=5, label=f"baseline: {label}"))
-        ax.annotate(label, (peak / GIB, pct), xytext=(8, 8 if k % 2 == 0 else -14),
+        ax.annotate(label, (peak / size, pct), xytext=(8, 8 if k % 2 == 0 else -14),
                     textcoords="offset points", fontsize=9, zorder=6,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
                           "alpha": 0.8})
     if plan is not None:
-        handles.append(ax.scatter([plan.predicted_peak_bytes / GIB],
+        handles.append(ax.scatter([plan.predicted_peak_bytes / size],
                                   [100 * plan.predicted_overhead], marker="*", s=260,
                                   color="#D55E00", edgecolor="black", zorder=7,
                                   label=f"this plan ({_gib(plan.predicted_peak_bytes)}, "
                                         f"{100 * plan.predicted_overhead:.1f} %)"))
-        handles.append(ax.axvline(plan.budget_bytes / GIB, color=BUDGET_COLOR, ls="--", lw=1.2,
+        handles.append(ax.axvline(plan.budget_bytes / size, color=BUDGET_COLOR, ls="--", lw=1.2,
                                   zorder=1, label=f"plan budget {_gib(plan.budget_bytes)}"))
     if not front and not base:
         ax.text(0.5, 0.5, "no feasible budget in the sweep", transform=ax.transAxes,
@@ -644,7 +678,7 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
     ax.margins(x=0.08, y=0.12)
     ax.set_ylim(bottom=min(-2.0, ax.get_ylim()[0]))
     _gib_axis(ax, "x")
-    ax.set_xlabel("peak memory of the step (GiB)")
+    ax.set_xlabel(f"peak memory of the step ({unit})")
     ax.set_ylabel("predicted step overhead (%)\nrecompute / step without checkpointing")
     ax.set_title(f"Memory / time trade-off of {profile.model_name} "
                  f"({profile.timing} on {profile.device})")

@@ -1,18 +1,19 @@
-"""Capture a model as an fx graph and profile one training step of it.
+"""Profile one training step of a model as it runs eagerly, op by op.
 
 ``profiles.schema`` (GraphProfile and friends) is importable without torch, so solvers can
-read profiles; ``capture``/``profile`` import torch on first use.
+read profiles; ``profile`` imports torch on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from profiles.errors import CaptureError, ProfileError
+from profiles.errors import ProfileError
 from profiles.schema import (
     SCHEMA_VERSION,
     CheckpointCosts,
     GraphProfile,
+    ModuleCall,
     NodeProfile,
     StaticMemory,
     StepTiming,
@@ -21,12 +22,12 @@ from profiles.schema import (
 
 if TYPE_CHECKING:
     from profiles.devices import DEVICES, DeviceSpec
+    from profiles.inputs import normalize_inputs
     from profiles.profiler import default_loss, profile
     from profiles.recorded import load_recorded, recorded_names
-    from profiles.tracing import capture
 
 _LAZY = {
-    "capture": "profiles.tracing",
+    "normalize_inputs": "profiles.inputs",
     "profile": "profiles.profiler",
     "default_loss": "profiles.profiler",
     "DeviceSpec": "profiles.devices",
@@ -38,18 +39,18 @@ _LAZY = {
 __all__ = [
     "DEVICES",
     "SCHEMA_VERSION",
-    "CaptureError",
     "CheckpointCosts",
     "DeviceSpec",
     "GraphProfile",
+    "ModuleCall",
     "NodeProfile",
     "ProfileError",
     "StaticMemory",
     "StepTiming",
     "StorageInfo",
-    "capture",
     "default_loss",
     "load_recorded",
+    "normalize_inputs",
     "profile",
     "recorded_names",
 ]

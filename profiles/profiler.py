@@ -1,31 +1,48 @@
-"""Profile a captured graph: storages, saved tensors, temporaries and times per node.
+"""Profile one training step of a model as it runs eagerly: every aten op is a node.
 
-Memory comes from one run of the graph under ``FakeTensorMode`` (exact shapes, dtypes and
-aliasing, no real memory): a dispatch mode sees every aten op's outputs, and
-``saved_tensors_hooks`` see every tensor autograd keeps. Storages are the unit of memory (views
-share their base's), so each saved tensor is attributed to the storage it lives in and to the
-node that allocated that storage.
+What the planned model runs is the user's own eager model with checkpoints on some of its
+modules, so the profile observes exactly that program, not a captured graph of it:
 
-Backward cost is profiled per node in isolation: the node is re-run on fresh leaf copies of
-its inputs and ``torch.autograd.grad`` is taken through it, under the same dispatch mode, so
-backward FLOPs, temporaries and (with ``timing="measure"``) wall time are the node's own, not
-an assumed multiple of forward.
+1. **Memory** (``_ForwardRecorder``): the forward and the loss run once under
+   ``FakeTensorMode`` (exact shapes, dtypes and aliasing, no memory used), or on real
+   tensors when the forward branches on tensor values. A dispatch mode sees every aten op in
+   call order, its inputs, the storages it allocates (views share their base's) and what it
+   writes in place; module hooks give the span of nodes each module call ran (the regions a
+   plan can checkpoint) and the tensors passed to it (what a checkpoint of it holds).
+   ``saved_tensors_hooks`` see every tensor autograd saves, packed as placeholders so autograd
+   holds nothing: a storage then dies exactly when the Python program drops it, which the
+   recorder notices between ops (``StorageInfo.release``; a local variable outlives its last
+   reader). A saved tensor belongs to the op it was packed for: autograd packs an op's inputs
+   just before the op reaches the dispatch mode and its outputs just after, so the packs
+   between two ops are split by identity with the next op's arguments.
+2. **Backward**: each op that records autograd history is re-run alone on fresh leaves shaped
+   like its inputs and differentiated, under the same dispatch mode, for its backward FLOPs,
+   temporaries and which inputs receive gradients.
+3. **Time** (``timing="measure"``): the step runs for real once more, recording each op's
+   arguments; each op is timed alone (forward, and forward + backward) and the node times
+   are scaled to the measured whole step; ``profiles.calibrate`` measures the checkpoint
+   overhead. ``timing="estimate"`` uses FLOPs and bytes against a device roofline.
+
+The model is left exactly as it was: parameters, buffers (they are swapped for copies while
+the step runs), gradients and the RNG state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -34,20 +51,29 @@ from tqdm.auto import tqdm
 from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
+from profiles.inputs import normalize_inputs
 from profiles.schema import (
     GraphProfile,
+    ModuleCall,
     NodeProfile,
     StaticMemory,
     StepTiming,
     StorageInfo,
     TensorMeta,
+    fingerprint,
 )
-from profiles.tracing import flat_placeholder_values, graph_fingerprint, normalize_inputs
 
 log = logging.getLogger(__name__)
 
 LOSS_NODE = "loss"
 CALIBRATION_S = 0.5  # time spent measuring checkpoint overhead (timing="measure")
+
+# ops that update their arguments in place without saying so in their schema
+_UNDECLARED_WRITES = {
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+    "aten.miopen_batch_norm.default": (3, 4),
+}
 
 
 # ----------------------------------------------------------------------------- loss
@@ -57,13 +83,17 @@ def default_loss(output: Any) -> torch.Tensor:
     """The loss of a model output when the user gave no loss_fn.
 
     A scalar output is the loss; HF-style outputs carry ``.loss`` / ``["loss"]`` when labels
-    were passed. Anything else needs an explicit ``loss_fn``.
+    were passed, and a tuple whose first element is a scalar (``(loss, logits)``) starts
+    with it. Anything else needs an explicit ``loss_fn``.
     """
     if isinstance(output, torch.Tensor) and output.numel() == 1:
         return output.reshape(())
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
+    if loss is None and isinstance(output, tuple | list) and output \
+            and isinstance(output[0], torch.Tensor) and output[0].numel() == 1:
+        loss = output[0].reshape(())
     if isinstance(loss, torch.Tensor):
         return loss
     kind = type(output).__name__
@@ -75,35 +105,6 @@ def default_loss(output: Any) -> torch.Tensor:
     )
 
 
-# ----------------------------------------------------------------------------- storages
-
-
-@dataclass
-class _Storages:
-    """Registry mapping live storages to ids, with kind, size, producer and name."""
-
-    refs: dict[StorageWeakRef, int] = field(default_factory=dict)
-    infos: list[StorageInfo] = field(default_factory=list)
-    keep_alive: list[torch.Tensor] = field(default_factory=list)  # ids must never be reused
-
-    def lookup(self, tensor: torch.Tensor) -> int | None:
-        return self.refs.get(StorageWeakRef(tensor.untyped_storage()))
-
-    def add(self, tensor: torch.Tensor, kind: str, producer: int | None, name: str = "") -> int:
-        ref = StorageWeakRef(tensor.untyped_storage())
-        if ref in self.refs:
-            return self.refs[ref]
-        sid = len(self.infos)
-        self.refs[ref] = sid
-        self.infos.append(StorageInfo(id=sid, nbytes=tensor.untyped_storage().nbytes(),
-                                      kind=kind, producer=producer, name=name))
-        self.keep_alive.append(tensor)
-        return sid
-
-    def total_bytes(self, kind: str) -> int:
-        return sum(s.nbytes for s in self.infos if s.kind == kind)
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -112,41 +113,326 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# ----------------------------------------------------------------------------- op tracking
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- storages
 
 
 @dataclass
-class _OpStats:
+class _Storages:
+    """Storage registry: ids for live storages, their kind, size, producer and death.
+
+    Static storages (params, buffers, inputs) are held by the model and the caller for the
+    whole step. Activations are watched through weak references: ``poll`` notes which died
+    since the last op (``release``) and forgets them, so a new storage at a reused address
+    gets a new id.
+    """
+
+    refs: dict[StorageWeakRef, int] = field(default_factory=dict)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    watched: dict[int, StorageWeakRef] = field(default_factory=dict)
+
+    def lookup(self, tensor: torch.Tensor) -> int | None:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        sid = self.refs.get(ref)
+        if sid is None:
+            return None
+        watched = self.watched.get(sid)
+        if watched is not None and watched.expired():  # died; the address was reused
+            self._forget(sid, self.infos[sid]["producer"])
+            return None
+        return sid
+
+    def add(self, tensor: torch.Tensor, kind: str, producer: int | None,
+            name: str = "") -> int:
+        sid = self.lookup(tensor)
+        if sid is not None:
+            return sid
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        sid = len(self.infos)
+        self.refs[ref] = sid
+        self.infos.append({"id": sid, "nbytes": storage.nbytes(), "kind": kind,
+                           "producer": producer, "name": name, "release": None})
+        if kind in ("activation", "internal"):
+            self.watched[sid] = ref
+        return sid
+
+    def _forget(self, sid: int, release: int | None) -> None:
+        ref = self.watched.pop(sid)
+        self.infos[sid]["release"] = release
+        if self.refs.get(ref) == sid:
+            del self.refs[ref]
+
+    def poll(self, last_node: int) -> None:
+        """Storages that died since the last poll were held by Python up to ``last_node``."""
+        for sid, ref in list(self.watched.items()):
+            if ref.expired():
+                self._forget(sid, max(last_node, self.infos[sid]["producer"]))
+
+    def close(self, last_node: int) -> None:
+        """End of the forward: what is still alive was held up to ``last_node``."""
+        for sid in list(self.watched):
+            self._forget(sid, last_node)
+
+    def total_bytes(self, kind: str) -> int:
+        return sum(s["nbytes"] for s in self.infos if s["kind"] == kind)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    """Enough of a tensor argument to make a stand-in for an isolated run of its op."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    storage: int | None
+    param: bool
+
+    def make(self, real: bool) -> torch.Tensor:
+        """A leaf with this layout: random floats on real devices, zeros for indices and
+        masks (valid wherever an op takes them)."""
+        size = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride, strict=True)) \
+            if all(self.shape) else 0
+        floating = self.dtype.is_floating_point or self.dtype.is_complex
+        if floating and real:
+            flat = torch.randn(size, dtype=self.dtype, device=self.device)
+        else:
+            flat = torch.zeros(size, dtype=self.dtype, device=self.device)
+        return flat.as_strided(self.shape, self.stride).detach().requires_grad_(
+            self.requires_grad and floating)
+
+
+@dataclass
+class _OpRecord:
+    index: int
+    func: Any
+    name: str
+    call: int | None  # innermost module call
+    grad_enabled: bool
+    arg_specs: Any  # (args, kwargs) with tensors replaced by _TensorSpec
+    reads: list[int] = field(default_factory=list)
+    outputs: list[TensorMeta] = field(default_factory=list)
+    new_storages: list[int] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)  # activations written in place
+    mutated_state: list[int] = field(default_factory=list)  # params/buffers written
+    saved: list[int] = field(default_factory=list)  # storage ids, one per pack
+    random: bool = False
     flops: int = 0
     estimated_ms: float = 0.0
-    peak_new_bytes: int = 0
-    params: set[int] = field(default_factory=set)
-    mutated: set[int] = field(default_factory=set)
-    random: bool = False
-    ops: list[str] = field(default_factory=list)  # aten ops in call order (no prim ops)
-    op_allocs: list[set[StorageWeakRef]] = field(default_factory=list)  # per op: allocated
-    op_inplace: list[set[StorageWeakRef]] = field(default_factory=list)  # per op: mutated
-    written: set[int] = field(default_factory=set)  # known activations mutated in place
 
 
-class _OpTracker(TorchDispatchMode):
-    """Sees every aten op: FLOPs, roofline time, live new storages, mutations of state."""
+@dataclass
+class _CallRecord:
+    index: int
+    path: str
+    module_type: str
+    start: int
+    parent: int | None
+    call_number: int
+    inputs: list[int]
+    stop: int = -1
 
-    def __init__(self, storages: _Storages, spec: DeviceSpec | None) -> None:
+
+class _Placeholder:
+    """What autograd holds for a saved tensor while memory is recorded: nothing real."""
+
+    __slots__ = ()
+
+
+def _unpack_placeholder(_: Any) -> torch.Tensor:
+    raise ProfileError("the memory run of the profiler never runs backward")
+
+
+class _CallMarker(TorchFunctionMode):
+    """Tells the recorder where each torch function call begins (see `_resolve_packs`)."""
+
+    def __init__(self, recorder: _ForwardRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.recorder.mark()
+        return func(*args, **(kwargs or {}))
+
+
+class _ForwardRecorder(TorchDispatchMode):
+    """Runs the forward and the loss, recording ops, storages, saves and module calls."""
+
+    def __init__(self, storages: _Storages, spec: DeviceSpec | None,
+                 paths: dict[int, str]) -> None:
         super().__init__()
         self.storages = storages
         self.spec = spec
-        self.stats = _OpStats()
-        self._new: dict[StorageWeakRef, int] = {}
+        self.paths = paths  # id(module) -> path
+        self.records: list[_OpRecord] = []
+        self.calls: list[_CallRecord] = []
+        self.stack: list[int] = []
+        self.call_counts: Counter[str] = Counter()
+        self.pending: list[torch.Tensor] = []  # packed since the last op
+        self.marker = 0  # packs before it came before the last torch function call began
 
-    @contextmanager
-    def window(self) -> Iterator[_OpStats]:
-        """Collect stats for the ops run inside this block."""
-        self.stats, self._new = _OpStats(), {}
-        try:
-            yield self.stats
-        finally:  # ops outside any window go to a throwaway record
-            self.stats, self._new = _OpStats(), {}
+    # ------------------------------------------------------------ saved tensors
+    def pack(self, tensor: torch.Tensor) -> _Placeholder:
+        self.pending.append(tensor)
+        return _Placeholder()
+
+    def mark(self) -> None:
+        """A torch function call begins: what was packed until now belongs to earlier ops."""
+        self.marker = len(self.pending)
+
+    def _resolve_packs(self, args: Any) -> list[int]:
+        """Split the packs since the last op between that op (its outputs, saved after it
+        ran) and the op about to run (its inputs, saved just before it reaches this mode,
+        so they are the last packs, after the start of its torch function call, and each is
+        one of its arguments). Returns the latter."""
+        marker, self.marker = self.marker, 0
+        if not self.pending:
+            return []
+        arg_ids = Counter(id(t) for t in _tensors(args))
+        split = len(self.pending)
+        while split > marker and arg_ids[id(self.pending[split - 1])] > 0:
+            arg_ids[id(self.pending[split - 1])] -= 1
+            split -= 1
+        last = len(self.records) - 1
+        upcoming: list[int] = []
+        for position, tensor in enumerate(self.pending):
+            to_last = position < split and last >= 0
+            sid = self.storages.lookup(tensor)
+            if sid is None and last >= 0:  # made outside any op we saw (a custom Function)
+                sid = self.storages.add(tensor, "internal", last)
+                self.records[last].new_storages.append(sid)
+            elif sid is None:
+                sid = self.storages.add(tensor, "constant", None, "constant")
+            (self.records[last].saved if to_last else upcoming).append(sid)
+        self.pending.clear()
+        return upcoming
+
+    def flush(self) -> None:
+        """After the last op: its output saves."""
+        self._resolve_packs(())
+
+    # ------------------------------------------------------------ module calls
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        path = self.paths.get(id(module))
+        if path is None:
+            return
+        inputs = sorted({sid for t in _tensors((args, kwargs))
+                         if (sid := self.storages.lookup(t)) is not None})
+        call = _CallRecord(len(self.calls), path, type(module).__name__, len(self.records),
+                           self.stack[-1] if self.stack else None, self.call_counts[path],
+                           inputs)
+        self.call_counts[path] += 1
+        self.calls.append(call)
+        self.stack.append(call.index)
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.paths.get(id(module)) is None or not self.stack:
+            return
+        call = self.calls[self.stack.pop()]
+        call.stop = len(self.records)
+
+    # ------------------------------------------------------------ ops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim":
+            return func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))
+        for tensor in inputs:  # a tensor no op made: a module attribute, a loss target
+            if self.storages.lookup(tensor) is None:
+                self.storages.add(tensor, "constant", None, "constant")
+        upcoming = self._resolve_packs((args, kwargs))
+        self.storages.poll(len(self.records) - 1)
+        index = len(self.records)
+        record = _OpRecord(index, func, str(func), self.stack[-1] if self.stack else None,
+                           torch.is_grad_enabled(), None, saved=upcoming)
+        record.arg_specs = tree_map(self._spec, (args, kwargs))
+        record.reads = sorted({sid for t in inputs
+                               if (sid := self.storages.lookup(t)) is not None})
+        record.written, record.mutated_state = self._writes(func, args, kwargs)
+        record.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.records.append(record)
+
+        out = func(*args, **kwargs)
+
+        first = len(self.storages.infos)
+        views = [r.alias_info is not None for r in func._schema.returns]
+        for k, tensor in enumerate(_tensors(out)):  # new storages, or views of inputs
+            sid = self.storages.lookup(tensor)
+            if sid is None and k < len(views) and views[k] and inputs:
+                # a view of a tensor that fake mode converted on the fly (a closure constant
+                # such as a loss target): it shares that tensor's storage
+                sid = self.storages.lookup(inputs[0])
+            if sid is None:
+                sid = self.storages.add(tensor, "activation", index)
+            record.outputs.append(TensorMeta(
+                shape=list(tensor.shape), dtype=_dtype_name(tensor.dtype),
+                nbytes=_nbytes(tensor), storage=sid, requires_grad=False))
+        record.new_storages = list(range(first, len(self.storages.infos)))
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            with contextlib.suppress(Exception):
+                record.flops = int(counter(*args, **kwargs, out_val=out))
+        if self.spec is not None:
+            traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in _tensors(out))
+            outs = _tensors(out)
+            dtype = _dtype_name(outs[0].dtype) if outs else "float32"
+            record.estimated_ms = self.spec.op_time_ms(record.flops, traffic, dtype)
+        return out
+
+    def _spec(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        sid = self.storages.lookup(value)
+        param = sid is not None and self.storages.infos[sid]["kind"] == "param"
+        return _TensorSpec(tuple(value.shape), tuple(value.stride()), value.dtype,
+                           value.device, value.requires_grad, sid, param)
+
+    def _writes(self, func: Any, args: tuple, kwargs: dict) -> tuple[list[int], list[int]]:
+        targets: list[Any] = []
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                targets.append(args[position] if position < len(args)
+                               else kwargs.get(argument.name))
+        undeclared = _UNDECLARED_WRITES.get(str(func))
+        if undeclared and len(args) > 5 and args[5]:  # training: running stats update
+            targets.extend(args[position] for position in undeclared if position < len(args))
+        written, state = set(), set()
+        for tensor in _tensors(targets):
+            sid = self.storages.lookup(tensor)
+            if sid is None:
+                continue
+            kind = self.storages.infos[sid]["kind"]
+            (state if kind in ("param", "buffer") else written).add(sid)
+        return sorted(written), sorted(state)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+class _WindowTracker(TorchDispatchMode):
+    """FLOPs, roofline time and the peak of new storages alive during a block of ops."""
+
+    def __init__(self, spec: DeviceSpec | None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.flops = 0
+        self.estimated_ms = 0.0
+        self.peak_new_bytes = 0
+        self._new: dict[StorageWeakRef, int] = {}
+        self._known: set[StorageWeakRef] = set()
+
+    def reset(self, known: list[torch.Tensor]) -> None:
+        self.flops, self.estimated_ms, self.peak_new_bytes = 0, 0.0, 0
+        self._new = {}
+        self._known = {StorageWeakRef(t.untyped_storage()) for t in known}
 
     def live_new_bytes(self) -> int:
         return sum(n for ref, n in self._new.items() if not ref.expired())
@@ -154,49 +440,99 @@ class _OpTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        stats = self.stats
-        flops = 0
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
-        stats.flops += flops
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs}
-        for tensor in inputs:
-            sid = self.storages.lookup(tensor)
-            if sid is not None and self.storages.infos[sid].kind == "param":
-                stats.params.add(sid)
-        written: set[StorageWeakRef] = set()
-        if func._schema.is_mutable:
-            for index, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is not None and argument.alias_info.is_write:
-                    value = args[index] if index < len(args) else kwargs.get(argument.name)
-                    for tensor in _tensors(value):
-                        written.add(StorageWeakRef(tensor.untyped_storage()))
-                        sid = self.storages.lookup(tensor)
-                        if sid is None:
-                            continue
-                        if self.storages.infos[sid].kind in ("buffer", "param"):
-                            stats.mutated.add(sid)
-                        else:
-                            stats.written.add(sid)
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            stats.random = True
-        for tensor in outputs:  # allocated by this op: not a view of (or same as) an input
+        if func.namespace == "prim":
+            return out
+        inputs = _tensors((args, kwargs))
+        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs} | self._known
+        for tensor in _tensors(out):
             ref = StorageWeakRef(tensor.untyped_storage())
-            if ref not in aliased and ref not in self._new and ref not in self.storages.refs:
+            if ref not in aliased and ref not in self._new:
                 self._new[ref] = tensor.untyped_storage().nbytes()
-        if func.namespace != "prim":
-            stats.ops.append(str(func))
-            stats.op_allocs.append({StorageWeakRef(t.untyped_storage())
-                                    for t in outputs} - aliased)
-            stats.op_inplace.append(written)
-        stats.peak_new_bytes = max(stats.peak_new_bytes, self.live_new_bytes())
+        self.peak_new_bytes = max(self.peak_new_bytes, self.live_new_bytes())
+        flops = 0
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            with contextlib.suppress(Exception):
+                flops = int(counter(*args, **kwargs, out_val=out))
+        self.flops += flops
         if self.spec is not None:
-            traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
-            dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else "float32"
-            stats.estimated_ms += self.spec.op_time_ms(flops, traffic, dtype)
+            outs = _tensors(out)
+            traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outs)
+            dtype = _dtype_name(outs[0].dtype) if outs else "float32"
+            self.estimated_ms += self.spec.op_time_ms(flops, traffic, dtype)
         return out
+
+
+@dataclass
+class _Backward:
+    flops: int = 0
+    estimated_ms: float = 0.0
+    temp_bytes: int = 0
+    grad_storages: list[int] = field(default_factory=list)  # inputs it sends gradients to
+    output_requires_grad: list[bool] = field(default_factory=list)
+
+
+def _written_positions(func: Any) -> set[int]:
+    return {i for i, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write}
+
+
+def _fresh_args(func: Any, args: Any, kwargs: Any
+                ) -> tuple[Any, Any, list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of an op's arguments for an isolated run: tensors that need grad become new
+    leaves (passed on through a clone, so in-place ops on them stay legal) and tensors the
+    op writes are cloned (the recorded ones stay as they were). Returns (args, kwargs,
+    leaves, the original tensor of each leaf)."""
+    leaves: list[torch.Tensor] = []
+    origins: list[torch.Tensor] = []
+    written = _written_positions(func)
+
+    def fresh(value: Any, write: bool) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.requires_grad:
+            leaf = value.detach().clone().requires_grad_()
+            leaves.append(leaf)
+            origins.append(value)
+            return leaf.clone()
+        return value.detach().clone() if write else value.detach()
+
+    new_args = tuple(tree_map(lambda v, w=(i in written): fresh(v, w), a)
+                     for i, a in enumerate(args))
+    new_kwargs = {k: tree_map(lambda v: fresh(v, False), v) for k, v in kwargs.items()}
+    return new_args, new_kwargs, leaves, origins
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+
+
+def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | None],
+                      tracker: _WindowTracker) -> _Backward:
+    """FLOPs, roofline time, temporaries and gradient targets of one op's backward, run in
+    isolation on stand-in inputs; ``storages`` are the storage ids of the op's tensor args."""
+    fresh_args, fresh_kwargs, leaves, origins = _fresh_args(func, args, kwargs)
+    out = func(*fresh_args, **fresh_kwargs)
+    outs = _grad_outputs(out)
+    requires = [t.requires_grad for t in _tensors(out)]
+    if not outs or not leaves:
+        return _Backward(output_requires_grad=requires)
+    grad_outputs = [torch.ones_like(t) for t in outs]
+    tracker.reset([*leaves, *outs, *grad_outputs])
+    with tracker:
+        grads = torch.autograd.grad(outs, leaves, grad_outputs, allow_unused=True)
+        final = tracker.live_new_bytes()
+    arg_tensors = _tensors((args, kwargs))
+    targets = set()
+    for origin, grad in zip(origins, grads, strict=True):
+        if grad is None:
+            continue
+        for position, tensor in enumerate(arg_tensors):
+            if tensor is origin and storages[position] is not None:
+                targets.add(storages[position])
+    del grads
+    return _Backward(tracker.flops, tracker.estimated_ms,
+                     max(0, tracker.peak_new_bytes - final), sorted(targets), requires)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -206,8 +542,8 @@ class _Timer:
     """Warm median wall time of a callable: CUDA events on a GPU, perf_counter on CPU.
 
     On CPU with one intra-op thread the process's CPU time is used instead: the same on a
-    quiet host, but time the host gives other processes does not count (a shared host makes
-    wall times erratic); with more threads CPU time would add them up, so wall time stays.
+    quiet host, but time the host gives other processes does not count; with more threads
+    CPU time would add them up, so wall time stays.
     """
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
@@ -247,133 +583,6 @@ class _Timer:
         return statistics.median(samples)
 
 
-# ----------------------------------------------------------------------------- interpreter
-
-
-@dataclass
-class _NodeRecord:
-    outputs: list[TensorMeta] = field(default_factory=list)
-    new_storages: list[int] = field(default_factory=list)
-    saved: list[torch.Tensor] = field(default_factory=list)
-    saved_storages: list[int] = field(default_factory=list)
-    stats: _OpStats = field(default_factory=_OpStats)
-    fwd_temp_bytes: int = 0
-    output_ops: list[int] = field(default_factory=list)
-    keepable: bool = True
-
-
-class _ProfilingInterpreter(torch.fx.Interpreter):
-    """Runs the graph once, recording per node its storages, saved tensors and op stats."""
-
-    def __init__(self, gm: torch.fx.GraphModule, storages: _Storages, tracker: _OpTracker,
-                 progress: tqdm) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.storages = storages
-        self.tracker = tracker
-        self.progress = progress
-        self.index = {node: i for i, node in enumerate(gm.graph.nodes)}
-        self.records: list[_NodeRecord] = []
-        self.values: dict[torch.fx.Node, Any] = {}  # strong refs for the isolated backward
-
-    def run_node(self, node: torch.fx.Node) -> Any:
-        record = _NodeRecord()
-        self.records.append(record)
-        with (torch.autograd.graph.saved_tensors_hooks(self._pack(record), lambda t: t),
-              self.tracker.window() as stats):
-            try:
-                result = super().run_node(node)
-            except Exception as error:
-                raise ProfileError(f"profiling failed at {node.format_node()}: "
-                                   f"{type(error).__name__}: {error}") from error
-            final_new = self.tracker.live_new_bytes()
-        record.stats = stats
-        record.fwd_temp_bytes = max(0, stats.peak_new_bytes - final_new)
-        self.register(self.index[node], result, record)
-        self.values[node] = result
-        self.progress.update(1)
-        return result
-
-    def register(self, index: int, result: Any, record: _NodeRecord) -> None:
-        """Give new storages of outputs and saved tensors their producer ``index``."""
-        known = len(self.storages.infos)
-        for tensor in _tensors(result):
-            sid = self.storages.add(tensor, "activation", index)
-            record.outputs.append(TensorMeta(
-                shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-                nbytes=_nbytes(tensor), storage=sid, requires_grad=tensor.requires_grad))
-        for tensor in record.saved:
-            record.saved_storages.append(self.storages.add(tensor, "internal", index))
-        record.saved_storages = sorted(set(record.saved_storages))
-        record.new_storages = list(range(known, len(self.storages.infos)))
-        # A SAC policy can keep a storage only by saving the op that allocates it, and only
-        # if no later op of the node mutates it (callers keep using the mutated argument, so
-        # an in-place op cannot be replayed from a cache): dropout's mask is not keepable.
-        stats = record.stats
-        new_refs = {ref for ref, sid in self.storages.refs.items() if sid >= known}
-        allocator: dict[StorageWeakRef, int] = {}
-        for position, refs in enumerate(stats.op_allocs):
-            for ref in refs & new_refs:
-                allocator.setdefault(ref, position)
-        mutated_later = {ref for position, refs in enumerate(stats.op_inplace)
-                         for ref in refs if ref in allocator and position > allocator[ref]}
-        record.keepable = not mutated_later
-        record.output_ops = sorted(set(allocator.values())) if record.keepable else []
-
-    @staticmethod
-    def _pack(record: _NodeRecord) -> Callable[[torch.Tensor], torch.Tensor]:
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            record.saved.append(tensor)
-            return tensor
-
-        return pack
-
-
-# ----------------------------------------------------------------------------- backward
-
-Call = Callable[[tuple, dict], Any]
-
-
-def _fresh_inputs(args: Any, kwargs: Any, params: list[torch.Tensor],
-                  origins: list[torch.Tensor] | None = None
-                  ) -> tuple[Any, Any, list[torch.Tensor]]:
-    """Copies of a node's arguments for an isolated run: tensors that need grad become new
-    leaves (passed on through a clone, so in-place ops on them stay legal). The parameters
-    the node reads (module attributes or arguments) are leaves as they are. ``origins``, if
-    given, receives the original tensor of each leaf."""
-    leaves: list[torch.Tensor] = [p for p in params if p.requires_grad]
-    sources = origins if origins is not None else []
-    sources.extend(leaves)
-
-    def fresh(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if value.is_leaf and value.requires_grad:
-            if not any(value is leaf for leaf in leaves):
-                leaves.append(value)
-                sources.append(value)
-            return value
-        if value.requires_grad:
-            leaf = value.detach().clone().requires_grad_()
-            leaves.append(leaf)
-            sources.append(value)
-            return leaf.clone()
-        return value.detach()
-
-    return tree_map(fresh, args), tree_map(fresh, kwargs), leaves
-
-
-def _isolated_forward(call: Call, state: tuple[Any, Any, list[torch.Tensor]]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    args, kwargs, leaves = state
-    out = call(args, kwargs)
-    return [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None], leaves
-
-
-def _with_grad_outputs(state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> tuple:
-    outs, leaves = state
-    return outs, leaves, [torch.ones_like(t) for t in outs]
-
-
 def _isolated_backward(state: tuple[list[torch.Tensor], list[torch.Tensor], list]) -> Any:
     outs, leaves, grads = state
     if not outs or not leaves:
@@ -381,160 +590,84 @@ def _isolated_backward(state: tuple[list[torch.Tensor], list[torch.Tensor], list
     return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
 
 
-@dataclass
-class _Backward:
-    flops: int = 0
-    estimated_ms: float = 0.0
-    temp_bytes: int = 0
-    grad_storages: list[int] = field(default_factory=list)  # inputs it sends gradients to
+def _measure_op(func: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float, float]:
+    """Warm median forward and backward wall time of one op on real tensors.
 
-
-def _profile_backward(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor],
-                      tracker: _OpTracker) -> _Backward:
-    """FLOPs, roofline time, temporaries and gradient targets of one node's backward, run in
-    isolation."""
-    origins: list[torch.Tensor] = []
-    outs, leaves = _isolated_forward(call, _fresh_inputs(args, kwargs, params, origins))
-    if not outs or not leaves:
-        return _Backward()
-    grad_outputs = [torch.ones_like(t) for t in outs]
-    with tracker.window() as stats:
-        grads = torch.autograd.grad(outs, leaves, grad_outputs, allow_unused=True)
-        final = tracker.live_new_bytes()
-    targets = {tracker.storages.lookup(origin)
-               for origin, grad in zip(origins, grads, strict=True) if grad is not None}
-    del grads
-    return _Backward(stats.flops, stats.estimated_ms, max(0, stats.peak_new_bytes - final),
-                     sorted(t for t in targets if t is not None))
-
-
-def _measure(call: Call, args: Any, kwargs: Any, params: list[torch.Tensor], timer: _Timer
-             ) -> tuple[float, float]:
-    """Warm median forward and backward wall time of one node on real tensors.
-
-    The backward time excludes the fixed cost of entering the autograd engine once per
-    node, which a whole-graph backward pays once (calibrated in ``_Timer``).
+    The backward time excludes the fixed cost of entering the autograd engine once per op,
+    which a whole-step backward pays once (calibrated in ``_Timer``).
     """
-    forward_ms = timer.median_ms(lambda: _fresh_inputs(args, kwargs, params),
-                                 lambda state: _isolated_forward(call, state))
-    backward_ms = timer.median_ms(
-        lambda: _with_grad_outputs(_isolated_forward(call, _fresh_inputs(args, kwargs, params))),
-        _isolated_backward)
+    def forward(state: Any) -> Any:
+        return func(*state[0], **state[1])
+
+    def setup_backward() -> tuple:
+        fresh_args, fresh_kwargs, leaves, _ = _fresh_args(func, args, kwargs)
+        outs = _grad_outputs(func(*fresh_args, **fresh_kwargs))
+        return outs, leaves, [torch.ones_like(t) for t in outs]
+
+    forward_ms = timer.median_ms(lambda: _fresh_args(func, args, kwargs), forward)
+    backward_ms = timer.median_ms(setup_backward, _isolated_backward)
     return forward_ms, max(0.0, backward_ms - timer.engine_overhead_ms)
 
 
-def _node_call(interp: torch.fx.Interpreter, node: torch.fx.Node) -> Call:
-    return lambda args, kwargs: getattr(interp, node.op)(node.target, args, kwargs)
+class _ArgRecorder(TorchDispatchMode):
+    """Keeps every op's (func, args, kwargs) of a real run, for timing ops alone.
 
+    Autograd saving an op's output detaches it (an ``aten.detach`` the profile, whose saves
+    are hooked, does not see): those are views that cost nothing and are left out.
+    """
 
-def _loss_call(loss_fn: Callable[[Any], torch.Tensor]) -> Call:
-    return lambda args, kwargs: loss_fn(args[0])
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict]] = []
 
-
-def _node_args(values: dict[torch.fx.Node, Any], node: torch.fx.Node) -> tuple[tuple, dict]:
-    def value(n: torch.fx.Node) -> Any:
-        return values[n]
-
-    return (torch.fx.node.map_arg(node.args, value),  # type: ignore[return-value]
-            torch.fx.node.map_arg(node.kwargs, value))
-
-
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "prim" and func is not torch.ops.aten.detach.default:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
 
 
 @dataclass
 class _MeasuredTimes:
-    per_node: list[tuple[float, float]]  # (forward, backward) ms, loss last, calibrated
-    step_fwd_ms: float  # whole forward + loss, measured
-    step_bwd_ms: float  # whole backward, measured
-    fwd_scale: float  # whole / sum of isolated node times
+    per_node: list[tuple[float, float]]  # (forward, backward) ms per op, calibrated
+    step_fwd_ms: float
+    step_bwd_ms: float
+    fwd_scale: float
     bwd_scale: float
 
 
-def _measure_times(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], flat_inputs: list,
-                   node_params: list[list[str]], loss_fn: Callable[[Any], torch.Tensor],
-                   timer: _Timer, progress: bool) -> _MeasuredTimes:
-    """Forward/backward wall time of every node (loss last), on real tensors.
-
-    Isolated node times carry costs a whole step does not (cold caches, per-call engine
-    entry), most visibly on CPU; so the whole step is timed too and node times are scaled
-    to add up to it: nodes give the split, the step gives the total.
-    Runs on copies of the buffers, so BatchNorm statistics of the model do not move.
-    """
-    buffers = {name: b.clone() for name, b in gm.named_buffers(remove_duplicate=False)}
-    times: list[tuple[float, float]] = []
-    with _reparametrize_module(gm, buffers, strict=False):
-        interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        # with grad enabled, so values know whether they need grad, as in training
-        flat_out = interp.run(*flat_inputs, enable_io_processing=False)
-        values = interp.env
-        for node, names in tqdm(list(zip(nodes, node_params, strict=False)),
-                                desc="timing nodes", disable=not progress, leave=False):
-            if node.op in COMPUTE_OPS:
-                args, kwargs = _node_args(values, node)
-                params = [gm.get_parameter(name) for name in names]
-                times.append(_measure(_node_call(interp, node), args, kwargs, params, timer))
-            else:
-                times.append((0.0, 0.0))
-        output = gm.graph.process_outputs(flat_out)
-        output = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())
-                          if isinstance(t, torch.Tensor) else t, output)
-        times.append(_measure(_loss_call(loss_fn), (output,), {}, [], timer))
-        del values, interp, flat_out, output
-        step_fwd_ms, step_bwd_ms = _measure_step(gm, flat_inputs, loss_fn, timer)
-    fwd_scale = step_fwd_ms / max(sum(f for f, _ in times), 1e-9)
-    bwd_scale = step_bwd_ms / max(sum(b for _, b in times), 1e-9)
-    return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
-                          step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+# ----------------------------------------------------------------------------- the step
 
 
-def _measure_step(gm: torch.fx.GraphModule, flat_inputs: list,
-                  loss_fn: Callable[[Any], torch.Tensor], timer: _Timer) -> tuple[float, float]:
-    """Warm median time of the whole forward+loss and of the whole backward.
+@dataclass
+class _Step:
+    """How to run one training step of the model: inputs, loss, precision."""
 
-    Gradients go through ``torch.autograd.grad``, so the model's ``.grad`` stay untouched.
-    """
-    params = [p for p in gm.parameters() if p.requires_grad]
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+    loss_fn: Callable[[Any], torch.Tensor]
+    autocast_dtype: torch.dtype | None
+    device_type: str
 
-    def forward(_: Any = None) -> torch.Tensor:
-        flat_out = torch.fx.Interpreter(gm).run(*flat_inputs, enable_io_processing=False)
-        return loss_fn(gm.graph.process_outputs(flat_out))
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    def backward(loss: torch.Tensor) -> Any:
-        return torch.autograd.grad(loss, params, allow_unused=True) if params else ()
-
-    return (timer.median_ms(lambda: None, forward),
-            max(0.0, timer.median_ms(forward, backward) - timer.engine_overhead_ms))
-
-
-def _target_name(target: Any) -> str:
-    if isinstance(target, str):
-        return target
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return str(target)
-    module = getattr(target, "__module__", None) or ""
-    qualname = getattr(target, "__qualname__", None) or str(target)
-    return f"{module}.{qualname}" if module and module != "builtins" else qualname
+    def forward_loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``loss_fn(model(*args, **kwargs))``: the output is dropped, the loss kept."""
+        with self.autocast():
+            loss = self.loss_fn(self.model(*args, **kwargs))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                             f"{getattr(loss, 'shape', '')}")
+        return loss
 
 
-def _module_path(node: torch.fx.Node | None) -> str:
-    if node is None:
-        return ""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path).removeprefix("L['self'].").removeprefix("L__self__")
-    return ""
-
-
-# ----------------------------------------------------------------------------- state
-
-
-@contextmanager
+@contextlib.contextmanager
 def _rng_state_preserved() -> Iterator[None]:
-    """Profiling draws random numbers (dropout); give the user's RNG state back."""
+    """Profiling may draw random numbers (dropout on real tensors); give them back."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -545,47 +678,270 @@ def _rng_state_preserved() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None,
-                           fake_params: dict[int, torch.Tensor]) -> int:
+@contextlib.contextmanager
+def _module_hooks(model: nn.Module, recorder: _ForwardRecorder) -> Iterator[None]:
+    handles = []
+    try:
+        for _, module in model.named_modules():
+            # ours run last before forward and first after it: the span is forward's ops
+            handles.append(module.register_forward_pre_hook(recorder.pre_hook,
+                                                            with_kwargs=True))
+            handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
+                                                        always_call=True, prepend=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException",
+                   "UnsupportedOperatorException", "GuardOnDataDependentSymNode")
+
+
+def _is_data_dependent(error: BaseException) -> bool:
+    while error is not None:
+        if type(error).__name__ in _DATA_DEPENDENT:
+            return True
+        if "meta tensors" in str(error) or "FakeTensor" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@dataclass
+class _Recorded:
+    recorder: _ForwardRecorder
+    storages: _Storages
+    loss_storage: int | None
+    real: bool
+    backward: list[_Backward] = field(default_factory=list)
+    static: StaticMemory | None = None
+
+
+@contextlib.contextmanager
+def _observed(step: _Step, real: bool, spec: DeviceSpec | None
+              ) -> Iterator[tuple[_Recorded, Callable[[Any], Any]]]:
+    """Run the forward + loss once, fake or on real tensors, recording everything; yields
+    the record and the converter to the tensors it ran on, inside that tensor mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = step.model
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
+    storages = _Storages()
+    recorder = _ForwardRecorder(storages, spec, {id(m): n for n, m in model.named_modules()})
+
+    def convert(t: Any) -> Any:
+        return mode.from_tensor(t) if isinstance(t, torch.Tensor) and mode else t
+
+    with mode or contextlib.nullcontext():
+        # buffers are updated by the forward: it runs on copies (fake ones are copies)
+        state = {k: convert(v) for k, v in params.items()}
+        state.update({k: convert(v) if mode else v.detach().clone()
+                      for k, v in buffers.items()})
+        for key in params:
+            storages.add(state[key], "param", None, key)
+        for key in buffers:
+            storages.add(state[key], "buffer", None, key)
+        args, kwargs = tree_map(convert, (step.args, step.kwargs))
+        for position, tensor in enumerate(_tensors((args, kwargs))):
+            storages.add(tensor, "input", None, f"input{position}")
+        with (_reparametrize_module(model, state, tie_weights=True, strict=False),
+              _module_hooks(model, recorder),
+              torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack_placeholder)):
+            with recorder, _CallMarker(recorder):
+                loss = step.forward_loss(args, kwargs)
+                recorder.flush()
+            n_ops = len(recorder.records)
+            if n_ops == 0:
+                raise ProfileError(f"{type(model).__name__}'s forward and loss ran no aten op")
+            storages.poll(n_ops - 1)
+            loss_storage = storages.lookup(loss)
+            storages.close(n_ops - 1)
+            del loss
+        yield _Recorded(recorder, storages, loss_storage, real), convert
+
+
+def _record(step: _Step, real: bool, spec: DeviceSpec | None,
+            optimizer: torch.optim.Optimizer | None, progress: bool) -> _Recorded:
+    """The observed forward + loss, then each op's backward alone, and static memory."""
+    with _observed(step, real, spec) as (rec, _):
+        pass
+    rec.backward = _backward_pass(rec.recorder.records, spec, progress)
+    params = dict(step.model.named_parameters(remove_duplicate=False))
+    storages = rec.storages
+    rec.static = StaticMemory(
+        param_bytes=storages.total_bytes("param"),
+        grad_bytes=sum(s["nbytes"] for s in storages.infos if s["kind"] == "param"
+                       and params[s["name"]].requires_grad),
+        buffer_bytes=storages.total_bytes("buffer") + storages.total_bytes("constant"),
+        input_bytes=storages.total_bytes("input"),
+        optimizer_state_bytes=_optimizer_state_bytes(optimizer),
+    )
+    return rec
+
+
+def observe_forward(model: nn.Module, args: tuple, kwargs: dict,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    autocast: torch.dtype | None = None) -> str:
+    """The trace fingerprint of one fake forward + loss of ``model`` (see
+    :func:`trace_fingerprint`): cheap (no backward, no memory), for checking a plan."""
+    step = _Step(model, args, kwargs, loss_fn or default_loss, autocast,
+                 _device_type(model, _tensors((args, kwargs))))
+    with _rng_state_preserved(), _observed(step, False, None) as (rec, _):
+        return trace_fingerprint(model, rec.recorder.records, rec.recorder.calls,
+                                 _tensors((args, kwargs)), autocast)
+
+
+def _backward_pass(records: list[_OpRecord], spec: DeviceSpec | None,
+                   progress: bool) -> list[_Backward]:
+    """Each op's backward alone, on fake stand-ins shaped like its arguments."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return _backward_of(records, spec, progress)
+
+
+def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
+                 progress: bool) -> list[_Backward]:
+    tracker = _WindowTracker(spec)
+    out = []
+    for record in tqdm(records, desc="profiling backward", disable=not progress,
+                       leave=False):
+        specs = _tensors_specs(record.arg_specs)
+        if not record.grad_enabled or not any(s.requires_grad for s in specs):
+            out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
+            continue
+        made: dict[int, torch.Tensor] = {}
+
+        def build(value: Any, made: dict[int, torch.Tensor] = made) -> Any:
+            if not isinstance(value, _TensorSpec):
+                return value
+            return made.setdefault(id(value), value.make(real=False))
+
+        try:
+            args, kwargs = tree_map(build, record.arg_specs,
+                                    is_leaf=lambda v: isinstance(v, _TensorSpec))
+            out.append(_profile_backward(record.func, args, kwargs,
+                                         [s.storage for s in specs], tracker))
+        except Exception as error:  # an op that cannot run on stand-ins: no backward data
+            log.warning("could not profile the backward of %s alone (%s: %s); counting no "
+                        "backward temporaries for it", record.name, type(error).__name__,
+                        str(error).splitlines()[0] if str(error) else "")
+            out.append(_Backward(grad_storages=[s.storage for s in specs if s.requires_grad
+                                                and s.storage is not None],
+                                 output_requires_grad=[True] * len(record.outputs)))
+    return out
+
+
+def _tensors_specs(arg_specs: Any) -> list[_TensorSpec]:
+    return [v for v in tree_leaves(arg_specs, is_leaf=lambda v: isinstance(v, _TensorSpec))
+            if isinstance(v, _TensorSpec)]
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the optimizer's state after one step, found by stepping a fake twin."""
     if optimizer is None:
         return 0
-    groups = []
-    for group in optimizer.param_groups:
-        params = [fake_params[id(p)] for p in group["params"] if id(p) in fake_params]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    twin_params = [p for g in groups for p in g["params"]]
-    for p in twin_params:
-        p.grad = torch.zeros_like(p)
-    try:
-        # groups carry every hyperparameter; lr is passed for optimizers that require it
-        twin = type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
-        twin.step()
-    except Exception as error:
-        raise ProfileError(f"could not size the state of {type(optimizer).__name__}: {error}; "
-                           "profile without optimizer= and add its state to the budget by "
-                           "hand") from error
-    finally:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        groups = []
+        for group in optimizer.param_groups:
+            twins = [mode.from_tensor(p).detach().requires_grad_(p.requires_grad)
+                     for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": twins})
+        twin_params = [p for g in groups for p in g["params"]]
         for p in twin_params:
-            p.grad = None
-    seen: set[StorageWeakRef] = set()
-    total = 0
-    for state in twin.state.values():
-        for tensor in _tensors(state):
-            ref = StorageWeakRef(tensor.untyped_storage())
-            if ref not in seen:
-                seen.add(ref)
-                total += tensor.untyped_storage().nbytes()
+            p.grad = torch.zeros_like(p)
+        try:
+            # groups carry every hyperparameter; lr is passed for optimizers that require it
+            twin = type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
+            twin.step()
+        except Exception as error:
+            raise ProfileError(f"could not size the state of {type(optimizer).__name__}: "
+                               f"{error}; profile without optimizer= and add its state to "
+                               "the budget by hand") from error
+        seen: set[StorageWeakRef] = set()
+        total = 0
+        for state in twin.state.values():
+            for tensor in _tensors(state):
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in seen:
+                    seen.add(ref)
+                    total += tensor.untyped_storage().nbytes()
     return total
 
 
-# ----------------------------------------------------------------------------- entry point
+def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
+                   progress: bool) -> _MeasuredTimes | None:
+    """Forward/backward wall time of every op (loss last), on real tensors.
+
+    Isolated op times carry costs a whole step does not (cold caches, per-call engine
+    entry), most visibly on CPU; so the whole step is timed too and op times are scaled to
+    add up to it: ops give the split, the step gives the total. Runs on copies of the
+    buffers, so the model's statistics do not move. Returns None when the real run does
+    not dispatch the ops the profile saw (the forward branched differently).
+    """
+    model = step.model
+    buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    with _reparametrize_module(model, buffers, strict=False):
+        recorder = _ArgRecorder()
+        with recorder:
+            loss = step.forward_loss(step.args, step.kwargs)
+        del loss
+        names = [str(func) for func, _, _ in recorder.calls]
+        if names != [r.name for r in records]:
+            log.warning("the real forward dispatched other ops than the profiled one (%d vs "
+                        "%d); op times are estimated instead", len(names), len(records))
+            return None
+        times: list[tuple[float, float]] = []
+        for (func, args, kwargs), record in tqdm(list(zip(recorder.calls, records, strict=True)),
+                                                 desc="timing ops", disable=not progress,
+                                                 leave=False):
+            try:
+                if record.grad_enabled:
+                    times.append(_measure_op(func, args, kwargs, timer))
+                else:
+                    times.append((timer.median_ms(lambda: None,
+                                                  lambda _, f=func, a=args, k=kwargs:
+                                                  f(*a, **k)), 0.0))
+            except Exception as error:  # an op that cannot be rerun alone: estimate it
+                log.warning("could not time %s alone (%s); using its roofline estimate",
+                            record.name, type(error).__name__)
+                times.append((record.estimated_ms, 2 * record.estimated_ms))
+        del recorder
+        step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
+    fwd_scale = step_fwd_ms / max(sum(f for f, _ in times), 1e-9)
+    bwd_scale = step_bwd_ms / max(sum(b for _, b in times), 1e-9)
+    return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
+                          step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+
+
+def _measure_step(step: _Step, timer: _Timer) -> tuple[float, float]:
+    """Warm median time of the whole forward+loss and of the whole backward.
+
+    Gradients go through ``torch.autograd.grad``, so the model's ``.grad`` stay untouched.
+    """
+    params = [p for p in step.model.parameters() if p.requires_grad]
+
+    def forward(_: Any = None) -> torch.Tensor:
+        return step.forward_loss(step.args, step.kwargs)
+
+    def backward(loss: torch.Tensor) -> Any:
+        return torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+
+    return (timer.median_ms(lambda: None, forward),
+            max(0.0, timer.median_ms(forward, backward) - timer.engine_overhead_ms))
+
+
+# ----------------------------------------------------------------------------- assembly
 
 
 def _resolve_timing(timing: str, tensors: list[torch.Tensor]) -> str:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    abstract = any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
+    abstract = _abstract(tensors)
     if timing == "auto":
         return "estimate" if abstract else "measure"
     if timing == "measure" and abstract:
@@ -597,130 +953,209 @@ def _resolve_timing(timing: str, tensors: list[torch.Tensor]) -> str:
     return timing
 
 
+def _device_type(model: nn.Module, tensors: list[torch.Tensor]) -> str:
+    for tensor in [*model.parameters(), *model.buffers(), *tensors]:
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return "cpu"
+
+
+def _node_names(records: list[_OpRecord], calls: list[_CallRecord]) -> list[str]:
+    seen: Counter[str] = Counter()
+    names = []
+    for record in records:
+        path = calls[record.call].path if record.call is not None else ""
+        op = record.name.removeprefix("aten.").rsplit(".", 1)[0]
+        base = f"{path}/{op}" if path else op
+        names.append(base if not seen[base] else f"{base}_{seen[base]}")
+        seen[base] += 1
+    return names
+
+
+def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[NodeProfile]:
+    records, calls, storages = rec.recorder.records, rec.recorder.calls, rec.storages
+    names = _node_names(records, calls)
+    producer_name = {sid: names[info["producer"]] for sid, info in enumerate(storages.infos)
+                     if info["producer"] is not None and info["producer"] < len(names)}
+    users: dict[str, list[str]] = {}
+    nodes = []
+    writers: dict[int, int] = {}  # storage -> last node writing it in place
+    for record in records:
+        for sid in record.written:
+            writers[sid] = record.index
+    for record, bwd in zip(records, rec.backward, strict=True):
+        name = names[record.index]
+        args = sorted({producer_name[s] for s in record.reads if s in producer_name
+                       and storages.infos[s]["producer"] != record.index},
+                      key=names.index)
+        for arg in args:
+            users.setdefault(arg, []).append(name)
+        params = sorted({storages.infos[s]["name"] for s in record.reads
+                         if storages.infos[s]["kind"] == "param"})
+        outputs = [o.model_copy(update={"requires_grad": bool(
+            bwd.output_requires_grad[k]) if k < len(bwd.output_requires_grad) else False})
+            for k, o in enumerate(record.outputs)]
+        # SAC keeps a node by saving its op's output; a later in-place write would change
+        # the cached tensor (torch refuses it), so such nodes are not keepable
+        keepable = bool(record.new_storages) and not any(
+            writers.get(s, -1) > record.index for s in record.new_storages)
+        mutated = sorted(storages.infos[s]["name"] for s in record.mutated_state)
+        times = measured.per_node[record.index] if measured else None
+        nodes.append(NodeProfile(
+            index=record.index, name=name, op="aten", target=record.name,
+            module=calls[record.call].path if record.call is not None else "",
+            args=args, read_storages=record.reads, outputs=outputs,
+            new_storages=record.new_storages, saved_storages=sorted(set(record.saved)),
+            params=params,
+            fwd_time_ms=times[0] if times else record.estimated_ms,
+            bwd_time_ms=times[1] if times else bwd.estimated_ms,
+            fwd_flops=record.flops, bwd_flops=bwd.flops, fwd_temp_bytes=0,
+            bwd_temp_bytes=bwd.temp_bytes, stateful=bool(mutated), mutated_buffers=mutated,
+            random=record.random, ops=[record.name],
+            output_ops=[0] if record.new_storages else [], keepable=keepable,
+            saved_tensors=len(record.saved), written_storages=record.written,
+            grad_storages=bwd.grad_storages))
+    nodes = [n.model_copy(update={"users": users.get(n.name, [])}) for n in nodes]
+    loss_reads = [rec.loss_storage] if rec.loss_storage is not None else []
+    loss_ms = (0.0, 0.0)
+    nodes.append(NodeProfile(
+        index=len(records), name=LOSS_NODE, op="loss", target="backward()",
+        args=[producer_name[s] for s in loss_reads if s in producer_name],
+        read_storages=loss_reads, fwd_time_ms=loss_ms[0], bwd_time_ms=loss_ms[1],
+        grad_storages=loss_reads, saved_tensors=0))
+    return nodes
+
+
+def _module_calls(rec: _Recorded) -> list[ModuleCall]:
+    calls, records = rec.recorder.calls, rec.recorder.records
+    totals = Counter(c.path for c in calls)
+    buffer_names = {s["id"]: s["name"] for s in rec.storages.infos if s["kind"] == "buffer"}
+    out = []
+    for call in calls:
+        mutated = sorted({buffer_names[s] for r in records[call.start:call.stop]
+                          for s in r.mutated_state if s in buffer_names})
+        out.append(ModuleCall(index=call.index, path=call.path, module_type=call.module_type,
+                              start=call.start, stop=max(call.stop, call.start),
+                              parent=call.parent, call_number=call.call_number,
+                              calls=totals[call.path], input_storages=call.inputs,
+                              mutated_buffers=_owned_buffers(mutated, buffer_names)))
+    return out
+
+
+def _owned_buffers(mutated: list[str], buffer_names: dict[int, str]) -> list[str]:
+    """Buffers a call may update: every buffer of each module seen updating one (BatchNorm's
+    kernels update running statistics without saying so; num_batches_tracked's add_ shows)."""
+    owners = {name.rpartition(".")[0] for name in mutated}
+    return sorted({name for name in buffer_names.values()
+                   if name.rpartition(".")[0] in owners} | set(mutated))
+
+
+def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
+                      inputs: list[torch.Tensor], autocast_dtype: torch.dtype | None) -> str:
+    """Hash of what a plan depends on: the ops in order and the module call that ran each,
+    the module calls' spans, parameter/buffer shapes and dtypes, input shapes and dtypes, and
+    the autocast dtype. No generated names, so it is stable across runs."""
+    structure: list[object] = [[r.name, r.call] for r in records]
+    structure.append([[c.path, c.start, c.stop, c.parent] for c in calls])
+    structure.append([(name, list(t.shape), str(t.dtype)) for name, t in
+                      [*model.named_parameters(remove_duplicate=False),
+                       *model.named_buffers(remove_duplicate=False)]])
+    structure.append([(list(t.shape), str(t.dtype)) for t in inputs])
+    structure.append(str(autocast_dtype))
+    return fingerprint(structure)
+
+
 def profile(
-    gm: torch.fx.GraphModule,
+    model: nn.Module,
     example_inputs: Any = None,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    autocast: torch.dtype | None = None,
     timing: str = "auto",
     device: str | DeviceSpec | None = None,
+    execution: str = "auto",
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = True,
 ) -> GraphProfile:
-    """Profile one training step (forward, loss, backward) of a captured graph.
+    """Profile one training step (forward, loss, backward) of ``model`` as it runs eagerly.
 
     Args:
-        gm: from :func:`profiles.capture` (a plain fx GraphModule works too).
-        example_inputs: a tensor, tuple or dict, as passed to capture; None: the inputs
-            capture was given (or found on the model).
-        loss_fn: ``loss_fn(output) -> scalar``; default: the one given to capture, else
-            :func:`default_loss`.
+        model: any ``nn.Module`` on any device (``meta`` works with ``timing="estimate"``).
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
+            shaped like one real batch; None: the model's ``dummy_inputs`` (HF).
+        loss_fn: ``loss_fn(output) -> scalar``; default :func:`default_loss`.
         optimizer: counted in static memory (its state after one step).
-        timing: ``"measure"`` runs nodes on the model's device (warm median of ``repeats``)
+        autocast: run the step under ``torch.autocast(dtype=autocast)`` (e.g.
+            ``torch.bfloat16``), as mixed-precision training does.
+        timing: ``"measure"`` runs ops on the model's device (warm median of ``repeats``)
             and calibrates the checkpoint overhead there (``profiles.calibrate``, about
             ``CALIBRATION_S``); ``"estimate"`` uses FLOPs and the roofline of ``device``, and
             its default checkpoint overhead; ``"auto"`` measures real tensors and estimates
             meta/fake ones.
         device: roofline for estimates (``"H100"``, ``"A100"``, ``"cpu"`` or a DeviceSpec);
-            default: H100 when estimating.
+            default: H100 when estimating on a GPU or meta, the CPU's when on the CPU.
+        execution: how the forward is observed. ``"real"``: on the model's own tensors (on
+            copies of its buffers; autograd keeps nothing, so it needs only the forward's
+            working set, not a step's memory); this is what training runs, including the
+            branches libraries take on real tensors (Hugging Face skips masks it would
+            build for fake ones). ``"fake"``: under ``FakeTensorMode``, no memory at all;
+            a forward that branches on tensor values then needs ``"real"``. ``"auto"``
+            (default): real unless the model is on the meta device.
         progress: show a progress bar.
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
+
+    Raises:
+        ProfileError: the step cannot run (the message says where and what to do).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    info = gm.meta.get("planner", {})
-    if example_inputs is None and "inputs" in info:
-        args, kwargs = info["inputs"]
-    else:
-        args, kwargs = normalize_inputs(gm, example_inputs)
-    flat_inputs = flat_placeholder_values(gm, args, kwargs)
-    loss_fn = loss_fn or info.get("loss_fn") or default_loss
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    buffers = dict(gm.named_buffers(remove_duplicate=False))
-    input_tensors = _tensors(flat_inputs)
-    timing = _resolve_timing(timing, [*params.values(), *buffers.values(), *input_tensors])
-    spec = device_spec(device or "H100") if timing == "estimate" else None
-    nodes = list(gm.graph.nodes)
-    name = info.get("model_name", type(gm).__name__)
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    storages = _Storages()
-    with _rng_state_preserved(), fake_mode:
-        fake_state = {k: fake_mode.from_tensor(t) for k, t in {**params, **buffers}.items()}
-        for key in params:
-            storages.add(fake_state[key], "param", None, key)
-        for key in buffers:
-            storages.add(fake_state[key], "buffer", None, key)
-        fake_inputs = [fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                       for v in flat_inputs]
-        placeholders = [n.name for n in nodes if n.op == "placeholder"]
-        for key, value in zip(placeholders, fake_inputs, strict=False):
-            for tensor in _tensors(value):
-                storages.add(tensor, "input", None, key)
-        tracker = _OpTracker(storages, spec)
-        with (tqdm(total=2 * len(nodes) + 2, desc=f"profiling {name}", disable=not progress,
-                   leave=False) as bar,
-              _reparametrize_module(gm, fake_state, tie_weights=True, strict=False),
-              tracker):
-            interp = _ProfilingInterpreter(gm, storages, tracker, bar)
-            output = gm.graph.process_outputs(interp.run(*fake_inputs,
-                                                         enable_io_processing=False))
-            loss_record = _run_loss(interp, loss_fn, output, len(nodes))
-            bar.update(1)
-            backward = []
-            for node, record in zip(nodes, interp.records, strict=True):
-                if node.op in COMPUTE_OPS:
-                    node_args, node_kwargs = _node_args(interp.values, node)
-                    reads = [storages.keep_alive[sid] for sid in sorted(record.stats.params)]
-                    backward.append(_profile_backward(_node_call(interp, node), node_args,
-                                                      node_kwargs, reads, tracker))
-                else:
-                    backward.append(_Backward())
-                bar.update(1)
-            backward.append(_profile_backward(_loss_call(loss_fn), (output,), {}, [], tracker))
-            bar.update(1)
-        fake_params = {id(p): fake_state[key] for key, p in params.items()}
-        static = StaticMemory(
-            param_bytes=storages.total_bytes("param"),
-            grad_bytes=sum(s.nbytes for s in storages.infos if s.kind == "param"
-                           and storages.keep_alive[s.id].requires_grad),
-            buffer_bytes=storages.total_bytes("buffer"),
-            input_bytes=storages.total_bytes("input"),
-            optimizer_state_bytes=_optimizer_state_bytes(optimizer, fake_params),
-        )
-
-    measured: _MeasuredTimes | None = None
-    run_device = "cpu"
-    costs = spec.checkpoint_costs() if spec else None
-    if timing == "measure":
-        tensors = [*params.values(), *input_tensors]
-        run_device = str(tensors[0].device) if tensors else "cpu"
-        with _rng_state_preserved():
-            node_params = [[storages.infos[sid].name for sid in sorted(r.stats.params)]
-                           for r in interp.records]
-            measured = _measure_times(gm, nodes, flat_inputs, node_params, loss_fn,
-                                   _Timer(torch.device(run_device), repeats, warmup), progress)
-            costs = calibrate_checkpoint_costs(run_device, budget_s=CALIBRATION_S)
-
-    records = [*interp.records, loss_record]
-    node_profiles = [
-        _node_profile(i, nodes[i] if i < len(nodes) else None, record, backward[i],
-                      measured.per_node[i] if measured else None, storages, loss_fn, nodes)
-        for i, record in enumerate(records)
-    ]
+    args, kwargs = normalize_inputs(model, example_inputs)
+    loss_fn = loss_fn or default_loss
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    input_tensors = _tensors((args, kwargs))
+    everything = [*params.values(), *buffers.values(), *input_tensors]
+    timing = _resolve_timing(timing, everything)
+    device_type = _device_type(model, input_tensors)
+    default_device = "cpu" if device_type == "cpu" and timing == "measure" else "H100"
+    spec = device_spec(device or default_device)  # estimates (or fallbacks when measuring)
+    abstract = _abstract(everything)
+    if execution == "auto":
+        execution = "fake" if abstract else "real"
+    if execution not in ("real", "fake"):
+        raise ValueError(f"execution must be 'auto', 'real' or 'fake', not {execution!r}")
+    if execution == "real" and abstract:
+        raise ValueError("execution='real' needs real tensors, but the model or inputs are on "
+                         "the meta device or fake; use execution='fake'")
+    step = _Step(model, args, kwargs, loss_fn, autocast, device_type)
+    name = type(model).__name__
+    with _rng_state_preserved():
+        rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
+                                    progress)
+        measured = None
+        costs = spec.checkpoint_costs()
+        if timing == "measure":
+            timer = _Timer(torch.device(device_type), repeats, warmup)
+            measured = _measure_times(step, rec.recorder.records, timer, progress)
+            costs = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
+            if measured is None:  # the real run took another path: keep the estimates
+                timing = "estimate"
+    records = rec.recorder.records
+    storages = [StorageInfo(**info) for info in rec.storages.infos]
     return GraphProfile(
         model_name=name,
-        capture_method=info.get("method", "fx"),
+        execution="real" if rec.real else "fake",
         timing=timing,
-        device=spec.name if spec else run_device,
+        device=device_type if measured else spec.name,
         torch_version=torch.__version__,
-        fingerprint=graph_fingerprint(gm, flat_inputs),
-        nodes=node_profiles,
-        storages=list(storages.infos),
-        static=static,
+        fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
+                                      autocast),
+        autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
+        nodes=_node_profiles(rec, measured),
+        storages=storages,
+        module_calls=_module_calls(rec),
+        static=rec.static,
         step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
                         fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
         if measured else None,
@@ -728,67 +1163,55 @@ def profile(
     )
 
 
-def _run_loss(interp: _ProfilingInterpreter, loss_fn: Callable[[Any], torch.Tensor],
-              output: Any, index: int) -> _NodeRecord:
-    """Run the loss as the last node of the step, recording it like a graph node."""
-    record = _NodeRecord()
-    with (torch.autograd.graph.saved_tensors_hooks(interp._pack(record), lambda t: t),
-          interp.tracker.window() as stats):
-        loss = loss_fn(output)
-        final = interp.tracker.live_new_bytes()
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                         f"{getattr(loss, 'shape', '')}")
-    record.stats = stats
-    record.fwd_temp_bytes = max(0, stats.peak_new_bytes - final)
-    interp.register(index, loss, record)
-    return record
+def _abstract(tensors: list[torch.Tensor]) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
 
 
-def _owned_state(storages: _Storages, mutated: set[int]) -> list[str]:
-    """Buffers a stateful node may update: every buffer of each module whose state it was
-    seen mutating. (native_batch_norm updates running stats without declaring it in its
-    schema; only num_batches_tracked's add_ is visible.)"""
-    owners = {storages.infos[s].name.rpartition(".")[0] for s in mutated}
-    return sorted(info.name for info in storages.infos if info.kind == "buffer"
-                  and info.name.rpartition(".")[0] in owners)
+def _record_with_fallback(step: _Step, real: bool, abstract: bool, spec: DeviceSpec,
+                          optimizer: torch.optim.Optimizer | None,
+                          progress: bool) -> _Recorded:
+    """Record on real or fake tensors; a fake forward that branches on tensor values is
+    redone on real ones, a real one that runs out of device memory on fake ones."""
+    name = type(step.model).__name__
+    try:
+        return _record(step, real=real, spec=spec, optimizer=optimizer, progress=progress)
+    except torch.OutOfMemoryError as error:
+        if not real:
+            raise _profile_error(name, error) from error
+        log.warning("%s: the forward's working set does not fit on the device (%s); "
+                    "observing it with fake tensors instead", name, _first_line(error))
+        fallback_real = False
+    except Exception as error:
+        if real or not _is_data_dependent(error):
+            raise _profile_error(name, error) from error
+        if abstract:
+            raise ProfileError(
+                f"{name}'s forward depends on tensor values ({_first_line(error)}), so it "
+                "must be profiled on real tensors, but the model or inputs are on the meta "
+                "device. Profile it where its forward fits (execution='real'), or remove the "
+                "value-dependent branch (`.item()`, `if tensor:`, data-dependent shapes)."
+            ) from error
+        log.info("%s branches on tensor values (%s); observing it on real tensors", name,
+                 _first_line(error))
+        fallback_real = True
+    try:
+        return _record(step, real=fallback_real, spec=spec, optimizer=optimizer,
+                       progress=progress)
+    except Exception as error:
+        raise _profile_error(name, error) from error
 
 
-def _node_profile(i: int, node: torch.fx.Node | None, record: _NodeRecord, bwd: _Backward,
-                  measured: tuple[float, float] | None, storages: _Storages,
-                  loss_fn: Callable[..., Any], nodes: list[torch.fx.Node]) -> NodeProfile:
-    stats = record.stats
-    if node is None:  # the loss
-        op, target, args, users = "loss", _target_name(loss_fn), [nodes[-1].name], []
-    else:
-        op, target = node.op, _target_name(node.target)
-        args = [a.name for a in node.all_input_nodes]
-        users = [LOSS_NODE] if node.op == "output" else [u.name for u in node.users]
-    return NodeProfile(
-        index=i,
-        name=LOSS_NODE if node is None else node.name,
-        op=op,
-        target=target,
-        module=_module_path(node),
-        args=args,
-        users=users,
-        outputs=record.outputs,
-        new_storages=record.new_storages,
-        saved_storages=record.saved_storages,
-        params=sorted({storages.infos[s].name for s in stats.params}),
-        fwd_time_ms=measured[0] if measured else stats.estimated_ms,
-        bwd_time_ms=measured[1] if measured else bwd.estimated_ms,
-        fwd_flops=stats.flops,
-        bwd_flops=bwd.flops,
-        fwd_temp_bytes=record.fwd_temp_bytes,
-        bwd_temp_bytes=bwd.temp_bytes,
-        stateful=bool(stats.mutated),
-        random=stats.random,
-        ops=stats.ops,
-        output_ops=record.output_ops,
-        keepable=record.keepable,
-        saved_tensors=len(record.saved),
-        written_storages=sorted(stats.written),
-        mutated_buffers=_owned_state(storages, stats.mutated),
-        grad_storages=bwd.grad_storages,
-    )
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _profile_error(name: str, error: BaseException) -> Exception:
+    if isinstance(error, ProfileError | ValueError | TypeError):
+        return error  # ours, or a clear one about the inputs or the loss
+    return ProfileError(
+        f"one training step of {name} failed while profiling: {_first_line(error)}. Check "
+        "that example_inputs are what forward() expects and that loss_fn(output) returns a "
+        "scalar; the traceback above shows where it failed.")

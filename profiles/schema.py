@@ -1,12 +1,18 @@
-"""GraphProfile: what one training step of a captured graph allocates, saves and costs.
+"""GraphProfile: what one training step of a model allocates, saves and costs, op by op.
 
 Pure pydantic (no torch import), so ``solvers`` can read profiles without torch. Units are in
 the field names: ``*_bytes`` are bytes, ``*_ms`` milliseconds.
 
+The step is observed as it runs eagerly (``profiles.profile``): every aten op the forward and
+the loss dispatch is a node, in call order, followed by a ``loss`` pseudo-node; every call of
+one of the model's modules is a ``ModuleCall`` spanning a run of nodes. Those spans are what a
+plan can checkpoint on the model's own module tree.
+
 Memory model: every tensor lives in a *storage*; views share their base's storage, so a
 storage is the unit that is allocated and freed. Each storage has a kind: ``activation`` (an
-output of a node), ``internal`` (allocated inside a node, not an output, but kept by autograd,
-e.g. a dropout mask), or static (``param``, ``buffer``, ``input``: never activations).
+output of a node), ``internal`` (allocated inside a node, not an output, but kept by autograd),
+or static (``param``, ``buffer``, ``input``: never activations). ``release`` is the last node
+of the forward while which Python still held it (a local variable outlives its last reader).
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-StorageKind = Literal["activation", "internal", "param", "buffer", "input"]
-STATIC_KINDS: frozenset[str] = frozenset({"param", "buffer", "input"})
+StorageKind = Literal["activation", "internal", "param", "buffer", "input", "constant"]
+# held for the whole step by the model or the caller; "constant": a tensor the step reads
+# that no op made (a plain module attribute)
+STATIC_KINDS: frozenset[str] = frozenset({"param", "buffer", "input", "constant"})
 
 
 class _Strict(BaseModel):
@@ -44,15 +52,20 @@ class StorageInfo(_Strict):
     kind: StorageKind
     producer: int | None = Field(None, description="index of the node that allocated it")
     name: str = Field("", description="parameter/buffer/input name for static storages")
+    release: int | None = Field(None, description="activations: the last forward node while "
+                                "which Python held it (>= producer); None: static")
 
 
 class NodeProfile(_Strict):
     index: int = Field(ge=0, description="topological position")
     name: str
-    op: str = Field(description="fx op (placeholder, call_module, ...) or 'loss'")
-    target: str
-    module: str = Field("", description="owning nn.Module path, '' at top level")
-    args: list[str] = Field(default_factory=list, description="names of input nodes")
+    op: str = Field(description="'aten' for an op of the step, 'loss' for the loss pseudo-node")
+    target: str = Field(description="the aten op, e.g. aten.addmm.default")
+    module: str = Field("", description="innermost module call running it, '' outside any")
+    args: list[str] = Field(default_factory=list, description="names of the nodes that made "
+                            "the activations it reads")
+    read_storages: list[int] = Field(default_factory=list,
+                                     description="storages of the tensors it reads")
     users: list[str] = Field(default_factory=list)
     outputs: list[TensorMeta] = Field(default_factory=list)
     new_storages: list[int] = Field(
@@ -87,10 +100,28 @@ class NodeProfile(_Strict):
         default_factory=list, description="storages whose gradient this node's backward makes")
 
 
+class ModuleCall(_Strict):
+    """One call of one of the model's modules: nodes ``[start, stop)`` ran inside it."""
+
+    index: int = Field(ge=0)
+    path: str = Field(description="module path in the model ('' for the model itself)")
+    module_type: str
+    start: int = Field(ge=0)
+    stop: int = Field(ge=0)
+    parent: int | None = Field(None, description="index of the enclosing call")
+    call_number: int = Field(0, ge=0, description="calls of this module before this one")
+    calls: int = Field(1, ge=1, description="calls of this module in the whole step")
+    input_storages: list[int] = Field(
+        default_factory=list, description="storages of the tensors passed in (args and "
+        "kwargs): what a checkpoint of this call holds until its backward")
+    mutated_buffers: list[str] = Field(default_factory=list,
+                                       description="buffers updated in place during the call")
+
+
 class StaticMemory(_Strict):
     param_bytes: int = Field(ge=0)
     grad_bytes: int = Field(ge=0, description="parameter .grad, present after backward")
-    buffer_bytes: int = Field(ge=0)
+    buffer_bytes: int = Field(ge=0, description="buffers and constant tensors the step reads")
     input_bytes: int = Field(ge=0)
     optimizer_state_bytes: int = Field(0, ge=0)
 
@@ -132,13 +163,18 @@ class GraphProfile(_Strict):
 
     schema_version: int = SCHEMA_VERSION
     model_name: str
-    capture_method: Literal["fx", "export"]
+    execution: Literal["fake", "real"] = Field(
+        description="fake: observed under FakeTensorMode (no memory used); real: on real "
+        "tensors, because the forward branches on tensor values")
     timing: Literal["measure", "estimate"]
     device: str = Field(description="device the times are for, e.g. 'cpu', 'H100'")
     torch_version: str
     fingerprint: str
+    autocast_dtype: str | None = Field(None, description="the step ran under torch.autocast "
+                                       "with this dtype (e.g. 'bfloat16'); None: no autocast")
     nodes: list[NodeProfile]
     storages: list[StorageInfo]
+    module_calls: list[ModuleCall] = Field(default_factory=list)
     static: StaticMemory
     step: StepTiming | None = Field(None, description="measured whole step (measure only)")
     checkpoint_costs: CheckpointCosts | None = Field(
@@ -168,6 +204,22 @@ class GraphProfile(_Strict):
             if storage.producer is not None and not 0 <= storage.producer < n_nodes:
                 raise ValueError(f"storage {storage.id} has producer {storage.producer}, "
                                  f"out of range")
+            if storage.release is not None and not (storage.producer or 0) <= storage.release \
+                    < n_nodes:
+                raise ValueError(f"storage {storage.id} has release {storage.release}, before "
+                                 f"its producer or past the last node")
+        for i, call in enumerate(self.module_calls):
+            if call.index != i or not 0 <= call.start <= call.stop <= n_nodes:
+                raise ValueError(f"module_calls[{i}] ({call.path!r}) has index {call.index} "
+                                 f"and span [{call.start}, {call.stop}); calls must be in "
+                                 f"order with spans inside the {n_nodes} nodes")
+            if call.parent is not None and not 0 <= call.parent < i:
+                raise ValueError(f"module_calls[{i}] has parent {call.parent}; a parent call "
+                                 "comes before its children")
+            for sid in call.input_storages:
+                if not 0 <= sid < n_storages:
+                    raise ValueError(f"module_calls[{i}] refers to storage {sid}, which does "
+                                     f"not exist")
         return self
 
     # ------------------------------------------------------------------ queries
@@ -198,7 +250,9 @@ class GraphProfile(_Strict):
         """A few readable lines about the profile."""
         gib = 2**30
         return "\n".join([
-            f"{self.model_name}: {len(self.nodes)} nodes ({self.capture_method}), "
+            f"{self.model_name}: {len(self.nodes)} ops, {len(self.module_calls)} module calls "
+            f"({self.execution} tensors"
+            f"{', autocast ' + self.autocast_dtype if self.autocast_dtype else ''}), "
             f"fingerprint {self.fingerprint}",
             f"  static {self.static.total_bytes / gib:.3f} GiB (params "
             f"{self.static.param_bytes / gib:.3f}, grads {self.static.grad_bytes / gib:.3f}, "

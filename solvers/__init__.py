@@ -9,7 +9,7 @@ from collections.abc import Callable
 from solvers import auto, baselines, bruteforce, dp, milp
 from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
-from solvers.problem import MATMUL_KINDS, Problem, ProblemError
+from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, STORE, Region, Schedule, ScheduleError
 from solvers.simulate import Event, PeakBreakdown, SimulationError, Timeline, simulate
@@ -28,6 +28,7 @@ __all__ = [
     "SOLVERS",
     "STORE",
     "Event",
+    "ModuleSpan",
     "PeakBreakdown",
     "Problem",
     "ProblemError",

@@ -53,7 +53,6 @@ import numpy as np
 
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
-from solvers.simulate import ACCUMULATION_COPIES
 
 logger = logging.getLogger(__name__)
 
@@ -64,37 +63,10 @@ ChildSpec = tuple[int, int, frozenset[int]]  # (start, stop, keep) of a child re
 
 
 def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
-    """Per backward event j: gradient bytes in its peak, and gradient bytes live just before.
-
-    Both are schedule-independent. The first also counts the accumulation transient: a
-    backward that sends a gradient to a storage whose buffer already exists (a later
-    gradient reader made it) adds a fresh gradient of that size into it.
-    """
-    p = problem
-    n = p.n_nodes
-    event = [0] * n
-    rest = [0] * n
-    live, grads = 0, set()
-    for j in range(n - 1, -1, -1):
-        new = [s for s in p.grad_inputs[j] if p.storage_grad_bytes[s] > 0
-               and p.grad_consumers[s][-1] == j]
-        if j == n - 1:
-            new += [s for s in p.outputs[j]
-                    if p.storage_grad_bytes[s] > 0 and not p.consumers[s]]
-        new = [s for s in dict.fromkeys(new) if s not in grads]
-        add = sum(p.storage_grad_bytes[s] for s in new) + p.param_grad_bytes[j]
-        accumulate = ACCUMULATION_COPIES * sum(p.storage_grad_bytes[s]
-                                               for s in set(p.grad_inputs[j])
-                                               if s in grads and s not in new)
-        rest[j] = live
-        event[j] = live + add + accumulate
-        grads.update(new)
-        live += add
-        for s in p.outputs[j]:
-            if s in grads:
-                grads.discard(s)
-                live -= p.storage_grad_bytes[s]
-    return event, rest
+    """Per backward event j: gradient bytes in its peak, and gradient bytes live just before
+    (`Problem.gradient_events`; both schedule-independent)."""
+    g = problem.gradient_events
+    return [g.event(j) for j in range(problem.n_nodes)], list(g.before)
 
 
 class Context:
@@ -105,24 +77,29 @@ class Context:
         self.p = p
         n, m = p.n_nodes, p.n_storages
         self.n = n
-        self.last_read = [c[-1] if c else -1 for c in p.consumers]
+        self.last_read = [c[-1] if c else -1 for c in p.readers]
         savers: list[list[int]] = [[] for _ in range(m)]
         for k in range(n):
             for s in p.saved[k]:
                 savers[s].append(k)
         self.savers = savers
         # the caller holds the loss outputs all step, except those the loss's backward saves
-        self.loss = frozenset(p.outputs[n - 1]) - frozenset(p.saved[n - 1])
+        self.loss = p.caller_held
         self.loss_bytes = sum(p.storage_bytes[s] for s in self.loss)
+        # in forward, a caller-held storage counts from the node after its producer on
+        held_fwd = np.zeros(n, dtype=np.int64)
+        for s in self.loss:
+            held_fwd[p.storage_producer[s] + 1:] += p.storage_bytes[s]
         self.alloc = [sum(p.storage_bytes[s] for s in p.outputs[i]) for i in range(n)]
         # gradient bytes in backward event j's peak / live just before it (reruns see this)
         self.g_event, self.g_rest = gradient_bytes(p)
         # per slot kind, the gradient + loss bytes at node j: rerun at trigger j (j),
-        # backward of j (n + j), forward (2n + j: none)
+        # backward of j (n + j), forward (2n + j: caller-held storages made before j)
+        self.held_fwd = held_fwd
         self.g_table = np.concatenate([
             np.asarray(self.g_rest, dtype=np.int64) + self.loss_bytes,
             np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
-            np.zeros(n, dtype=np.int64)])
+            held_fwd])
         self._regions: dict[tuple[int, int, frozenset[int]], RegionInfo] = {}
         self._nested: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
                            NestedRegionInfo] = {}
@@ -209,8 +186,7 @@ class RegionInfo:
         """Analyse region `[a, b)` with kept nodes `keep`."""
         p = ctx.p
         own = [i for i in range(a, b) if p.packs[i]]
-        inputs = tuple(sorted({s for i in range(a, b) for s in p.inputs[i]
-                               if p.storage_producer[s] < a}))
+        inputs = p.region_inputs(a, b)
         if not own:
             info = cls(a, b, keep, False, 0, -1, None, inputs, 0.0)
             info.kept_ends = {s: (-1, -1, ()) for k in keep for s in p.outputs[k]
@@ -224,7 +200,7 @@ class RegionInfo:
             cached = i in keep
             info.step_const.append(0 if cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
             for s in p.outputs[i]:
-                read_end = max((c for c in p.consumers[s] if i < c < stop), default=-1)
+                read_end = rerun_read_end(p, s, i, stop)
                 savers = tuple(k for k in ctx.savers[s] if k < stop and p.packs[k])
                 if cached:
                     if s not in ctx.loss:
@@ -295,10 +271,14 @@ def _order(reruns: Sequence[Rerun]) -> Callable[[Point], tuple[int, int, int, in
     return key
 
 
-def _region_inputs(p: Problem, a: int, b: int) -> tuple[int, ...]:
-    """Storages made before `a` and read in `[a, b)`: what a checkpoint of `[a, b)` saves."""
-    return tuple(sorted({s for i in range(a, b) for s in p.inputs[i]
-                         if p.storage_producer[s] < a}))
+def rerun_read_end(p: Problem, s: int, i: int, stop: int) -> int:
+    """In a rerun of nodes up to `stop` (exclusive), the last step that keeps storage s made at
+    node i alive: its last use there, or the rerun's last step when it is used past the early
+    stop (the rerun's program holds it until it stops); -1 when nothing after i uses it."""
+    later = [c for c in p.readers[s] if c > i]
+    if later and later[-1] >= stop:
+        return stop - 1
+    return later[-1] if later else -1
 
 
 def _check_children(a: int, b: int, keep: frozenset[int],
@@ -370,11 +350,11 @@ class NestedRegionInfo:
                 owner[i] = ci
         # frames: a child's packs are its own nodes' saves; the parent's also its children's
         # inputs (saved into it at their entry), so its stop and death depend on them
-        c_in = [_region_inputs(p, ca, cb) for ca, cb, _ in children]
+        c_in = [p.region_inputs(ca, cb) for ca, cb, _ in children]
         c_packs = [[i for i in range(ca, cb) if p.packs[i]] for ca, cb, _ in children]
         c_stop = [max(pk) + 1 if pk else 0 for pk in c_packs]
         c_death = [min(pk) if pk else None for pk in c_packs]
-        inputs = _region_inputs(p, a, b)
+        inputs = p.region_inputs(a, b)
         own = [i for i in range(a, b) if i not in owner and p.packs[i]]
         with_in = [ci for ci in range(len(children)) if c_in[ci]]
         stop = max([i + 1 for i in own] + [children[ci][0] for ci in with_in], default=0)
@@ -414,8 +394,8 @@ class NestedRegionInfo:
             """Holders inside rerun `r` (nodes first..last-1) of storage s made at node i:
             its last reader there, and the nodes there saving it into their frame (`own`)."""
             pts: list[Point] = []
-            read_end = max((c for c in p.consumers[s] if i < c < last), default=-1)
-            if read_end >= 0:
+            read_end = rerun_read_end(p, s, i, last)
+            if read_end > i:
                 pts.append((STEP, read_end, r))
             pts.extend((BWD, k, 0) for k in ctx.savers[s] if first <= k < last and own(k))
             return pts
@@ -604,9 +584,9 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     sizes: list[int] = []
     loss = ctx.loss | skip
     local = [s for i in range(a0, b0) for s in p.outputs[i] if s not in loss]
-    local += [s for s in sorted({s for i in range(a0, b0) for s in p.inputs[i]
+    local += [s for s in sorted({s for i in range(a0, b0) for s in p.uses[i]
                                  if p.storage_producer[s] < a0})
-              if s not in external and s not in skip]
+              if s not in external and s not in loss]
     held_by: dict[int, list[tuple[int, Point]]] = {}
     for pi, r in enumerate(plans):
         for s, pt in r.held.items():

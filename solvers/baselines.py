@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from solvers.bruteforce import min_feasible_budget
 from solvers.problem import Problem
-from solvers.result import Solution
+from solvers.result import Solution, Status
 from solvers.schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ def units(problem: Problem) -> list[tuple[int, int]]:
 def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
            solver: str, t0: float, *, keep_matmuls: bool = False) -> Solution:
     regions = [run for a, b in segments for run in problem.recomputable_runs(a, b)]
+    if not all(problem.emittable(a, b) for a, b in regions):
+        # e.g. Chen's segments of several blocks where no module call spans them
+        logger.info("%s: its regions are not module spans of %r; not applicable", solver,
+                    problem.name)
+        return Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
+                        budget_bytes=budget_bytes, objective_ms=None,
+                        solve_time_s=time.perf_counter() - t0)
     keep = [i for a, b in regions for i in range(a, b)
             if keep_matmuls and problem.is_matmul(i) and problem.can_keep(i)]
     schedule = Schedule.from_segments(problem.n_nodes, regions, keep=keep)
@@ -123,12 +130,14 @@ def chen_greedy(problem: Problem, budget_bytes: int, time_limit_s: float = 10.0)
         threshold = int(lo * (total / lo) ** (k / 31)) if total > lo else lo
         segs = _greedy_segments(problem, blocks, threshold)
         regions = [run for a, b in segs for run in problem.recomputable_runs(a, b)]
+        if not all(problem.emittable(a, b) for a, b in regions):
+            continue
         peak, rt = evaluate(problem, Schedule.from_segments(problem.n_nodes, regions), ctx)
         key = (0, rt, peak) if peak <= budget_bytes else (1, float(peak), 0)
         if best is None or key < best[0]:
             best = (key, segs)
-    assert best is not None
-    return _score(problem, best[1], budget_bytes, "chen_greedy", t0)
+    segments = best[1] if best is not None else [(0, problem.n_nodes)]
+    return _score(problem, segments, budget_bytes, "chen_greedy", t0)
 
 
 def save_matmuls(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0) -> Solution:

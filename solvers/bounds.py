@@ -20,8 +20,9 @@ def memory_lower_bound(problem: Problem) -> int:
     """
     p = problem
     n = p.n_nodes
-    last_read = [c[-1] if c else p.storage_producer[s] for s, c in enumerate(p.consumers)]
-    loss = set(p.outputs[n - 1]) - set(p.saved[n - 1])
+    loss = p.caller_held
+    last_read = [n - 1 if s in loss else c[-1] if c else p.storage_producer[s]
+                 for s, c in enumerate(p.readers)]
     loss_bytes = sum(p.storage_bytes[s] for s in loss)
     g_event, _ = gradient_bytes(p)
     best = 0

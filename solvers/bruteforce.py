@@ -1,9 +1,9 @@
 """Exhaustive search over schedules of tiny problems: the reference every solver is held to.
 
 The enumerated space: every cut of the node order into consecutive regions (adjacent STORE
-regions merged, which changes nothing), each RECOMPUTE region with every subset of kept
-nodes (`Problem.can_keep`). Nested regions are not enumerated. Stateful nodes are never
-recomputed.
+regions merged, which changes nothing), each RECOMPUTE region (a module span, when the
+problem has them) with every subset of kept nodes (`Problem.can_keep`). Nested regions are
+not enumerated. Non-recomputable nodes are never recomputed.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _tails(problem: Problem, start: int, prev_store: bool) -> Iterator[tuple[Reg
         if not prev_store:
             for rest in _tails(problem, stop, True):
                 yield (Region(start, stop, STORE), *rest)
-        if all(problem.recomputable[start:stop]):
+        if all(problem.recomputable[start:stop]) and problem.emittable(start, stop):
             for keep in _subsets([i for i in range(start, stop) if problem.can_keep(i)]):
                 region = Region(start, stop, RECOMPUTE, keep=keep)
                 for rest in _tails(problem, stop, False):

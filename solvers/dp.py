@@ -93,9 +93,9 @@ def pinned_storages(problem: Problem) -> frozenset[int]:
     for t, (a, b) in enumerate(st):
         for i in range(a, b):
             stage_of[i] = t
-    loss = set(problem.outputs[-1])
+    loss = set(problem.outputs[-1]) | problem.caller_held
     out = set()
-    for s, cons in enumerate(problem.consumers):
+    for s, cons in enumerate(problem.readers):
         if not cons or s in loss:
             continue
         t, u = stage_of[problem.storage_producer[s]], stage_of[cons[-1]]
@@ -119,7 +119,7 @@ def chain_stages(problem: Problem,
                 stage_of[i] = t
         cut = [True] * len(st)  # cut[t]: boundary before stage t kept
         bad = False
-        for s, cons in enumerate(problem.consumers):
+        for s, cons in enumerate(problem.readers):
             if not cons or s in pinned:
                 continue
             t, u = stage_of[problem.storage_producer[s]], stage_of[cons[-1]]
@@ -211,6 +211,57 @@ def _options(ctx: Context, a: int, b: int, single: bool,
             for keep in itertools.combinations(keepable, r):
                 opts.append((ctx.region(x, y, keep),))
     return opts
+
+
+def _keeps(ctx: Context, a: int, b: int, subsets: bool) -> list[frozenset[int]]:
+    """Kept sets tried for a region: none, its keepable matmul-like nodes, or (tiny
+    problems) every subset of its keepable nodes."""
+    p = ctx.p
+    keepable = [i for i in range(a, b) if p.can_keep(i)]
+    if subsets:
+        return [frozenset(c) for r in range(len(keepable) + 1)
+                for c in itertools.combinations(keepable, r)]
+    mm = frozenset(i for i in keepable if p.is_matmul(i))
+    return [frozenset(), mm] if mm else [frozenset()]
+
+
+def _span_options(ctx: Context, a: int, b: int, single: bool,
+                  subsets: bool) -> tuple[list[tuple], list[tuple]]:
+    """(flat, nested) options of window `[a, b)` when regions must be module spans.
+
+    The window itself when it is a span (each kept set; nested: with its largest inner spans
+    as children, which keep nothing or their matmuls); for a single stage also its inner
+    spans: each alone and all together, so a block can checkpoint only its MLP, say.
+    """
+    p = ctx.p
+
+    def usable(x: int, y: int) -> bool:
+        return all(p.recomputable[x:y]) and any(p.packs[x:y])
+
+    flat: list[tuple] = [()] if single else []
+    nested: list[tuple] = []
+    whole = p.emittable(a, b) and usable(a, b)
+    inner = [(sp.start, sp.stop) for sp in p.spans_within(a, b) if usable(sp.start, sp.stop)]
+    tops = [(a, b)] if whole else (inner if single else [])
+    for x, y in tops:
+        flat += [(ctx.region(x, y, keep),) for keep in _keeps(ctx, x, y, subsets)]
+        kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y) if usable(sp.start, sp.stop)]
+        for keep_matmuls in (False, True):
+            spec = [(cx, cy, tuple(i for i in range(cx, cy) if keep_matmuls and p.is_matmul(i)
+                                   and p.can_keep(i))) for cx, cy in kids]
+            if kids and (not keep_matmuls or any(k for _, _, k in spec)):
+                nested.append((ctx.region(x, y, (), children=spec),))
+    groups = ([inner] + [[piece] for piece in inner]) if single and whole else (
+        [inner] if single and len(inner) > 1 else [])
+    for group in groups:
+        for keep_matmuls in (False, True):
+            regions = tuple(ctx.region(x, y, [i for i in range(x, y) if keep_matmuls
+                                               and p.is_matmul(i) and p.can_keep(i)])
+                            for x, y in group)
+            if keep_matmuls and all(not r.keep for r in regions):
+                continue
+            flat.append(regions)
+    return flat, nested
 
 
 def _nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
@@ -451,12 +502,14 @@ class _SpanBounds:
         return out
 
 
-def _signature(ctx: Context, a: int, b: int) -> tuple:
+def _signature(ctx: Context, a: int, b: int,
+               spans_at: dict[int, list[tuple[int, tuple[int, ...]]]]) -> tuple:
     """Translation-invariant description of nodes [a, b) for caching window profiles.
 
     Gradient and loss bytes and forward times are left out: `WindowParts` adds the first by
     position and `_run` the recompute time, so identical blocks share one signature although
     parameter gradients pile up along the chain and measured times differ from block to block.
+    Module spans starting in the window (`spans_at`: node -> (stop, inputs)) are part of it.
     """
     p = ctx.p
 
@@ -469,8 +522,10 @@ def _signature(ctx: Context, a: int, b: int) -> tuple:
 
     return tuple((p.fwd_temp_bytes[i], p.bwd_temp_bytes[i],
                   p.recomputable[i], p.packs[i], p.is_matmul(i), p.can_keep(i),
-                  tuple(rel(s) for s in p.inputs[i]), tuple(rel(s) for s in p.outputs[i]),
-                  tuple(rel(s) for s in p.saved[i])) for i in range(a, b))
+                  tuple(rel(s) for s in p.uses[i]), tuple(rel(s) for s in p.outputs[i]),
+                  tuple(rel(s) for s in p.saved[i]),
+                  tuple((stop - a, tuple(rel(s) for s in inputs))
+                        for stop, inputs in spans_at.get(i, ()))) for i in range(a, b))
 
 
 def _pin_tables(ctx: Context, pinned: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -525,7 +580,11 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
     tight = m if m <= SPLIT_RELAXED_STAGES else TIGHT_SPANS * max_span
     subsets = p.n_nodes <= SUBSET_MAX_NODES
     sig_ids: dict[tuple, int] = {}
-    stage_sig = [sig_ids.setdefault(_signature(ctx, a, b), len(sig_ids)) for a, b in st]
+    spans_at: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for span in p.module_spans or ():
+        spans_at.setdefault(span.start, []).append((span.stop, span.inputs))
+    stage_sig = [sig_ids.setdefault(_signature(ctx, a, b, spans_at), len(sig_ids))
+                 for a, b in st]
     fronts: list[dict[tuple, _Front]] = [dict() for _ in range(m + 1)]
     f0 = _Front()
     f0.add(np.zeros(1, dtype=np.int64), np.zeros(1), ())
@@ -552,9 +611,13 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
     fwd = np.asarray(p.fwd_time_ms, dtype=float)
     fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
     nest = max_span >= m  # `_SpanBounds` does not bound nested options: full-span passes only
+    spans = p.module_spans is not None
 
     def options(t: int, u: int, flat: bool, nested: bool) -> list[tuple]:
         a, b = st[t][0], st[u - 1][1]
+        if p.module_spans is not None:
+            span_flat, span_nested = _span_options(ctx, a, b, u == t + 1, subsets)
+            return (span_flat if flat else []) + (span_nested if nested else [])
         out = _options(ctx, a, b, u == t + 1, subsets) if flat else []
         return out + (_nested_options(ctx, st[t:u]) if nested else [])
 
@@ -574,7 +637,7 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
                 # grows with u, so once it exceeds the room no longer flat segment from t can
                 # fit; nested ones (short windows, full-span passes) may still
                 flat = u == t + 1 or bounds.memory(a, b) <= room
-                nested = nest and 1 < u - t <= NEST_MAX_STAGES
+                nested = nest and (1 if spans else 2) <= u - t <= NEST_MAX_STAGES
                 if not flat and not nested:
                     break
                 if u - t > max_span:

@@ -1,23 +1,34 @@
 """Build a solver `Problem` from a `profiles.GraphProfile` (pure data, no torch).
 
-Node indices are kept one-to-one with the profile's nodes (placeholders, get_attr and the
-output node are free no-ops), so a schedule's regions name profile nodes directly. Storages
-are the profile's activation and internal storages, renumbered; params, buffers and inputs
-are static.
+Node indices are kept one-to-one with the profile's nodes (the aten ops of the step, then
+the loss pseudo-node), so a schedule's regions name profile nodes directly. Storages are the
+profile's activation and internal storages, renumbered; params, buffers, inputs and
+constants are static.
+
+Module spans (`Problem.module_spans`): the calls of the model's modules that `planner.apply`
+can checkpoint. A call is left out when checkpointing it would change what the step computes
+or crash (`unemittable_calls` says why): a module called more than once (its checkpoint
+wrapper would apply to every call), a call that runs no op, a call whose inputs are written
+in place after it starts (checkpoint saves its inputs and checks their version when it
+reruns: torch raises "modified by an inplace operation"), or a call that writes in place a
+tensor made before it other than a buffer (the rerun would write it twice; buffers, such as
+BatchNorm's running statistics, are restored after a rerun).
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 
-from profiles.schema import STATIC_KINDS, GraphProfile
-from solvers.problem import MATMUL_KINDS, Problem
+from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
+from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem
 
-__all__ = ["detect_block_prefix", "op_kind", "problem_from_profile"]
+__all__ = ["block_calls", "detect_block_prefix", "op_kind", "problem_from_profile",
+           "unemittable_calls"]
 
 _NEVER_RECOMPUTED = frozenset({"placeholder", "output", "loss"})
 _INDEXED = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)(?:\.|$)")
+_NUMBERED = re.compile(r"^(?P<stem>.*?)(?P<number>\d+)$")
 
 
 def detect_block_prefix(profile: GraphProfile) -> str | None:
@@ -37,6 +48,38 @@ def detect_block_prefix(profile: GraphProfile) -> str | None:
     return candidates[0] if candidates else None
 
 
+def block_calls(profile: GraphProfile, block_prefix: str | None = None) -> list[ModuleCall]:
+    """The repeated blocks of the model: calls of numbered siblings of one type.
+
+    Siblings are calls whose paths differ only in a trailing number (``h.0``, ``h.1``;
+    ``denselayer1``, ``denselayer2``; ``encoder_layer_0``), each called once, each calling
+    submodules of its own, all of one module type (so ConvNeXt's mixed ``features.N`` are
+    not blocks but its ``CNBlock``s are). Groups with more members win; a group that
+    overlaps a chosen one is dropped. ``block_prefix`` keeps only blocks under that path.
+    """
+    calls = profile.module_calls
+    has_children = {c.parent for c in calls if c.parent is not None}
+    groups: dict[tuple[str, str], list[ModuleCall]] = defaultdict(list)
+    for call in calls:
+        parent, _, last = call.path.rpartition(".")
+        match = _NUMBERED.match(last)
+        if match is None or call.calls != 1 or call.index not in has_children \
+                or call.stop <= call.start:
+            continue
+        if block_prefix is not None and parent != block_prefix:
+            continue
+        groups[(parent, match["stem"])].append(call)
+    usable = [g for g in groups.values()
+              if len(g) >= 2 and len({c.module_type for c in g}) == 1]
+    usable.sort(key=lambda g: (-len(g), -sum(c.stop - c.start for c in g)))
+    chosen: list[ModuleCall] = []
+    for group in usable:
+        if any(c.start < o.stop and o.start < c.stop for c in group for o in chosen):
+            continue
+        chosen.extend(group)
+    return sorted(chosen, key=lambda c: c.start)
+
+
 def op_kind(ops: list[str], fx_op: str) -> str:
     """A node's kind for op policies: its first matmul-like aten op, else its last op."""
     names = [op.split(".")[1] if op.count(".") >= 2 else op for op in ops]
@@ -46,75 +89,126 @@ def op_kind(ops: list[str], fx_op: str) -> str:
     return names[-1] if names else fx_op
 
 
-def _block_of(module: str, prefix: str) -> int:
-    if module == prefix or not module.startswith(prefix + "."):
-        return -1
-    head = module[len(prefix) + 1:].split(".", 1)[0]
-    return int(head) if head.isdigit() else -1
+def unemittable_calls(profile: GraphProfile) -> dict[int, str]:
+    """Module calls a plan cannot checkpoint, with the reason (see the module docstring)."""
+    nodes = profile.nodes
+    storages = profile.storages
+    last_write: dict[int, int] = {}
+    for node in nodes:
+        for sid in node.written_storages:
+            last_write[sid] = node.index
+    param_names = {s.name for s in storages if s.kind == "param"}
+    state_writes = {node.index for node in nodes
+                    if any(storages[s].kind in ("input", "constant")
+                           for s in node.written_storages)
+                    or set(node.mutated_buffers) & param_names}
+    reasons: dict[int, str] = {}
+    for call in profile.module_calls:
+        a, b = call.start, call.stop
+        if b <= a:
+            reasons[call.index] = "runs no op"
+        elif call.calls > 1:
+            reasons[call.index] = f"called {call.calls} times per step"
+        elif any(last_write.get(s, -1) >= a for s in call.input_storages):
+            reasons[call.index] = "an input is written in place after the call starts"
+        elif any(storages[s].producer is not None and storages[s].producer < a
+                 and storages[s].kind not in STATIC_KINDS
+                 for i in range(a, b) for s in nodes[i].written_storages):
+            reasons[call.index] = "writes in place a tensor made before it"
+        elif any(i in state_writes for i in range(a, b)):
+            reasons[call.index] = "writes a parameter or an input in place"
+    return reasons
+
+
+def _module_spans(profile: GraphProfile, new_id: dict[int, int]) -> list[ModuleSpan]:
+    """One span per emittable call (the outermost when several share one span)."""
+    reasons = unemittable_calls(profile)
+    spans: dict[tuple[int, int], ModuleSpan] = {}
+    for call in profile.module_calls:
+        key = (call.start, call.stop)
+        if call.index in reasons or key in spans:
+            continue
+        spans[key] = ModuleSpan(start=call.start, stop=call.stop, name=call.path,
+                                inputs=tuple(sorted({new_id[s] for s in call.input_storages
+                                                     if s in new_id})))
+    return list(spans.values())
 
 
 def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
-                         *, detect_blocks: bool = True) -> Problem:
+                         *, detect_blocks: bool = True, module_spans: bool = True) -> Problem:
     """The solver's view of one training step of ``profile``.
 
     Args:
         profile: from ``profiles.profile``.
-        block_prefix: module path of repeated blocks; default: detected.
+        block_prefix: module path of repeated blocks; default: detected (`block_calls`).
         detect_blocks: set False to leave ``block_of_node`` empty.
+        module_spans: restrict regions to what `planner.apply` can emit (the default); False
+            lets solvers cut the op order anywhere (to measure what the restriction costs).
     """
     storages = profile.storages
+    nodes = profile.nodes
+    n = len(nodes)
     activation = [s.id for s in storages if s.kind not in STATIC_KINDS]
     new_id = {sid: i for i, sid in enumerate(activation)}
-    index_of = {node.name: node.index for node in profile.nodes}
 
     grad_bytes = [0] * len(activation)
-    for node in profile.nodes:
+    for node in nodes:
         for tensor in node.outputs:
             sid = new_id.get(tensor.storage)
-            if sid is not None and tensor.requires_grad and storages[tensor.storage].producer \
-                    == node.index:
+            if sid is not None and tensor.requires_grad and \
+                    storages[tensor.storage].producer == node.index:
                 grad_bytes[sid] = storages[tensor.storage].nbytes
 
     node_inputs, node_outputs, node_saved, saves_static, grad_inputs = [], [], [], [], []
-    for node in profile.nodes:
-        reads = {new_id[t.storage] for arg in node.args
-                 for t in profile.nodes[index_of[arg]].outputs if t.storage in new_id}
-        node_inputs.append(sorted(reads))
+    for node in nodes:
+        reads = sorted({new_id[s] for s in node.read_storages if s in new_id})
+        node_inputs.append(reads)
         grad_inputs.append(sorted({new_id[s] for s in node.grad_storages if s in new_id}
-                                  & reads))
+                                  & set(reads)))
         node_outputs.append([new_id[s] for s in node.new_storages if s in new_id])
         node_saved.append(sorted({new_id[s] for s in node.saved_storages if s in new_id}))
         saves_static.append(any(storages[s].kind in STATIC_KINDS for s in node.saved_storages))
 
-    # A parameter's .grad appears at the backward of its last reader in forward order.
+    # a parameter's .grad appears at the backward of its last reader in forward order
     last_reader: dict[str, int] = {}
-    for node in profile.nodes:
+    for node in nodes:
         for name in node.params:
             last_reader[name] = node.index
     param_storage = {s.name: s for s in storages if s.kind == "param"}
-    param_grad = [0] * len(profile.nodes)
+    param_grad = [0] * n
     for name, index in last_reader.items():
         param_grad[index] += param_storage[name].nbytes
 
+    # the program's own references; the caller keeps the loss for the whole step
+    held_by_caller = {new_id[s] for s in nodes[-1].read_storages if s in new_id} \
+        if nodes[-1].op == "loss" else set()
+    release = [n if i in held_by_caller else max(storages[sid].release
+                                                 if storages[sid].release is not None
+                                                 else storages[sid].producer or 0,
+                                                 storages[sid].producer or 0)
+               for i, sid in enumerate(activation)]
+
     blocks = None
     if detect_blocks:
-        prefix = block_prefix or detect_block_prefix(profile)
-        if prefix is not None:
-            blocks = [_block_of(node.module, prefix) for node in profile.nodes]
+        found = block_calls(profile, block_prefix)
+        if found:
+            blocks = [-1] * n
+            for number, call in enumerate(found):
+                for i in range(call.start, call.stop):
+                    blocks[i] = number
 
     static = profile.static
     costs = profile.checkpoint_costs
-    saved = [n.saved_tensors for n in profile.nodes]
+    saved = [nd.saved_tensors for nd in nodes]
     return Problem(
         name=profile.model_name,
-        node_names=[n.name for n in profile.nodes],
-        fwd_time_ms=[n.fwd_time_ms for n in profile.nodes],
-        bwd_time_ms=[n.bwd_time_ms for n in profile.nodes],
-        fwd_temp_bytes=[n.fwd_temp_bytes for n in profile.nodes],
-        bwd_temp_bytes=[n.bwd_temp_bytes for n in profile.nodes],
-        # the loss and the graph's inputs/outputs live outside any checkpoint region; stateful
-        # nodes (BatchNorm) are recomputable: the rewrite restores the buffers they update
-        recomputable=[n.op not in _NEVER_RECOMPUTED for n in profile.nodes],
+        node_names=[nd.name for nd in nodes],
+        fwd_time_ms=[nd.fwd_time_ms for nd in nodes],
+        bwd_time_ms=[nd.bwd_time_ms for nd in nodes],
+        fwd_temp_bytes=[nd.fwd_temp_bytes for nd in nodes],
+        bwd_temp_bytes=[nd.bwd_temp_bytes for nd in nodes],
+        # the loss runs outside the model: it is never inside a checkpoint
+        recomputable=[nd.op not in _NEVER_RECOMPUTED for nd in nodes],
         node_inputs=node_inputs,
         node_outputs=node_outputs,
         node_saved=node_saved,
@@ -127,12 +221,14 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         block_of_node=blocks,
         node_saves_static=saves_static,
         node_grad_inputs=grad_inputs,
-        op_kind=[op_kind(n.ops, n.op) for n in profile.nodes],
-        keepable=[n.keepable for n in profile.nodes],
+        op_kind=[op_kind(nd.ops, nd.op) for nd in nodes],
+        keepable=[nd.keepable for nd in nodes],
         # checkpoint overhead: not modelled (0) for profiles recorded without it
         checkpoint_region_ms=costs.region_ms if costs else 0.0,
         checkpoint_pack_ms=costs.pack_ms if costs else 0.0,
         checkpoint_sac_op_ms=costs.sac_op_ms if costs else 0.0,
-        node_ops=[len(n.ops) for n in profile.nodes],
+        node_ops=[len(nd.ops) for nd in nodes],
         node_packed=None if None in saved else saved,
+        storage_release=release,
+        module_spans=_module_spans(profile, new_id) if module_spans else None,
     )

@@ -76,6 +76,8 @@ def candidates(ctx: Context, *, full: bool | None = None) -> tuple[list[RegionIn
     """Candidate regions and whether they span the whole (brute-force) schedule space."""
     p = ctx.p
     n = p.n_nodes
+    if p.module_spans is not None:
+        return _span_candidates(ctx, full)
     if full is None:
         count = sum(2 ** min(b - a, 30) for a in range(n) for b in range(a + 1, n + 1))
         full = n <= 2 * FULL_KEEP_MAX_LEN and count <= FULL_MAX_CANDIDATES
@@ -95,6 +97,20 @@ def candidates(ctx: Context, *, full: bool | None = None) -> tuple[list[RegionIn
     complete = full and all(b - a <= FULL_KEEP_MAX_LEN for a in range(n)
                             for b in range(a + 1, n + 1) if all(p.recomputable[a:b]))
     return out, complete
+
+
+def _span_candidates(ctx: Context, full: bool | None) -> tuple[list[RegionInfo], bool]:
+    """Every module span that reruns, each with every kept subset when they are few
+    (complete), else with keep = nothing or its matmul-like nodes."""
+    p = ctx.p
+    spans = [(sp.start, sp.stop) for sp in p.module_spans or ()
+             if all(p.recomputable[sp.start:sp.stop]) and any(p.packs[sp.start:sp.stop])]
+    if full is None:
+        count = sum(2 ** min(sum(p.can_keep(i) for i in range(a, b)), 30) for a, b in spans)
+        full = count <= FULL_MAX_CANDIDATES
+    out = [ctx.region(a, b, keep) for a, b in spans
+           for keep in _keep_options(p, a, b, full)]
+    return out, full
 
 
 def _rerun_delta(ctx: Context, r: RegionInfo) -> int:
@@ -172,7 +188,8 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
         if r.death is None:
             continue
         for s in r.inputs:
-            holders[s].append((2 * r.death, c))
+            if s not in ctx.loss:  # caller-held: a constant already
+                holders[s].append((2 * r.death, c))
         for s, (k, _, savers) in r.kept_ends.items():
             if k < 0:
                 holders[s].append((2 * r.death, c))
@@ -246,6 +263,8 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
     enter: dict[int, list] = defaultdict(list)
     read_live = [0] * (n + 1)
     for s in range(p.n_storages):
+        if s in ctx.loss:  # a constant from its producer on (`ctx.held_fwd`)
+            continue
         prod, lr = p.storage_producer[s], ctx.last_read[s]
         if lr > prod:
             read_live[prod + 1] += nbytes[s]
@@ -261,7 +280,8 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
             v = md.NewIntVar(0, total, f"H{i}")
             md.Add(v == hsum + sum(b * e for b, e in enter[i]))
             hsum = v
-        md.Add(p.static_bytes + ctx.alloc[i] + p.fwd_temp_bytes[i] + live_read + hsum <= B)
+        md.Add(p.static_bytes + ctx.alloc[i] + p.fwd_temp_bytes[i] + int(ctx.held_fwd[i])
+               + live_read + hsum <= B)
     return _Model(md, x, cands, B)
 
 
@@ -270,15 +290,24 @@ def _schedule(n: int, chosen: list[RegionInfo]) -> Schedule:
     return Schedule.from_segments(n, regions)
 
 
-def _solver(time_limit_s: float, workers: int = 2) -> cp_model.CpSolver:
+def _solver(time_limit_s: float, workers: int = 2,
+            deterministic: bool = False) -> cp_model.CpSolver:
+    """CP-SAT with a wall-time limit, or (``deterministic``) one worker, a fixed seed and a
+    deterministic time limit, so the same model always gets the same answer."""
     sol = cp_model.CpSolver()
-    sol.parameters.num_workers = workers
-    sol.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    if deterministic:
+        sol.parameters.num_workers = 1
+        sol.parameters.random_seed = 0
+        sol.parameters.max_deterministic_time = max(0.05, time_limit_s)
+    else:
+        sol.parameters.num_workers = workers
+        sol.parameters.max_time_in_seconds = max(0.05, time_limit_s)
     return sol
 
 
 def min_peak(problem: Problem, time_limit_s: float = 10.0,
-             ctx: Context | None = None) -> tuple[int, bool, Schedule | None]:
+             ctx: Context | None = None, *,
+             deterministic: bool = False) -> tuple[int, bool, Schedule | None]:
     """Lowest simulated peak over the model's space: (bytes, proven, schedule).
 
     `proven` is True when CP-SAT proved it optimal and the candidates span the whole
@@ -290,7 +319,7 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     cands, complete = candidates(ctx)
     mdl = _build(ctx, cands, None)
     mdl.model.Minimize(mdl.budget)
-    solver = _solver(time_limit_s)
+    solver = _solver(time_limit_s, deterministic=deterministic)
     st = solver.Solve(mdl.model)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return 0, False, None

@@ -11,14 +11,15 @@ import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, model_validator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MATMUL_KINDS", "Problem", "ProblemError"]
+__all__ = ["ACCUMULATION_COPIES", "MATMUL_KINDS", "GradientEvents", "ModuleSpan", "Problem",
+           "ProblemError"]
 
 MATMUL_KINDS = frozenset({
     "mm", "matmul", "bmm", "addmm", "baddbmm", "linear", "conv", "conv1d", "conv2d",
@@ -38,6 +39,38 @@ class ProblemError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ProblemError(msg)
+
+
+# Gradient accumulation: autograd makes a fresh gradient and adds it into the buffer, in
+# place when it holds the only reference: one transient copy of that gradient.
+ACCUMULATION_COPIES = 1
+
+
+class GradientEvents(NamedTuple):
+    """Per backward node j: gradient bytes live before it, made by it, and the transient
+    of adding a fresh gradient into an existing buffer (see `Problem.gradient_events`)."""
+
+    before: tuple[int, ...]
+    added: tuple[int, ...]
+    accumulated: tuple[int, ...]
+    after: tuple[int, ...]  # live once node j's backward has run (its inputs' freed)
+
+    def event(self, j: int) -> int:
+        """Gradient bytes in backward event j's peak."""
+        return self.before[j] + self.added[j] + self.accumulated[j]
+
+
+class ModuleSpan(BaseModel):
+    """Nodes ``[start, stop)`` that one call of a module ran: a region the planner can emit
+    as a checkpoint of that module. ``inputs`` are the activation storages passed to the
+    call, which the checkpoint holds (even those the call never reads)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int
+    stop: int
+    name: str = ""
+    inputs: tuple[int, ...] = ()
 
 
 class Problem(BaseModel):
@@ -60,6 +93,14 @@ class Problem(BaseModel):
 
     Optional `op_kind[i]` names node i's operation (e.g. "mm", "linear", "relu");
     `is_matmul(i)` says whether it is matmul-like (what save-matmuls policies keep).
+
+    Optional `storage_release[s]` is the last forward node while which the program itself
+    holds storage s (a local variable outlives its last reader); `n_nodes` means the caller
+    holds it for the whole step (like the loss). Default: its producer (freed after its last
+    reader). `uses` / `readers` combine it with the reads: what lifetimes follow.
+
+    Optional `module_spans` are the only regions a schedule may recompute (top-level or
+    nested): the calls of the model's modules that can be checkpointed. Default: any region.
 
     Checkpoint overhead (`checkpoint_overhead_ms`): host time a RECOMPUTE region costs beyond
     re-running its nodes, `checkpoint_region_ms` per region, `checkpoint_pack_ms` per saved
@@ -96,6 +137,8 @@ class Problem(BaseModel):
     checkpoint_sac_op_ms: float = 0.0
     node_ops: list[int] | None = None
     node_packed: list[int] | None = None
+    storage_release: list[int] | None = None
+    module_spans: list[ModuleSpan] | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
@@ -131,6 +174,7 @@ class Problem(BaseModel):
         for field, values in (
             ("storage_producer", self.storage_producer),
             ("storage_grad_bytes", self.storage_grad_bytes),
+            *((("storage_release", self.storage_release),) if self.storage_release else ()),
         ):
             _check(
                 len(values) == m,
@@ -179,6 +223,18 @@ class Problem(BaseModel):
                     f"node {i} ({self.node_names[i]}) saves storage {s} that it neither reads "
                     f"nor allocates; add it to node_inputs[{i}] or node_outputs[{i}].",
                 )
+        if self.storage_release is not None:
+            bad = [s for s in range(m)
+                   if not self.storage_producer[s] <= self.storage_release[s] <= n]
+            _check(not bad, f"storage_release must lie between each storage's producer and "
+                   f"{n} (the caller holds it); wrong for storages {bad[:5]}.")
+        for span in self.module_spans or ():
+            _check(0 <= span.start < span.stop <= n, f"module span {span.name!r} "
+                   f"[{span.start}, {span.stop}) is empty or outside the {n} nodes.")
+            bad = [s for s in span.inputs if not 0 <= s < m or
+                   self.storage_producer[s] >= span.start]
+            _check(not bad, f"module span {span.name!r} has inputs {bad[:5]} that are not "
+                   "storages made before it.")
         return self
 
     # ---------------------------------------------------------------- derived data
@@ -212,6 +268,107 @@ class Problem(BaseModel):
     def consumers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes reading it in forward, ascending."""
         return self._invert(self.inputs)
+
+    @cached_property
+    def uses(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the storages it keeps alive up to itself: its inputs, those the program
+        holds until it (`storage_release`), and the arguments of a module call it ends (the
+        caller holds them while the call runs). Lifetimes follow these; what a node computes
+        from, and what a checkpoint saves, follow `inputs`."""
+        if self.storage_release is None and not self.module_spans:
+            return self.inputs
+        held: list[list[int]] = [list(x) for x in self.inputs]
+        ends = [(s, node) for s, node in enumerate(self.storage_release or ())]
+        ends += [(s, span.stop - 1) for span in self.module_spans or () for s in span.inputs]
+        for s, node in ends:
+            if self.storage_producer[s] < node < self.n_nodes and s not in held[node]:
+                held[node].append(s)
+        return tuple(tuple(x) for x in held)
+
+    @cached_property
+    def readers(self) -> tuple[tuple[int, ...], ...]:
+        """Per storage, the nodes that keep it alive in forward (`uses`), ascending."""
+        return self._invert(self.uses)
+
+    @cached_property
+    def caller_held(self) -> frozenset[int]:
+        """Storages the caller holds for the whole step: the loss's outputs (not those its
+        own backward saves) and those with `storage_release == n_nodes`."""
+        n = self.n_nodes
+        held = set(self.outputs[n - 1]) - set(self.saved[n - 1])
+        if self.storage_release is not None:
+            held |= {s for s, r in enumerate(self.storage_release) if r >= n}
+        return frozenset(held)
+
+    @cached_property
+    def gradient_events(self) -> GradientEvents:
+        """The gradient bytes of each backward event, the same under every schedule.
+
+        Backward runs nodes in reverse order. The gradient of a storage appears during the
+        backward of its last forward reader (in backward order, its first) and is freed
+        after its producer's backward; the loss's gradient seed is held by the caller's
+        ``backward()`` call until it returns. Each earlier reader makes a fresh gradient
+        that autograd adds into the existing buffer: a transient of that gradient's size
+        (`ACCUMULATION_COPIES` of it). A parameter's ``.grad`` appears at the backward of
+        its `param_grad_bytes` node and stays.
+        """
+        n = self.n_nodes
+        before, added, accumulated, after = [0] * n, [0] * n, [0] * n, [0] * n
+        live, grads = 0, set()
+        seeds = {s for s in self.grad_inputs[n - 1] if s in self.caller_held}
+        seeds |= {s for s in self.outputs[n - 1] if not self.consumers[s]}
+        for j in range(n - 1, -1, -1):
+            new = [s for s in self.grad_inputs[j] if self.storage_grad_bytes[s] > 0
+                   and self.grad_consumers[s][-1] == j]
+            if j == n - 1:
+                new += [s for s in self.outputs[j]
+                        if self.storage_grad_bytes[s] > 0 and not self.consumers[s]]
+            new = [s for s in dict.fromkeys(new) if s not in grads]
+            before[j] = live
+            added[j] = sum(self.storage_grad_bytes[s] for s in new) + self.param_grad_bytes[j]
+            accumulated[j] = ACCUMULATION_COPIES * sum(
+                self.storage_grad_bytes[s] for s in set(self.grad_inputs[j])
+                if s in grads and s not in new)
+            grads.update(new)
+            live += added[j]
+            for s in self.outputs[j]:
+                if s in grads and s not in seeds:
+                    grads.discard(s)
+                    live -= self.storage_grad_bytes[s]
+            after[j] = live
+        return GradientEvents(tuple(before), tuple(added), tuple(accumulated), tuple(after))
+
+    @cached_property
+    def _spans(self) -> dict[tuple[int, int], ModuleSpan]:
+        return {(span.start, span.stop): span for span in self.module_spans or ()}
+
+    def emittable(self, start: int, stop: int) -> bool:
+        """Whether `[start, stop)` can be a RECOMPUTE region (any, without module spans)."""
+        return self.module_spans is None or (start, stop) in self._spans
+
+    def spans_within(self, start: int, stop: int) -> list[ModuleSpan]:
+        """The largest module spans strictly inside `[start, stop)`, in order: the module
+        calls one level below it (or the top ones of a stretch of nodes)."""
+        out: list[ModuleSpan] = []
+        for span in sorted(self.module_spans or (), key=lambda sp: (sp.start, -sp.stop)):
+            if start <= span.start and span.stop <= stop and (span.start, span.stop) != (
+                    start, stop) and not (out and span.stop <= out[-1].stop):
+                out.append(span)
+        return out
+
+    def span(self, start: int, stop: int) -> ModuleSpan | None:
+        """The module span `[start, stop)`, if there is one."""
+        return self._spans.get((start, stop))
+
+    def region_inputs(self, start: int, stop: int) -> tuple[int, ...]:
+        """What a checkpoint of `[start, stop)` holds: the storages made before it that it
+        reads, and for a module span the tensors passed to the call."""
+        read = {s for i in range(start, stop) for s in self.inputs[i]
+                if self.storage_producer[s] < start}
+        span = self._spans.get((start, stop))
+        if span is not None:
+            read.update(span.inputs)
+        return tuple(sorted(read))
 
     @cached_property
     def grad_inputs(self) -> tuple[tuple[int, ...], ...]:

@@ -44,12 +44,13 @@ keep)`: the host time of the checkpoint itself (frame, RNG, pack/unpack hooks, S
 charged to the rerun's first event. Forward-side parts of that overhead are counted there
 too, so `recompute_time_ms` is everything checkpointing adds to the step.
 
-Gradients: the gradient of a storage appears during the backward of its last forward reader
-(loss outputs: during the loss node's backward, the seed) and is freed after its producer's
-backward; unread outputs of other nodes get no gradient.* Every earlier reader (in backward
+Gradients (`Problem.gradient_events`, the same under every schedule): the gradient of a
+storage appears during the backward of its last forward reader and is freed after its
+producer's backward, except the loss's seed, which the caller's ``backward()`` holds to the
+end; unread outputs of other nodes get no gradient.* Every earlier reader (in backward
 order, a later one) makes a fresh gradient that autograd adds into the existing buffer: a
-transient of that gradient's size during its backward (`ACCUMULATION_COPIES`). Parameter
-gradients appear at the backward of `param_grad_bytes`' node and stay.
+transient of that gradient's size during its backward. Parameter gradients appear at the
+backward of `param_grad_bytes`' node and stay.
 """
 
 from __future__ import annotations
@@ -63,12 +64,6 @@ from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
 logger = logging.getLogger(__name__)
-
-# Gradient accumulation: autograd makes a fresh gradient and adds it into the buffer, in
-# place when it holds the only reference. When it cannot (measured on a ResNet's shortcut
-# join with MemTracker), the out-of-place sum is one more copy that this model misses: the
-# prediction is then low by up to that gradient's size (1.4 % on the zoo ResNet).
-ACCUMULATION_COPIES = 1
 
 __all__ = ["Event", "PeakBreakdown", "SimulationError", "Timeline", "simulate"]
 
@@ -158,7 +153,6 @@ class _Replay:
         self.by_token: dict[Token, set[Inst]] = defaultdict(set)
         self.live_act = [0, 0]  # [original, recomputed] activation bytes
         self.live_grad = 0
-        self.grads: set[int] = set()
         self.events: list[Event] = []
         self.peak = -1
         self.peak_event = 0
@@ -183,8 +177,7 @@ class _Replay:
 
     def _build_frame(self, r: Region, parent: _Frame | None) -> _Frame:
         p = self.p
-        inputs = tuple(sorted({s for i in range(r.start, r.stop) for s in p.inputs[i]
-                               if p.storage_producer[s] < r.start}))
+        inputs = p.region_inputs(r.start, r.stop)
         f = _Frame(len(self.frames), r, parent, [], inputs, rerun_stop=0, death=None)
         self.frames.append(f)
         if parent is None:
@@ -248,9 +241,9 @@ class _Replay:
         phase = "forward" if root is None else "recompute"
         read_tok = ("read", gen)
         end_tok = ("rerun_end", gen)
-        last_read: dict[int, int] = {}
+        last_read: dict[int, int] = {}  # within this pass, what keeps each storage alive
         for i in range(start, stop):
-            for s in p.inputs[i]:
+            for s in p.uses[i]:
                 last_read[s] = i
         child_args = set() if root is None else {
             s for c in root.children if c.region.start <= stop for s in c.inputs}
@@ -285,15 +278,16 @@ class _Replay:
                                   self.live_grad, temp)
             # holds made by this node
             for s in p.outputs[i]:
-                if any(c < stop for c in p.consumers[s] if c > i):
+                later = [c for c in p.readers[s] if c > i]
+                if any(c < stop for c in later):
                     self._hold(env[s], read_tok)
-                if s in child_args:  # passed to a nested checkpoint later in this rerun
+                # a rerun's value needed past its early stop: held until the rerun ends
+                if s in child_args or (root is not None and later and later[-1] >= stop):
                     self._hold(env[s], end_tok)
             if root is None:
-                if i == self.n - 1:  # the loss tensor; its internals go with its backward
-                    for s in p.outputs[i]:
-                        if s not in p.saved[i]:
-                            self._hold(env[s], ("user",))
+                for s in p.outputs[i]:  # the loss tensor (not its internals: those go with
+                    if s in p.caller_held:  # its backward) and what the caller keeps
+                        self._hold(env[s], ("user",))
                 if inner is None:
                     for s in p.saved[i]:
                         self._hold(env[s], ("bwd", i))
@@ -311,8 +305,8 @@ class _Replay:
             if cached:
                 for s in p.outputs[i]:
                     self._release_one((s, 0), ("sac", root.uid))
-            for s in p.inputs[i]:
-                if last_read.get(s) == i:
+            for s in p.uses[i]:
+                if last_read.get(s) == i and s in env:
                     self._release_one(env[s], read_tok)
             for inst in new:
                 self._free_if_unheld(inst)
@@ -333,7 +327,7 @@ class _Replay:
         """During root's rerun, a child entered at node i saves its inputs into root."""
         for c in root.children:
             if c.region.start == i and c.inputs:
-                for s in c.inputs:
+                for s in (s for s in c.inputs if s in env):
                     self._hold(env[s], end_tok)
                     if c.alive:
                         self._hold(env[s], ("child_input", c.uid))
@@ -371,27 +365,13 @@ class _Replay:
             f = self.innermost[j]
             if f is not None and p.packs[j]:
                 self._ensure_recomputed(f)
-            new = [s for s in p.grad_inputs[j]
-                   if p.storage_grad_bytes[s] > 0 and p.grad_consumers[s][-1] == j]
-            if j == self.n - 1:
-                new += [s for s in p.outputs[j]
-                        if p.storage_grad_bytes[s] > 0 and not p.consumers[s]]
-            new = [s for s in new if s not in self.grads]
-            add = sum(p.storage_grad_bytes[s] for s in new) + p.param_grad_bytes[j]
-            # a reader whose input already has a gradient buffer makes a fresh gradient and
-            # autograd adds it into the buffer: a transient the size of that gradient
-            accumulate = ACCUMULATION_COPIES * sum(
-                p.storage_grad_bytes[s] for s in set(p.grad_inputs[j])
-                if s in self.grads and s not in new)
+            grads = p.gradient_events
+            self.live_grad = grads.before[j]
+            add, accumulate = grads.added[j], grads.accumulated[j]
             before = self._live()
             parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
                                   self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
-            self.grads.update(new)
-            self.live_grad += add
-            for s in p.outputs[j]:
-                if s in self.grads:
-                    self.grads.discard(s)
-                    self.live_grad -= p.storage_grad_bytes[s]
+            self.live_grad = grads.after[j]
             self._release(("bwd", j))
             for fr in self.deaths.get(j, ()):
                 self._kill(fr)
@@ -407,6 +387,12 @@ def check_schedule(problem: Problem, schedule: Schedule) -> None:
             f"{problem.n_nodes}; build the schedule for this problem."
         )
     for r in schedule.recompute_regions():
+        if not problem.emittable(r.start, r.stop):
+            raise SimulationError(
+                f"RECOMPUTE region [{r.start}, {r.stop}) is not one of problem "
+                f"{problem.name!r}'s module spans: the planner can only checkpoint calls of "
+                f"the model's modules; choose regions from problem.module_spans."
+            )
         for i in range(r.start, r.stop):
             if not problem.recomputable[i]:
                 raise SimulationError(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 
 import pydantic
 import pytest
@@ -11,45 +13,50 @@ from torch import nn
 
 import profiles
 from planner import (
-    CaptureError,
     InfeasibleBudgetError,
     Plan,
     PlanMismatchError,
+    ProfileError,
     apply,
     optimize,
+    remove,
     verify,
     zoo,
 )
-from planner.api import _input_specs, plan_for_profile
-from profiles.tracing import normalize_inputs
+from planner.api import PlanMismatchWarning, _input_specs, plan_for_profile, structure_fingerprint
+from profiles.inputs import normalize_inputs
 
 GIB = 2**30
 
 
-def _profile(model: zoo.ZooModel) -> tuple[profiles.GraphProfile, list]:
-    gm = profiles.capture(model.model, model.example_inputs, model.loss_fn)
-    prof = profiles.profile(gm, model.example_inputs, timing="estimate", progress=False)
-    return prof, _input_specs(*normalize_inputs(model.model, model.example_inputs))
+def _profile(model: zoo.ZooModel) -> tuple[profiles.GraphProfile, list, str]:
+    prof = profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                            timing="estimate", progress=False)
+    return (prof, _input_specs(*normalize_inputs(model.model, model.example_inputs)),
+            structure_fingerprint(model.model))
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.8])
 def test_plans_honour_budgets_measured_on_cpu(zoo_model: zoo.ZooModel, fraction: float
                                               ) -> None:
-    prof, inputs = _profile(zoo_model)
-    unplanned = plan_for_profile(prof, 2**62, inputs).unplanned_peak_bytes
+    prof, inputs, structure = _profile(zoo_model)
+    unplanned = plan_for_profile(prof, 2**62, inputs, structure).unplanned_peak_bytes
     static = prof.static.total_bytes
     budget = int(static + fraction * (unplanned - static))
     try:
-        plan = plan_for_profile(prof, budget, inputs, time_limit_s=20)
-    except InfeasibleBudgetError as error:  # the min is what the solvers could prove
+        plan = plan_for_profile(prof, budget, inputs, structure, time_limit_s=20)
+    except InfeasibleBudgetError as error:
+        # the named minimum is a budget that yields a plan, which then holds (below)
         assert error.min_budget_bytes > budget
-        pytest.skip(f"{zoo_model.name}: {fraction:.0%} of activations is below the minimum")
+        plan = plan_for_profile(prof, error.min_budget_bytes, inputs, structure,
+                                time_limit_s=20)
+        assert plan.predicted_peak_bytes <= error.min_budget_bytes
     report = verify(zoo_model.model, plan, zoo_model.example_inputs, zoo_model.loss_fn,
                     repeats=1)
     assert report.within_budget, report.summary()
-    assert abs(report.peak_error) <= 0.03, report.summary()
+    assert -0.001 <= report.peak_error <= 0.005, report.summary()
     assert report.losses_equal and report.grads_equal, report.summary()
-    assert plan.predicted_peak_bytes <= budget < unplanned
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < unplanned
 
 
 def test_optimize_apply_round_trip_and_batchnorm_state(tmp_path: object) -> None:
@@ -62,78 +69,120 @@ def test_optimize_apply_round_trip_and_batchnorm_state(tmp_path: object) -> None
     plan = optimize(model.model, model.example_inputs, budget_gb=budget / GIB,
                     loss_fn=model.loss_fn, timing="estimate", progress=False)
     assert plan.checkpointing and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.solver.space  # says what it is optimal over
     path = f"{tmp_path}/plan.json"
     plan.save(path)
     again = Plan.load(path)
     assert again == plan
+    params = list(model.model.parameters())
     planned = apply(model.model, again)
-    assert list(planned.state_dict()) == list(model.model.state_dict())
-    assert all(a is b for a, b in zip(planned.parameters(), model.model.parameters(),
-                                      strict=True))
+    assert planned is model.model and list(planned.parameters()) == params
     # one step of each from the same state: BatchNorm statistics end up identical
     state = {k: v.clone() for k, v in model.model.state_dict().items()}
     x, = model.example_inputs
-    model.loss_fn(model.model(x)).backward()
-    after_plain = {k: v.clone() for k, v in model.model.state_dict().items()}
-    model.model.load_state_dict(state)
     model.loss_fn(planned(x)).backward()
-    assert all(torch.equal(after_plain[k], v) for k, v in model.model.state_dict().items())
+    after_planned = {k: v.clone() for k, v in model.model.state_dict().items()}
+    remove(model.model)
+    model.model.load_state_dict(state)
+    model.loss_fn(model.model(x)).backward()
+    assert all(torch.equal(after_planned[k], v) for k, v in model.model.state_dict().items())
     assert "recompute" in again.summary() and "<table>" in again._repr_html_()
 
 
-def test_budget_below_minimum_names_it() -> None:
+def test_budget_below_minimum_names_a_minimum_that_works() -> None:
     model = zoo.get("gpt", size="tiny")
-    with pytest.raises(InfeasibleBudgetError, match=r"minimum is.* GiB") as info:
+    with pytest.raises(InfeasibleBudgetError, match=r"lowest peak found is [\d.]+ MiB") as info:
         optimize(model.model, model.example_inputs, budget_gb=1e-4, loss_fn=model.loss_fn,
                  progress=False)
-    assert info.value.min_budget_bytes > 1e-4 * GIB
+    error = info.value
+    assert error.min_budget_bytes > 1e-4 * GIB
+    assert error.lower_bound_bytes is None or error.lower_bound_bytes <= error.min_budget_bytes
+    plan = optimize(model.model, model.example_inputs, budget_gb=error.min_budget_gb,
+                    loss_fn=model.loss_fn, progress=False)
+    assert plan.predicted_peak_bytes <= error.min_budget_bytes
+    report = verify(model.model, plan, model.example_inputs, model.loss_fn, repeats=1)
+    assert report.within_budget, report.summary()
 
 
-def test_untraceable_model_raises_capture_error() -> None:
-    class Branchy(nn.Module):
+@pytest.mark.parametrize("budget", [math.nan, math.inf, -1.0, 0, "8", True, None])
+def test_bad_budgets_are_refused_clearly(budget: object) -> None:
+    model = zoo.get("mlp", depth=1)
+    with pytest.raises((TypeError, ValueError), match="budget_gb"):
+        optimize(model.model, model.example_inputs, budget_gb=budget,  # type: ignore[arg-type]
+                 loss_fn=model.loss_fn, progress=False)
+
+
+def test_a_model_that_cannot_run_raises_profile_error() -> None:
+    class Broken(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) if x.sum() > 0 else x
+            return self.lin(x.view(3, 5))
 
-    with pytest.raises(CaptureError, match="What to do"):
-        optimize(Branchy(), torch.randn(2, 4), budget_gb=1, progress=False)
+    with pytest.raises(ProfileError, match="example_inputs"):
+        optimize(Broken(), torch.randn(2, 4), budget_gb=1, loss_fn=lambda y: y.sum(),
+                 progress=False)
 
 
-def test_plan_for_another_model_or_shape_is_refused() -> None:
+def test_plan_for_another_model_is_refused_and_larger_inputs_warn() -> None:
     model = zoo.get("mlp", batch=8)
     plan = optimize(model.model, model.example_inputs, budget_gb=1, loss_fn=model.loss_fn,
                     progress=False)
     with pytest.raises(PlanMismatchError, match="optimize"):
         apply(zoo.get("mlp", batch=8, width=128).model, plan)
-    wider_batch = plan.model_copy(update={"inputs": [
-        spec.model_copy(update={"shape": [16, 64]}) for spec in plan.inputs]})
-    with pytest.raises(PlanMismatchError):
-        apply(model.model, wider_batch)
+    apply(model.model, plan)
+    x, = model.example_inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.model(x[:4]).sum().backward()  # smaller: within what is planned
+    with pytest.warns(PlanMismatchWarning, match="planned for input"):
+        model.model(torch.cat([x, x]))
+    with pytest.warns(PlanMismatchWarning, match="autocast"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model.model(x)
+    apply(model.model, plan, strict=True)
+    with pytest.raises(PlanMismatchError, match="planned for input"):
+        model.model(torch.cat([x, x]))
+    with torch.no_grad():  # inference is not planned: no complaint
+        model.model(torch.cat([x, x]))
+    remove(model.model)
 
 
-def test_corrupt_plan_files_name_the_field(tmp_path: object) -> None:
-    model = zoo.get("mlp", depth=1)
-    plan = optimize(model.model, model.example_inputs, budget_gb=1, loss_fn=model.loss_fn,
-                    progress=False)
+def _edited(tmp_path: object, plan: Plan, edit) -> str:
+    data = json.loads(plan.model_dump_json())
+    edit(data)
+    path = f"{tmp_path}/edited.json"
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+def test_corrupt_or_edited_plan_files_name_the_field(tmp_path: object) -> None:
+    model = zoo.get("gpt", size="tiny", batch=4)  # unplanned: 6.0 MiB
+    plan = optimize(model.model, model.example_inputs, budget_gb=4.5 / 1024,
+                    loss_fn=model.loss_fn, progress=False)
+    assert plan.checkpointing
     path = f"{tmp_path}/plan.json"
     plan.save(path)
     text = open(path).read()
     open(path, "w").write(text[: len(text) // 2])
     with pytest.raises(pydantic.ValidationError):
         Plan.load(path)
-    data = json.loads(text)
-    data["budget_bytes"] = "lots"
-    open(path, "w").write(json.dumps(data))
-    with pytest.raises(pydantic.ValidationError, match="budget_bytes"):
-        Plan.load(path)
-    data = json.loads(text)
-    data["regions"][0]["mode"] = "sometimes"
-    open(path, "w").write(json.dumps(data))
-    with pytest.raises(pydantic.ValidationError, match="mode"):
-        Plan.load(path)
+    recompute = next(i for i, r in enumerate(plan.regions) if r.mode == "recompute")
+    edits = {
+        "budget_bytes": lambda d: d.update(budget_bytes="lots"),
+        "mode": lambda d: d["regions"][0].update(mode="sometimes"),
+        "dtype": lambda d: d["inputs"][0].update(dtype="float33"),
+        "shape": lambda d: d["inputs"][0].update(shape=[-1, 4]),
+        "kept": lambda d: d["regions"][recompute].update(kept=["no-such-node"]),
+        "regions": lambda d: d["regions"][recompute].update(mode="store"),
+        "predicted_peak_bytes": lambda d: d.update(predicted_peak_bytes=1),
+    }
+    for field, edit in edits.items():
+        with pytest.raises(ValueError, match=field):
+            Plan.load(_edited(tmp_path, plan, edit))
 
 
 def test_missing_loss_is_a_clear_error() -> None:

@@ -147,9 +147,8 @@ def test_large_overhead_makes_exact_solvers_drop_regions_and_keeps() -> None:
 
 
 @pytest.mark.parametrize("path", sorted(RECORDED.glob("*.json")), ids=lambda p: p.stem)
-def test_old_profiles_load_without_overhead(path: Path) -> None:
-    prof = GraphProfile.load(path)
-    assert prof.checkpoint_costs is None
+def test_profiles_without_costs_charge_no_overhead(path: Path) -> None:
+    prof = GraphProfile.load(path).model_copy(update={"checkpoint_costs": None})
     p = problem_from_profile(prof)
     assert (p.checkpoint_region_ms, p.checkpoint_pack_ms, p.checkpoint_sac_op_ms) == (0, 0, 0)
     assert p.node_ops == [len(n.ops) for n in prof.nodes]

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from solvers import (
+    ModuleSpan,
     Problem,
     Region,
     Schedule,
@@ -26,9 +27,11 @@ SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 
 @st.composite
 def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
-             unkeepable: bool | None = None) -> Problem:
+             unkeepable: bool | None = None, spans: bool = False) -> Problem:
     """Random small problem; `unkeepable` True: some recomputable node is not keepable,
-    False: `keepable` is None, None (default): either."""
+    False: `keepable` is None, None (default): either. Storages may be held by the program
+    past their last reader (`storage_release`, as a local variable is), some by the caller
+    all step; `spans` adds module spans (the only regions a schedule may recompute)."""
     n = draw(st.integers(min_nodes, max_nodes))
     skips = draw(st.booleans())
     partial_grads = draw(st.booleans())  # some reads send no gradient (node_grad_inputs)
@@ -79,6 +82,11 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         if i in cuts:
             b += 1
         block.append(b)
+    release = None
+    if draw(st.booleans()):
+        release = [draw(st.sampled_from([producer[s], producer[s],
+                                         draw(st.integers(producer[s], n - 1)), n]))
+                   for s in range(len(sizes))]
     return Problem(
         name="random",
         node_names=[f"v{i}" for i in range(n)],
@@ -98,7 +106,31 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         block_of_node=block,
         node_grad_inputs=grad_inputs if partial_grads else None,
         keepable=keepable,
+        storage_release=release,
+        module_spans=draw(module_spans(n, producer)) if spans else None,
     )
+
+
+@st.composite
+def module_spans(draw: st.DrawFn, n: int, producer: list[int]) -> list[ModuleSpan]:
+    """A random laminar family of spans (calls and their subcalls) with passed inputs: some
+    of the storages made before each span, read in it or not."""
+    out: list[ModuleSpan] = []
+
+    def add(a: int, b: int, depth: int) -> None:
+        bounds = sorted(draw(st.sets(st.integers(a, b), max_size=4)) | {a, b})
+        for x, y in itertools.pairwise(bounds):
+            if draw(st.integers(0, 3)) == 0:
+                continue
+            before = [s for s in range(len(producer)) if producer[s] < x]
+            passed = draw(st.sets(st.sampled_from(before), max_size=2)) if before else set()
+            out.append(ModuleSpan(start=x, stop=y, name=f"m{len(out)}", inputs=tuple(sorted(
+                passed))))
+            if depth < 2 and y - x >= 2:
+                add(x, y, depth + 1)
+
+    add(0, n, 0)
+    return out
 
 
 def _region(draw: st.DrawFn, p: Problem, a: int, b: int, depth: int) -> Region:
@@ -131,9 +163,13 @@ def problem_and_schedule(draw: st.DrawFn) -> tuple[Problem, Schedule]:
 def test_simulate_invariants(case: tuple[Problem, Schedule]) -> None:
     p, sched = case
     tl = simulate(p, sched)
-    # the caller still holds the loss outputs, except those the loss's backward saved
+    # the caller still holds the loss outputs (except those the loss's backward saved) and,
+    # in backward(), the gradient seed
+    n = p.n_nodes
+    seeds = {s for s in p.grad_inputs[n - 1] if s in p.caller_held}
+    seeds |= {s for s in p.outputs[n - 1] if not p.consumers[s]}
     final = p.static_bytes + sum(p.param_grad_bytes) + sum(
-        p.storage_bytes[s] for s in p.outputs[-1] if s not in p.saved[-1])
+        p.storage_bytes[s] for s in p.caller_held) + sum(p.storage_grad_bytes[s] for s in seeds)
     assert tl.events[-1].live_bytes == final
     assert tl.peak_bytes == max(e.peak_bytes for e in tl.events)
     assert all(e.peak_bytes >= e.live_bytes for e in tl.events)
@@ -147,12 +183,15 @@ def test_simulate_invariants(case: tuple[Problem, Schedule]) -> None:
 
 
 @FAST
-@given(problems(), st.floats(0.0, 1.5))
+@given(st.booleans().flatmap(lambda spans: problems(spans=spans)), st.floats(0.0, 1.5))
 def test_baselines_report_simulated_numbers(p: Problem, frac: float) -> None:
     store_peak = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(store_peak * frac)
     for solve in baselines.BASELINES.values():
         sol = solve(p, budget, 1.0)
+        if sol.schedule is None:  # its regions are not module spans: not applicable
+            assert p.module_spans is not None and not sol.feasible
+            continue
         tl = simulate(p, sol.schedule)
         assert sol.peak_bytes == tl.peak_bytes
         assert sol.total_time_ms == tl.total_time_ms
@@ -224,3 +263,53 @@ def test_bruteforce_respects_keepable(p: Problem, frac: float) -> None:
     else:
         assert best.min_feasible_budget_exact
         assert best.min_feasible_budget_bytes >= (relaxed.min_feasible_budget_bytes or 0)
+
+
+@st.composite
+def span_problem_and_schedule(draw: st.DrawFn) -> tuple[Problem, Schedule]:
+    p = draw(problems(spans=True))
+    free = p.model_copy(update={"module_spans": None})
+    return p, draw(st.sampled_from(list(bruteforce.enumerate_schedules(free))[:200]))
+
+
+@FAST
+@given(span_problem_and_schedule())
+def test_only_module_spans_are_recomputed(case: tuple[Problem, Schedule]) -> None:
+    p, sched = case
+    emittable = all(p.emittable(r.start, r.stop) for r in sched.recompute_regions())
+    if emittable:
+        simulate(p, sched)
+    else:
+        with pytest.raises(SimulationError, match="module span"):
+            simulate(p, sched)
+    spans = {(sp.start, sp.stop) for sp in p.module_spans or ()}
+    for schedule in itertools.islice(bruteforce.enumerate_schedules(p), 200):
+        assert {(r.start, r.stop) for r in schedule.recompute_regions()} <= spans
+
+
+def test_a_checkpoint_holds_what_is_passed_to_it_even_unread() -> None:
+    """A module span's declared inputs (its call's arguments) are held by its checkpoint
+    until its frame dies, read or not; a program-held storage lives to its release."""
+    # n0 -> s0 (100, saved by nobody); n1 reads s0 -> s1; n2, n3 read and save their input
+    base = Problem.chain([100, 10, 10, 10, 1], [1.0] * 5).model_copy(
+        update={"node_saved": [[], [], [1], [2], [3]]})
+    sched = Schedule.from_segments(5, [(2, 4)])
+    passed = base.model_copy(update={"module_spans": [
+        ModuleSpan(start=2, stop=4, name="block", inputs=(0, 1))]})
+    unread = base.model_copy(update={"module_spans": [
+        ModuleSpan(start=2, stop=4, name="block", inputs=(1,))]})
+    with_s0, without = simulate(passed, sched), simulate(unread, sched)
+    # s0 is freed after n1 unless passed to the call: the caller holds it while the call
+    # runs (n2, n3), then its checkpoint until its frame dies (n2's backward)
+    assert [e.label for e in with_s0.events][1:9] == [
+        "fwd:n1", "fwd:n2", "fwd:n3", "fwd:n4", "bwd:n4", "recompute:n2", "recompute:n3",
+        "bwd:n3"]
+    assert [e.live_bytes - f.live_bytes for e, f in zip(with_s0.events, without.events,
+                                                        strict=True)] == \
+        [0] + [100] * 8 + [0] * 3
+    released = base.model_copy(update={"storage_release": [3, 1, 2, 3, 4]})
+    late = simulate(released, Schedule.store_all(5))
+    free = simulate(base, Schedule.store_all(5))
+    # held to node 3 (freed after it), instead of after n1, its last reader
+    assert [e.live_bytes - f.live_bytes for e, f in zip(late.events, free.events,
+                                                        strict=True)] == [0, 100, 100] + [0] * 7

@@ -1,0 +1,183 @@
+"""Checkpoints on the model's own modules: what ``planner.apply`` installs.
+
+Each RECOMPUTE region of a plan is one call of one of the model's modules (a module span of
+the profile). Its ``forward`` is replaced, on that instance only, by a :class:`Checkpointed`
+wrapper that runs the original forward under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, with a selective-checkpoint
+policy when the plan keeps some of its ops. Nested regions are wrappers on a module and on
+some of its submodules. The model keeps its class, its module tree, its parameters and its
+hooks (FSDP2's ``fully_shard`` and DDP wrap it as usual); ``remove_checkpoints`` takes the
+wrappers off again. Wrappers are plain picklable objects, so ``torch.save``/``torch.load``
+and ``copy.deepcopy`` of the model keep them.
+
+The SAC policy sees aten ops, not plan nodes: a kept node is named by its op and that op's
+occurrence among the ops the module's forward dispatches, as in the profile (which recorded
+exactly those ops). Buffers the module updates in forward (BatchNorm running statistics) are
+put back after a rerun, so recomputing changes no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Checkpointed", "OpStreamWarning", "RegionSpec", "checkpointed_modules",
+           "install_checkpoints", "remove_checkpoints"]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """What one module's checkpoint does: kept ops and buffers to restore after a rerun.
+
+    ``expected_ops`` (op, count) are the ops the module's forward ran when profiled: with
+    kept ops, a forward that runs others (changed code, another branch) could keep the
+    wrong tensors, so it is reported (``OpStreamWarning``) or refused (``strict``).
+    """
+
+    path: str
+    keep_ops: frozenset[tuple[str, int]]  # (aten op, occurrence in the module's forward)
+    restore_buffers: tuple[str, ...] = ()  # relative to the module
+    expected_ops: tuple[tuple[str, int], ...] = ()
+    strict: bool = False
+
+
+class OpStreamWarning(UserWarning):
+    """A checkpointed module kept ops by position in a forward that ran other ops."""
+
+
+class _Policy:
+    """SAC policy of one checkpoint call: keeps the planned (op, occurrence) pairs; counts
+    the forward and the rerun separately."""
+
+    def __init__(self, keep_ops: frozenset[tuple[str, int]]) -> None:
+        self.keep_ops = keep_ops
+        self.counters: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        counter = self.counters[ctx.is_recompute]
+        name = str(func)
+        occurrence = counter[name]
+        counter[name] += 1
+        if (name, occurrence) in self.keep_ops:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed:
+    """A module's ``forward``, run under non-reentrant checkpoint (set on the instance)."""
+
+    def __init__(self, module: nn.Module, spec: RegionSpec) -> None:
+        self.module = module
+        self.spec = spec
+        # a forward already set on the instance (another library's hook) is kept and wrapped
+        self.inner = module.__dict__.get("forward")
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _body(self) -> Any:
+        """The function checkpoint calls: the forward, but on a rerun the buffers it updates
+        are put back, so recomputing changes no state."""
+        if not self.spec.restore_buffers:
+            return self.original
+        calls = 0
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self.original(*args, **kwargs)
+            buffers = [self.module.get_buffer(name) for name in self.spec.restore_buffers]
+            # outside the dispatch modes: SAC's replay must see only the module's own ops
+            with _disable_current_modes(), torch.no_grad():
+                before = [b.clone() for b in buffers]
+            try:
+                return self.original(*args, **kwargs)
+            finally:  # also when early stop interrupts the rerun
+                with _disable_current_modes(), torch.no_grad():
+                    for buffer, value in zip(buffers, before, strict=True):
+                        buffer.copy_(value)
+
+        return run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        if not self.spec.keep_ops:
+            return checkpoint(self._body(), *args, use_reentrant=False, **kwargs)
+        policy = _Policy(self.spec.keep_ops)
+        out = checkpoint(self._body(), *args, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(policy),
+                         **kwargs)
+        if not torch.compiler.is_compiling():
+            self._check_ops(policy.counters[False])
+        return out
+
+    def _check_ops(self, ran: Counter[str]) -> None:
+        expected = dict(self.spec.expected_ops)
+        if not expected or ran == Counter(expected):
+            return
+        changed = sorted(set(ran) ^ set(expected) | {op for op in ran
+                                                     if ran[op] != expected.get(op)})
+        message = (f"module {self.spec.path!r} ran other ops than when it was profiled "
+                   f"({', '.join(changed[:4])} ...): the ops its checkpoint keeps by position "
+                   "may not be the planned ones. Run planner.optimize() again on this model "
+                   "and these inputs.")
+        if self.spec.strict:
+            from planner.plan import PlanMismatchError
+
+            raise PlanMismatchError(message)
+        warnings.warn(message, OpStreamWarning, stacklevel=3)
+
+    def __repr__(self) -> str:
+        return (f"Checkpointed({self.spec.path or type(self.module).__name__}, keep "
+                f"{len(self.spec.keep_ops)} ops)")
+
+
+def install_checkpoints(model: nn.Module, specs: Iterable[RegionSpec]) -> list[str]:
+    """Wrap the forward of each module named in ``specs``; returns their paths."""
+    installed = []
+    for spec in specs:
+        module = model.get_submodule(spec.path)
+        if isinstance(module.__dict__.get("forward"), Checkpointed):
+            raise ValueError(f"module {spec.path!r} is already checkpointed by a plan; call "
+                             "planner.remove(model) first")
+        module.forward = Checkpointed(module, spec)
+        installed.append(spec.path)
+    return installed
+
+
+def checkpointed_modules(model: nn.Module) -> dict[str, Checkpointed]:
+    """The modules of ``model`` that run under a plan's checkpoint, by path."""
+    return {path: module.__dict__["forward"] for path, module in model.named_modules()
+            if isinstance(module.__dict__.get("forward"), Checkpointed)}
+
+
+def remove_checkpoints(model: nn.Module) -> list[str]:
+    """Take every plan checkpoint off ``model``; returns the paths that had one."""
+    removed = []
+    for path, wrapper in checkpointed_modules(model).items():
+        module = wrapper.module
+        if wrapper.inner is not None:
+            module.forward = wrapper.inner
+        else:
+            del module.__dict__["forward"]
+        removed.append(path)
+    return removed
