@@ -14,13 +14,13 @@
    and prints each configuration's residual; ``profiles.calibrate`` (what ``profile`` runs,
    ~0.5 s) is run a few times next to it.
 2. Zoo blocks: ``gpt`` (small) and ``hf-llama`` (tiny, 4 layers) are profiled
-   (``timing="measure"``, which calibrates), rewritten by ``planner.rewrite`` with one region
-   per block and with SAC save-matmuls per block, and their step times measured (interleaved
-   with the unplanned captured module, lower quartiles; on CPU with one thread, the default,
-   in process CPU time, so other processes on a shared host do not count). Predicted
-   overhead = ``simulate``'s recompute time, with and without the checkpoint overhead term;
-   measured = planned step minus unplanned step. Also our ``plan_for_profile`` plan at the
-   save-matmuls peak.
+   (``timing="measure"``, which calibrates), planned with one checkpoint per block and with
+   SAC save-matmuls per block (``planner.apply`` on copies of the model), and their step
+   times measured (interleaved with the unplanned model, lower quartiles; on CPU with one
+   thread, the default, in process CPU time, so other processes on a shared host do not
+   count). Predicted overhead = ``simulate``'s recompute time, with and without the
+   checkpoint overhead term; measured = planned step minus unplanned step. Also our plan
+   at the save-matmuls peak.
 
 Writes benchmarks/results/checkpoint-overhead-<device>.{json,md}.
 """
@@ -28,6 +28,7 @@ Writes benchmarks/results/checkpoint-overhead-<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import functools
 import json
@@ -40,9 +41,15 @@ import numpy as np
 import torch
 
 import profiles
-from planner import zoo
-from planner.api import _input_specs, measure_step, plan_for_profile
-from planner.rewrite import region_wrappers, rewrite
+from planner import apply, zoo
+from planner.api import (
+    _input_specs,
+    measure_step,
+    plan_for_profile,
+    plan_for_schedule,
+    structure_fingerprint,
+)
+from planner.emit import checkpointed_modules
 from profiles.calibrate import (
     OPS,
     REGIONS,
@@ -55,7 +62,7 @@ from profiles.calibrate import (
     step_clock,
     tiny_chain,
 )
-from profiles.tracing import normalize_inputs
+from profiles.inputs import normalize_inputs
 from solvers import Schedule, baselines, simulate
 from solvers.from_profile import problem_from_profile
 
@@ -117,14 +124,17 @@ def _region_forwards(module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn
         calls.append((m, tuple(t.detach().requires_grad_(t.requires_grad)
                                if isinstance(t, torch.Tensor) else t for t in inputs)))
 
-    handles = [w.module.register_forward_pre_hook(grab) for w in region_wrappers(module)]
+    wrappers = list(checkpointed_modules(module).values())
+    handles = [w.module.register_forward_pre_hook(grab) for w in wrappers]
     loss_fn(module(*args, **kwargs))  # forward only: the hooks see each region once
     for h in handles:
         h.remove()
 
+    originals = {id(w.module): w.original for w in wrappers}
+
     def run() -> None:
         for m, inputs in calls:
-            m(*inputs)
+            originals[id(m)](*inputs)
 
     return run
 
@@ -133,10 +143,9 @@ def zoo_case(name: str, kwargs: dict[str, Any], rounds: int, plans: bool) -> dic
     zm = zoo.get(name, **kwargs)
     loss_fn = zm.loss_fn or profiles.default_loss
     args, kw = normalize_inputs(zm.model, zm.example_inputs)
-    gm = profiles.capture(zm.model, zm.example_inputs, zm.loss_fn)
     began = time.perf_counter()
-    prof = profiles.profile(gm, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
-                            progress=False)
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                            timing="measure", progress=False)
     profile_s = time.perf_counter() - began
     problem = problem_from_profile(prof)
     plain = problem.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0,
@@ -146,11 +155,13 @@ def zoo_case(name: str, kwargs: dict[str, Any], rounds: int, plans: bool) -> dic
                  "SAC save-matmuls": baselines.save_matmuls(problem, big).schedule}
     if plans:
         budget = simulate(problem, schedules["SAC save-matmuls"]).peak_bytes
-        plan = plan_for_profile(prof, budget, _input_specs(args, kw), time_limit_s=30.0)
+        plan = plan_for_profile(prof, budget, _input_specs(args, kw),
+                                structure_fingerprint(zm.model), time_limit_s=30.0)
         schedules[f"ours @ save-matmuls peak ({plan.solver.name})"] = plan.schedule
-    modules: dict[str, torch.nn.Module] = {"none": gm}
-    for label, sched in schedules.items():
-        modules[label] = rewrite(gm, prof, sched)
+    modules: dict[str, torch.nn.Module] = {"none": zm.model}
+    for label, sched in schedules.items():  # each plan on its own copy of the model
+        modules[label] = apply(copy.deepcopy(zm.model), plan_for_schedule(
+            prof, sched, _input_specs(args, kw), structure_fingerprint(zm.model)))
     # one interleaved loop: the steps, the regions' forwards (schedules without keeps) and
     # the calibration chains again, so all of them see the same host load
     runs: dict[Any, Any] = {("step", k): functools.partial(_step, m, args, kw, loss_fn)

@@ -66,9 +66,8 @@ from torch.utils.checkpoint import (
 
 import planner
 from planner import zoo
-from planner.api import _input_specs, measure_step, plan_for_profile
+from planner.api import measure_step, replan
 from planner.plan import InfeasibleBudgetError
-from profiles.tracing import normalize_inputs
 
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -779,29 +778,31 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
             grad_max_abs_diff=diff)
 
     # our plans, one per distinct peer peak (torch auto-SAC's included): the first via
-    # optimize() (capture + profile + solve, timed), the others reuse its profile
-    # (plan_for_profile, timed)
+    # optimize() (profile + solve, timed), the others reuse its profile (replan, timed)
     budgets = distinct_peaks(rows)
-    profile = None
-    args, kw = normalize_inputs(zm.model, zm.example_inputs)
+    first: planner.Plan | None = None
     for budget, peers in budgets:
         label = f"ours @ {'/'.join(peers)}"
         began = time.perf_counter()
         try:
-            if profile is None:
-                plan = planner.optimize(zm.model, zm.example_inputs, budget_gb=budget / GIB,
+            if first is None:
+                plan = planner.optimize(zm.model, zm.example_inputs, budget_gb=1e6,
                                         loss_fn=zm.loss_fn, timing=timing, progress=False)
-                profile = plan.profile
+                first = plan
+                plan = replan(first, budget_bytes=budget)
                 how = f"optimize(timing={timing!r})"
             else:
-                plan = plan_for_profile(profile, budget, _input_specs(args, kw))
-                how = "plan_for_profile (profile reused)"
+                plan = replan(first, budget_bytes=budget)
+                how = "replan (profile reused)"
         except InfeasibleBudgetError as error:
             row(label, "ours", status=f"infeasible: {error.args[0][:200]}", budget_bytes=budget)
             continue
         planning_s = time.perf_counter() - began
         module = planner.apply(zm.model, plan)
-        peak, ms, base, grads = runner.run(module)
+        try:
+            peak, ms, base, grads = runner.run(module)
+        finally:
+            planner.remove(zm.model)
         equal, diff = grads_match(reference, grads)
         row(label, "ours", status="ok", budget_bytes=budget, peak_bytes=peak, step_ms=ms,
             base_step_ms=base,
@@ -853,8 +854,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Wall time of the whole run: {result['wall_s']:.0f} s. "
               "Overhead: median step time over that of the model without checkpointing, their "
               "steps interleaved in the same loop. Planning s: the first "
-              "plan per model is `planner.optimize` (capture, profile, solve); later ones "
-              "reuse that profile (`plan_for_profile`).",
+              "plan per model is `planner.optimize` (profile, solve); later ones "
+              "reuse that profile (`planner.replan`).",
               "",
               f"{AUTO_SAC} @ X: torch's `sac_milp` + `get_optimal_checkpointing_policy_per_module`"
               " solved at peer X's measured peak (budget), less the memory its model leaves out "

@@ -40,9 +40,8 @@ def main() -> None:
     for name, kwargs in cases(args.quick):
         model = zoo.get(name, **kwargs)
         started = time.perf_counter()
-        gm = profiles.capture(model.model, model.example_inputs, model.loss_fn)
-        prof = profiles.profile(gm, model.example_inputs, timing="estimate", device="H100",
-                                progress=False)
+        prof = profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                                timing="estimate", device="H100", progress=False)
         problem = problem_from_profile(prof)
         unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
         static = prof.static.total_bytes

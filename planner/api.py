@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 import profiles
@@ -104,20 +105,32 @@ def structure_fingerprint(model: nn.Module) -> str:
     return fingerprint(structure)
 
 
+def _cached_configs(model: nn.Module) -> list[Any]:
+    """Configs in the module tree that turn on a key/value cache (HF ``use_cache``): the
+    model's and the copies its submodules keep (T5's decoder has its own)."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
 @contextlib.contextmanager
 def _training_config(model: nn.Module) -> Iterator[bool]:
     """Hugging Face models cache keys and values (``use_cache``) unless told not to; a
-    training step does not need them, and a checkpoint's rerun would append to the cache a
-    second time, so HF itself turns the cache off under gradient checkpointing. Planning
-    does the same while it profiles; yields whether it had to."""
-    config = getattr(model, "config", None)
-    on = bool(getattr(config, "use_cache", False))
-    if on:
+    training step does not need them, and a checkpoint's rerun would find the cache filled
+    by the forward (a cross-attention then skips its projections, a self-attention extends
+    the cache twice), so HF itself turns the cache off under gradient checkpointing.
+    Planning does the same while it profiles, on every config of the module tree; yields
+    whether it had to."""
+    configs = _cached_configs(model)
+    for config in configs:
         config.use_cache = False
     try:
-        yield on
+        yield bool(configs)
     finally:
-        if on:
+        for config in configs:
             config.use_cache = True
 
 
@@ -229,11 +242,14 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
              len(problem.module_spans or ()), format_bytes(budget_bytes))
     solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
     if not solution.feasible or solution.schedule is None:
-        left = max(1.0, time_limit_s - (time.perf_counter() - started))
+        left = max(0.5, time_limit_s - (time.perf_counter() - started))
         lowest = lowest_peak(problem, left)
-        if lowest.schedule is None or lowest.peak_bytes is None \
-                or lowest.peak_bytes > budget_bytes:
-            raise _infeasible(prof, problem, budget_bytes, lowest)
+        if lowest.schedule is None or lowest.peak_bytes is None:
+            raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
+        if lowest.peak_bytes > budget_bytes:
+            at_minimum = _make_plan(prof, problem, unplanned, lowest.schedule,
+                                    lowest.peak_bytes, _report(lowest), inputs, structure)
+            raise _infeasible(prof, budget_bytes, lowest, at_minimum)
         solution = lowest  # the solver missed a schedule that fits
     return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes,
                       _report(solution), inputs, structure)
@@ -267,13 +283,12 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
                       inputs, structure)
 
 
-def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,
-                lowest: Solution) -> InfeasibleBudgetError:
+def _infeasible(prof: GraphProfile, budget_bytes: int, lowest: Solution,
+                at_minimum: Plan) -> InfeasibleBudgetError:
     """The error for a budget no schedule met: the lowest peak of any schedule found (a
-    budget that yields a plan) and, when proven, the bound no schedule goes below."""
-    if lowest.peak_bytes is None:
-        raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
-    peak = lowest.peak_bytes
+    budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
+    goes below."""
+    peak = at_minimum.predicted_peak_bytes
     bound = lowest.min_feasible_budget_bytes
     if lowest.min_feasible_budget_exact:
         proof = " No schedule of module checkpoints peaks lower (proven)."
@@ -286,11 +301,12 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int,
     return InfeasibleBudgetError(
         f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
         f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
-        f"{lowest.solver}); optimize(..., budget_gb=error.min_budget_gb) returns that plan."
+        f"{lowest.solver}); that plan is error.plan, and optimize(..., "
+        "budget_gb=error.min_budget_gb) returns it."
         f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
         f"state) is {format_bytes(prof.static.total_bytes)}. Raise the budget, shrink the "
         "batch, use autocast=torch.bfloat16, or shard parameters and optimizer state.",
-        peak, bound if bound is not None and bound <= peak else None)
+        peak, bound if bound is not None and bound <= peak else None, at_minimum)
 
 
 def _plan_regions(profile: GraphProfile, regions: tuple[Region, ...]) -> list[PlanRegion]:
@@ -379,7 +395,7 @@ class PlanGuard:
     step runs with inputs larger than planned or under another precision than planned."""
 
     def __init__(self, plan: Plan, device_type: str, strict: bool,
-                 restore_use_cache: bool) -> None:
+                 restore_use_cache: list[Any]) -> None:
         self.inputs = [(spec.name, spec.keyword, tuple(spec.shape))
                        for spec in plan.inputs if spec.shape is not None]
         self.autocast_dtype = plan.autocast_dtype
@@ -457,14 +473,14 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
         raise PlanMismatchError(f"the plan checkpoints modules {missing[:3]} that "
                                 f"{type(model).__name__} does not have")
     install_checkpoints(model, region_specs(plan, strict))
-    config = getattr(model, "config", None)
-    cache_was_on = bool(getattr(config, "use_cache", False))
-    if cache_was_on:
+    configs = _cached_configs(model)
+    if configs:
         log.warning("%s: setting config.use_cache=False for training with checkpoints (a "
-                    "rerun would extend the cache twice); planner.remove() restores it",
-                    type(model).__name__)
-        config.use_cache = False
-    guard = PlanGuard(plan, _model_device(model).type, strict, cache_was_on)
+                    "rerun would find the cache already filled); planner.remove() restores "
+                    "it", type(model).__name__)
+        for config in configs:
+            config.use_cache = False
+    guard = PlanGuard(plan, _model_device(model).type, strict, configs)
     model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
     return model
 
@@ -482,8 +498,8 @@ def remove(model: nn.Module) -> nn.Module:
     for key in _guards(model):
         guard = model._forward_pre_hooks.pop(key)
         model._forward_pre_hooks_with_kwargs.pop(key, None)
-        if guard.restore_use_cache and getattr(model, "config", None) is not None:
-            model.config.use_cache = True
+        for config in guard.restore_use_cache:
+            config.use_cache = True
     remove_checkpoints(model)
     return model
 
@@ -537,8 +553,9 @@ def _autocast(device_type: str, dtype: str | None) -> contextlib.AbstractContext
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None) -> tuple[int, torch.Tensor, dict]:
-    """Peak allocated bytes of one training step (CUDA allocator or MemTracker), the loss
-    and the gradients. Gradients are cleared afterwards."""
+    """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
+    :class:`planner.measure.PeakTracker`), the loss and the gradients. Gradients are
+    cleared afterwards."""
     device = _model_device(module)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -549,16 +566,16 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        from torch.distributed._tools.mem_tracker import MemTracker
+        from planner.measure import PeakTracker
 
-        tracker = MemTracker()
-        tracker.track_external(module, *[t for t in [*args, *kwargs.values()]
-                                         if isinstance(t, torch.Tensor)])
-        with tracker:
+        static = [*module.parameters(), *module.buffers(),
+                  *(p.grad for p in module.parameters() if p.grad is not None),
+                  *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+        with PeakTracker(static) as tracker:
             with _autocast(device.type, autocast_dtype):
                 loss = loss_fn(module(*args, **kwargs))
             loss.backward()
-        peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+        peak = tracker.peak_bytes
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()
              if p.grad is not None}
     module.zero_grad(set_to_none=True)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -120,6 +121,10 @@ class Checkpointed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
+        # the rerun must see the arguments as they were: a caller may append to a list it
+        # passed (DenseNet's layers take the growing list of features), so containers are
+        # copied; the tensors in them are not
+        args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))
         if not self.spec.keep_ops:
             return checkpoint(self._body(), *args, use_reentrant=False, **kwargs)
         policy = _Policy(self.spec.keep_ops)

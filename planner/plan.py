@@ -49,16 +49,17 @@ class PlanMismatchError(ValueError):
 class InfeasibleBudgetError(ValueError):
     """No schedule fits the budget.
 
-    ``min_budget_bytes`` is the peak of the lowest-peak plan found: asking for it
+    ``min_budget_bytes`` is the peak of the lowest-peak plan found, ``plan``: asking for it
     (``budget_gb=error.min_budget_gb``) returns that plan. ``lower_bound_bytes``, when not
-    None, is proven: no schedule of the searched space peaks below it.
+    None, is proven: no schedule peaks below it.
     """
 
     def __init__(self, message: str, min_budget_bytes: int,
-                 lower_bound_bytes: int | None = None) -> None:
+                 lower_bound_bytes: int | None = None, plan: Plan | None = None) -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
         self.lower_bound_bytes = lower_bound_bytes
+        self.plan = plan
 
     @property
     def min_budget_gb(self) -> float:

@@ -345,9 +345,13 @@ class _ForwardRecorder(TorchDispatchMode):
         if func.namespace == "prim":
             return func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
-        for tensor in inputs:  # a tensor no op made: a module attribute, a loss target
-            if self.storages.lookup(tensor) is None:
-                self.storages.add(tensor, "constant", None, "constant")
+        # a tensor no op made: a module attribute or a loss target, there all step; but
+        # ``torch.tensor(...)`` in forward enters through lift_fresh: a temporary this op
+        # makes (its output is that tensor), made again by every rerun
+        if func is not torch.ops.aten.lift_fresh.default:
+            for tensor in inputs:
+                if self.storages.lookup(tensor) is None:
+                    self.storages.add(tensor, "constant", None, "constant")
         upcoming = self._resolve_packs((args, kwargs))
         self.storages.poll(len(self.records) - 1)
         index = len(self.records)
@@ -533,6 +537,175 @@ def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | No
     del grads
     return _Backward(tracker.flops, tracker.estimated_ms,
                      max(0, tracker.peak_new_bytes - final), sorted(targets), requires)
+
+
+# ----------------------------------------------------------------------------- observed backward
+
+
+class _BackwardObserver(TorchDispatchMode):
+    """A fake training step with ordinary autograd: in forward, which autograd node each op
+    made; in backward, the bytes the backward has allocated and still holds (gradients,
+    temporaries) before, during and after each node's work.
+
+    A gradient that a view's or an add's backward passes on allocates nothing; one added
+    into an existing buffer may be summed out of place: the engine does what it does, and
+    this records it, node by node. Nodes are matched to ops after the forward
+    (``map_nodes``): autograd numbers nodes in creation order, so the graph's nodes sorted
+    by that number line up with the ops by name (``NativeBatchNormBackward0`` with
+    ``native_batch_norm``); ``grad_fn`` is not read inside the mode, where autograd may hold
+    its own lock.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
+        self.names: list[str] = []
+        self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
+        self._live: dict[StorageWeakRef, int] = {}
+        self.ops: list[tuple[int | None, int, int]] = []  # (forward op, live before, after)
+
+    def map_nodes(self, loss: torch.Tensor) -> None:
+        """Match the autograd nodes of ``loss``'s graph to the forward ops that made them."""
+        import difflib
+        import re
+
+        seen: dict[int, str] = {}
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = ""
+            name = type(node).__name__
+            if name != "AccumulateGrad":
+                seen[id(node)] = name
+                self._seq_name = getattr(self, "_seq_name", {})
+                self._seq_name[node._sequence_nr()] = name
+            stack.extend(n for n, _ in node.next_functions)
+        by_seq = sorted(getattr(self, "_seq_name", {}).items())
+        node_keys = [re.sub(r"Backward\d*$", "", name).lower() for _, name in by_seq]
+        op_keys = [op.split(".")[1].replace("_", "").lower() if op.count(".") >= 2 else op
+                   for op in self.names]
+        matcher = difflib.SequenceMatcher(None, node_keys, op_keys, autojunk=False)
+        for a, b, size in matcher.get_matching_blocks():
+            for k in range(size):
+                self.op_of_seq[by_seq[a + k][0]] = b + k
+
+    def live_bytes(self) -> int:
+        for ref in [r for r in self._live if r.expired()]:
+            del self._live[ref]
+        return sum(self._live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim":
+            return func(*args, **kwargs)
+        if not self.backward:
+            self.names.append(str(func))
+            return func(*args, **kwargs)
+        before = self.live_bytes()
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            ref = StorageWeakRef(tensor.untyped_storage())
+            if ref not in inputs and ref not in self._live:
+                self._live[ref] = tensor.untyped_storage().nbytes()
+        node = torch._C._current_autograd_node()
+        forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
+        self.ops.append((forward, before, sum(self._live.values())))
+        return out
+
+
+def _observe_backward(step: _Step, names: list[str], real: bool
+                      ) -> list[tuple[int, int, int]] | None:
+    """Per op of the profile (``names``, then the loss), the backward-held bytes before its
+    backward, at its peak and after it, observed in a fake step, or in a real one when the
+    forward ran on real tensors and fake ones cannot run the backward; None if neither can.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = step.model
+    attempts = [False, True] if real else [False]
+    for on_real in attempts:
+        observer = _BackwardObserver()
+        try:
+            if on_real:
+                _observe_real(step, observer)
+            else:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    state = {k: mode.from_tensor(v) for k, v in [
+                        *model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]}
+                    args, kwargs = tree_map(lambda t: mode.from_tensor(t)
+                                            if isinstance(t, torch.Tensor) else t,
+                                            (step.args, step.kwargs))
+                    with _reparametrize_module(model, state, tie_weights=True, strict=False):
+                        _observe(step, observer, args, kwargs)
+        except Exception as error:
+            log.info("could not observe the backward of %s on %s tensors (%s)",
+                     type(model).__name__, "real" if on_real else "fake", _first_line(error))
+            continue
+        return _per_op(observer, names)
+    log.warning("could not observe the backward of %s; gradients are modelled instead",
+                type(model).__name__)
+    return None
+
+
+def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict) -> None:
+    with observer:
+        loss = step.forward_loss(args, kwargs)
+        observer.map_nodes(loss)
+        observer.backward = True
+        loss.backward()
+
+
+def _observe_real(step: _Step, observer: _BackwardObserver) -> None:
+    """On the model's own tensors (copies of its buffers), its gradients put back after."""
+    model = step.model
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)}
+    try:
+        for p in grads:
+            p.grad = None
+        with _reparametrize_module(model, buffers, strict=False):
+            _observe(step, observer, step.args, step.kwargs)
+    finally:
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, int, int]]:
+    """Fold the observed backward ops onto the profile's ops (aligned by name where the
+    observed forward differs, e.g. a mask a library builds only for fake tensors)."""
+    import difflib
+
+    n = len(names)
+    mapping: dict[int, int] = {}
+    matcher = difflib.SequenceMatcher(None, observer.names, names, autojunk=False)
+    for a, b, size in matcher.get_matching_blocks():
+        for k in range(size):
+            mapping[a + k] = b + k
+    before: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    after: dict[int, int] = {}
+    current = n  # the loss pseudo-node: the seed made before any node runs
+    for forward, live_before, live_after in observer.ops:
+        target = mapping.get(forward) if forward is not None else None
+        if target is not None and target < current:
+            after[current] = live_before  # what it freed is gone once the next one starts
+            current = target
+        before.setdefault(current, live_before)
+        peak[current] = max(peak.get(current, 0), live_after, live_before)
+        after[current] = live_after
+    rows: list[tuple[int, int, int]] = []
+    carry = 0
+    for j in range(n, -1, -1):  # backward order; nodes without work keep what is live
+        if j in before:
+            rows.append((before[j], peak[j], after[j]))
+            carry = after[j]
+        else:
+            rows.append((carry, carry, carry))
+    return rows[::-1]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -1143,6 +1316,13 @@ def profile(
                 timing = "estimate"
     records = rec.recorder.records
     storages = [StorageInfo(**info) for info in rec.storages.infos]
+    with _rng_state_preserved():
+        observed = _observe_backward(step, [r.name for r in records], rec.real)
+    nodes = _node_profiles(rec, measured)
+    if observed is not None:
+        nodes = [node.model_copy(update={"bwd_live_before_bytes": b, "bwd_peak_bytes": p,
+                                         "bwd_live_after_bytes": a})
+                 for node, (b, p, a) in zip(nodes, observed, strict=True)]
     return GraphProfile(
         model_name=name,
         execution="real" if rec.real else "fake",
@@ -1152,7 +1332,7 @@ def profile(
         fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
                                       autocast),
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
-        nodes=_node_profiles(rec, measured),
+        nodes=nodes,
         storages=storages,
         module_calls=_module_calls(rec),
         static=rec.static,

@@ -98,6 +98,13 @@ class NodeProfile(_Strict):
         default_factory=list, description="earlier activations this node mutates in place")
     grad_storages: list[int] = Field(
         default_factory=list, description="storages whose gradient this node's backward makes")
+    bwd_live_before_bytes: int | None = Field(
+        None, ge=0, description="observed: bytes the backward holds (gradients) just before "
+        "this node's backward, the same under every schedule")
+    bwd_peak_bytes: int | None = Field(None, ge=0, description="observed: the most the "
+                                       "backward holds during it (temporaries included)")
+    bwd_live_after_bytes: int | None = Field(None, ge=0, description="observed: what it "
+                                             "holds once this node's backward is done")
 
 
 class ModuleCall(_Strict):

@@ -128,6 +128,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     schedule-independent lower bound (`memory_lower_bound`).
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     found: list[tuple[int, str, Schedule]] = []
     for name, fn in baselines.BASELINES.items():
         base = fn(problem, 0, 1.0)
@@ -138,16 +139,16 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         for schedule in bruteforce.enumerate_schedules(problem):
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
     elif problem.n_nodes <= MILP_MAX_NODES or problem.module_spans is not None:
-        share = 0.4 * time_limit_s
-        peak, _, schedule = milp.min_peak(problem, share, deterministic=True)
+        # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s)
+        peak, _, schedule = milp.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
         if schedule is not None:
             found.append((peak, "milp", schedule))
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None and dp.applies(problem):
         lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?
-        per_call = max(1.0, 0.5 * time_limit_s / 8)
+        per_call = 0.5 * time_limit_s / 8
         for _ in range(8):
-            if hi <= lo:
+            if hi <= lo or time.perf_counter() + per_call > deadline:
                 break
             mid = hi if hi - lo <= 1 else (lo + hi) // 2
             sol = dp.solve(problem, mid, per_call)

@@ -21,7 +21,7 @@ import re
 from collections import Counter, defaultdict
 
 from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
-from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem
+from solvers.problem import MATMUL_KINDS, ModuleSpan, ObservedBackward, Problem
 
 __all__ = ["block_calls", "detect_block_prefix", "op_kind", "problem_from_profile",
            "unemittable_calls"]
@@ -200,13 +200,19 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
     static = profile.static
     costs = profile.checkpoint_costs
     saved = [nd.saved_tensors for nd in nodes]
+    observed = None
+    if all(nd.bwd_peak_bytes is not None for nd in nodes):
+        observed = ObservedBackward(before=[nd.bwd_live_before_bytes for nd in nodes],
+                                    peak=[nd.bwd_peak_bytes for nd in nodes],
+                                    after=[nd.bwd_live_after_bytes for nd in nodes])
     return Problem(
         name=profile.model_name,
         node_names=[nd.name for nd in nodes],
         fwd_time_ms=[nd.fwd_time_ms for nd in nodes],
         bwd_time_ms=[nd.bwd_time_ms for nd in nodes],
         fwd_temp_bytes=[nd.fwd_temp_bytes for nd in nodes],
-        bwd_temp_bytes=[nd.bwd_temp_bytes for nd in nodes],
+        # observed backward peaks include the temporaries
+        bwd_temp_bytes=[0 if observed else nd.bwd_temp_bytes for nd in nodes],
         # the loss runs outside the model: it is never inside a checkpoint
         recomputable=[nd.op not in _NEVER_RECOMPUTED for nd in nodes],
         node_inputs=node_inputs,
@@ -231,4 +237,5 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_packed=None if None in saved else saved,
         storage_release=release,
         module_spans=_module_spans(profile, new_id) if module_spans else None,
+        observed_backward=observed,
     )

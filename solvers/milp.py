@@ -72,12 +72,21 @@ def _keep_options(problem: Problem, a: int, b: int, full: bool) -> list[frozense
     return opts
 
 
-def candidates(ctx: Context, *, full: bool | None = None) -> tuple[list[RegionInfo], bool]:
-    """Candidate regions and whether they span the whole (brute-force) schedule space."""
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TimeoutError
+
+
+def candidates(ctx: Context, *, full: bool | None = None,
+               deadline: float | None = None) -> tuple[list[RegionInfo], bool]:
+    """Candidate regions and whether they span the whole (brute-force) schedule space.
+
+    Raises ``TimeoutError`` past ``deadline`` (a ``time.perf_counter()`` value).
+    """
     p = ctx.p
     n = p.n_nodes
     if p.module_spans is not None:
-        return _span_candidates(ctx, full)
+        return _span_candidates(ctx, full, deadline)
     if full is None:
         count = sum(2 ** min(b - a, 30) for a in range(n) for b in range(a + 1, n + 1))
         full = n <= 2 * FULL_KEEP_MAX_LEN and count <= FULL_MAX_CANDIDATES
@@ -92,6 +101,7 @@ def candidates(ctx: Context, *, full: bool | None = None) -> tuple[list[RegionIn
                 break
             if not any(p.packs[a:b]):
                 continue  # never reruns; STORE is as good (no frame holding its inputs)
+            _check(deadline)
             for keep in _keep_options(p, a, b, full and b - a <= FULL_KEEP_MAX_LEN):
                 out.append(ctx.region(a, b, keep))
     complete = full and all(b - a <= FULL_KEEP_MAX_LEN for a in range(n)
@@ -99,7 +109,8 @@ def candidates(ctx: Context, *, full: bool | None = None) -> tuple[list[RegionIn
     return out, complete
 
 
-def _span_candidates(ctx: Context, full: bool | None) -> tuple[list[RegionInfo], bool]:
+def _span_candidates(ctx: Context, full: bool | None,
+                     deadline: float | None = None) -> tuple[list[RegionInfo], bool]:
     """Every module span that reruns, each with every kept subset when they are few
     (complete), else with keep = nothing or its matmul-like nodes."""
     p = ctx.p
@@ -108,8 +119,10 @@ def _span_candidates(ctx: Context, full: bool | None) -> tuple[list[RegionInfo],
     if full is None:
         count = sum(2 ** min(sum(p.can_keep(i) for i in range(a, b)), 30) for a, b in spans)
         full = count <= FULL_MAX_CANDIDATES
-    out = [ctx.region(a, b, keep) for a, b in spans
-           for keep in _keep_options(p, a, b, full)]
+    out = []
+    for a, b in spans:
+        _check(deadline)
+        out.extend(ctx.region(a, b, keep) for keep in _keep_options(p, a, b, full))
     return out, full
 
 
@@ -156,8 +169,11 @@ class _Model:
     budget: cp_model.IntVar | int
 
 
-def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
-    """The CP-SAT model; `budget=None` makes the budget a variable (minimise the peak)."""
+def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
+           deadline: float | None = None) -> _Model:
+    """The CP-SAT model; `budget=None` makes the budget a variable (minimise the peak).
+
+    Raises ``TimeoutError`` past ``deadline``."""
     p = ctx.p
     n = p.n_nodes
     nbytes = p.storage_bytes
@@ -208,6 +224,7 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
     delta_at: dict[int, list] = defaultdict(list)  # position -> [(bytes, expr)]
     h_of: dict[int, object] = {}
     for s, hs in holders.items():
+        _check(deadline)
         prev = None
         by_pos: dict[int, list] = defaultdict(list)
         for pos, h in hs:
@@ -253,6 +270,7 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None) -> _Model:
         md.Add(p.static_bytes + ctx.g_event[j] + p.bwd_temp_bytes[j] + ctx.loss_bytes
                + A[2 * j] + sum(regen_terms.get(j, [])) <= B)
     for c, r in enumerate(cands):
+        _check(deadline)
         if r.death is None:
             continue
         rest = p.static_bytes + ctx.g_rest[r.trigger] + ctx.loss_bytes
@@ -299,6 +317,7 @@ def _solver(time_limit_s: float, workers: int = 2,
         sol.parameters.num_workers = 1
         sol.parameters.random_seed = 0
         sol.parameters.max_deterministic_time = max(0.05, time_limit_s)
+        sol.parameters.max_time_in_seconds = max(0.1, 3 * time_limit_s)  # a safety net
     else:
         sol.parameters.num_workers = workers
         sol.parameters.max_time_in_seconds = max(0.05, time_limit_s)
@@ -316,10 +335,15 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     CP-SAT reports OPTIMAL).
     """
     ctx = ctx or Context(problem)
-    cands, complete = candidates(ctx)
-    mdl = _build(ctx, cands, None)
+    deadline = time.perf_counter() + time_limit_s
+    try:
+        cands, complete = candidates(ctx, deadline=deadline)
+        mdl = _build(ctx, cands, None, deadline)
+    except TimeoutError:
+        return 0, False, None
     mdl.model.Minimize(mdl.budget)
-    solver = _solver(time_limit_s, deterministic=deterministic)
+    left = time_limit_s if deterministic else deadline - time.perf_counter()
+    solver = _solver(left, deterministic=deterministic)
     st = solver.Solve(mdl.model)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return 0, False, None
@@ -336,8 +360,18 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     """Least recompute time with simulated peak <= budget over the model's schedule space."""
     t0 = time.perf_counter()
     ctx = Context(problem)
-    cands, complete = candidates(ctx)
-    mdl = _build(ctx, cands, budget_bytes)
+    try:
+        cands, complete = candidates(ctx, deadline=t0 + time_limit_s)
+        mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
+    except TimeoutError:
+        from solvers.bounds import memory_lower_bound
+
+        logger.warning("milp: building the model took the whole %.1f s", time_limit_s)
+        return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
+                        budget_bytes=budget_bytes, objective_ms=None,
+                        solve_time_s=time.perf_counter() - t0,
+                        min_feasible_budget_bytes=memory_lower_bound(problem),
+                        min_feasible_budget_exact=False)
     obj = sum(round(r.time_ms * TIME_SCALE) * v for r, v in zip(cands, mdl.x, strict=True))
     mdl.model.Minimize(obj)
     if hint is not None:
@@ -351,7 +385,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         solver = _solver(left)
         st = solver.Solve(mdl.model)
         if st == cp_model.INFEASIBLE:
-            mfb, exact = _min_budget(problem, ctx, max(1.0, left))
+            mfb, exact = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
             return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
                             budget_bytes=budget_bytes, objective_ms=None,
                             solve_time_s=time.perf_counter() - t0,
@@ -381,7 +415,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
 
 
 def _min_budget(problem: Problem, ctx: Context, time_limit_s: float) -> tuple[int, bool]:
-    peak, proven, _ = min_peak(problem, time_limit_s, ctx)
+    peak, proven, _ = min_peak(problem, time_limit_s, ctx) if time_limit_s > 0.1 else (
+        0, False, None)
     if peak == 0:
         from solvers.bounds import memory_lower_bound
 

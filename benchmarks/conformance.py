@@ -1,0 +1,83 @@
+"""Conformance on real models nobody here wrote: plan, apply, measure, compare.
+
+    python benchmarks/conformance.py                 # every case, ~budgets 30/50/80 %
+    python benchmarks/conformance.py --models resnet18 T5   # a subset (substring match)
+
+Each case (``planner.conformance.CASES``: torchvision, timm, Hugging Face transformers and
+hand-written failure-class models, random-init, CPU-sized) is profiled once and planned at
+static memory + 30, 50 and 80 % of its activations (and at the named minimum when a budget
+is infeasible), applied, and one training step measured with MemTracker against the
+unplanned model from the same state. Prints one table and writes
+``benchmarks/results/conformance-cpu.{json,md}``. Every number is measured in that run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from planner.conformance import CASES, check_case, markdown_table, summary
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=None,
+                        help="run the cases whose name contains any of these")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="solver seconds")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    cases = [c for c in CASES if not args.models or any(m.lower() in c.name.lower()
+                                                          for m in args.models)]
+    rows, skipped = [], []
+    started = time.perf_counter()
+    for case in cases:
+        if case.needs and importlib.util.find_spec(case.needs) is None:
+            skipped.append(f"{case.name}: needs {case.needs}")
+            continue
+        t0 = time.perf_counter()
+        case_rows = check_case(case, time_limit_s=args.time_limit)
+        rows += case_rows
+        status = "ok" if all(r.ok for r in case_rows) else "FAILED"
+        print(f"{case.name}: {status} in {time.perf_counter() - t0:.1f} s", flush=True)
+        for r in case_rows:
+            if not r.ok:
+                print(f"    {r.budget}: {'; '.join(r.failures)}", flush=True)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, "
+                   f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "seconds": round(time.perf_counter() - started, 1),
+        "summary": summary(rows),
+        "skipped": skipped,
+        "rows": [asdict(r) for r in rows],
+    }
+    table = markdown_table(rows)
+    print("\n" + table)
+    print(json.dumps(result["summary"], indent=1))
+    if not args.models:  # a subset does not overwrite the full record
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "conformance-cpu.json").write_text(json.dumps(result, indent=1))
+        s = result["summary"]
+        (args.out / "conformance-cpu.md").write_text(
+            f"# Conformance on real models (CPU)\n\n{result['date']}, {result['machine']}, "
+            f"{result['seconds']} s. {s['models']} models, {s['rows']} planned budgets, "
+            f"{s['ok']} fully conformant. Worst prediction error {s['worst_error_pct']:+.3f} %"
+            f" ({s['worst_error_model']}); longest solve {s['max_solve_s']:.1f} s.\n\n"
+            f"{table}\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""One real model per failure class, planned, applied and measured like a user would.
+
+The full set runs in ``benchmarks/conformance.py``; each case here once broke a plan (see
+``planner.conformance.CASES``): an in-place ReLU after a checkpoint, a kept output that
+squeeze-excite mutates, concatenated skips and BatchNorm, a KV cache in a submodule's
+config, value-dependent routing, frozen parameters, two-input modules, BatchNorm without
+momentum and a step counter, a loss computed inside forward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import profiles
+from planner.conformance import CASES, check_case
+
+FAST = {
+    "torchvision resnet18": (0.8,),
+    "timm efficientnet_b0": (0.3,),
+    "U-Net (BatchNorm, concatenated skips)": (0.3, 0.5),
+    "in-place add_/relu_ in blocks": (0.5,),
+    "loss inside forward, (loss, logits)": (0.8,),
+    "BatchNorm(momentum=None) and a step counter": (0.3,),
+    "HF T5ForConditionalGeneration": (0.3,),
+    "HF MixtralForCausalLM (MoE)": (0.5,),
+    "HF WhisperForConditionalGeneration": (0.5,),
+    "HF BertForMaskedLM": (0.3,),
+}
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_plans_on_real_models_run_and_hold(name: str) -> None:
+    case = next(c for c in CASES if c.name == name)
+    if case.needs and importlib.util.find_spec(case.needs) is None:
+        pytest.skip(f"needs {case.needs}")
+    rows = check_case(case, FAST[name], time_limit_s=10.0)
+    failures = [f"{r.budget}: {'; '.join(r.failures)}" for r in rows if not r.ok]
+    assert not failures, failures
+    measured = [r for r in rows if r.measured_bytes]
+    assert measured and all(r.measured_bytes <= r.budget_bytes for r in measured)
+    assert all(r.grads_equal and r.buffers_equal for r in measured)
+
+
+def test_measured_timing_survives_in_place_ops_on_stored_inputs() -> None:
+    """T5's relative-position buckets are built in place on an integer tensor; timing ops
+    alone used to rerun those ops on the stored tensor and index out of range."""
+    case = next(c for c in CASES if c.name == "HF T5ForConditionalGeneration")
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    zm = case.build()
+    prof = profiles.profile(zm.model, zm.example_inputs, timing="measure", repeats=1, warmup=0,
+                            progress=False)
+    assert prof.timing == "measure" and prof.step is not None
+    assert all(n.fwd_time_ms >= 0 for n in prof.nodes)
+    torch.set_num_threads(2)
