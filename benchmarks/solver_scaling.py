@@ -110,7 +110,8 @@ def random_dag(n: int, seed: int = 0, skip: float = 0.05) -> Problem:
 
 def _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, name) -> Problem:
     """Nodes of kind "view" alias their input's storage (as torch views do): no storage of
-    their own, and readers of the view read (and saves of it hold) the base storage."""
+    their own, and readers of the view read (and saves of it hold) the base storage.
+    Nodes saving only inputs pack before running (a rerun stopping there skips them)."""
     n = len(names)
     storage_of: list[int] = []
     producer: list[int] = []
@@ -133,7 +134,9 @@ def _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, name) -> P
         node_inputs=node_in, node_outputs=node_out, node_saved=saved,
         storage_bytes=sizes, storage_producer=producer, storage_grad_bytes=sizes,
         static_bytes=1024 * MiB, param_grad_bytes=[0] * n,
-        block_of_node=block if any(b >= 0 for b in block) else None, op_kind=kinds)
+        block_of_node=block if any(b >= 0 for b in block) else None, op_kind=kinds,
+        # autograd packs a node's inputs before it runs, its outputs after
+        node_packs_before_running=[bool(saves_in[i]) and not saves_out[i] for i in range(n)])
 
 
 BASELINE_NAMES = ["none", "every_block", "every_2", "every_4", "chen_sqrt", "chen_greedy",

@@ -224,6 +224,7 @@ class _OpRecord:
     written: list[int] = field(default_factory=list)  # activations written in place
     mutated_state: list[int] = field(default_factory=list)  # params/buffers written
     saved: list[int] = field(default_factory=list)  # storage ids, one per pack
+    packed_after_running: bool = False  # some pack came after the op ran (its outputs)
     random: bool = False
     flops: int = 0
     estimated_ms: float = 0.0
@@ -311,7 +312,11 @@ class _ForwardRecorder(TorchDispatchMode):
                 self.records[last].new_storages.append(sid)
             elif sid is None:
                 sid = self.storages.add(tensor, "constant", None, "constant")
-            (self.records[last].saved if to_last else upcoming).append(sid)
+            if to_last:
+                self.records[last].saved.append(sid)
+                self.records[last].packed_after_running = True
+            else:
+                upcoming.append(sid)
         self.pending.clear()
         return upcoming
 
@@ -1187,6 +1192,7 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
             random=record.random, ops=[record.name],
             output_ops=[0] if record.new_storages else [], keepable=keepable,
             saved_tensors=len(record.saved), written_storages=record.written,
+            packs_after_running=record.packed_after_running if record.saved else None,
             grad_storages=bwd.grad_storages))
     nodes = [n.model_copy(update={"users": users.get(n.name, [])}) for n in nodes]
     loss_reads = [rec.loss_storage] if rec.loss_storage is not None else []

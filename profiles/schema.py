@@ -96,6 +96,10 @@ class NodeProfile(_Strict):
         " parameters included); None in older profiles")
     written_storages: list[int] = Field(
         default_factory=list, description="earlier activations this node mutates in place")
+    packs_after_running: bool | None = Field(
+        None, description="observed: whether autograd packed a saved tensor after the op ran "
+        "(one of its outputs); False: it packs its inputs only, before running, so a rerun "
+        "whose last pack is this node's stops before running it; None: no packs, or unknown")
     grad_storages: list[int] = Field(
         default_factory=list, description="storages whose gradient this node's backward makes")
     bwd_live_before_bytes: int | None = Field(

@@ -158,6 +158,8 @@ class RegionInfo:
     `stop` is the rerun's early-stop node (exclusive; 0 when nothing packs and no rerun
     happens), `trigger = stop - 1` the node whose backward starts the rerun, `death` the node
     whose backward frees the frame (None: freed at the end of the region's forward).
+    `last_not_run`: the rerun stops in the trigger's pack, before running it
+    (`Problem.stops_before_running`); its step makes and costs nothing.
     """
 
     a: int
@@ -169,6 +171,7 @@ class RegionInfo:
     death: int | None
     inputs: tuple[int, ...]
     time_ms: float
+    last_not_run: bool = False
     step_const: list[int] = field(default_factory=list)  # alloc + temp of each rerun step
     regen: list[Instance] = field(default_factory=list)
     kept_ends: dict[int, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
@@ -193,11 +196,15 @@ class RegionInfo:
                               if s not in ctx.loss}
             return info
         stop = max(own) + 1
-        time_ms = float(sum(p.fwd_time_ms[i] for i in range(a, stop) if i not in keep)
+        not_run = p.stops_before_running[stop - 1]
+        time_ms = float(sum(p.fwd_time_ms[i] for i in range(a, stop - not_run) if i not in keep)
                         + p.checkpoint_overhead_ms(a, stop, keep))
-        info = cls(a, b, keep, True, stop, stop - 1, min(own), inputs, time_ms)
+        info = cls(a, b, keep, True, stop, stop - 1, min(own), inputs, time_ms, not_run)
         for i in range(a, stop):
             cached = i in keep
+            if not_run and i == stop - 1:  # the rerun stops in its pack: nothing made
+                info.step_const.append(0)
+                break
             info.step_const.append(0 if cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
             for s in p.outputs[i]:
                 read_end = rerun_read_end(p, s, i, stop)
@@ -207,8 +214,8 @@ class RegionInfo:
                         info.kept_ends[s] = (i, read_end, savers)
                 else:
                     info.regen.append(Instance(s, i, read_end, savers))
-        for k in keep:  # kept nodes past the early stop: the SAC cache holds until death
-            if k >= stop:
+        for k in keep:  # kept nodes the rerun does not run: the SAC cache holds until death
+            if k >= stop - not_run:
                 for s in p.outputs[k]:
                     if s not in ctx.loss:
                         info.kept_ends[s] = (-1, -1, ())
@@ -232,10 +239,11 @@ Point = tuple[int, int, int]
 class Rerun:
     """One rerun pass of a region: nodes `start..stop-1`, at the backward of `trigger`.
 
-    Nodes in `cached` come from the SAC cache (no time, no new memory); `step_const` is each
-    step's allocation + forward temporaries (0 when cached). `time_ms` is the forward time
-    of the nodes run plus `overhead_ms`, the frame's `Problem.checkpoint_overhead_ms`, which
-    `simulate` charges to the first step.
+    Nodes in `cached` come from the SAC cache (no time, no new memory); with `last_not_run`
+    the rerun stops in node `stop - 1`'s pack without running it (`idle`: the steps that do
+    no work); `step_const` is each step's allocation + forward temporaries (0 when idle).
+    `time_ms` is the forward time of the nodes run plus `overhead_ms`, the frame's
+    `Problem.checkpoint_overhead_ms`, which `simulate` charges to the first step.
     """
 
     trigger: int
@@ -245,6 +253,12 @@ class Rerun:
     step_const: tuple[int, ...]
     overhead_ms: float
     time_ms: float
+    last_not_run: bool = False
+
+    @property
+    def idle(self) -> frozenset[int]:
+        """The steps that cost no time: kept nodes, and the last one when it is not run."""
+        return self.cached | {self.stop - 1} if self.last_not_run else self.cached
 
 
 @dataclass(frozen=True)
@@ -380,9 +394,11 @@ class NestedRegionInfo:
         frame_end: Point = (FWD, b - 1, 0) if death is None else (BWD, death, 0)
         for s in inputs:
             hold(s, [frame_end])
-        # kept outputs the parent's rerun does not reach wait in the SAC cache for the death
+        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
+        parent_not_run = bool(own) and stop == own[-1] + 1 and p.stops_before_running[
+            own[-1]] and all(children[ci][0] != stop for ci in with_in)
         for k in keep:
-            if k >= stop or not packs:
+            if k >= stop - parent_not_run or not packs:
                 hold_outputs(k, [frame_end])
         for ci, (_, cb, ckeep) in enumerate(children):
             if c_death[ci] is None:  # never reruns: its SAC cache dies with its forward
@@ -420,14 +436,19 @@ class NestedRegionInfo:
         reruns: list[Rerun] = []
         made: list[tuple[int, int, int, list[Point]]] = []
 
-        def run(r: int, first: int, last: int, frame_keep: frozenset[int], parent: bool) -> None:
-            """Rerun `r` of nodes first..last-1 (of the parent or a child): steps, instances."""
+        def run(r: int, first: int, last: int, frame_keep: frozenset[int], parent: bool,
+                not_run: bool) -> None:
+            """Rerun `r` of nodes first..last-1 (of the parent or a child): steps, instances;
+            `not_run`: it stops in node last-1's pack, before running it."""
             own = (lambda k: k not in owner) if parent else (lambda k: True)
             cached = frame_keep & frozenset(range(first, last))
             consts: list[int] = []
             overhead_ms = p.checkpoint_overhead_ms(first, last, frame_keep)
             time_ms = overhead_ms
             for i in range(first, last):
+                if not_run and i == last - 1:
+                    consts.append(0)
+                    break
                 ci = owner.get(i) if parent else None
                 consts.append(0 if i in cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
                 time_ms += 0.0 if i in cached else p.fwd_time_ms[i]
@@ -442,15 +463,16 @@ class NestedRegionInfo:
                     else:
                         made.append((s, r, i, pts))
             reruns.append(Rerun(triggers[r], first, last, cached, tuple(consts), overhead_ms,
-                                time_ms))
+                                time_ms, not_run))
 
         if packs:  # the parent's: every node up to its stop, child nodes run fresh
-            run(0, a, stop, keep, True)
+            run(0, a, stop, keep, True, parent_not_run)
         for ci in saving:  # a saving child's own: like a flat region, from its held inputs
             ca, _, ckeep = children[ci]
-            run(rerun_of[ci], ca, c_stop[ci], ckeep, False)
-            for k in ckeep:  # kept past the child's stop: cached until the child dies
-                if k >= c_stop[ci]:
+            child_not_run = p.stops_before_running[c_stop[ci] - 1]
+            run(rerun_of[ci], ca, c_stop[ci], ckeep, False, child_not_run)
+            for k in ckeep:  # kept past what the child's rerun runs: cached until it dies
+                if k >= c_stop[ci] - child_not_run:
                     hold_outputs(k, [(BWD, c_death[ci], 0)])
         key = _order(reruns)
         rows = [(s, r, i, *max(pts, key=key)) for s, r, i, pts in made if pts]
@@ -474,7 +496,7 @@ class NestedRegionInfo:
             held[s] = frame_end if k < 0 else end(max(k, read_end), savers)
         reruns = (Rerun(r.trigger, r.a, r.stop, r.keep & frozenset(range(r.a, r.stop)),
                         tuple(r.step_const), p.checkpoint_overhead_ms(r.a, r.stop, r.keep),
-                        r.time_ms),) if r.packs else ()
+                        r.time_ms, r.last_not_run),) if r.packs else ()
         # savers are ascending: the first is the earliest, the last to run backward
         g = np.asarray([(x.storage, x.step, x.read_end, x.savers[0] if x.savers else -1)
                         for x in r.regen], dtype=np.int64).reshape(-1, 4)
@@ -572,8 +594,9 @@ def profile_parts(ctx: Context, a0: int, b0: int,
             off[pi][ri] = len(const) - rr.start
             const.extend(rr.step_const)
             gidx.extend([j - a0] * len(rr.step_const))
+            idle = rr.idle
             for i in range(rr.start, rr.stop):
-                step_ms = 0.0 if i in rr.cached else fwd[i]
+                step_ms = 0.0 if i in idle else fwd[i]
                 time_ms += step_ms + rr.overhead_ms if i == rr.start else step_ms
         bwd_slot[j - a0] = len(const)
         const.append(p.bwd_temp_bytes[j])

@@ -299,17 +299,20 @@ def _nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
     return out
 
 
-def _reruns_rel(regions: tuple, a: int) -> list[tuple[int, int, np.ndarray]]:
-    """Each rerun of a window option, relative to the window start: (start, stop, cached)."""
+def _reruns_rel(regions: tuple, a: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    """Each rerun of a window option, relative to the window start: (start, stop, idle
+    steps, kept nodes) (`Rerun.idle`, `Rerun.cached`)."""
+    def rel(nodes: frozenset[int]) -> np.ndarray:
+        return np.asarray(sorted(k - a for k in nodes), dtype=np.int64)
+
     out = []
     for r in regions:
         if isinstance(r, NestedRegionInfo):
-            out.extend((q.start - a, q.stop - a, np.asarray(sorted(k - a for k in q.cached),
-                                                            dtype=np.int64))
-                       for q in r.reruns)
+            out.extend((q.start - a, q.stop - a, rel(q.idle), rel(q.cached)) for q in r.reruns)
         elif r.packs:
-            out.append((r.a - a, r.stop - a, np.asarray(sorted(k - a for k in r.keep
-                                                               if k < r.stop), dtype=np.int64)))
+            kept = r.keep & frozenset(range(r.a, r.stop))
+            idle = kept | {r.trigger} if r.last_not_run else kept
+            out.append((r.a - a, r.stop - a, rel(idle), rel(kept)))
     return out
 
 
@@ -461,6 +464,9 @@ class _SpanBounds:
         fwd = np.asarray(p.fwd_time_ms, dtype=float)
         self.fwd_upto = np.concatenate([[0.0], np.cumsum(fwd)])
         self.rerun_upto = np.concatenate([[0.0], np.cumsum(np.where(keepable, 0.0, fwd))])
+        # a rerun stopping in such a node's pack does not run it
+        self.unrun_ms = np.where(p.stops_before_running, fwd, 0.0)
+        self.keepable = keepable
 
     def _pieces(self, a: int, b: int) -> list[tuple[int, int]]:
         k = max(0, bisect.bisect_right(self.run_starts, a) - 1)
@@ -492,8 +498,10 @@ class _SpanBounds:
                 kept += self.kept(x, y)
             x, stop = int(self.next_real[x]), int(self.last_pack_upto[y - 1]) + 1
             if stop > x:  # a run that reruns: its frame (and SAC cache) outlives the forward
-                plain_ms += float(self.fwd_upto[stop] - self.fwd_upto[x])
-                mm_ms += float(self.rerun_upto[stop] - self.rerun_upto[x])
+                unrun = float(self.unrun_ms[stop - 1])
+                plain_ms += float(self.fwd_upto[stop] - self.fwd_upto[x]) - unrun
+                mm_ms += float(self.rerun_upto[stop] - self.rerun_upto[x]) - (
+                    0.0 if self.keepable[stop - 1] else unrun)
                 if not splittable:
                     kept += int(self.kept_all_upto[stop] - self.kept_all_upto[x])
         out = [(plain_peak, 0, plain_ms)]
@@ -521,7 +529,8 @@ def _signature(ctx: Context, a: int, b: int,
                 tuple(k - a for k in ctx.savers[s]))
 
     return tuple((p.fwd_temp_bytes[i], p.bwd_temp_bytes[i],
-                  p.recomputable[i], p.packs[i], p.is_matmul(i), p.can_keep(i),
+                  p.recomputable[i], p.packs[i], p.stops_before_running[i], p.is_matmul(i),
+                  p.can_keep(i),
                   tuple(rel(s) for s in p.uses[i]), tuple(rel(s) for s in p.outputs[i]),
                   tuple(rel(s) for s in p.saved[i]),
                   tuple((stop - a, tuple(rel(s) for s in inputs))
@@ -549,13 +558,13 @@ def _pin_tables(ctx: Context, pinned: frozenset[int]) -> tuple[np.ndarray, np.nd
 
 
 def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
-              reruns: list[tuple[int, int, np.ndarray]]) -> float:
+              reruns: list[tuple[int, int, np.ndarray, np.ndarray]]) -> float:
     """Recompute time of a window option placed at `a`: the forward time of each rerun's
-    nodes less the cached ones, plus its `Problem.checkpoint_overhead_ms`."""
+    nodes less the idle ones, plus its `Problem.checkpoint_overhead_ms`."""
     total = 0.0
-    for x, y, cached in reruns:
-        total += float(fwd_sum[a + y] - fwd_sum[a + x] - fwd[cached + a].sum())
-        total += p.checkpoint_overhead_ms(a + x, a + y, (cached + a).tolist())
+    for x, y, idle, kept in reruns:
+        total += float(fwd_sum[a + y] - fwd_sum[a + x] - fwd[idle + a].sum())
+        total += p.checkpoint_overhead_ms(a + x, a + y, (kept + a).tolist())
     return total
 
 

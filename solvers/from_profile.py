@@ -226,6 +226,9 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         param_grad_bytes=param_grad,
         block_of_node=blocks,
         node_saves_static=saves_static,
+        # recorded since Nov 2026 (optional field); older profiles: unknown, nodes run first
+        node_packs_before_running=[nd.packs_after_running is False for nd in nodes]
+        if any(nd.packs_after_running is not None for nd in nodes) else None,
         node_grad_inputs=grad_inputs,
         op_kind=[op_kind(nd.ops, nd.op) for nd in nodes],
         keepable=[nd.keepable for nd in nodes],

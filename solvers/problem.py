@@ -99,6 +99,12 @@ class Problem(BaseModel):
     (a parameter or user input). Such saves are invisible in `node_saved` but still count
     for torch.utils.checkpoint's early stop and trigger the rerun; default: False.
 
+    Optional `node_packs_before_running[i]` says node i packs all its saved tensors before
+    it runs (they are its inputs: a matmul's operands). torch.utils.checkpoint's early stop
+    raises inside the last pack of a rerun, so when that pack is such a node's the rerun
+    stops before running it: the node is not recomputed, and if kept its SAC cache entry is
+    never consumed (held until the frame dies). Default: False (the node runs, then packs).
+
     Optional `keepable[i]` says whether a RECOMPUTE region may keep node i (selective
     checkpointing); default: every recomputable node may be kept.
 
@@ -144,6 +150,7 @@ class Problem(BaseModel):
     param_grad_bytes: list[int]
     block_of_node: list[int] | None = None
     node_saves_static: list[bool] | None = None
+    node_packs_before_running: list[bool] | None = None
     op_kind: list[str] | None = None
     node_grad_inputs: list[list[int]] | None = None
     keepable: list[bool] | None = None
@@ -172,8 +179,8 @@ class Problem(BaseModel):
             "node_saved": self.node_saved,
             "param_grad_bytes": self.param_grad_bytes,
         }
-        for optional in ("block_of_node", "node_saves_static", "op_kind", "keepable",
-                         "node_ops", "node_packed", "node_grad_inputs"):
+        for optional in ("block_of_node", "node_saves_static", "node_packs_before_running",
+                         "op_kind", "keepable", "node_ops", "node_packed", "node_grad_inputs"):
             if getattr(self, optional) is not None:
                 per_node[optional] = getattr(self, optional)
         if self.node_grad_inputs is not None:
@@ -239,6 +246,10 @@ class Problem(BaseModel):
                     f"node {i} ({self.node_names[i]}) saves storage {s} that it neither reads "
                     f"nor allocates; add it to node_inputs[{i}] or node_outputs[{i}].",
                 )
+        for i, before in enumerate(self.node_packs_before_running or ()):
+            _check(not before or not set(self.node_saved[i]) & set(self.node_outputs[i]),
+                   f"node {i} ({self.node_names[i]}) saves its own output, which it can only "
+                   f"pack after running: node_packs_before_running[{i}] must be False.")
         if self.observed_backward is not None:
             obs = self.observed_backward
             _check(len(obs.before) == len(obs.peak) == len(obs.after) == n,
@@ -426,6 +437,13 @@ class Problem(BaseModel):
         """Whether node i's backward saves anything (so checkpoint packs a tensor for it)."""
         static = self.node_saves_static or [False] * self.n_nodes
         return tuple(bool(self.saved[i]) or bool(static[i]) for i in range(self.n_nodes))
+
+    @cached_property
+    def stops_before_running(self) -> tuple[bool, ...]:
+        """Per node: a rerun whose last pack is this node's stops before running it
+        (`node_packs_before_running`, for a node that packs)."""
+        before = self.node_packs_before_running or [False] * self.n_nodes
+        return tuple(bool(before[i]) and self.packs[i] for i in range(self.n_nodes))
 
     @cached_property
     def _overhead_prefix(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -27,8 +27,12 @@ Backward, nodes in reverse order. The first backward of a node that packed into 
 (`_checkpoint_hook.unpack_hook`). Early stop (`_recomputation_hook`): the rerun stops right
 after the last pack the original forward made into F, i.e. after F's last own node that
 saves something, or at the entry of F's last child region with inputs (a child's inputs are
-saved into its parent, rule 2). Kept nodes are not re-run (the SAC cache returns the stored
-tensor: no time, no new memory) but their saves still count. Rerun-regenerated saved tensors
+saved into its parent, rule 2). The stop raises inside that pack, so when it is a node's that
+packs only its inputs (`Problem.stops_before_running`: autograd packs inputs before the op
+runs) the rerun ends before running that node: it allocates and costs nothing, and a kept
+one's SAC entry is never consumed (held until the frame dies). Kept nodes are not re-run
+(the SAC cache returns the stored tensor: no time, no new memory) but their saves still
+count. Rerun-regenerated saved tensors
 are new storages (memory is counted again if the original is still held elsewhere) and live
 until the backward node that saves them has run (rule 4); other rerun tensors are freed
 after their last reader inside the rerun or when the rerun stops.
@@ -74,7 +78,11 @@ class SimulationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One step of the replay: a forward, recompute or backward of one node."""
+    """One step of the replay: a forward, recompute or backward of one node.
+
+    `cached`: a rerun step that does no work (a kept node's output comes from the SAC
+    cache, or the rerun stops in the node's pack before running it).
+    """
 
     label: str
     phase: str
@@ -134,6 +142,7 @@ class _Frame:
     inputs: tuple[int, ...]
     rerun_stop: int
     death: int | None
+    last_not_run: bool = False  # the rerun stops inside the pack of its last node, unrun
     alive: bool = True
     recomputed: bool = False
     child_inputs: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -186,8 +195,10 @@ class _Replay:
             self.innermost[i] = f
         f.children = [self._build_frame(c, f) for c in r.children]
         own = [i for i in range(r.start, r.stop) if self.innermost[i] is f and p.packs[i]]
-        stops = [i + 1 for i in own] + [c.region.start for c in f.children if c.inputs]
-        f.rerun_stop = max(stops, default=0)
+        entries = [c.region.start for c in f.children if c.inputs]
+        f.rerun_stop = max([i + 1 for i in own] + entries, default=0)
+        f.last_not_run = bool(own) and f.rerun_stop == own[-1] + 1 and \
+            f.rerun_stop not in entries and p.stops_before_running[own[-1]]
         lives = own + [c.death for c in f.children if c.inputs and c.death is not None]
         f.death = min(lives, default=None)
         return f
@@ -231,10 +242,11 @@ class _Replay:
     # ------------------------------------------------------------ passes
 
     def _pass(self, start: int, stop: int, env: dict[int, Inst], root: _Frame | None,
-              overhead_ms: float = 0.0) -> None:
+              overhead_ms: float = 0.0, last_not_run: bool = False) -> None:
         """Run nodes start..stop-1 forward (root None: the original forward; else a rerun).
 
-        `overhead_ms` (a rerun's checkpoint overhead) is added to the first event's time.
+        `overhead_ms` (a rerun's checkpoint overhead) is added to the first event's time;
+        `last_not_run`: the rerun stops in node stop-1's pack, before running it.
         """
         p = self.p
         gen = 0 if root is None else next(self.gens)
@@ -261,10 +273,13 @@ class _Replay:
                         self._hold(env[s], ("frame", f.uid))
             else:
                 self._enter_children(root, i, env, end_tok)
+            not_run = last_not_run and i == stop - 1
             cached = root is not None and inner is root and i in root.region.keep
             before = self._live()
             new: list[Inst] = []
-            if cached:
+            if not_run:  # packs its inputs only; its outputs (a kept one's too) stay unmade
+                pass
+            elif cached:
                 for s in p.outputs[i]:
                     env[s] = (s, 0)
             else:
@@ -273,11 +288,11 @@ class _Replay:
                     self._alloc((s, gen))
                     new.append((s, gen))
             alloc = sum(p.storage_bytes[s] for s, _ in new)
-            temp = 0 if cached else p.fwd_temp_bytes[i]
+            temp = 0 if cached or not_run else p.fwd_temp_bytes[i]
             parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
                                   self.live_grad, temp)
             # holds made by this node
-            for s in p.outputs[i]:
+            for s in () if not_run else p.outputs[i]:
                 later = [c for c in p.readers[s] if c > i]
                 if any(c < stop for c in later):
                     self._hold(env[s], read_tok)
@@ -302,7 +317,7 @@ class _Replay:
                 for s in p.outputs[i]:
                     self._hold(env[s], end_tok)
             # frees after this node
-            if cached:
+            if cached and not not_run:
                 for s in p.outputs[i]:
                     self._release_one((s, 0), ("sac", root.uid))
             for s in p.uses[i]:
@@ -314,10 +329,12 @@ class _Replay:
                 for f in self.end_of_forward.get(i, ()):
                     self._kill(f)
             label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
-            time = 0.0 if cached else p.fwd_time_ms[i]
+            if not_run:
+                label += " (stops in its pack)"
+            time = 0.0 if cached or not_run else p.fwd_time_ms[i]
             if i == start:
                 time += overhead_ms
-            self._record(label, phase, i, time, before + alloc + temp, parts, cached)
+            self._record(label, phase, i, time, before + alloc + temp, parts, cached or not_run)
         if root is not None:  # early stop may fall on a child's entry (its inputs' save)
             self._enter_children(root, stop, env, end_tok)
         self._release(read_tok)
@@ -351,7 +368,8 @@ class _Replay:
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
                      f.region.stop, f.rerun_stop)
         self._pass(f.region.start, f.rerun_stop, env, f,
-                   self.p.checkpoint_overhead_ms(f.region.start, f.rerun_stop, f.region.keep))
+                   self.p.checkpoint_overhead_ms(f.region.start, f.rerun_stop, f.region.keep),
+                   f.last_not_run)
         self._release(("child_input", f.uid))
 
     def forward(self) -> None:

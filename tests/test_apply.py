@@ -129,3 +129,33 @@ def _round_trip(module: torch.nn.Module) -> torch.nn.Module:
     torch.save(module, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_kept_matmul_where_the_rerun_stops_stays_cached(autocast: torch.dtype | None) -> None:
+    """A checkpointed Linear keeping its matmul, its last op: autograd packs the matmul's
+    inputs before it runs and early stop raises in that pack, so the rerun never runs it
+    and its SAC entry is never consumed (held until the frame dies). Modelled as consumed,
+    this plan measured 1.8 % over its prediction under bf16 autocast."""
+    model = zoo.get("mlp", batch=1024, width=128, depth=4)
+    prof = profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                            autocast=autocast, timing="estimate", progress=False)
+    problem = problem_from_profile(prof)
+    span = next(sp for sp in problem.module_spans or () if sp.name == "layers.3.0")
+    matmul = max(i for i in range(span.start, span.stop) if problem.is_matmul(i))
+    assert problem.stops_before_running[matmul] and problem.can_keep(matmul)
+    schedule = Schedule.from_segments(problem.n_nodes, [
+        Region(span.start, span.stop, "recompute", keep={matmul})])
+    plan = plan_for_schedule(prof, schedule, _setup(model)[1].inputs,
+                             structure_fingerprint(model.model))
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    dtype = str(autocast).removeprefix("torch.") if autocast else None
+    _, base_loss, base_grads = measure_step(model.model, args, kwargs, model.loss_fn, dtype)
+    apply(model.model, plan)
+    measured, loss, grads = measure_step(model.model, args, kwargs, model.loss_fn, dtype)
+    remove(model.model)
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    # measured: exact in fp32; 256 B (0.007 %) high under autocast, where the rerun's
+    # weight cast dies inside the matmul's backward (the simulator holds it to the end)
+    assert 0 <= plan.predicted_peak_bytes - measured <= 0.0001 * measured

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_solvers_properties import problems
+from test_solvers_nested_accounting import graphs
 
 from solvers import SOLVERS, Schedule, Status, dp, memory_lower_bound, simulate
 from solvers.accounting import Context
@@ -89,10 +89,11 @@ def test_nested_options_reach_below_flat_schedules(caplog: pytest.LogCaptureFixt
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(problems(max_nodes=8), st.floats(0.0, 1.0))
+@given(graphs(), st.floats(0.0, 1.0))
 def test_dp_model_agrees_with_simulate_nested_included(p, frac: float) -> None:
-    """On random chains (node-level stages, so windows of 2..8 nodes get nested options) the
-    dp's internal time and memory model equals simulate for the schedule it returns."""
+    """On random chains (node-level stages, so windows of 2..8 nodes get nested options;
+    checkpoint overheads, static saves, nodes that pack before running) the dp's internal
+    time and memory model equals simulate for the schedule it returns."""
     p = p.model_copy(update={"block_of_node": None})
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     lower = memory_lower_bound(p)
@@ -109,3 +110,25 @@ def test_dp_model_agrees_with_simulate_nested_included(p, frac: float) -> None:
     assert not records, records[0].getMessage()
     if sol.feasible:
         assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+
+
+def test_models_agree_where_reruns_stop_before_running_with_overheads(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A transformer whose matmuls pack their inputs before running (so most reruns stop
+    short of their last node) with every checkpoint overhead on: dp's and milp's models of
+    time and memory equal simulate at several budgets."""
+    p = transformer(4, 1).model_copy(update={
+        "checkpoint_region_ms": 0.4, "checkpoint_pack_ms": 0.04, "checkpoint_sac_op_ms": 0.1})
+    assert any(p.stops_before_running)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lower = memory_lower_bound(p)
+    for frac in (0.2, 0.5, 0.8):
+        budget = lower + int((store - lower) * frac)
+        for name in ("dp", "milp"):
+            with caplog.at_level("ERROR"):
+                sol = SOLVERS[name](p, budget, 30.0)
+            assert not caplog.records, caplog.records[0].getMessage()
+            if sol.feasible:
+                timeline = simulate(p, sol.schedule)
+                assert timeline.peak_bytes == sol.peak_bytes <= budget
+                assert timeline.recompute_time_ms == pytest.approx(sol.objective_ms, rel=1e-9)

@@ -46,8 +46,12 @@ def graphs(draw: st.DrawFn) -> Problem:
     if draw(st.booleans()):
         saved[-1] = list(dict.fromkeys([*saved[-1], *p.outputs[-1]]))
     static = [draw(st.integers(0, 5)) == 0 for _ in range(n)]
+    before = p.node_packs_before_running and [
+        b and not set(saved[i]) & set(p.outputs[i])
+        for i, b in enumerate(p.node_packs_before_running)]
     return p.model_copy(update={"node_inputs": inputs, "node_saved": saved,
-                                "node_grad_inputs": grads, "node_saves_static": static})
+                                "node_grad_inputs": grads, "node_saves_static": static,
+                                "node_packs_before_running": before})
 
 
 def _keep(draw: st.DrawFn, p: Problem, nodes: list[int]) -> frozenset[int]:

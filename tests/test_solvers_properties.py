@@ -82,6 +82,10 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         if i in cuts:
             b += 1
         block.append(b)
+    packs_before = None
+    if draw(st.booleans()):  # matmul-like nodes: pack their inputs before they run
+        packs_before = [draw(st.booleans()) and not set(saved[i]) & set(outputs[i])
+                        for i in range(n)]
     release = None
     if draw(st.booleans()):
         release = [draw(st.sampled_from([producer[s], producer[s],
@@ -106,6 +110,7 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         block_of_node=block,
         node_grad_inputs=grad_inputs if partial_grads else None,
         keepable=keepable,
+        node_packs_before_running=packs_before,
         storage_release=release,
         module_spans=draw(module_spans(n, producer)) if spans else None,
     )
