@@ -1,13 +1,14 @@
 """Conformance on real models nobody here wrote: plan, apply, measure, compare.
 
-    python benchmarks/conformance.py                 # every case, ~budgets 30/50/80 %
+    python benchmarks/conformance.py                 # every case, fp32 and bf16 autocast
     python benchmarks/conformance.py --models resnet18 T5   # a subset (substring match)
 
 Each case (``planner.conformance.CASES``: torchvision, timm, Hugging Face transformers and
 hand-written failure-class models, random-init, CPU-sized) is profiled once and planned at
 static memory + 30, 50 and 80 % of its activations (and at the named minimum when a budget
-is infeasible), applied, and one training step measured with MemTracker against the
-unplanned model from the same state. Prints one table and writes
+is infeasible), applied, and one training step measured (``planner.measure.PeakTracker``)
+against the unplanned model from the same state; then again profiled, planned and run under
+bf16 autocast at + 50 %. Prints one table and writes
 ``benchmarks/results/conformance-cpu.{json,md}``. Every number is measured in that run.
 """
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--models", nargs="*", default=None,
                         help="run the cases whose name contains any of these")
     parser.add_argument("--time-limit", type=float, default=20.0, help="solver seconds")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="skip the bf16 autocast pass")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
@@ -48,12 +51,15 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         t0 = time.perf_counter()
         case_rows = check_case(case, time_limit_s=args.time_limit)
+        if not args.no_autocast:
+            case_rows += check_case(case, (0.5,), time_limit_s=args.time_limit,
+                                    autocast=torch.bfloat16)
         rows += case_rows
         status = "ok" if all(r.ok for r in case_rows) else "FAILED"
         print(f"{case.name}: {status} in {time.perf_counter() - t0:.1f} s", flush=True)
         for r in case_rows:
             if not r.ok:
-                print(f"    {r.budget}: {'; '.join(r.failures)}", flush=True)
+                print(f"    {r.precision} {r.budget}: {'; '.join(r.failures)}", flush=True)
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, "

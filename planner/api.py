@@ -31,11 +31,12 @@ from planner.plan import (
     SolverReport,
     format_bytes,
 )
+from planner.sharding import Sharding, rank_problem, sharding_for
 from profiles.inputs import normalize_inputs
 from profiles.schema import GraphProfile, fingerprint
 from solvers import SOLVERS, Problem, Region, Schedule, Solution, Status, Timeline, simulate
 from solvers.auto import lowest_peak
-from solvers.from_profile import problem_from_profile
+from solvers.from_profile import block_calls, problem_from_profile
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,9 @@ def optimize(
     timing: str = "auto",
     device: str | None = None,
     execution: str = "auto",
+    world_size: int = 1,
+    sharding: str | None = None,
+    shard_modules: list[str] | None = None,
     progress: bool = True,
 ) -> Plan:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
@@ -170,6 +174,12 @@ def optimize(
     ``time_limit_s`` bounds the solving (profiling comes on top). See
     :func:`profiles.profile` for ``timing``, ``device`` and ``execution``.
 
+    Data-parallel training: ``sharding="ddp"`` or ``"fsdp2"`` over ``world_size`` ranks
+    makes the budget per rank (``example_inputs``: one rank's batch); FSDP2 units are
+    ``shard_modules`` (default: the model's repeated blocks, as torchtitan shards them),
+    and the recipe is apply the plan, ``fully_shard`` each unit, then the model
+    (:mod:`planner.sharding` says what a rank holds).
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
@@ -177,6 +187,9 @@ def optimize(
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
     budget_bytes = _budget_bytes(budget_gb)
+    if world_size != 1 and sharding is None:
+        raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2': how "
+                         "each rank holds the model decides its memory")
     if not (isinstance(time_limit_s, numbers.Real) and time_limit_s > 0):
         raise ValueError(f"time_limit_s must be a positive number, got {time_limit_s!r}")
     _refuse_existing_checkpointing(model)
@@ -189,9 +202,14 @@ def optimize(
         prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
                                 optimizer=optimizer, autocast=autocast, timing=timing,
                                 device=device, execution=execution, progress=progress)
+    layout = None
+    if sharding is not None:
+        if shard_modules is None and sharding == "fsdp2":
+            shard_modules = [call.path for call in block_calls(prof)]
+        layout = sharding_for(model, sharding, world_size, shard_modules)
     plan = plan_for_profile(prof, budget_bytes, _input_specs(args, kwargs),
                             structure_fingerprint(model), solver=solver,
-                            time_limit_s=time_limit_s)
+                            time_limit_s=time_limit_s, sharding=layout)
     if cache_off:
         plan = plan.model_copy(update={"note": (plan.note + " " if plan.note else "")
                                        + "Profiled with config.use_cache=False (a training "
@@ -223,11 +241,11 @@ def _report(solution: Solution) -> SolverReport:
 
 
 def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
-                     structure: str, *, solver: str = "auto",
-                     time_limit_s: float = 60.0) -> Plan:
+                     structure: str, *, solver: str = "auto", time_limit_s: float = 60.0,
+                     sharding: Sharding | None = None) -> Plan:
     """The solving half of :func:`optimize`, for a profile already taken."""
     started = time.perf_counter()
-    problem = problem_from_profile(prof)
+    problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     if unplanned.peak_bytes <= budget_bytes:
         report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
@@ -237,7 +255,7 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
         log.info(note)
         return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
-                          budget_bytes, report, inputs, structure, note)
+                          budget_bytes, report, inputs, structure, note, sharding)
     log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
              len(problem.module_spans or ()), format_bytes(budget_bytes))
     solution = SOLVERS[solver](problem, budget_bytes, time_limit_s)
@@ -248,11 +266,12 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
             raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
         if lowest.peak_bytes > budget_bytes:
             at_minimum = _make_plan(prof, problem, unplanned, lowest.schedule,
-                                    lowest.peak_bytes, _report(lowest), inputs, structure)
-            raise _infeasible(prof, budget_bytes, lowest, at_minimum)
+                                    lowest.peak_bytes, _report(lowest), inputs, structure,
+                                    sharding=sharding)
+            raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum)
         solution = lowest  # the solver missed a schedule that fits
     return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes,
-                      _report(solution), inputs, structure)
+                      _report(solution), inputs, structure, sharding=sharding)
 
 
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -265,14 +284,15 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
         raise TypeError("give budget_gb or budget_bytes")
     budget = _budget_bytes(budget_gb) if budget_bytes is None else int(budget_bytes)
     return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
-                            solver=solver, time_limit_s=time_limit_s)
+                            solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding)
 
 
 def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],
-                      structure: str, budget_bytes: int | None = None) -> Plan:
+                      structure: str, budget_bytes: int | None = None,
+                      sharding: Sharding | None = None) -> Plan:
     """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
     hand or by another tool; its numbers come from ``simulate`` like every plan's."""
-    problem = problem_from_profile(prof)
+    problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     timeline = simulate(problem, schedule)
     report = SolverReport(name="given", status=Status.FEASIBLE.value,
@@ -280,10 +300,10 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
                           solve_time_s=0.0)
     return _make_plan(prof, problem, unplanned, schedule,
                       timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
-                      inputs, structure)
+                      inputs, structure, sharding=sharding)
 
 
-def _infeasible(prof: GraphProfile, budget_bytes: int, lowest: Solution,
+def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest: Solution,
                 at_minimum: Plan) -> InfeasibleBudgetError:
     """The error for a budget no schedule met: the lowest peak of any schedule found (a
     budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
@@ -304,8 +324,10 @@ def _infeasible(prof: GraphProfile, budget_bytes: int, lowest: Solution,
         f"{lowest.solver}); that plan is error.plan, and optimize(..., "
         "budget_gb=error.min_budget_gb) returns it."
         f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
-        f"state) is {format_bytes(prof.static.total_bytes)}. Raise the budget, shrink the "
-        "batch, use autocast=torch.bfloat16, or shard parameters and optimizer state.",
+        f"state{', per rank' if at_minimum.sharding else ''}) is "
+        f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}. Raise the "
+        "budget, shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
+        "optimizer state.",
         peak, bound if bound is not None and bound <= peak else None, at_minimum)
 
 
@@ -322,7 +344,8 @@ def _plan_regions(profile: GraphProfile, regions: tuple[Region, ...]) -> list[Pl
 
 def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
                schedule: Schedule, budget_bytes: int, report: SolverReport,
-               inputs: list[InputSpec], structure: str, note: str = "") -> Plan:
+               inputs: list[InputSpec], structure: str, note: str = "",
+               sharding: Sharding | None = None) -> Plan:
     timeline = simulate(problem, schedule)
     breakdown = timeline.breakdown
     return Plan(
@@ -348,6 +371,7 @@ def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
         schedule=schedule,
         inputs=inputs,
         profile=profile,
+        sharding=sharding,
     )
 
 
@@ -465,6 +489,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             f"{plan.structure_fingerprint}, but this {type(model).__name__} has {actual}: its "
             "module tree, parameter or buffer shapes or dtypes differ. Run planner.optimize() "
             "on this model (apply the plan before sharding it with FSDP2).")
+    _check_world_size(plan)
     if checkpointed_modules(model) or _guards(model):
         remove(model)
     missing = [spec.path for spec in region_specs(plan)
@@ -483,6 +508,23 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
     guard = PlanGuard(plan, _model_device(model).type, strict, configs)
     model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
     return model
+
+
+def _check_world_size(plan: Plan) -> None:
+    """A per-rank plan holds for the world it was made for, a single-process plan for one
+    process (under DDP or FSDP each rank also holds buckets or gathered parameters)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    planned = plan.sharding.world_size if plan.sharding else 1
+    if world != planned:
+        how = f"{plan.sharding.kind} over {planned} ranks" if plan.sharding else "one process"
+        raise PlanMismatchError(
+            f"This plan of {plan.model_name} is for {how}, but this process group has "
+            f"{world} ranks. Plan with optimize(..., world_size={world}, "
+            "sharding='ddp' or 'fsdp2').")
 
 
 def _has_submodule(model: nn.Module, path: str) -> bool:

@@ -69,6 +69,7 @@ class Row:
     model: str
     family: str
     budget: str  # "30 %", "50 %", "80 %", "minimum"
+    precision: str = "fp32"  # or the autocast dtype the step runs under ("bf16")
     budget_bytes: int = 0
     outcome: str = ""  # "ok", or what went wrong
     predicted_bytes: int = 0
@@ -443,14 +444,14 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _reference_step(zm: zoo.ZooModel, args: tuple, kwargs: dict, state: dict
-                    ) -> tuple[int, torch.Tensor, dict, dict]:
+def _reference_step(zm: zoo.ZooModel, args: tuple, kwargs: dict, state: dict,
+                    autocast_dtype: str | None) -> tuple[int, torch.Tensor, dict, dict]:
     """One unplanned step from ``state`` (HF cache off, as training with a plan runs)."""
     zm.model.load_state_dict(state)
     torch.manual_seed(0)
     with _training_config(zm.model):
         peak, loss, grads = measure_step(zm.model, args, kwargs,
-                                         zm.loss_fn or profiles.default_loss)
+                                         zm.loss_fn or profiles.default_loss, autocast_dtype)
     return peak, loss, grads, _state(zm.model)
 
 
@@ -465,7 +466,8 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
     torch.manual_seed(0)
     try:
         peak, loss, grads = measure_step(zm.model, args, kwargs,
-                                         zm.loss_fn or profiles.default_loss)
+                                         zm.loss_fn or profiles.default_loss,
+                                         plan.autocast_dtype)
     finally:
         after = _state(zm.model)
         remove(zm.model)
@@ -492,24 +494,28 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
 
 
 def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
-               time_limit_s: float = 20.0, timing: str = "estimate") -> list[Row]:
-    """Plan, apply and measure ``case`` at static + each fraction of its activations."""
+               time_limit_s: float = 20.0, timing: str = "estimate",
+               autocast: torch.dtype | None = None) -> list[Row]:
+    """Plan, apply and measure ``case`` at static + each fraction of its activations,
+    profiled, planned and run under ``autocast`` (None: full precision)."""
+    precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast]
     try:
         zm = case.build()
     except Exception as error:
-        return [Row(case.name, case.family, "all", outcome=f"build failed: {error}",
+        return [Row(case.name, case.family, "all", precision,
+                    outcome=f"build failed: {error}",
                     failures=[f"the case could not be built: {type(error).__name__}: "
                               f"{error}"])]
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
     state = _state(zm.model)
     rng = torch.get_rng_state()
     rows: list[Row] = []
-    base = Row(case.name, case.family, "")
+    base = Row(case.name, case.family, "", precision)
     try:
         started = time.perf_counter()
         with _training_config(zm.model), _quiet():
             prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
-                                    timing=timing, progress=False)
+                                    timing=timing, autocast=autocast, progress=False)
         base.profile_s = time.perf_counter() - started
     except Exception as error:  # a crash is a finding, not the end of the run
         base.budget, base.outcome = "all", f"profile crashed: {type(error).__name__}: {error}"
@@ -520,7 +526,7 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
     inputs = _input_specs(args, kwargs)
     structure = structure_fingerprint(zm.model)
     try:
-        reference = _reference_step(zm, args, kwargs, state)
+        reference = _reference_step(zm, args, kwargs, state, prof.autocast_dtype)
     except Exception as error:
         base.budget, base.outcome = "all", f"the unplanned step fails: {error}"
         base.failures.append(base.outcome)
@@ -584,17 +590,24 @@ def _solve(prof: profiles.GraphProfile, budget: int, inputs: list, structure: st
 
 def markdown_table(rows: list[Row]) -> str:
     """One line per (model, budget)."""
-    lines = ["| model | budget | outcome | budget | predicted | measured | error | "
+    lines = ["| model | precision | budget | outcome | budget | predicted | measured | error | "
              "grads | buffers | solver | regions | profile s | solve s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def same(ran: bool, equal: bool) -> str:
+        return "-" if not ran else "=" if equal else "DIFF"
+
     for r in rows:
+        ran = bool(r.measured_bytes)
         lines.append(
-            f"| {r.model} | {r.budget} | {r.outcome}{'' if r.ok else ': ' + '; '.join(r.failures)} "
+            f"| {r.model} | {r.precision} | {r.budget} | "
+            f"{r.outcome}{'' if r.ok else ': ' + '; '.join(r.failures)} "
             f"| {format_bytes(r.budget_bytes)} | "
             f"{format_bytes(r.predicted_bytes) if r.predicted_bytes else '-'} | "
-            f"{format_bytes(r.measured_bytes) if r.measured_bytes else '-'} | "
-            f"{r.error_pct:+.3f} % | {'=' if r.grads_equal else 'DIFF'} | "
-            f"{'=' if r.buffers_equal else 'DIFF'} | {r.solver} | {r.regions} | "
+            f"{format_bytes(r.measured_bytes) if ran else '-'} | "
+            f"{f'{r.error_pct:+.3f} %' if ran else '-'} | "
+            f"{same(ran, r.losses_equal and r.grads_equal)} | "
+            f"{same(ran, r.buffers_equal)} | {r.solver} | {r.regions} | "
             f"{r.profile_s:.1f} | {r.solve_s:.1f} |")
     return "\n".join(lines)
 

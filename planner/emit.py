@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -121,16 +121,31 @@ class Checkpointed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
-        # the rerun must see the arguments as they were: a caller may append to a list it
-        # passed (DenseNet's layers take the growing list of features), so containers are
-        # copied; the tensors in them are not
-        args, kwargs = tree_map(lambda leaf: leaf, (args, kwargs))
+        # Every tensor argument goes to checkpoint positionally: checkpoint saves positional
+        # tensors as saved tensors (nested in another checkpoint: packed into it, nothing
+        # held) but holds keyword arguments and containers as plain objects until its frame
+        # dies (an HF attention's hidden_states=... would stay alive through the forward).
+        # The rerun rebuilds fresh containers: a caller may append to a list it passed
+        # (DenseNet's layers take the growing list of features).
+        leaves, structure = tree_flatten((args, kwargs))
+        where = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        body = self._body()
+
+        def run(*tensors: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for k, tensor in zip(where, tensors, strict=True):
+                filled[k] = tensor
+            call_args, call_kwargs = tree_unflatten(filled, structure)
+            return body(*call_args, **call_kwargs)
+
+        tensors = [leaves[k] for k in where]
+        for k in where:
+            leaves[k] = None  # the closure keeps the structure, not the tensors
         if not self.spec.keep_ops:
-            return checkpoint(self._body(), *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
-        out = checkpoint(self._body(), *args, use_reentrant=False,
-                         context_fn=lambda: create_selective_checkpoint_contexts(policy),
-                         **kwargs)
+        out = checkpoint(run, *tensors, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(policy))
         if not torch.compiler.is_compiling():
             self._check_ops(policy.counters[False])
         return out

@@ -20,6 +20,8 @@ without any mode (training on a GPU) holds at most that much.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -38,7 +40,8 @@ class PeakTracker(TorchDispatchMode):
     everything ops allocate counts while alive.
     """
 
-    def __init__(self, static_tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, static_tensors: Iterable[torch.Tensor], *,
+                 follow_resizes: bool = False) -> None:
         super().__init__()
         self._static: set[StorageWeakRef] = set()
         self.static_bytes = 0
@@ -47,6 +50,46 @@ class PeakTracker(TorchDispatchMode):
         self._live: dict[StorageWeakRef, int] = {}
         self.live_bytes = self.static_bytes
         self.peak_bytes = self.static_bytes
+        # FSDP2 frees and re-allocates unsharded parameters by resizing their storages
+        # (``untyped_storage().resize_``, no op a dispatch mode sees): with
+        # ``follow_resizes`` every tensor alive in the process when the step starts counts
+        # (as the CUDA allocator counts everything allocated: DDP's gradient buckets,
+        # FSDP2's shards and its emptied unsharded storages), and every storage is counted
+        # at its current size, refreshed before each op through a weak reference to a
+        # tensor using it
+        self.follow_resizes = follow_resizes
+        self._holders: dict[StorageWeakRef, weakref.ref] = {}
+
+    def __enter__(self) -> PeakTracker:
+        if self.follow_resizes:
+            gc.collect()
+            for obj in gc.get_objects():
+                kind = type(obj)  # not isinstance: deprecated objects warn on __class__
+                if issubclass(kind, torch.Tensor) and kind.__torch_dispatch__ is \
+                        torch.Tensor.__torch_dispatch__ and obj.device.type != "meta" and \
+                        StorageWeakRef(obj.untyped_storage()) not in self._static:
+                    self._track(obj)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return super().__enter__()
+
+    def _refresh_sizes(self) -> None:
+        for ref, holder in list(self._holders.items()):
+            tensor = holder()
+            if tensor is None or ref not in self._live:
+                del self._holders[ref]
+                continue
+            nbytes = tensor.untyped_storage().nbytes()
+            self.live_bytes += nbytes - self._live[ref]
+            self._live[ref] = nbytes
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in self._live:
+            nbytes = tensor.untyped_storage().nbytes()
+            self._live[ref] = nbytes
+            self.live_bytes += nbytes
+        if self.follow_resizes:
+            self._holders[ref] = weakref.ref(tensor)
 
     def _keep_static(self, tensor: torch.Tensor) -> None:
         ref = StorageWeakRef(tensor.untyped_storage())
@@ -61,25 +104,29 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._forget_dead()
+        if self.follow_resizes:
+            self._refresh_sizes()
         for tensor in tree_leaves((args, kwargs)):
             # made before the step and read by it (a loss target the loss closes over):
             # allocated all along; but ``torch.tensor(...)`` in forward enters through
             # lift_fresh, a temporary counted below as that op's output
-            if func is not torch.ops.aten.lift_fresh.default and isinstance(
-                    tensor, torch.Tensor) and StorageWeakRef(
-                    tensor.untyped_storage()) not in self._live:
+            if func is torch.ops.aten.lift_fresh.default or not isinstance(
+                    tensor, torch.Tensor):
+                continue
+            ref = StorageWeakRef(tensor.untyped_storage())
+            if ref in self._static:
+                continue
+            if self.follow_resizes:
+                self._track(tensor)
+            elif ref not in self._live:
                 before = self.static_bytes
                 self._keep_static(tensor)
                 self.live_bytes += self.static_bytes - before
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            ref = StorageWeakRef(tensor.untyped_storage())
-            if ref in self._static or ref in self._live:
-                continue
-            nbytes = tensor.untyped_storage().nbytes()
-            self._live[ref] = nbytes
-            self.live_bytes += nbytes
+            if isinstance(tensor, torch.Tensor) and StorageWeakRef(
+                    tensor.untyped_storage()) not in self._static:
+                self._track(tensor)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out

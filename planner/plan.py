@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from planner.sharding import Sharding, rank_problem
 from profiles.schema import GraphProfile
+from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
 PLAN_SCHEMA_VERSION = 2
@@ -141,6 +143,8 @@ class Plan(_Strict):
     schedule: Schedule
     inputs: list[InputSpec]
     profile: GraphProfile
+    sharding: Sharding | None = Field(None, description="data-parallel training: the "
+                                      "budget and every number are per rank")
 
     @field_validator("schema_version")
     @classmethod
@@ -155,11 +159,17 @@ class Plan(_Strict):
         """Predicted extra step time over no checkpointing, as a fraction."""
         return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms else 0.0
 
+    def problem(self) -> Problem:
+        """The step the plan's numbers replay: its profile, as one rank runs it."""
+        from solvers.from_profile import problem_from_profile
+
+        return rank_problem(problem_from_profile(self.profile), self.profile.static,
+                            self.sharding)
+
     def check(self) -> None:
         """Raise ``ValueError`` naming the field where the plan disagrees with itself: its
         regions with its schedule, either with its profile, or its numbers with a replay."""
         from solvers import simulate
-        from solvers.from_profile import problem_from_profile
 
         names = [n.name for n in self.profile.nodes]
         if self.schedule.n_nodes != len(names):
@@ -167,7 +177,7 @@ class Plan(_Strict):
                              f"profile has {len(names)}")
         _check_regions(self.regions, list(self.schedule.regions), names, self.profile,
                        "regions")
-        problem = problem_from_profile(self.profile)
+        problem = self.problem()
         try:
             timeline = simulate(problem, self.schedule)
         except ValueError as error:
@@ -188,6 +198,7 @@ class Plan(_Strict):
         lines = [
             f"Plan for {self.model_name} (fingerprint {self.fingerprint}"
             f"{', autocast ' + self.autocast_dtype if self.autocast_dtype else ''})",
+            *([f"  {self.sharding.describe()}"] if self.sharding else []),
             f"  budget {format_bytes(self.budget_bytes)}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",

@@ -1,6 +1,6 @@
 """Measure the fixed costs of ``torch.utils.checkpoint`` on a device, with tiny ops.
 
-The emitted module (``planner.rewrite``) runs each RECOMPUTE region as
+A planned model (``planner.emit``) runs each checkpointed module call as
 ``checkpoint(region, *inputs, use_reentrant=False)``, with a selective-checkpoint (SAC)
 policy when the region keeps nodes. Beyond re-running its nodes, that costs host time the
 node timings do not see (``CheckpointCosts`` says what each constant covers). Here they are
@@ -14,7 +14,7 @@ the step times is taken:
 * chain B, each region ``sin * m``: m saved tensors, m ops.
 
 ``overhead(A) = k (region + pack)``, ``overhead(B) = k (region + m pack)`` give ``region_ms``
-and ``pack_ms``; the same chains with a SAC policy (shaped like the rewrite's: it counts op
+and ``pack_ms``; the same chains with a SAC policy (shaped like the planned model's: it counts op
 occurrences) minus plain checkpointing give ``sac_op_ms`` per op. ``benchmarks/
 checkpoint_overhead.py`` checks the model on more shapes and on real zoo blocks.
 
@@ -66,7 +66,7 @@ def _run(ops: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
 
 
 def _sac_context() -> Any:
-    """A policy as costly as the rewrite's: count occurrences per op, keep none."""
+    """A policy as costly as the planned model's: count occurrences per op, keep none."""
     counters: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
     keep: frozenset[tuple[str, int]] = frozenset()
 

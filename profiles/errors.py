@@ -4,4 +4,4 @@ from __future__ import annotations
 
 
 class ProfileError(RuntimeError):
-    """A captured graph could not be profiled (an op failed under fake tensors, say)."""
+    """One training step of the model could not be profiled (it fails to run, say)."""

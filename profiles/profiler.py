@@ -29,6 +29,7 @@ the step runs), gradients and the RNG state.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import statistics
@@ -555,16 +556,18 @@ class _BackwardObserver(TorchDispatchMode):
     A gradient that a view's or an add's backward passes on allocates nothing; one added
     into an existing buffer may be summed out of place: the engine does what it does, and
     this records it, node by node. Nodes are matched to ops after the forward
-    (``map_nodes``): autograd numbers nodes in creation order, so the graph's nodes sorted
-    by that number line up with the ops by name (``NativeBatchNormBackward0`` with
-    ``native_batch_norm``); ``grad_fn`` is not read inside the mode, where autograd may hold
-    its own lock.
+    (``map_nodes``): autograd creates an op's node, numbering it, just before the op reaches
+    this mode, so the counter read at each op says which node it made (checked by name:
+    ``NativeBatchNormBackward0`` with ``native_batch_norm``); nodes that check fails for are
+    aligned by name in creation order. ``grad_fn`` is not read inside the mode, where
+    autograd may hold its own lock.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.backward = False
         self.names: list[str] = []
+        self.seqs: list[int] = []  # autograd's next sequence number when each op ran
         self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
         self._live: dict[StorageWeakRef, int] = {}
         self.ops: list[tuple[int | None, int, int]] = []  # (forward op, live before, after)
@@ -591,10 +594,20 @@ class _BackwardObserver(TorchDispatchMode):
         node_keys = [re.sub(r"Backward\d*$", "", name).lower() for _, name in by_seq]
         op_keys = [op.split(".")[1].replace("_", "").lower() if op.count(".") >= 2 else op
                    for op in self.names]
-        matcher = difflib.SequenceMatcher(None, node_keys, op_keys, autojunk=False)
+        left: list[int] = []  # positions in by_seq not placed by their sequence number
+        for position, ((seq, _), key) in enumerate(zip(by_seq, node_keys, strict=True)):
+            op = bisect.bisect_right(self.seqs, seq)  # the first op run after it was made
+            if op < len(op_keys) and op_keys[op] == key:
+                self.op_of_seq[seq] = op
+            else:
+                left.append(position)
+        taken = set(self.op_of_seq.values())
+        free_ops = [i for i in range(len(op_keys)) if i not in taken]
+        matcher = difflib.SequenceMatcher(None, [node_keys[k] for k in left],
+                                          [op_keys[i] for i in free_ops], autojunk=False)
         for a, b, size in matcher.get_matching_blocks():
             for k in range(size):
-                self.op_of_seq[by_seq[a + k][0]] = b + k
+                self.op_of_seq[by_seq[left[a + k]][0]] = free_ops[b + k]
 
     def live_bytes(self) -> int:
         for ref in [r for r in self._live if r.expired()]:
@@ -607,6 +620,7 @@ class _BackwardObserver(TorchDispatchMode):
             return func(*args, **kwargs)
         if not self.backward:
             self.names.append(str(func))
+            self.seqs.append(torch._C._autograd._get_sequence_nr())
             return func(*args, **kwargs)
         before = self.live_bytes()
         inputs = {StorageWeakRef(t.untyped_storage()) for t in _tensors((args, kwargs))}

@@ -159,3 +159,70 @@ def test_kept_matmul_where_the_rerun_stops_stays_cached(autocast: torch.dtype | 
     # measured: exact in fp32; 256 B (0.007 %) high under autocast, where the rerun's
     # weight cast dies inside the matmul's backward (the simulator holds it to the end)
     assert 0 <= plan.predicted_peak_bytes - measured <= 0.0001 * measured
+
+
+def _saved_bytes(step) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct storages autograd saves during ``step()`` (and its loss)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = step()
+    loss.backward()
+    return sum(seen.values()), loss.detach()
+
+
+def test_torch_compile_keeps_the_plans_checkpoints() -> None:
+    """``torch.compile`` of the planned model traces the checkpoints (dynamo's
+    tag_activation_checkpoint, the selective policy) and saves what the plan says: far
+    fewer bytes than the compiled unplanned model, with identical gradients."""
+    model = zoo.get("gpt", size="tiny", dropout=0.0)
+    prof, plan = _setup(model)
+    problem = problem_from_profile(prof)
+    schedule = baselines.BASELINES["every_block"](problem, 2**62).schedule
+    plan = plan_for_schedule(prof, schedule, plan.inputs, structure_fingerprint(model.model))
+    x, = model.example_inputs
+
+    def compiled_step() -> tuple[int, torch.Tensor, dict]:
+        torch._dynamo.reset()
+        compiled = torch.compile(model.model, backend="aot_eager")
+        saved, loss = _saved_bytes(lambda: model.loss_fn(compiled(x)))
+        grads = {n: p.grad.clone() for n, p in model.model.named_parameters()}
+        model.model.zero_grad(set_to_none=True)
+        return saved, loss, grads
+
+    unplanned_saved, base_loss, base_grads = compiled_step()
+    apply(model.model, plan)
+    try:
+        planned_saved, loss, grads = compiled_step()
+    finally:
+        remove(model.model)
+        torch._dynamo.reset()
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    # measured: 2.18 MB saved without the plan, 0.90 MB with every block checkpointed
+    assert planned_saved < 0.7 * unplanned_saved, (planned_saved, unplanned_saved)
+
+
+def test_nested_attention_call_with_keyword_inputs() -> None:
+    """HF Llama calls its attention with keyword tensors (hidden_states=...); checkpoint
+    holds keyword arguments as plain objects, so nested in the layer's checkpoint they
+    stayed alive through the forward (measured +128 KiB over the prediction). The emitted
+    call passes every tensor positionally: saved into the layer's checkpoint, as modelled."""
+    model = zoo.get("hf-llama", batch=4)
+    prof, _ = _setup(model)
+    problem = problem_from_profile(prof)
+    start, stop = problem.blocks()[1]
+    attention = next(sp for sp in problem.spans_within(start, stop)
+                     if sp.name.endswith("self_attn"))
+    nested = Schedule.from_segments(problem.n_nodes, [Region(
+        start, stop, "recompute", children=[Region(attention.start, attention.stop,
+                                                   "recompute")])])
+    plan = _check(model, prof, nested)  # grads identical, within the tolerance
+    apply(model.model, plan)
+    measured, _, _ = _step(model)
+    remove(model.model)
+    assert measured == plan.predicted_peak_bytes

@@ -44,6 +44,22 @@ def test_plans_on_real_models_run_and_hold(name: str) -> None:
     assert all(r.grads_equal and r.buffers_equal for r in measured)
 
 
+@pytest.mark.parametrize("name", ["torchvision resnet18", "HF LlamaForCausalLM (GQA)",
+                                  "U-Net (BatchNorm, concatenated skips)"])
+def test_bf16_autocast_plans_on_real_models_hold(name: str) -> None:
+    """Profiled, planned and run under bf16 autocast: within budget, gradients equal to
+    the unplanned model's under autocast."""
+    case = next(c for c in CASES if c.name == name)
+    if case.needs and importlib.util.find_spec(case.needs) is None:
+        pytest.skip(f"needs {case.needs}")
+    rows = check_case(case, (0.5,), time_limit_s=10.0, autocast=torch.bfloat16)
+    assert all(r.precision == "bf16" for r in rows)
+    failures = [f"{r.budget}: {'; '.join(r.failures)}" for r in rows if not r.ok]
+    assert not failures, failures
+    measured = [r for r in rows if r.measured_bytes]
+    assert measured and all(r.measured_bytes <= r.budget_bytes for r in measured)
+
+
 def test_measured_timing_survives_in_place_ops_on_stored_inputs() -> None:
     """T5's relative-position buckets are built in place on an integer tensor; timing ops
     alone used to rerun those ops on the stored tensor and index out of range."""

@@ -1,0 +1,126 @@
+"""Plans for data-parallel training: two CPU processes over gloo, FSDP2 and DDP.
+
+The recipe is torchtitan's: apply the plan to the model, then ``fully_shard`` each block and
+the root (or wrap in DDP). Each rank's measured peak (``PeakTracker``, following FSDP2's
+storage resizes) stays within the per-rank budget, and the planned model's losses and
+gradients equal those of the same wrapping of the unplanned model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner import InfeasibleBudgetError, Plan, PlanMismatchError, apply, optimize, replan, zoo
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # the plan's units (checked in the test)
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _step(model: torch.nn.Module, zm: zoo.ZooModel) -> tuple[int, float, list[torch.Tensor]]:
+    from planner.measure import PeakTracker
+
+    x, = zm.example_inputs
+    static = [*(_local(p) for p in model.parameters()), *model.buffers(), x]
+    with PeakTracker(static, follow_resizes=True) as tracker:
+        loss = zm.loss_fn(model(x))
+        loss.backward()
+    grads = [_local(p.grad).clone() for p in model.parameters()]
+    return tracker.peak_bytes, loss.item(), grads
+
+
+def _rank(rank: int, kind: str, plan_path: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        plan = Plan.load(plan_path)
+        zm = zoo.get("gpt", size="small", dropout=0.0)
+        single = Plan.load(plan_path).model_copy(update={"sharding": None})
+        try:
+            apply(zm.model, single)
+            refused = ""
+        except PlanMismatchError as error:
+            refused = str(error)
+        # measured first, with nothing else alive: PeakTracker counts every tensor
+        planned = _wrap(apply(zm.model, plan), kind)
+        peak, loss, grads = _step(planned, zm)
+        del planned, zm
+        zm = zoo.get("gpt", size="small", dropout=0.0)
+        _, base_loss, base_grads = _step(_wrap(zm.model, kind), zm)
+        torch.save({"peak": peak, "loss": loss, "base_loss": base_loss, "refused": refused,
+                    "grads_equal": all(torch.equal(a, b) for a, b in zip(
+                        grads, base_grads, strict=True))}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, tmp_path: Path) -> None:
+    zm = zoo.get("gpt", size="small", dropout=0.0)
+    first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                     timing="estimate", world_size=WORLD, sharding=kind, progress=False)
+    assert first.sharding is not None and first.sharding.world_size == WORLD
+    if kind == "fsdp2":
+        assert first.sharding.units == [f"blocks.{i}" for i in range(4)]
+    static = first.problem().static_bytes
+    try:
+        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
+    except InfeasibleBudgetError as error:
+        plan = error.plan
+    assert plan.checkpointing and plan.sharding == first.sharding
+    assert "per rank of 2" in plan.summary()
+    plan_path = str(tmp_path / "plan.json")
+    plan.save(plan_path)
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(kind, plan_path, _free_port(), out), nprocs=WORLD)
+    for rank in range(WORLD):
+        result = torch.load(f"{out}.{rank}")
+        assert result["peak"] <= plan.budget_bytes, (rank, result["peak"], plan.budget_bytes)
+        assert result["loss"] == result["base_loss"] and result["grads_equal"], rank
+        assert "is for one process, but this process group has 2 ranks" in result["refused"]
+
+
+def test_sharding_needs_a_kind_and_valid_units() -> None:
+    zm = zoo.get("gpt", size="tiny")
+    with pytest.raises(ValueError, match="needs sharding='ddp' or 'fsdp2'"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 world_size=2, progress=False)
+    with pytest.raises(ValueError, match="not submodules"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 world_size=2, sharding="fsdp2", shard_modules=["layers.0"], progress=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
