@@ -16,8 +16,14 @@ import pytest
 import torch
 
 import profiles
-from planner.api import InfeasibleBudgetError, plan_for_profile
+from planner.api import (
+    InfeasibleBudgetError,
+    _input_specs,
+    plan_for_profile,
+    structure_fingerprint,
+)
 from planner.conformance import CASES, check_case
+from profiles.inputs import normalize_inputs
 
 FAST = {
     "torchvision resnet18": (0.8,),
@@ -86,8 +92,6 @@ def test_time_limit_holds_for_the_whole_solve(time_limit_s: float) -> None:
     zm = case.build()
     prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
                             timing="estimate", progress=False)
-    from planner.api import _input_specs, structure_fingerprint
-    from profiles.inputs import normalize_inputs
     inputs = _input_specs(*normalize_inputs(zm.model, zm.example_inputs))
     structure = structure_fingerprint(zm.model)
     unplanned = plan_for_profile(prof, 2**62, inputs, structure).unplanned_peak_bytes
