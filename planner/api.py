@@ -136,12 +136,17 @@ def _training_config(model: nn.Module) -> Iterator[bool]:
 
 
 def _refuse_existing_checkpointing(model: nn.Module) -> None:
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # transformers 5 renamed it
-    if getattr(model, flag, False):
-        raise ValueError(
-            f"{type(model).__name__} already has Hugging Face gradient checkpointing on; a "
-            "plan replaces it. Call model.gradient_checkpointing_disable() first.")
+    """HF's own checkpointing on the model or a wrapped one (PEFT) would nest with a plan."""
+    for module in model.modules():
+        cls = type(module)
+        flag = ("is_activation_checkpointing" if hasattr(cls, "is_activation_checkpointing")
+                else "is_gradient_checkpointing" if hasattr(cls, "is_gradient_checkpointing")
+                else None)  # transformers 5 renamed it
+        if flag is not None and getattr(module, flag, False):
+            off = flag.replace("is_", "", 1) + "_disable"
+            raise ValueError(
+                f"{cls.__name__} already has Hugging Face gradient checkpointing on; a plan "
+                f"replaces it. Call model.{off}() first.")
 
 
 # ----------------------------------------------------------------------------- optimize

@@ -612,6 +612,36 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def model_table(rows: list[Row]) -> str:
+    """One line per model: each asked budget's outcome (an infeasible one names the minimum
+    that was then planned and measured), the unplanned peak and the worst prediction error."""
+    asked = ["fp32 30 %", "fp32 50 %", "fp32 80 %", "bf16 50 %"]
+    lines = ["| model | unplanned peak (fp32) | " + " | ".join(f"{a}" for a in asked)
+             + " | worst error |", "|---|---|" + "---|" * len(asked) + "---|"]
+    by_model: dict[str, list[Row]] = {}
+    for r in rows:
+        by_model.setdefault(r.model, []).append(r)
+    for model, model_rows in by_model.items():
+        cells = {}
+        for i, r in enumerate(model_rows):
+            if r.budget == "minimum":
+                continue
+            follow = model_rows[i + 1] if i + 1 < len(model_rows) else None
+            if r.outcome == "infeasible" and follow is not None and follow.budget == "minimum":
+                cell = (f"min {format_bytes(follow.budget_bytes)}: "
+                        f"{'holds' if follow.ok else 'FAILED'}")
+            else:
+                cell = "holds" if r.ok else "FAILED"
+            cells[f"{r.precision} {r.budget}"] = cell
+        measured = [r for r in model_rows if r.measured_bytes]
+        worst = max((r.error_pct for r in measured), key=abs, default=None)
+        unplanned = max((r.unplanned_bytes for r in model_rows), default=0)
+        lines.append(f"| {model} | {format_bytes(unplanned) if unplanned else '-'} | "
+                     + " | ".join(cells.get(a, "-") for a in asked)
+                     + f" | {'-' if worst is None else f'{worst:+.3f} %'} |")
+    return "\n".join(lines)
+
+
 def summary(rows: list[Row]) -> dict[str, Any]:
     """Counts and extremes over ``rows``."""
     measured = [r for r in rows if r.measured_bytes]

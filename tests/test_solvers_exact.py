@@ -119,8 +119,9 @@ def test_reported_peaks_are_simulated_and_optimum_beats_baselines(p: Problem,
             tl = simulate(p, sol.schedule)
             assert sol.peak_bytes == tl.peak_bytes, name
             assert sol.feasible == (tl.peak_bytes <= budget), name
-        if sol.feasible:
-            assert opt.feasible
+        nested = sol.schedule is not None and any(r.children for r in sol.schedule.regions)
+        if sol.feasible and not nested:  # milp is exact over flat schedules only; the DP
+            assert opt.feasible          # also nests, and can beat it (seen: 4 ms vs 5 ms)
             assert opt.objective_ms <= sol.objective_ms + 1e-9, name
 
 
