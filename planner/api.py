@@ -229,17 +229,8 @@ def _as_inputs(args: tuple, kwargs: dict) -> Any:
     return kwargs if kwargs else args
 
 
-SPACES = {
-    "dp": "chains of module-call segments (flat, or a call with its submodule calls nested)",
-    "milp": "non-overlapping module calls, each keeping none, its matmuls or any subset",
-    "bruteforce": "every schedule of module calls",
-    "none": "",
-}
-
-
 def _report(solution: Solution) -> SolverReport:
-    base = solution.solver.removeprefix("auto/")
-    space = SPACES.get(base, "") if solution.status == Status.OPTIMAL else ""
+    space = str(solution.space) if solution.space is not None else ""
     return SolverReport(name=solution.solver, status=solution.status.value,
                         objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
                         gap=solution.gap, solve_time_s=solution.solve_time_s, space=space)

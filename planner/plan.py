@@ -205,9 +205,7 @@ class Plan(_Strict):
             f"  predicted step overhead {100 * self.predicted_overhead:.1f} % "
             f"({self.recompute_ms:.2f} ms recompute on {self.baseline_step_ms:.2f} ms, "
             f"{self.profile.timing} on {self.profile.device})",
-            f"  solver {solver.name}: {solver.status}"
-            + (f" over {solver.space}" if solver.space else "")
-            + f", gap {_percent(solver.gap)}, {solver.solve_time_s:.2f} s",
+            f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
         ]
         if self.note:
             lines.append(f"  {self.note}")
@@ -234,7 +232,7 @@ class Plan(_Strict):
             f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)} "
             f"budget (no checkpointing {format_bytes(self.unplanned_peak_bytes)}), overhead "
             f"{100 * self.predicted_overhead:.1f} %, solver {html.escape(self.solver.name)} "
-            f"{self.solver.status} (gap {_percent(self.solver.gap)})"
+            f"{html.escape(_proof(self.solver))}"
             "<table><tr><th>nodes</th><th>mode</th><th>module</th><th>ops</th><th>kept</th>"
             f"</tr>{rows}</table></div>")
 
@@ -293,5 +291,12 @@ def _check_regions(regions: list[PlanRegion], expected: list[Region], names: lis
                        f"{field}.children")
 
 
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.2f} %"
+def _proof(solver: SolverReport) -> str:
+    """What the solver proved, and over which schedules: never a claim without its space."""
+    if solver.status == "optimal":
+        return f"optimal over {solver.space or 'its solver space (not recorded)'}"
+    if solver.status == "infeasible":
+        return "infeasible"
+    if solver.gap is not None and solver.space:
+        return f"feasible, within {100 * solver.gap:.2f} % of the optimum over {solver.space}"
+    return "feasible, no proven bound"

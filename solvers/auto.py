@@ -11,6 +11,7 @@ from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
+from solvers.spaces import every_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     over merged stages as warm start. The cheap baselines (`baselines.BASELINES`) run too, so
     the answer is never worse than any of them. Returns the feasible answer with least
     recompute time (OPTIMAL preferred on ties); `solver` names which one, prefixed `auto/`.
-    When no exact solver proved that answer optimal, the status is FEASIBLE and `bound_ms` /
-    `gap` carry the best lower bound the exact solvers proved (0 ms when none did).
+    Status, `bound_ms`, `gap` and `space` come from the strongest bound an exact solver
+    proved over a space that holds the answer (`_proven_over_a_space`); none: FEASIBLE with
+    no bound.
     """
     t0 = time.perf_counter()
     exact: list[Solution] = []
@@ -63,18 +65,47 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     best = min(exact + base, key=_rank)
     if not best.feasible:
         best = min(exact, key=_rank)  # the exact solvers' lowest-peak schedule and minimum
-    if best.feasible and best.status != Status.OPTIMAL:
-        bounds = [s.bound_ms for s in exact if s.feasible and s.bound_ms is not None]
-        bound = min(max(bounds, default=0.0), best.objective_ms)
-        obj = best.objective_ms
-        gap = 0.0 if obj <= 0 else max(0.0, (obj - bound) / obj)
-        best = best.model_copy(update={"status": Status.FEASIBLE, "bound_ms": bound,
-                                       "gap": gap})
+    if best.feasible:
+        best = _proven_over_a_space(problem, best, exact)
     if not best.feasible:
         mfb = [r.min_feasible_budget_bytes for r in exact if r.min_feasible_budget_bytes]
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0})
+
+
+def _proven_over_a_space(problem: Problem, best: Solution, exact: list[Solution]
+                         ) -> Solution:
+    """`best` with the strongest bound proven over a space that holds its schedule.
+
+    A bound over space S bounds the optimum over S; it says how far `best` is from that
+    optimum only when `best` lies in S. The answer's own solver's space always holds it;
+    another's only when `SearchSpace.contains` decides so. Without one: no bound, no gap.
+    """
+    obj = best.objective_ms
+    if obj <= 0:
+        return best.model_copy(update={"status": Status.OPTIMAL, "bound_ms": 0.0, "gap": 0.0,
+                                       "space": every_schedule()})
+    proven: list[tuple[float, Solution]] = []
+    for sol in exact:
+        if not sol.feasible or sol.space is None or sol.bound_ms is None:
+            continue
+        if sol is best or sol.space.contains(problem, best.schedule):
+            if sol.bound_ms > obj + 1e-9 * max(1.0, obj):
+                logger.error("%s proved %.6f ms over %s, but %s found %.6f ms in that space; "
+                             "please report this", sol.solver, sol.bound_ms, sol.space,
+                             best.solver, obj)
+                continue
+            proven.append((min(sol.bound_ms, obj), sol))
+    if not proven:
+        return best.model_copy(update={"status": Status.FEASIBLE, "bound_ms": None,
+                                       "gap": None, "space": None})
+    bound, by = max(proven, key=lambda p: p[0])
+    gap = max(0.0, (obj - bound) / obj)
+    optimal = gap <= 1e-9
+    return best.model_copy(update={"status": Status.OPTIMAL if optimal else Status.FEASIBLE,
+                                   "bound_ms": bound, "gap": 0.0 if optimal else gap,
+                                   "space": by.space})
 
 
 def _nested_minimum(problem: Problem, flat: int, time_limit_s: float) -> int:

@@ -17,6 +17,7 @@ from solvers.problem import Problem
 from solvers.result import Solution
 from solvers.schedule import RECOMPUTE, STORE, Region, Schedule
 from solvers.simulate import simulate
+from solvers.spaces import every_flat
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     assert lowest is not None
     if best is not None:
         return Solution.scored(problem, best[2], budget_bytes, solver="bruteforce",
-                               started_s=t0, proven_optimal=complete)
+                               started_s=t0, proven_optimal=complete,
+                               space=every_flat(problem) if complete else None)
     if complete:
         mfb, exact = lowest[0], True
     else:

@@ -22,8 +22,8 @@ beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's u
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to
 prefix-sum bounds on their peak, residue and time (`_SpanBounds`), so it bounds the full
 flat space (nested options are left out on long chains: the bounds do not cover them).
-Measured on the synthetic chains of `benchmarks/solver_scaling.py` (dp alone, 2 cores):
-4,945 nodes gap 0.7 % in 56 s, 19,955 nodes gap 38 % at span 16 in 61 s.
+Measured on the synthetic chains of `solvers.testing` (`benchmarks/solver_scaling.py`, dp
+alone, 2 cores): 4,945 nodes gap 0.7 % in 56 s, 19,955 nodes gap 38 % at span 16 in 61 s.
 
 Not a chain (a storage read two or more stages later): a storage whose skip spans a block
 (an attention mask or rotary table read by every block) is pinned (`pinned_storages`): left
@@ -63,6 +63,7 @@ from solvers.milp import stages as problem_stages
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
+from solvers.spaces import SearchSpace, chain_segments
 
 logger = logging.getLogger(__name__)
 
@@ -718,6 +719,10 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
     return (best_t, sorted(regions, key=lambda r: r.a)), rounded, relaxed
 
 
+def _space(problem: Problem, *, nested: bool) -> SearchSpace:
+    return chain_segments(problem, nested=nested, any_keep=problem.n_nodes <= SUBSET_MAX_NODES)
+
+
 def _same_ms(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
 
@@ -762,7 +767,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
                                            [_schedule_region(r) for r in found[1]])
             exact = not rounded and not pinned and span >= len(st)
             sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
-                                  proven_optimal=exact, bound_ms=found[0] if exact else None)
+                                  proven_optimal=exact, bound_ms=found[0] if exact else None,
+                                  space=_space(problem, nested=True) if exact else None)
             if sol.feasible and not rounded and not _same_ms(found[0], sol.objective_ms):
                 logger.error("dp: its model gives %.6f ms but simulate %.6f ms for %s; please "
                              "report this", found[0], sol.objective_ms, sched.describe())
@@ -794,9 +800,12 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         if span >= len(st):
             break
     if best is not None:
-        proven = best.objective_ms <= bound + 1e-9 * max(1.0, bound)
+        # the lower-bound passes bound flat segmentations only: no claim for a nested answer
+        flat = not any(r.children for r in best.schedule.regions)
+        proven = flat and best.objective_ms <= bound + 1e-9 * max(1.0, bound)
         return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
-                               proven_optimal=proven, bound_ms=None if proven else bound)
+                               proven_optimal=proven, bound_ms=bound if flat else None,
+                               space=_space(problem, nested=False) if flat else None)
     mfb = memory_lower_bound(problem)
     return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,

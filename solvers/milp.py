@@ -38,13 +38,13 @@ from solvers.accounting import Context, RegionInfo
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
+from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["candidates", "min_peak", "solve", "stages"]
+__all__ = ["candidates", "complete", "min_peak", "solve", "stages"]
 
 TIME_SCALE = 1_000_000  # objective units per ms
-FULL_KEEP_MAX_LEN = 8  # regions up to this length enumerate every kept subset
 FULL_MAX_CANDIDATES = 4000
 
 
@@ -78,8 +78,9 @@ def _check(deadline: float | None) -> None:
 
 
 def candidates(ctx: Context, *, full: bool | None = None,
-               deadline: float | None = None) -> tuple[list[RegionInfo], bool]:
-    """Candidate regions and whether they span the whole (brute-force) schedule space.
+               deadline: float | None = None) -> tuple[list[RegionInfo], SearchSpace]:
+    """Candidate regions and the space of schedules they span (`complete(space)`: every
+    flat schedule, brute force's space).
 
     Raises ``TimeoutError`` past ``deadline`` (a ``time.perf_counter()`` value).
     """
@@ -104,13 +105,20 @@ def candidates(ctx: Context, *, full: bool | None = None,
             _check(deadline)
             for keep in _keep_options(p, a, b, full and b - a <= FULL_KEEP_MAX_LEN):
                 out.append(ctx.region(a, b, keep))
-    complete = full and all(b - a <= FULL_KEEP_MAX_LEN for a in range(n)
-                            for b in range(a + 1, n + 1) if all(p.recomputable[a:b]))
-    return out, complete
+    if not full:
+        return out, flat_regions(p, "stages", "matmuls")
+    all_short = all(b - a <= FULL_KEEP_MAX_LEN for a in range(n)
+                    for b in range(a + 1, n + 1) if all(p.recomputable[a:b]))
+    return out, flat_regions(p, "any", "any" if all_short else "short-any")
+
+
+def complete(space: SearchSpace) -> bool:
+    """Whether `space` holds every flat schedule (CP-SAT's answers are then brute force's)."""
+    return space.cuts == "any" and space.keep == "any"
 
 
 def _span_candidates(ctx: Context, full: bool | None,
-                     deadline: float | None = None) -> tuple[list[RegionInfo], bool]:
+                     deadline: float | None = None) -> tuple[list[RegionInfo], SearchSpace]:
     """Every module span that reruns, each with every kept subset when they are few
     (complete), else with keep = nothing or its matmul-like nodes."""
     p = ctx.p
@@ -123,7 +131,7 @@ def _span_candidates(ctx: Context, full: bool | None,
     for a, b in spans:
         _check(deadline)
         out.extend(ctx.region(a, b, keep) for keep in _keep_options(p, a, b, full))
-    return out, full
+    return out, flat_regions(p, "any", "any" if full else "matmuls")
 
 
 def _rerun_delta(ctx: Context, r: RegionInfo) -> int:
@@ -337,7 +345,7 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     ctx = ctx or Context(problem)
     deadline = time.perf_counter() + time_limit_s
     try:
-        cands, complete = candidates(ctx, deadline=deadline)
+        cands, space = candidates(ctx, deadline=deadline)
         mdl = _build(ctx, cands, None, deadline)
     except TimeoutError:
         return 0, False, None
@@ -352,7 +360,7 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     from solvers.simulate import simulate
 
     peak = simulate(problem, sched).peak_bytes
-    return peak, st == cp_model.OPTIMAL and complete, sched
+    return peak, st == cp_model.OPTIMAL and complete(space), sched
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
@@ -361,7 +369,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     t0 = time.perf_counter()
     ctx = Context(problem)
     try:
-        cands, complete = candidates(ctx, deadline=t0 + time_limit_s)
+        cands, space = candidates(ctx, deadline=t0 + time_limit_s)
         mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
     except TimeoutError:
         from solvers.bounds import memory_lower_bound
@@ -378,8 +386,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         chosen = {(r.start, r.stop, r.keep) for r in hint.regions if r.is_recompute}
         for r, v in zip(cands, mdl.x, strict=True):
             mdl.model.AddHint(v, (r.a, r.b, r.keep) in chosen)
-    logger.info("milp: %d candidates (%s), %d nodes", len(cands),
-                "complete" if complete else "stage cuts", problem.n_nodes)
+    logger.info("milp: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
     while True:
         left = time_limit_s - (time.perf_counter() - t0)
         solver = _solver(left)
@@ -405,7 +412,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         bound = solver.BestObjectiveBound() / TIME_SCALE
         sol = Solution.scored(problem, sched, budget_bytes, solver="milp", started_s=t0,
                               proven_optimal=st == cp_model.OPTIMAL,
-                              bound_ms=min(bound, solver.ObjectiveValue() / TIME_SCALE))
+                              bound_ms=min(bound, solver.ObjectiveValue() / TIME_SCALE),
+                              space=space)
         if sol.feasible or time.perf_counter() - t0 > time_limit_s:
             return sol
         logger.error("milp model/simulate mismatch on %s; adding a no-good cut",

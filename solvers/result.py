@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
+from solvers.spaces import SearchSpace
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,12 @@ class Solution(BaseModel):
     """A solver's answer; memory and time numbers come from `simulate`, never the solver.
 
     `objective_ms` is the recompute time of `schedule`; `bound_ms` a proven lower bound on the
-    recompute time of any schedule within the budget; `gap` is (objective - bound) / objective
-    (0 when both are 0). When INFEASIBLE, `schedule` is the lowest-peak schedule the solver
-    found (or None) and `min_feasible_budget_bytes` the smallest budget that could work
-    (exact when `min_feasible_budget_exact`, else a lower bound).
+    recompute time of any schedule of `space` within the budget; `gap` is (objective - bound)
+    / objective (0 when both are 0). OPTIMAL, the bound and the gap hold over `space` only
+    (None: nothing is proven but the trivial bound 0). When INFEASIBLE, `schedule` is the
+    lowest-peak schedule the solver found (or None) and `min_feasible_budget_bytes` the
+    smallest budget that could work (exact when `min_feasible_budget_exact`, else a lower
+    bound).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -49,6 +52,7 @@ class Solution(BaseModel):
     total_time_ms: float | None = None
     min_feasible_budget_bytes: int | None = None
     min_feasible_budget_exact: bool = False
+    space: SearchSpace | None = None
 
     @property
     def feasible(self) -> bool:
@@ -68,6 +72,7 @@ class Solution(BaseModel):
         bound_ms: float | None = 0.0,
         min_feasible_budget_bytes: int | None = None,
         min_feasible_budget_exact: bool = False,
+        space: SearchSpace | None = None,
     ) -> Solution:
         """Simulate `schedule` and wrap it: FEASIBLE (or OPTIMAL) iff its peak fits the budget.
 
@@ -98,4 +103,5 @@ class Solution(BaseModel):
             total_time_ms=tl.total_time_ms,
             min_feasible_budget_bytes=None if fits else min_feasible_budget_bytes,
             min_feasible_budget_exact=min_feasible_budget_exact and not fits,
+            space=space if fits else None,
         )

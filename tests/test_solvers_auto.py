@@ -84,7 +84,8 @@ def test_dp_pins_long_skips_and_compacts_empty_stages() -> None:
     for budget in (hf, (hf + store) // 2, store):
         sol = dp.solve(p, budget, 10.0)
         assert sol.feasible and sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
-        assert sol.bound_ms <= sol.objective_ms + 1e-9
+        assert sol.status == Status.OPTIMAL  # 8 stages: the dp covers its space
+        _no_worse_than_baselines(p, budget, sol)  # block-aligned baselines lie in that space
         _no_worse_than_baselines(p, budget, auto.solve(p, budget, 10.0))
 
 
@@ -93,7 +94,7 @@ def test_auto_falls_back_to_baselines_when_exact_solvers_run_out_of_time() -> No
     budget = baselines.every_block(p, 10**9, 1.0).peak_bytes
     sol = auto.solve(p, budget, 0.0)  # no time: the DP gives up, CP-SAT is not started
     assert sol.status == Status.FEASIBLE and sol.solver.startswith("auto/")
-    assert sol.bound_ms == 0.0 and sol.gap == 1.0
+    assert sol.bound_ms is None and sol.gap is None and sol.space is None  # nothing proven
     _no_worse_than_baselines(p, budget, sol)
 
 

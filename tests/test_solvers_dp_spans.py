@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,9 +12,7 @@ from test_solvers_nested_accounting import graphs
 
 from solvers import SOLVERS, Schedule, Status, dp, memory_lower_bound, simulate
 from solvers.accounting import Context
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from solver_scaling import transformer
+from solvers.testing import transformer
 
 
 def _passes(p, budget: int, span: int, splittable_at: int,

@@ -1,0 +1,124 @@
+"""The sets of schedules solvers prove their answers over, and membership in them.
+
+A solver's OPTIMAL, bound and gap hold over its own search space only: the DP's chain
+segmentations, CP-SAT's candidate regions, brute force's every flat schedule. `auto` may
+use a bound proven over a space for an answer only when that answer lies in the space
+(`SearchSpace.contains`); then the gap is proven over that space, and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from solvers.problem import Problem
+from solvers.schedule import Schedule
+
+__all__ = ["SearchSpace", "chain_segments", "every_flat", "every_schedule", "flat_regions",
+           "matmul_keep"]
+
+FULL_KEEP_MAX_LEN = 8  # regions up to this many nodes may keep any subset ("short-any")
+
+
+class SearchSpace(BaseModel):
+    """A set of schedules, described for people (`text`) and testable (`contains`).
+
+    `cuts`: where RECOMPUTE regions may start and stop ("any" node boundary, "stages": the
+    boundaries of `blocks()` and the single nodes between them, "solver": only schedules
+    the solver itself produced). `keep`: what a region may keep ("any" keepable subset,
+    "matmuls": nothing or all its keepable matmul-like nodes, "short-any": any subset in
+    regions of at most `FULL_KEEP_MAX_LEN` nodes, else as "matmuls"). Regions are module
+    calls whenever the problem has module spans. `nested`: one level of nesting included.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str
+    cuts: Literal["any", "stages", "solver"]
+    keep: Literal["any", "matmuls", "short-any"]
+    nested: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+    def contains(self, problem: Problem, schedule: Schedule) -> bool:
+        """Whether `schedule` is one of this space's schedules (False when unknowable)."""
+        if self.cuts == "solver":
+            return False
+        cuts = None if self.cuts == "any" else _stage_cuts(problem)
+        for region in schedule.regions:
+            if region.children:
+                return False  # membership of nested schedules is not decided here
+            if not region.is_recompute:
+                continue
+            a, b = region.start, region.stop
+            if not problem.emittable(a, b) or (cuts is not None and not {a, b} <= cuts):
+                return False
+            if not _keep_allowed(problem, a, b, region.keep, self.keep):
+                return False
+        return True
+
+
+def _stage_cuts(problem: Problem) -> set[int]:
+    cuts = {0, problem.n_nodes}
+    pos = 0
+    for a, b in problem.blocks():
+        cuts.update(range(pos, a + 1))
+        cuts.add(b)
+        pos = b
+    cuts.update(range(pos, problem.n_nodes))
+    return cuts
+
+
+def _keep_allowed(problem: Problem, a: int, b: int, keep: frozenset[int], rule: str) -> bool:
+    if not all(problem.can_keep(i) for i in keep):
+        return False
+    if rule == "any" or (rule == "short-any" and b - a <= FULL_KEEP_MAX_LEN):
+        return True
+    return not keep or keep == matmul_keep(problem, a, b)
+
+
+def matmul_keep(problem: Problem, a: int, b: int) -> frozenset[int]:
+    """The keepable matmul-like nodes of `[a, b)`: the one non-empty keep most solvers try."""
+    return frozenset(i for i in range(a, b) if problem.is_matmul(i) and problem.can_keep(i))
+
+
+def _regions_word(problem: Problem) -> str:
+    return "module calls" if problem.module_spans is not None else "regions"
+
+
+def every_schedule() -> SearchSpace:
+    """Every schedule, nesting included: the space a schedule that recomputes nothing is
+    optimal over (no recompute time is less than none)."""
+    return SearchSpace(text="every schedule (nothing is recomputed)", cuts="any", keep="any",
+                       nested=True)
+
+
+def every_flat(problem: Problem) -> SearchSpace:
+    """Brute force's space: every schedule without nesting."""
+    return SearchSpace(text=f"every flat schedule (non-overlapping {_regions_word(problem)}, "
+                       "each keeping any subset of its ops)", cuts="any", keep="any")
+
+
+def flat_regions(problem: Problem, cuts: Literal["any", "stages"],
+                 keep: Literal["any", "matmuls", "short-any"]) -> SearchSpace:
+    """Non-overlapping regions at `cuts`, keeping per `keep` (CP-SAT's candidates)."""
+    if cuts == "any" and keep == "any":
+        return every_flat(problem)
+    where = "" if cuts == "any" or problem.module_spans is not None else \
+        " cut at block boundaries"
+    kept = {"any": "any subset of its ops", "matmuls": "nothing or its matmuls",
+            "short-any": f"any subset of its ops (up to {FULL_KEEP_MAX_LEN} ops), else "
+                         "nothing or its matmuls"}[keep]
+    return SearchSpace(text=f"non-overlapping {_regions_word(problem)}{where}, each keeping "
+                       f"{kept}", cuts=cuts, keep=keep)
+
+
+def chain_segments(problem: Problem, *, nested: bool, any_keep: bool) -> SearchSpace:
+    """The DP's space: segmentations of the chain of stages (membership: its own answers)."""
+    shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
+    kept = "any subset of its ops" if any_keep else "nothing or its matmuls"
+    return SearchSpace(text=f"segmentations of the chain of blocks into "
+                       f"{_regions_word(problem)} ({shape}), each keeping {kept}",
+                       cuts="solver", keep="any" if any_keep else "matmuls", nested=nested)

@@ -1,0 +1,96 @@
+"""OPTIMAL, bounds and gaps are claimed over a stated space of schedules, and hold there."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_properties import problems
+
+from solvers import Problem, Region, Schedule, Status, auto, bruteforce, milp, simulate
+from solvers.spaces import every_flat, flat_regions, matmul_keep
+
+FEW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _budget(p: Problem, frac: float) -> int:
+    low = min(simulate(p, s).peak_bytes for s in bruteforce.enumerate_schedules(p))
+    high = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    return low + int(frac * (high - low))
+
+
+def _optimum_within(p: Problem, budget: int, space) -> float | None:
+    """Least recompute time within the budget over the flat schedules `space` holds."""
+    best = None
+    for schedule in bruteforce.enumerate_schedules(p):
+        if space.contains(p, schedule):
+            tl = simulate(p, schedule)
+            if tl.peak_bytes <= budget and (best is None or tl.recompute_time_ms < best):
+                best = tl.recompute_time_ms
+    return best
+
+
+@FEW
+@given(st.booleans().flatmap(lambda spans: problems(max_nodes=6, spans=spans)),
+       st.floats(0.0, 1.0))
+def test_auto_bounds_hold_over_the_space_they_name(p: Problem, frac: float) -> None:
+    """Whatever auto claims is checked by enumeration over the space it names: the answer
+    lies in it, the bound is at most the optimum there, OPTIMAL means equal to it."""
+    budget = _budget(p, frac)
+    sol = auto.solve(p, budget, 10.0)
+    assert sol.feasible
+    if sol.space is None:
+        assert sol.status == Status.FEASIBLE and sol.bound_ms is None and sol.gap is None
+        return
+    assert sol.bound_ms is not None and sol.bound_ms <= sol.objective_ms + 1e-9
+    if sol.space.cuts == "solver" or sol.space.nested:
+        return  # the dp's own space: held to brute force in test_solvers_exact
+    assert sol.space.contains(p, sol.schedule), (sol.space, sol.schedule)
+    optimum = _optimum_within(p, budget, sol.space)
+    assert optimum is not None and sol.bound_ms <= optimum + 1e-9
+    if sol.status == Status.OPTIMAL:
+        assert abs(sol.objective_ms - optimum) <= 1e-9
+
+
+def _chain() -> Problem:
+    """Six nodes in three blocks; the found counterexample where a nested schedule (4 ms)
+    beats every flat one (5 ms): a flat space's optimum is not an optimum of all."""
+    return Problem(
+        name="nested-wins", node_names=[f"v{i}" for i in range(6)],
+        fwd_time_ms=[1.0, 1.0, 1.0, 3.0, 1.0, 1.0], bwd_time_ms=[1.0] * 6,
+        fwd_temp_bytes=[0] * 6, bwd_temp_bytes=[0] * 6,
+        recomputable=[True, True, True, True, False, False],
+        node_inputs=[[], [0], [1, 0], [2], [3, 1], [4, 2]],
+        node_outputs=[[0], [1], [2], [3], [4, 5], [6]],
+        node_saved=[[0], [1], [1, 0, 2], [3], [4], []],
+        storage_bytes=[32, 16, 1, 3, 36, 1, 1], storage_producer=[0, 1, 2, 3, 4, 4, 5],
+        storage_grad_bytes=[32, 16, 1, 3, 36, 0, 1], static_bytes=0,
+        param_grad_bytes=[0, 0, 0, 10, 0, 0], block_of_node=[0, 1, 1, 2, 2, 2])
+
+
+def test_a_flat_optimum_is_claimed_over_flat_schedules_only() -> None:
+    p = _chain()
+    flat = milp.solve(p, 142, 10.0)
+    assert flat.status == Status.OPTIMAL and flat.objective_ms == 5.0
+    assert flat.space == every_flat(p) and "flat" in str(flat.space)
+    best = auto.solve(p, 142, 10.0)
+    assert best.objective_ms == 4.0 and any(r.children for r in best.schedule.regions)
+    # the nested answer is outside milp's space: its proof is the dp's, over nested schedules
+    assert not flat.space.contains(p, best.schedule)
+    assert best.status == Status.OPTIMAL and best.space.nested
+    assert "nested" in str(best.space)
+
+
+def test_membership_follows_cuts_keeps_and_nesting() -> None:
+    p = _chain().model_copy(update={"op_kind": ["linear", "relu", "mm", "add", "x", "y"]})
+    assert matmul_keep(p, 0, 3) == frozenset({0, 2})
+    matmuls = flat_regions(p, "any", "matmuls")
+    stages = flat_regions(p, "stages", "matmuls")
+    keep_mm = Schedule.from_segments(6, [Region(0, 3, "recompute", keep=frozenset({0, 2}))])
+    keep_one = Schedule.from_segments(6, [Region(0, 3, "recompute", keep=frozenset({2}))])
+    mid_block = Schedule.from_segments(6, [Region(0, 2, "recompute")])
+    nested = Schedule.from_segments(6, [Region(0, 3, "recompute", children=(
+        Region(0, 1, "recompute"), Region(1, 3, "recompute")))])
+    assert matmuls.contains(p, keep_mm) and stages.contains(p, keep_mm)
+    assert not matmuls.contains(p, keep_one) and every_flat(p).contains(p, keep_one)
+    assert matmuls.contains(p, mid_block) and not stages.contains(p, mid_block)
+    assert not every_flat(p).contains(p, nested)
