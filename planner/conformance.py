@@ -6,8 +6,9 @@ and a few hand-written models that reproduce known failure classes) small enough
 several budgets: ``optimize`` (profile once, ``replan`` per budget), ``apply``, one training
 step; and checks, against the unplanned model from the same state:
 
-* the measured peak (``MemTracker``) is within the budget, and the prediction within 1 %
-  of it, never low by more than 0.1 %;
+* ``apply`` returns the model itself, with its module tree and parameters;
+* the measured peak (:class:`planner.measure.PeakTracker`, MemTracker's count) is within
+  the budget, and the prediction within 1 % of it, never low by more than 0.1 %;
 * loss and every gradient are bit-identical, and buffers (BatchNorm statistics, step
   counters) end the step as the unplanned step leaves them;
 * planning (profile, solve, apply) changed no parameter, buffer or RNG state;
@@ -460,9 +461,15 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
     """Apply ``plan`` (checking it changes nothing), run one step, compare, remove."""
     zm.model.load_state_dict(state)
     rng = torch.get_rng_state()
-    apply(zm.model, plan)
+    tree = [(name, type(m)) for name, m in zm.model.named_modules()]
+    params = [id(p) for p in zm.model.parameters()]
+    if apply(zm.model, plan) is not zm.model:
+        row.failures.append("apply returned another object than the model")
     if not (_same(state, _state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
         row.failures.append("apply changed the model's state or the RNG")
+    if (tree != [(name, type(m)) for name, m in zm.model.named_modules()]
+            or params != [id(p) for p in zm.model.parameters()]):
+        row.failures.append("apply changed the model's module tree or parameters")
     torch.manual_seed(0)
     try:
         peak, loss, grads = measure_step(zm.model, args, kwargs,
