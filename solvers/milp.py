@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from solvers.accounting import Context, RegionInfo
+from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
+from solvers.simulate import simulate
 from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
 
 logger = logging.getLogger(__name__)
@@ -357,8 +359,6 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
         return 0, False, None
     chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
     sched = _schedule(problem.n_nodes, chosen)
-    from solvers.simulate import simulate
-
     peak = simulate(problem, sched).peak_bytes
     return peak, st == cp_model.OPTIMAL and complete(space), sched
 
@@ -372,14 +372,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         cands, space = candidates(ctx, deadline=t0 + time_limit_s)
         mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
     except TimeoutError:
-        from solvers.bounds import memory_lower_bound
-
         logger.warning("milp: building the model took the whole %.1f s", time_limit_s)
-        return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
-                        budget_bytes=budget_bytes, objective_ms=None,
-                        solve_time_s=time.perf_counter() - t0,
-                        min_feasible_budget_bytes=memory_lower_bound(problem),
-                        min_feasible_budget_exact=False)
+        return _no_schedule(problem, budget_bytes, t0)
     obj = sum(round(r.time_ms * TIME_SCALE) * v for r, v in zip(cands, mdl.x, strict=True))
     mdl.model.Minimize(obj)
     if hint is not None:
@@ -392,20 +386,11 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         solver = _solver(left)
         st = solver.Solve(mdl.model)
         if st == cp_model.INFEASIBLE:
-            mfb, exact = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
-            return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
-                            budget_bytes=budget_bytes, objective_ms=None,
-                            solve_time_s=time.perf_counter() - t0,
-                            min_feasible_budget_bytes=mfb, min_feasible_budget_exact=exact)
+            mfb = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
+            return _no_schedule(problem, budget_bytes, t0, mfb)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            from solvers.bounds import memory_lower_bound
-
             logger.warning("milp found no schedule in %.1f s", time_limit_s)
-            return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
-                            budget_bytes=budget_bytes, objective_ms=None,
-                            solve_time_s=time.perf_counter() - t0,
-                            min_feasible_budget_bytes=memory_lower_bound(problem),
-                            min_feasible_budget_exact=False)
+            return _no_schedule(problem, budget_bytes, t0)
         chosen_x = [v for v in mdl.x if solver.Value(v)]
         chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
         sched = _schedule(problem.n_nodes, chosen)
@@ -422,11 +407,19 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
                             [v for v in mdl.x if not solver.Value(v)])
 
 
+def _no_schedule(problem: Problem, budget_bytes: int, started_s: float,
+                 min_budget: tuple[int, bool] | None = None) -> Solution:
+    """INFEASIBLE, with the least budget proven to be needed (or the memory lower bound)."""
+    mfb, exact = min_budget or (memory_lower_bound(problem), False)
+    return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
+                    budget_bytes=budget_bytes, objective_ms=None,
+                    solve_time_s=time.perf_counter() - started_s,
+                    min_feasible_budget_bytes=mfb, min_feasible_budget_exact=exact)
+
+
 def _min_budget(problem: Problem, ctx: Context, time_limit_s: float) -> tuple[int, bool]:
     peak, proven, _ = min_peak(problem, time_limit_s, ctx) if time_limit_s > 0.1 else (
         0, False, None)
     if peak == 0:
-        from solvers.bounds import memory_lower_bound
-
-        return memory_lower_bound(problem), False
+            return memory_lower_bound(problem), False
     return peak, proven

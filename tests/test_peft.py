@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from planner import InfeasibleBudgetError, apply, optimize, remove, replan, verify, zoo
+from planner import InfeasibleBudgetError, Plan, apply, optimize, remove, replan, verify, zoo
 from planner.emit import checkpointed_modules
 
 peft = pytest.importorskip("peft")
+
+
+def _half_of_the_activations(first: Plan) -> Plan:
+    """A checkpointing plan at static memory + half the activations (or the minimum)."""
+    static = first.profile.static.total_bytes
+    try:
+        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
+    except InfeasibleBudgetError as error:
+        plan = error.plan
+    assert plan.checkpointing
+    return plan
 
 
 def test_lora_model_plans_and_trains_within_budget() -> None:
@@ -21,12 +32,7 @@ def test_lora_model_plans_and_trains_within_budget() -> None:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters()
                     if p.requires_grad)
     assert 0 < first.profile.static.grad_bytes == trainable
-    static = first.profile.static.total_bytes
-    try:
-        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
-    except InfeasibleBudgetError as error:
-        plan = error.plan
-    assert plan.checkpointing
+    plan = _half_of_the_activations(first)
     report = verify(model, plan, inputs, repeats=1)
     assert report.within_budget and report.losses_equal and report.grads_equal, \
         report.summary()
@@ -62,12 +68,7 @@ def test_hf_trainer_trains_the_planned_lora_model_like_the_unplanned_one(
     ids = base.example_inputs["input_ids"]
     first = optimize(planned, {"input_ids": ids, "labels": ids}, budget_gb=1e3,
                      timing="estimate", progress=False)
-    static = first.profile.static.total_bytes
-    try:
-        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
-    except InfeasibleBudgetError as error:
-        plan = error.plan
-    assert plan.checkpointing
+    plan = _half_of_the_activations(first)
     apply(planned, plan)
 
     reruns = []
