@@ -30,7 +30,9 @@ import itertools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from ortools.sat.python import cp_model
 
@@ -179,15 +181,33 @@ class _Model:
     budget: cp_model.IntVar | int
 
 
+class _Always(Enum):
+    """A holder that keeps its storage whatever the schedule (a saver no candidate covers)."""
+
+    HELD = "held"
+
+
+ALWAYS = _Always.HELD
+
+
+@dataclass(frozen=True)
+class _SaverHolds:
+    """Node `k` saves the storage for its backward unless a chosen candidate reruns it."""
+
+    k: int
+
+
+# a holder of a storage: a candidate's index (held iff chosen) or a saver
+_Holder = int | _SaverHolds
+
+
 def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
            deadline: float | None = None) -> _Model:
     """The CP-SAT model; `budget=None` makes the budget a variable (minimise the peak).
 
     Raises ``TimeoutError`` past ``deadline``."""
     p = ctx.p
-    n = p.n_nodes
-    nbytes = p.storage_bytes
-    total = sum(nbytes) + ctx.loss_bytes + max(ctx.alloc) + 1
+    total = sum(p.storage_bytes) + ctx.loss_bytes + max(ctx.alloc) + 1
     md = cp_model.CpModel()
     x = [md.NewBoolVar(f"x{c}") for c in range(len(cands))]
     cover: dict[int, list[int]] = defaultdict(list)
@@ -198,18 +218,32 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
         if len(lst) > 1:
             md.AddAtMostOne(x[c] for c in lst)
     upper = p.static_bytes + total + max(ctx.g_event) + max(p.bwd_temp_bytes) \
-        + max(p.fwd_temp_bytes) + sum(nbytes)
+        + max(p.fwd_temp_bytes) + sum(p.storage_bytes)
     B: cp_model.IntVar | int = md.NewIntVar(0, upper, "budget") if budget is None else budget
 
-    # holders: per storage, (release position, indicator); position 2j = backward event j,
-    # 2j + 1 = just before backward j (where reruns triggered at j start)
-    ONE = object()  # sentinel: a holder that is always there
-    holders: dict[int, list[tuple[int, object]]] = defaultdict(list)
+    def indicator(h: _Holder) -> cp_model.LinearExprT | _Always:
+        if isinstance(h, int):
+            return x[h]
+        if not cover.get(h.k):
+            return ALWAYS
+        return 1 - sum(x[c] for c in cover[h.k])
+
+    delta_at, held_after = _hold_chains(md, ctx, _holders(ctx, cands), indicator, deadline)
+    _backward_constraints(md, ctx, cands, x, B, delta_at, total, deadline)
+    _forward_constraints(md, ctx, held_after, B, total)
+    return _Model(md, x, cands, B)
+
+
+def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int, _Holder]]]:
+    """Per storage, (release position, holder): position 2j is backward event j, 2j + 1 just
+    before it (where reruns triggered at j start)."""
+    p = ctx.p
+    holders: dict[int, list[tuple[int, _Holder]]] = defaultdict(list)
     for s in range(p.n_storages):
         if s in ctx.loss:
             continue
         for k in ctx.savers[s]:
-            holders[s].append((2 * k, ("z", k)))
+            holders[s].append((2 * k, _SaverHolds(k)))
     for c, r in enumerate(cands):
         if r.death is None:
             continue
@@ -222,29 +256,31 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
             else:
                 holders[s].append((2 * r.trigger + 1, c))
                 holders[s].extend((2 * j, c) for j in savers)
+    return holders
 
-    def ind(h: object):
-        if isinstance(h, int):
-            return x[h]
-        k = h[1]
-        if not cover.get(k):
-            return ONE
-        return 1 - sum(x[c] for c in cover[k])
 
-    delta_at: dict[int, list] = defaultdict(list)  # position -> [(bytes, expr)]
-    h_of: dict[int, object] = {}
+def _hold_chains(md: cp_model.CpModel, ctx: Context,
+                 holders: dict[int, list[tuple[int, _Holder]]],
+                 indicator: Callable[[_Holder], cp_model.LinearExprT | _Always],
+                 deadline: float | None) -> tuple[dict[int, list], dict[int, object]]:
+    """Whether each storage is still held at each release position, as a chain of booleans
+    that only fall; returns the bytes released per position ([(bytes, expr)]) and, per
+    storage, whether it is held at all after the forward (a boolean, or ALWAYS)."""
+    nbytes = ctx.p.storage_bytes
+    delta_at: dict[int, list] = defaultdict(list)
+    held_after: dict[int, object] = {}
     for s, hs in holders.items():
         _check(deadline)
-        prev = None
+        prev: object = None
         by_pos: dict[int, list] = defaultdict(list)
         for pos, h in hs:
-            by_pos[pos].append(ind(h))
+            by_pos[pos].append(indicator(h))
         for pos in sorted(by_pos):
             exprs = by_pos[pos]
-            if prev is ONE or any(e is ONE for e in exprs):
-                if prev is not ONE:
+            if prev is ALWAYS or any(e is ALWAYS for e in exprs):
+                if prev is not ALWAYS:
                     delta_at[pos].append((nbytes[s], 1 if prev is None else 1 - prev))
-                prev = ONE
+                prev = ALWAYS
                 continue
             w = md.NewBoolVar(f"w{s}_{pos}")
             for e in exprs:
@@ -255,9 +291,17 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
             else:
                 delta_at[pos].append((nbytes[s], w))
             prev = w
-        h_of[s] = prev
+        held_after[s] = prev
+    return delta_at, held_after
 
-    # backward/gap positions 0 .. 2n-1: A[pos] = bytes of gen-0 storages held there
+
+def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[RegionInfo],
+                          x: list, B: object, delta_at: dict[int, list], total: int,
+                          deadline: float | None) -> None:
+    """Every backward event, and every rerun's largest event, fits the budget."""
+    p = ctx.p
+    n = p.n_nodes
+    # positions 0 .. 2n-1: A[pos] = bytes of gen-0 storages held there
     A = []
     acc = 0
     for pos in range(2 * n):
@@ -273,7 +317,7 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
     for c, r in enumerate(cands):
         if r.death is None:
             continue
-        for j, g in enumerate(_regen_live(r, nbytes), start=r.a):
+        for j, g in enumerate(_regen_live(r, p.storage_bytes), start=r.a):
             if g:
                 regen_terms[j].append(g * x[c])
     for j in range(n):
@@ -287,7 +331,15 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
         delta = _rerun_delta(ctx, r)
         big = rest + total + delta
         md.Add(rest + A[2 * r.trigger + 1] + delta <= B + big * (1 - x[c]))
-    # forward events: storages read later are live; past their last read, held iff h(s)
+
+
+def _forward_constraints(md: cp_model.CpModel, ctx: Context, held_after: dict[int, object],
+                         B: object, total: int) -> None:
+    """Every forward event fits: storages read later are live; past their last read, one is
+    held iff its hold chain says so."""
+    p = ctx.p
+    n = p.n_nodes
+    nbytes = p.storage_bytes
     enter: dict[int, list] = defaultdict(list)
     read_live = [0] * (n + 1)
     for s in range(p.n_storages):
@@ -297,9 +349,9 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
         if lr > prod:
             read_live[prod + 1] += nbytes[s]
             read_live[lr + 1] -= nbytes[s]
-        h = h_of.get(s)
+        h = held_after.get(s)
         if h is not None and max(prod, lr) + 1 < n:
-            enter[max(prod, lr) + 1].append((nbytes[s], 1 if h is ONE else h))
+            enter[max(prod, lr) + 1].append((nbytes[s], 1 if h is ALWAYS else h))
     live_read = 0
     hsum = 0
     for i in range(n):
@@ -310,7 +362,6 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
             hsum = v
         md.Add(p.static_bytes + ctx.alloc[i] + p.fwd_temp_bytes[i] + int(ctx.held_fwd[i])
                + live_read + hsum <= B)
-    return _Model(md, x, cands, B)
 
 
 def _schedule(n: int, chosen: list[RegionInfo]) -> Schedule:
