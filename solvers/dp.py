@@ -54,6 +54,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -323,18 +324,31 @@ def _schedule_region(r: RegionInfo | NestedRegionInfo) -> Region:
     return Region(r.a, r.b, RECOMPUTE, keep=r.keep, children=kids)
 
 
+class _Step(NamedTuple):
+    """A back-pointer: the front entry came from segment [stage `start`, stage `stop`) with
+    option `option` of `options(start, stop, flat, nested)` (-1: a relaxed window of the
+    lower-bound pass), from the front of stage `start` keyed by `held_rel`."""
+
+    start: int
+    held_rel: tuple
+    stop: int
+    option: int
+    flat: bool
+    nested: bool
+
+
 class _Front:
     """Pareto front of (held bytes, recompute ms) with back-pointers, as numpy arrays."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, tuple]] = []
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, _Step | None]] = []
         self.held = np.zeros(0, dtype=np.int64)
         self.time = np.zeros(0)
         self.src = np.zeros(0, dtype=np.int64)  # chunk index of each entry
         self.idx = np.zeros(0, dtype=np.int64)  # entry index in the chunk's source front
-        self.info: list[tuple] = []
+        self.info: list[_Step | None] = []  # per chunk; None: the chain's start
 
-    def add(self, held: np.ndarray, tms: np.ndarray, info: tuple,
+    def add(self, held: np.ndarray, tms: np.ndarray, info: _Step | None,
             idx: np.ndarray | None = None) -> None:
         self.chunks.append((held, tms, np.arange(len(held)) if idx is None else idx, info))
 
@@ -597,7 +611,7 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
                  for a, b in st]
     fronts: list[dict[tuple, _Front]] = [dict() for _ in range(m + 1)]
     f0 = _Front()
-    f0.add(np.zeros(1, dtype=np.int64), np.zeros(1), ())
+    f0.add(np.zeros(1, dtype=np.int64), np.zeros(1), None)
     fronts[0][()] = f0
     rounded = False
 
@@ -665,7 +679,7 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
                                 dst = fronts[u][nxt_rel] = _Front()
                             held, times, idx = thinned(cnt)
                             dst.add(held + residue, times + tms,
-                                    (t, held_rel, u, -1, True, False), idx)
+                                    _Step(t, held_rel, u, -1, True, False), idx)
                     continue
                 key = (tuple(stage_sig[t:u]), u == t + 1, held_rel, flat, nested)
                 profs = cache.get(key)
@@ -695,28 +709,33 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
                     if dst is None:
                         dst = fronts[u][nxt_rel] = _Front()
                     dst.add(front.held[:cnt] + parts.residue_bytes,
-                            front.time[:cnt] + tms, (t, held_rel, u, oi, flat, nested))
+                            front.time[:cnt] + tms, _Step(t, held_rel, u, oi, flat, nested))
     finals = [(float(f.time.min()), key, f) for key, f in fronts[m].items()
               if f.chunks and (f.prune(max_front, optimistic) or True) and len(f.time)]
     if not finals:
         return None, rounded, False
     best_t, _, f = min(finals, key=lambda x: x[0])
+    regions, relaxed = _backtrack(f, fronts, st, options)
+    return (best_t, regions), rounded, relaxed
+
+
+def _backtrack(f: _Front, fronts: list[dict[tuple, _Front]], st: list[tuple[int, int]],
+               options: Callable[[int, int, bool, bool], list[tuple]]
+               ) -> tuple[list[RegionInfo], bool]:
+    """The regions of `f`'s fastest entry, following back-pointers to the chain's start;
+    and whether a relaxed window (lower-bound pass, no real regions) is on the way."""
     regions: list[RegionInfo] = []
     relaxed = False
     pos = int(np.argmin(f.time))
-    while True:
-        info = f.info[int(f.src[pos])]
-        if not info:
-            break
-        t, held_rel, u, oi, flat, nested = info
-        if oi < 0:
+    while (step := f.info[int(f.src[pos])]) is not None:
+        if step.option < 0:
             relaxed = True
             logger.debug("dp: relaxed window [%d, %d) on the lower-bound path",
-                         st[t][0], st[u - 1][1])
+                         st[step.start][0], st[step.stop - 1][1])
         else:
-            regions.extend(options(t, u, flat, nested)[oi])
-        pos, f = int(f.idx[pos]), fronts[t][held_rel]
-    return (best_t, sorted(regions, key=lambda r: r.a)), rounded, relaxed
+            regions.extend(options(step.start, step.stop, step.flat, step.nested)[step.option])
+        pos, f = int(f.idx[pos]), fronts[step.start][step.held_rel]
+    return sorted(regions, key=lambda r: r.a), relaxed
 
 
 def _space(problem: Problem, *, nested: bool) -> SearchSpace:
