@@ -62,7 +62,9 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import IntEnum
 from itertools import count
+from typing import NamedTuple
 
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -149,7 +151,26 @@ class _Frame:
 
 
 Inst = tuple[int, int]  # (storage id, generation: 0 = original forward, k = k-th rerun)
-Token = tuple
+
+
+class Hold(IntEnum):
+    """Why a storage instance is alive; it is freed when nothing holds it. (An IntEnum:
+    tokens are hashed on every hold and release.)"""
+
+    READ = 1  # a later node of the same pass reads it (key: the pass's generation)
+    RERUN_END = 2  # a rerun needs it until the rerun ends (key: generation)
+    FRAME = 3  # a checkpoint frame saved it as an input (key: frame)
+    SAC = 4  # a frame's selective policy cached it (key: frame)
+    CHILD_INPUT = 5  # a nested frame's input, saved into its parent's rerun (key: child)
+    BACKWARD = 6  # autograd saved it for a node's backward (key: node)
+    CALLER = 7  # the caller holds it all step: the loss, what the program keeps
+
+
+class Token(NamedTuple):
+    """One hold on storage instances: released all at once (`_Replay._release`)."""
+
+    why: Hold
+    key: int = 0
 
 
 class _Replay:
@@ -251,8 +272,8 @@ class _Replay:
         p = self.p
         gen = 0 if root is None else next(self.gens)
         phase = "forward" if root is None else "recompute"
-        read_tok = ("read", gen)
-        end_tok = ("rerun_end", gen)
+        read_tok = Token(Hold.READ, gen)
+        end_tok = Token(Hold.RERUN_END, gen)
         last_read: dict[int, int] = {}  # within this pass, what keeps each storage alive
         for i in range(start, stop):
             for s in p.uses[i]:
@@ -270,7 +291,7 @@ class _Replay:
             if root is None:
                 for f in self.top_entries.get(i, ()):
                     for s in f.inputs:
-                        self._hold(env[s], ("frame", f.uid))
+                        self._hold(env[s], Token(Hold.FRAME, f.uid))
             else:
                 self._enter_children(root, i, env, end_tok)
             not_run = last_not_run and i == stop - 1
@@ -302,24 +323,24 @@ class _Replay:
             if root is None:
                 for s in p.outputs[i]:  # the loss tensor (not its internals: those go with
                     if s in p.caller_held:  # its backward) and what the caller keeps
-                        self._hold(env[s], ("user",))
+                        self._hold(env[s], Token(Hold.CALLER))
                 if inner is None:
                     for s in p.saved[i]:
-                        self._hold(env[s], ("bwd", i))
+                        self._hold(env[s], Token(Hold.BACKWARD, i))
                 elif i in inner.region.keep:
                     for s in p.outputs[i]:
-                        self._hold(env[s], ("sac", inner.uid))
+                        self._hold(env[s], Token(Hold.SAC, inner.uid))
             elif inner is root:
                 if p.packs[i]:
                     for s in p.saved[i]:
-                        self._hold(env[s], ("bwd", i))
+                        self._hold(env[s], Token(Hold.BACKWARD, i))
             elif i in inner.region.keep:
                 for s in p.outputs[i]:
                     self._hold(env[s], end_tok)
             # frees after this node
             if cached and not not_run:
                 for s in p.outputs[i]:
-                    self._release_one((s, 0), ("sac", root.uid))
+                    self._release_one((s, 0), Token(Hold.SAC, root.uid))
             for s in p.uses[i]:
                 if last_read.get(s) == i and s in env:
                     self._release_one(env[s], read_tok)
@@ -347,13 +368,13 @@ class _Replay:
                 for s in (s for s in c.inputs if s in env):
                     self._hold(env[s], end_tok)
                     if c.alive:
-                        self._hold(env[s], ("child_input", c.uid))
+                        self._hold(env[s], Token(Hold.CHILD_INPUT, c.uid))
                         c.child_inputs[s] = env[s]
 
     def _kill(self, f: _Frame) -> None:
         f.alive = False
-        for kind in ("frame", "sac", "child_input"):
-            self._release((kind, f.uid))
+        for why in (Hold.FRAME, Hold.SAC, Hold.CHILD_INPUT):
+            self._release(Token(why, f.uid))
 
     def _ensure_recomputed(self, f: _Frame) -> None:
         if f.recomputed:
@@ -370,7 +391,7 @@ class _Replay:
         self._pass(f.region.start, f.rerun_stop, env, f,
                    self.p.checkpoint_overhead_ms(f.region.start, f.rerun_stop, f.region.keep),
                    f.last_not_run)
-        self._release(("child_input", f.uid))
+        self._release(Token(Hold.CHILD_INPUT, f.uid))
 
     def forward(self) -> None:
         """The original forward pass."""
@@ -390,7 +411,7 @@ class _Replay:
             parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
                                   self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
             self.live_grad = grads.after[j]
-            self._release(("bwd", j))
+            self._release(Token(Hold.BACKWARD, j))
             for fr in self.deaths.get(j, ()):
                 self._kill(fr)
             self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j],
