@@ -69,6 +69,19 @@ def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
     return [g.event(j) for j in range(problem.n_nodes)], list(g.before)
 
 
+RERUN, BACKWARD, FORWARD = 0, 1, 2  # the sections of `Context.g_table`
+
+
+def table_index(n: int, section: int, j: int) -> int:
+    """Index of node `j`'s entry in `section` of an `n`-node problem's `Context.g_table`."""
+    return section * n + j
+
+
+def table_slice(n: int, section: int, start: int, stop: int) -> slice:
+    """Nodes `start..stop-1` of `section` of `Context.g_table`."""
+    return slice(section * n + start, section * n + stop)
+
+
 class Context:
     """Schedule-independent data of a problem, computed once per solve."""
 
@@ -93,13 +106,14 @@ class Context:
         self.alloc = [sum(p.storage_bytes[s] for s in p.outputs[i]) for i in range(n)]
         # gradient bytes in backward event j's peak / live just before it (reruns see this)
         self.g_event, self.g_rest = gradient_bytes(p)
-        # per slot kind, the gradient + loss bytes at node j: rerun at trigger j (j),
-        # backward of j (n + j), forward (2n + j: caller-held storages made before j)
         self.held_fwd = held_fwd
-        self.g_table = np.concatenate([
-            np.asarray(self.g_rest, dtype=np.int64) + self.loss_bytes,
-            np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
-            held_fwd])
+        # bytes outside any window at node j, per kind of event: sections of n entries,
+        # indexed by `table_index` (RERUN, BACKWARD: gradients + loss; FORWARD: caller-held
+        # storages made before j)
+        sections = {RERUN: np.asarray(self.g_rest, dtype=np.int64) + self.loss_bytes,
+                    BACKWARD: np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
+                    FORWARD: held_fwd}
+        self.g_table = np.concatenate([sections[k] for k in sorted(sections)])
         self._regions: dict[tuple[int, int, frozenset[int]], RegionInfo] = {}
         self._nested: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
                            NestedRegionInfo] = {}
@@ -582,7 +596,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
         for ri, rr in enumerate(r.reruns):
             at_trigger.setdefault(rr.trigger, []).append((pi, ri))
     const: list[int] = [ctx.alloc[i] + p.fwd_temp_bytes[i] for i in range(a0, b0)]
-    gidx: list[int] = [2 * n + k for k in range(n_fw)]
+    gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
     bwd_slot = [0] * n_fw
     # slot of node x's step in rerun r of plan pi: off[pi][r] + x
     off: list[list[int]] = [[0] * len(r.reruns) for r in plans]
@@ -593,14 +607,14 @@ def profile_parts(ctx: Context, a0: int, b0: int,
             rr = plans[pi].reruns[ri]
             off[pi][ri] = len(const) - rr.start
             const.extend(rr.step_const)
-            gidx.extend([j - a0] * len(rr.step_const))
+            gidx.extend([table_index(n, RERUN, j - a0)] * len(rr.step_const))
             idle = rr.idle
             for i in range(rr.start, rr.stop):
                 step_ms = 0.0 if i in idle else fwd[i]
                 time_ms += step_ms + rr.overhead_ms if i == rr.start else step_ms
         bwd_slot[j - a0] = len(const)
         const.append(p.bwd_temp_bytes[j])
-        gidx.append(n + j - a0)
+        gidx.append(table_index(n, BACKWARD, j - a0))
 
     starts: list[int] = []
     ends: list[int] = []

@@ -58,7 +58,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solvers.accounting import Context, NestedRegionInfo, RegionInfo, profile_parts
+from solvers.accounting import (
+    BACKWARD,
+    FORWARD,
+    RERUN,
+    Context,
+    NestedRegionInfo,
+    RegionInfo,
+    profile_parts,
+    table_slice,
+)
 from solvers.bounds import memory_lower_bound
 from solvers.milp import stages as problem_stages
 from solvers.problem import Problem
@@ -565,10 +574,10 @@ def _pin_tables(ctx: Context, pinned: frozenset[int]) -> tuple[np.ndarray, np.nd
     for s in pinned:
         nbytes = ctx.p.storage_bytes[s]
         prod, last = ctx.p.storage_producer[s], ctx.last_read[s]
-        up[2 * n + prod + 1:3 * n] += nbytes
-        up[prod:n] += nbytes
-        up[n + prod:2 * n] += nbytes
-        low[2 * n + prod + 1:2 * n + last + 1] += nbytes
+        up[table_slice(n, FORWARD, prod + 1, n)] += nbytes
+        up[table_slice(n, RERUN, prod, n)] += nbytes
+        up[table_slice(n, BACKWARD, prod, n)] += nbytes
+        low[table_slice(n, FORWARD, prod + 1, last + 1)] += nbytes
     return up, low
 
 
