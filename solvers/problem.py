@@ -165,9 +165,17 @@ class Problem(BaseModel):
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
+        _check(len(self.node_names) >= 1,
+               "Problem has no nodes: node_names must list at least the loss node.")
+        self._check_lengths_and_signs()
+        self._check_storage_graph()
+        self._check_annotations()
+        return self
+
+    def _check_lengths_and_signs(self) -> None:
+        """One entry per node / storage in every list; no negative bytes or times."""
         n = len(self.node_names)
         m = len(self.storage_bytes)
-        _check(n >= 1, "Problem has no nodes: node_names must list at least the loss node.")
         per_node = {
             "fwd_time_ms": self.fwd_time_ms,
             "bwd_time_ms": self.bwd_time_ms,
@@ -213,6 +221,11 @@ class Problem(BaseModel):
         for field in ("checkpoint_region_ms", "checkpoint_pack_ms", "checkpoint_sac_op_ms"):
             _check(getattr(self, field) >= 0, f"{field} must be non-negative.")
 
+    def _check_storage_graph(self) -> None:
+        """Each storage has one producer that lists it; nodes read only earlier storages
+        and save only what they read or make."""
+        n = len(self.node_names)
+        m = len(self.storage_bytes)
         owner: dict[int, int] = {}
         for i, outs in enumerate(self.node_outputs):
             for s in outs:
@@ -246,6 +259,11 @@ class Problem(BaseModel):
                     f"node {i} ({self.node_names[i]}) saves storage {s} that it neither reads "
                     f"nor allocates; add it to node_inputs[{i}] or node_outputs[{i}].",
                 )
+
+    def _check_annotations(self) -> None:
+        """The optional per-node and per-storage facts agree with the graph."""
+        n = len(self.node_names)
+        m = len(self.storage_bytes)
         for i, before in enumerate(self.node_packs_before_running or ()):
             _check(not before or not set(self.node_saved[i]) & set(self.node_outputs[i]),
                    f"node {i} ({self.node_names[i]}) saves its own output, which it can only "
@@ -269,7 +287,6 @@ class Problem(BaseModel):
                    self.storage_producer[s] >= span.start]
             _check(not bad, f"module span {span.name!r} has inputs {bad[:5]} that are not "
                    "storages made before it.")
-        return self
 
     # ---------------------------------------------------------------- derived data
 
