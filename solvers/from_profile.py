@@ -147,56 +147,11 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
     """
     storages = profile.storages
     nodes = profile.nodes
-    n = len(nodes)
     activation = [s.id for s in storages if s.kind not in STATIC_KINDS]
     new_id = {sid: i for i, sid in enumerate(activation)}
-
-    grad_bytes = [0] * len(activation)
-    for node in nodes:
-        for tensor in node.outputs:
-            sid = new_id.get(tensor.storage)
-            if sid is not None and tensor.requires_grad and \
-                    storages[tensor.storage].producer == node.index:
-                grad_bytes[sid] = storages[tensor.storage].nbytes
-
-    node_inputs, node_outputs, node_saved, saves_static, grad_inputs = [], [], [], [], []
-    for node in nodes:
-        reads = sorted({new_id[s] for s in node.read_storages if s in new_id})
-        node_inputs.append(reads)
-        grad_inputs.append(sorted({new_id[s] for s in node.grad_storages if s in new_id}
-                                  & set(reads)))
-        node_outputs.append([new_id[s] for s in node.new_storages if s in new_id])
-        node_saved.append(sorted({new_id[s] for s in node.saved_storages if s in new_id}))
-        saves_static.append(any(storages[s].kind in STATIC_KINDS for s in node.saved_storages))
-
-    # a parameter's .grad appears at the backward of its last reader in forward order
-    last_reader: dict[str, int] = {}
-    for node in nodes:
-        for name in node.params:
-            last_reader[name] = node.index
-    param_storage = {s.name: s for s in storages if s.kind == "param"}
-    param_grad = [0] * n
-    for name, index in last_reader.items():
-        param_grad[index] += param_storage[name].nbytes
-
-    # the program's own references; the caller keeps the loss for the whole step
-    held_by_caller = {new_id[s] for s in nodes[-1].read_storages if s in new_id} \
-        if nodes[-1].op == "loss" else set()
-    release = [n if i in held_by_caller else max(storages[sid].release
-                                                 if storages[sid].release is not None
-                                                 else storages[sid].producer or 0,
-                                                 storages[sid].producer or 0)
-               for i, sid in enumerate(activation)]
-
-    blocks = None
-    if detect_blocks:
-        found = block_calls(profile, block_prefix)
-        if found:
-            blocks = [-1] * n
-            for number, call in enumerate(found):
-                for i in range(call.start, call.stop):
-                    blocks[i] = number
-
+    node_inputs, node_outputs, node_saved, saves_static, grad_inputs = _node_storages(
+        profile, new_id)
+    blocks = _blocks(profile, block_prefix) if detect_blocks else None
     static = profile.static
     costs = profile.checkpoint_costs
     saved = [nd.saved_tensors for nd in nodes]
@@ -220,10 +175,10 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_saved=node_saved,
         storage_bytes=[storages[sid].nbytes for sid in activation],
         storage_producer=[storages[sid].producer for sid in activation],
-        storage_grad_bytes=grad_bytes,
+        storage_grad_bytes=_activation_grad_bytes(profile, new_id),
         # parameter .grad is not static: it appears during backward (param_grad_bytes)
         static_bytes=static.total_bytes - static.grad_bytes,
-        param_grad_bytes=param_grad,
+        param_grad_bytes=_param_grad_bytes(profile),
         block_of_node=blocks,
         node_saves_static=saves_static,
         # recorded since Nov 2026 (optional field); older profiles: unknown, nodes run first
@@ -238,7 +193,76 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         checkpoint_sac_op_ms=costs.sac_op_ms if costs else 0.0,
         node_ops=[len(nd.ops) for nd in nodes],
         node_packed=None if None in saved else saved,
-        storage_release=release,
+        storage_release=_releases(profile, activation, new_id),
         module_spans=_module_spans(profile, new_id) if module_spans else None,
         observed_backward=observed,
     )
+
+
+def _activation_grad_bytes(profile: GraphProfile, new_id: dict[int, int]) -> list[int]:
+    """Per activation storage, the bytes of its gradient (0 if none flows to it)."""
+    storages = profile.storages
+    grad_bytes = [0] * len(new_id)
+    for node in profile.nodes:
+        for tensor in node.outputs:
+            sid = new_id.get(tensor.storage)
+            if sid is not None and tensor.requires_grad and \
+                    storages[tensor.storage].producer == node.index:
+                grad_bytes[sid] = storages[tensor.storage].nbytes
+    return grad_bytes
+
+
+def _node_storages(profile: GraphProfile, new_id: dict[int, int]) -> tuple[list, ...]:
+    """Per node: activation storages read, made, saved; whether it saves a static one;
+    which read storages receive a gradient from it."""
+    storages = profile.storages
+    node_inputs, node_outputs, node_saved, saves_static, grad_inputs = [], [], [], [], []
+    for node in profile.nodes:
+        reads = sorted({new_id[s] for s in node.read_storages if s in new_id})
+        node_inputs.append(reads)
+        grad_inputs.append(sorted({new_id[s] for s in node.grad_storages if s in new_id}
+                                  & set(reads)))
+        node_outputs.append([new_id[s] for s in node.new_storages if s in new_id])
+        node_saved.append(sorted({new_id[s] for s in node.saved_storages if s in new_id}))
+        saves_static.append(any(storages[s].kind in STATIC_KINDS for s in node.saved_storages))
+    return node_inputs, node_outputs, node_saved, saves_static, grad_inputs
+
+
+def _param_grad_bytes(profile: GraphProfile) -> list[int]:
+    """A parameter's .grad appears at the backward of its last reader in forward order."""
+    last_reader: dict[str, int] = {}
+    for node in profile.nodes:
+        for name in node.params:
+            last_reader[name] = node.index
+    param_storage = {s.name: s for s in profile.storages if s.kind == "param"}
+    param_grad = [0] * len(profile.nodes)
+    for name, index in last_reader.items():
+        param_grad[index] += param_storage[name].nbytes
+    return param_grad
+
+
+def _releases(profile: GraphProfile, activation: list[int], new_id: dict[int, int]
+              ) -> list[int]:
+    """Per activation storage, the node after which the program drops its own reference;
+    the caller keeps what the loss reads for the whole step (n)."""
+    storages, nodes = profile.storages, profile.nodes
+    n = len(nodes)
+    held_by_caller = {new_id[s] for s in nodes[-1].read_storages if s in new_id} \
+        if nodes[-1].op == "loss" else set()
+    return [n if i in held_by_caller else max(storages[sid].release
+                                              if storages[sid].release is not None
+                                              else storages[sid].producer or 0,
+                                              storages[sid].producer or 0)
+            for i, sid in enumerate(activation)]
+
+
+def _blocks(profile: GraphProfile, block_prefix: str | None) -> list[int] | None:
+    """Per node, the number of the repeated block call it runs in (-1: none)."""
+    found = block_calls(profile, block_prefix)
+    if not found:
+        return None
+    blocks = [-1] * len(profile.nodes)
+    for number, call in enumerate(found):
+        for i in range(call.start, call.stop):
+            blocks[i] = number
+    return blocks
