@@ -1314,15 +1314,8 @@ def profile(
     default_device = "cpu" if device_type == "cpu" and timing == "measure" else "H100"
     spec = device_spec(device or default_device)  # estimates (or fallbacks when measuring)
     abstract = _abstract(everything)
-    if execution == "auto":
-        execution = "fake" if abstract else "real"
-    if execution not in ("real", "fake"):
-        raise ValueError(f"execution must be 'auto', 'real' or 'fake', not {execution!r}")
-    if execution == "real" and abstract:
-        raise ValueError("execution='real' needs real tensors, but the model or inputs are on "
-                         "the meta device or fake; use execution='fake'")
+    execution = _resolve_execution(execution, abstract)
     step = _Step(model, args, kwargs, loss_fn, autocast, device_type)
-    name = type(model).__name__
     with _rng_state_preserved():
         rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
                                     progress)
@@ -1335,16 +1328,10 @@ def profile(
             if measured is None:  # the real run took another path: keep the estimates
                 timing = "estimate"
     records = rec.recorder.records
-    storages = [StorageInfo(**info) for info in rec.storages.infos]
     with _rng_state_preserved():
         observed = _observe_backward(step, [r.name for r in records], rec.real)
-    nodes = _node_profiles(rec, measured)
-    if observed is not None:
-        nodes = [node.model_copy(update={"bwd_live_before_bytes": b, "bwd_peak_bytes": p,
-                                         "bwd_live_after_bytes": a})
-                 for node, (b, p, a) in zip(nodes, observed, strict=True)]
     return GraphProfile(
-        model_name=name,
+        model_name=type(model).__name__,
         execution="real" if rec.real else "fake",
         timing=timing,
         device=device_type if measured else spec.name,
@@ -1352,8 +1339,8 @@ def profile(
         fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
                                       autocast),
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
-        nodes=nodes,
-        storages=storages,
+        nodes=_with_observed_backward(_node_profiles(rec, measured), observed),
+        storages=[StorageInfo(**info) for info in rec.storages.infos],
         module_calls=_module_calls(rec),
         static=rec.static,
         step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
@@ -1361,6 +1348,27 @@ def profile(
         if measured else None,
         checkpoint_costs=costs,
     )
+
+
+def _resolve_execution(execution: str, abstract: bool) -> str:
+    if execution == "auto":
+        execution = "fake" if abstract else "real"
+    if execution not in ("real", "fake"):
+        raise ValueError(f"execution must be 'auto', 'real' or 'fake', not {execution!r}")
+    if execution == "real" and abstract:
+        raise ValueError("execution='real' needs real tensors, but the model or inputs are on "
+                         "the meta device or fake; use execution='fake'")
+    return execution
+
+
+def _with_observed_backward(nodes: list[NodeProfile], observed: list | None
+                            ) -> list[NodeProfile]:
+    """Nodes with the backward's live bytes before, at and after each (when observed)."""
+    if observed is None:
+        return nodes
+    return [node.model_copy(update={"bwd_live_before_bytes": b, "bwd_peak_bytes": p,
+                                    "bwd_live_after_bytes": a})
+            for node, (b, p, a) in zip(nodes, observed, strict=True)]
 
 
 def _abstract(tensors: list[torch.Tensor]) -> bool:
