@@ -309,14 +309,16 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
     goes below."""
     peak = at_minimum.predicted_peak_bytes
     bound = lowest.min_feasible_budget_bytes
-    if lowest.min_feasible_budget_exact:
-        proof = " No schedule of module checkpoints peaks lower (proven)."
-    elif bound is not None and bound < peak:
-        proof = (f" No schedule can peak below {format_bytes(bound)} (a proven bound: static "
-                 "memory plus the largest working set of one op); plans between the two may "
-                 "exist that the solvers did not find.")
-    else:
-        proof = ""
+    proof = ""
+    if lowest.least_peak_bytes is not None and lowest.least_peak_space is not None:
+        least, space = lowest.least_peak_bytes, lowest.least_peak_space
+        proof = (f" It is the least peak of {space} (proven by CP-SAT)." if least == peak else
+                 f" No plan of {space} peaks below {format_bytes(least)} (proven by CP-SAT).")
+    if bound is not None and bound < peak:
+        proof += (f" No schedule at all can peak below {format_bytes(bound)} (static memory "
+                  "plus the largest working set of one op)"
+                  + ("." if proof else "; plans between the two may exist that the solvers "
+                     "did not find."))
     return InfeasibleBudgetError(
         f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
         f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["lowest_peak", "min_feasible_budget", "solve"]
 
-MILP_MAX_NODES = 400  # CP-SAT on larger graphs is slow (see benchmarks); chains use the DP
+MILP_MAX_NODES = 400  # CP-SAT over op ranges of larger graphs is slow; chains use the DP
 
 
 def _rank(sol: Solution) -> tuple:
@@ -46,17 +46,16 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # bound, scoring) and for picking the answer, so that auto itself returns in time
     reserve = min(0.05 * time_limit_s, 3.0)
     left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
-    if problem.n_nodes > MILP_MAX_NODES:
-        share = 1.0  # no CP-SAT after the DP
-    else:
-        share = 0.5 if dp.applies(problem) else 0.3
+    # CP-SAT over op ranges grows too large past MILP_MAX_NODES; over module calls its
+    # candidates are the calls, and it is what proves plans of graphs that are not chains
+    cpsat = problem.n_nodes <= MILP_MAX_NODES or problem.module_spans is not None
+    share = (0.5 if dp.applies(problem) else 0.3) if cpsat else 1.0
     d = dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
     left = time_limit_s - (time.perf_counter() - t0)
     chain_done = d.status == Status.OPTIMAL and problem.n_nodes > 200
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
-    if (problem.n_nodes <= MILP_MAX_NODES and left > 0.1 and not chain_done
-            and not nothing_to_beat):
+    if cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
         # warm start from the best schedule so far (the dp's, else a baseline's): CP-SAT
         # then improves a feasible point and proves a bound instead of searching blind
         start = min([d, *base], key=_rank)
@@ -143,10 +142,10 @@ def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXAC
         return (nested, False) if nested < flat else (flat, exact)
     if problem.n_nodes > MILP_MAX_NODES:
         return memory_lower_bound(problem), False
-    peak, proven, _ = milp.min_peak(problem, time_limit_s)
-    if peak == 0:
+    found = milp.min_peak(problem, time_limit_s)
+    if found.bytes == 0:
         return memory_lower_bound(problem), False
-    return peak, proven
+    return found.bytes, found.proven
 
 
 def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
@@ -156,11 +155,13 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     brute force on tiny problems, CP-SAT minimising the peak with a deterministic time
     limit (up to `MILP_MAX_NODES` nodes), and a bisection of the budget with the dp, whose
     nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
-    schedule-independent lower bound (`memory_lower_bound`).
+    schedule-independent lower bound (`memory_lower_bound`); when CP-SAT proved its least
+    peak, `least_peak_bytes` and `least_peak_space` say over which schedules.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     found: list[tuple[int, str, Schedule]] = []
+    least = milp.MinPeak(0, None, None)
     for name, fn in baselines.BASELINES.items():
         base = fn(problem, 0, 1.0)
         if base.schedule is not None and base.peak_bytes is not None:
@@ -171,9 +172,9 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
     elif problem.n_nodes <= MILP_MAX_NODES or problem.module_spans is not None:
         # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s)
-        peak, _, schedule = milp.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
-        if schedule is not None:
-            found.append((peak, "milp", schedule))
+        least = milp.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
+        if least.schedule is not None:
+            found.append((least.bytes, "milp", least.schedule))
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None and dp.applies(problem):
         lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?
@@ -196,5 +197,8 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                         min_feasible_budget_bytes=bound, min_feasible_budget_exact=False)
     peak, how, schedule = best
     sol = Solution.scored(problem, schedule, peak, solver=f"lowest-peak/{how}", started_s=t0)
+    proven = least.optimal_over is not None
     return sol.model_copy(update={"min_feasible_budget_bytes": min(bound, peak),
-                                  "min_feasible_budget_exact": False})
+                                  "min_feasible_budget_exact": False,
+                                  "least_peak_bytes": least.bytes if proven else None,
+                                  "least_peak_space": least.optimal_over})

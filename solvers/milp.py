@@ -33,6 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
@@ -46,7 +47,7 @@ from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["candidates", "complete", "min_peak", "solve", "stages"]
+__all__ = ["MinPeak", "candidates", "complete", "min_peak", "solve", "stages"]
 
 TIME_SCALE = 1_000_000  # objective units per ms
 FULL_MAX_CANDIDATES = 4000
@@ -385,33 +386,44 @@ def _solver(time_limit_s: float, workers: int = 2,
     return sol
 
 
-def min_peak(problem: Problem, time_limit_s: float = 10.0,
-             ctx: Context | None = None, *,
-             deterministic: bool = False) -> tuple[int, bool, Schedule | None]:
-    """Lowest simulated peak over the model's space: (bytes, proven, schedule).
+class MinPeak(NamedTuple):
+    """CP-SAT's lowest peak: `bytes` (0: none found), its `schedule`, and `optimal_over`,
+    the space over which no schedule peaks lower (None unless CP-SAT proved it)."""
 
-    `proven` is True when CP-SAT proved it optimal and the candidates span the whole
-    brute-force space; otherwise the number is the best found (an upper bound on the true
-    minimum over non-nested schedules, exact for the schedules this solver can produce when
-    CP-SAT reports OPTIMAL).
-    """
+    bytes: int
+    schedule: Schedule | None
+    optimal_over: SearchSpace | None
+
+    @property
+    def proven(self) -> bool:
+        """Proven over every flat schedule (the candidates are complete)."""
+        return self.optimal_over is not None and complete(self.optimal_over)
+
+
+def min_peak(problem: Problem, time_limit_s: float = 10.0,
+             ctx: Context | None = None, *, deterministic: bool = False) -> MinPeak:
+    """Lowest simulated peak over the candidate regions' space (see `MinPeak`); otherwise
+    the best found, an upper bound on the least peak of non-nested schedules."""
     ctx = ctx or Context(problem)
     deadline = time.perf_counter() + time_limit_s
     try:
         cands, space = candidates(ctx, deadline=deadline)
         mdl = _build(ctx, cands, None, deadline)
     except TimeoutError:
-        return 0, False, None
+        return MinPeak(0, None, None)
     mdl.model.Minimize(mdl.budget)
     left = time_limit_s if deterministic else deadline - time.perf_counter()
     solver = _solver(left, deterministic=deterministic)
     st = solver.Solve(mdl.model)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return 0, False, None
+        return MinPeak(0, None, None)
     chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
     sched = _schedule(problem.n_nodes, chosen)
     peak = simulate(problem, sched).peak_bytes
-    return peak, st == cp_model.OPTIMAL and complete(space), sched
+    # the model's peak is simulate's for every candidate schedule: trust a proof only
+    # where the two agree on the answer
+    exact = peak == round(solver.ObjectiveValue())
+    return MinPeak(peak, sched, space if st == cp_model.OPTIMAL and exact else None)
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
@@ -469,8 +481,8 @@ def _no_schedule(problem: Problem, budget_bytes: int, started_s: float,
 
 
 def _min_budget(problem: Problem, ctx: Context, time_limit_s: float) -> tuple[int, bool]:
-    peak, proven, _ = min_peak(problem, time_limit_s, ctx) if time_limit_s > 0.1 else (
-        0, False, None)
-    if peak == 0:
-            return memory_lower_bound(problem), False
-    return peak, proven
+    found = min_peak(problem, time_limit_s, ctx) if time_limit_s > 0.1 else MinPeak(0, None,
+                                                                                    None)
+    if found.bytes == 0:
+        return memory_lower_bound(problem), False
+    return found.bytes, found.proven

@@ -53,6 +53,9 @@ class Solution(BaseModel):
     min_feasible_budget_bytes: int | None = None
     min_feasible_budget_exact: bool = False
     space: SearchSpace | None = None
+    # `auto.lowest_peak`: no schedule of `least_peak_space` peaks below `least_peak_bytes`
+    least_peak_bytes: int | None = None
+    least_peak_space: SearchSpace | None = None
 
     @property
     def feasible(self) -> bool:

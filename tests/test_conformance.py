@@ -105,3 +105,51 @@ def test_time_limit_holds_for_the_whole_solve(time_limit_s: float) -> None:
         assert error.min_budget_bytes > budget
     spent = time.perf_counter() - started
     assert spent <= time_limit_s, f"{spent:.3f} s spent, limit {time_limit_s} s"
+
+
+def _problem(name: str):
+    from solvers.from_profile import problem_from_profile
+
+    case = next(c for c in CASES if c.name == name)
+    if case.needs and importlib.util.find_spec(case.needs) is None:
+        pytest.skip(f"needs {case.needs}")
+    zm = case.build()
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                            timing="estimate", progress=False)
+    return problem_from_profile(prof)
+
+
+def test_graphs_that_are_not_chains_get_cpsat_at_their_least_peak() -> None:
+    """Inception-v3 (509 ops, branches): auto ran only the DP beyond 400 nodes and found no
+    plan at the least peak CP-SAT proves over module calls; now CP-SAT runs on module calls
+    of any size and the plan there is optimal over that space."""
+    from solvers import auto, milp
+
+    p = _problem("torchvision inception_v3")
+    assert p.n_nodes > auto.MILP_MAX_NODES and not auto.dp.applies(p)
+    least = milp.min_peak(p, 20.0)
+    assert least.optimal_over is not None and least.schedule is not None
+    sol = auto.solve(p, least.bytes, 20.0)
+    assert sol.feasible and sol.peak_bytes <= least.bytes
+    assert sol.space is not None and sol.space.contains(p, sol.schedule)
+
+
+def test_infeasible_error_names_the_space_its_minimum_is_proven_over() -> None:
+    """U-Net: the lowest peak is CP-SAT's proven least peak over module calls; the error
+    says so, apart from the all-schedule bound (static + the largest op's working set)."""
+    from solvers.auto import lowest_peak
+
+    p = _problem("U-Net (BatchNorm, concatenated skips)")
+    lowest = lowest_peak(p, 10.0)
+    assert lowest.least_peak_space is not None
+    assert lowest.least_peak_bytes == lowest.peak_bytes
+    case = next(c for c in CASES if c.name == "U-Net (BatchNorm, concatenated skips)")
+    zm = case.build()
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                            timing="estimate", progress=False)
+    inputs = _input_specs(*normalize_inputs(zm.model, zm.example_inputs))
+    with pytest.raises(InfeasibleBudgetError, match="proven by CP-SAT") as caught:
+        plan_for_profile(prof, lowest.peak_bytes - 1, inputs,
+                         structure_fingerprint(zm.model), time_limit_s=10.0)
+    assert "least peak of non-overlapping module calls" in str(caught.value)
+    assert caught.value.min_budget_bytes == lowest.peak_bytes
