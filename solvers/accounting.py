@@ -90,7 +90,7 @@ class Context:
         self.p = p
         n, m = p.n_nodes, p.n_storages
         self.n = n
-        self.last_read = [c[-1] if c else -1 for c in p.readers]
+        self.last_read = p.last_read
         savers: list[list[int]] = [[] for _ in range(m)]
         for k in range(n):
             for s in p.saved[k]:

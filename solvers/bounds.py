@@ -21,8 +21,9 @@ def memory_lower_bound(problem: Problem) -> int:
     p = problem
     n = p.n_nodes
     loss = p.caller_held
-    last_read = [n - 1 if s in loss else c[-1] if c else p.storage_producer[s]
-                 for s, c in enumerate(p.readers)]
+    # the caller's storages live to the end of the forward; unread ones at their producer
+    last_read = [n - 1 if s in loss else r if r >= 0 else p.storage_producer[s]
+                 for s, r in enumerate(p.last_read)]
     loss_bytes = sum(p.storage_bytes[s] for s in loss)
     g_event, _ = gradient_bytes(p)
     best = 0

@@ -342,6 +342,11 @@ class Problem(BaseModel):
         return self._invert(self.uses)
 
     @cached_property
+    def last_read(self) -> tuple[int, ...]:
+        """Per storage, the last node that keeps it alive in forward (-1: none does)."""
+        return tuple(c[-1] if c else -1 for c in self.readers)
+
+    @cached_property
     def caller_held(self) -> frozenset[int]:
         """Storages the caller holds for the whole step: the loss's outputs (not those its
         own backward saves) and those with `storage_release == n_nodes`."""
