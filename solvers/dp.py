@@ -765,6 +765,40 @@ def _spans(m: int) -> list[int]:
     return spans
 
 
+def _upper_pass(ctx: Context, st: list[tuple[int, int]], budget_bytes: int, max_front: int,
+                deadline: float, cache: dict, up: np.ndarray, pinned: frozenset[int],
+                bounds: _SpanBounds, span: int, t0: float) -> Solution | None:
+    """The best real schedule with segments of at most `span` stages, scored by `simulate`
+    (OPTIMAL when the pass was exact over the whole space); None if none fits. Should
+    `simulate` find it over the budget, the pass is repeated with the limit tightened."""
+    problem = ctx.p
+    limit = budget_bytes - problem.static_bytes
+    for attempt in range(4):
+        try:
+            found, rounded, _ = _run(ctx, st, limit, max_front, False, deadline, cache, up,
+                                     pinned, bounds, span)
+        except TimeoutError:
+            logger.warning("dp hit its %.1f s limit (segments of <= %d of %d stages)",
+                           deadline - t0, span, len(st))
+            return None
+        if found is None:
+            return None
+        sched = Schedule.from_segments(problem.n_nodes, [_schedule_region(r) for r in found[1]])
+        exact = not rounded and not pinned and span >= len(st)
+        sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
+                              proven_optimal=exact, bound_ms=found[0] if exact else None,
+                              space=_space(problem, nested=True) if exact else None)
+        if sol.feasible and not rounded and not _same_ms(found[0], sol.objective_ms):
+            logger.error("dp: its model gives %.6f ms but simulate %.6f ms for %s; please "
+                         "report this", found[0], sol.objective_ms, sched.describe())
+        if sol.feasible:
+            return sol
+        logger.error("dp schedule peaks at %d > budget %d (attempt %d); tightening",
+                     sol.peak_bytes, budget_bytes, attempt)
+        limit -= sol.peak_bytes - budget_bytes
+    return None
+
+
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
           *, max_front: int = 2000) -> Solution:
     """Least recompute time within the budget over chain segmentations (see module doc)."""
@@ -779,33 +813,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     best: Solution | None = None
     bound = 0.0
     for span in _spans(len(st)):
-        limit = budget_bytes - problem.static_bytes
-        sol = None
-        for attempt in range(4):
-            try:
-                found, rounded, _ = _run(ctx, st, limit, max_front, False, deadline, cache, up,
-                                         pinned, bounds, span)
-            except TimeoutError:
-                logger.warning("dp hit its %.1f s limit (segments of <= %d of %d stages)",
-                               time_limit_s, span, len(st))
-                found, rounded = None, True
-            if found is None:
-                break
-            sched = Schedule.from_segments(problem.n_nodes,
-                                           [_schedule_region(r) for r in found[1]])
-            exact = not rounded and not pinned and span >= len(st)
-            sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
-                                  proven_optimal=exact, bound_ms=found[0] if exact else None,
-                                  space=_space(problem, nested=True) if exact else None)
-            if sol.feasible and not rounded and not _same_ms(found[0], sol.objective_ms):
-                logger.error("dp: its model gives %.6f ms but simulate %.6f ms for %s; please "
-                             "report this", found[0], sol.objective_ms, sched.describe())
-            if sol.feasible:
-                break
-            logger.error("dp schedule peaks at %d > budget %d (attempt %d); tightening",
-                         sol.peak_bytes, budget_bytes, attempt)
-            limit -= sol.peak_bytes - budget_bytes
-            sol = None
+        sol = _upper_pass(ctx, st, budget_bytes, max_front, deadline, cache, up, pinned,
+                          bounds, span, t0)
         if sol is not None and sol.status == Status.OPTIMAL:
             return sol
         if sol is not None and (best is None or sol.objective_ms < best.objective_ms):
