@@ -585,37 +585,10 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     child's) and j's own event.
     """
     p = ctx.p
-    n = ctx.n
     n_fw = b0 - a0
     plans = [r if isinstance(r, NestedRegionInfo) else r.general(ctx) for r in regions]
-    in_region = [False] * n_fw
-    at_trigger: dict[int, list[tuple[int, int]]] = {}
-    for pi, r in enumerate(plans):
-        for i in range(r.a, r.b):
-            in_region[i - a0] = True
-        for ri, rr in enumerate(r.reruns):
-            at_trigger.setdefault(rr.trigger, []).append((pi, ri))
-    const: list[int] = [ctx.alloc[i] + p.fwd_temp_bytes[i] for i in range(a0, b0)]
-    gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
-    bwd_slot = [0] * n_fw
-    # slot of node x's step in rerun r of plan pi: off[pi][r] + x
-    off: list[list[int]] = [[0] * len(r.reruns) for r in plans]
-    fwd = p.fwd_time_ms
-    time_ms = 0.0  # added step by step in event order, as `simulate` does: equal to the bit
-    for j in range(b0 - 1, a0 - 1, -1):
-        for pi, ri in at_trigger.get(j, ()):
-            rr = plans[pi].reruns[ri]
-            off[pi][ri] = len(const) - rr.start
-            const.extend(rr.step_const)
-            gidx.extend([table_index(n, RERUN, j - a0)] * len(rr.step_const))
-            idle = rr.idle
-            for i in range(rr.start, rr.stop):
-                step_ms = 0.0 if i in idle else fwd[i]
-                time_ms += step_ms + rr.overhead_ms if i == rr.start else step_ms
-        bwd_slot[j - a0] = len(const)
-        const.append(p.bwd_temp_bytes[j])
-        gidx.append(table_index(n, BACKWARD, j - a0))
-
+    slots = _Slots.lay_out(ctx, a0, b0, plans)
+    const, off, bwd_slot, in_region = slots.const, slots.off, slots.bwd_slot, slots.in_region
     starts: list[int] = []
     ends: list[int] = []
     sizes: list[int] = []
@@ -660,13 +633,72 @@ def profile_parts(ctx: Context, a0: int, b0: int,
         sz = np.asarray(sizes, dtype=np.int64)
         np.add.at(diff, np.asarray(starts, dtype=np.int64), sz)
         np.add.at(diff, np.asarray(ends, dtype=np.int64), -sz)
-    bwd = np.asarray(bwd_slot, dtype=np.int64)
-    nbytes_of = np.asarray(p.storage_bytes, dtype=np.int64)
-    for pi, r in enumerate(plans):  # regenerated instances: from their step to their end
+    _add_regenerated(diff, plans, slots, a0, np.asarray(p.storage_bytes, dtype=np.int64))
+    live = np.cumsum(diff[:-1])
+    return WindowParts(np.asarray(const, dtype=np.int64) + live,
+                       np.asarray(slots.gidx, dtype=np.int64), residue, frozenset(held_out),
+                       slots.time_ms)
+
+
+@dataclass
+class _Slots:
+    """The events of a window in `simulate`'s order, with what each adds by itself.
+
+    `const`: bytes allocated or temporary at each slot; `gidx`: its `Context.g_table` entry
+    relative to the window start; `bwd_slot[k]`: slot of node a0 + k's backward;
+    `off[pi][r] + x`: slot of node x's step in rerun r of plan pi; `time_ms`: the reruns'
+    time, added step by step in event order as `simulate` does (equal to the bit).
+    """
+
+    const: list[int]
+    gidx: list[int]
+    bwd_slot: list[int]
+    off: list[list[int]]
+    in_region: list[bool]
+    time_ms: float
+
+    @classmethod
+    def lay_out(cls, ctx: Context, a0: int, b0: int,
+                plans: Sequence[NestedRegionInfo]) -> _Slots:
+        p, n, n_fw = ctx.p, ctx.n, b0 - a0
+        in_region = [False] * n_fw
+        at_trigger: dict[int, list[tuple[int, int]]] = {}
+        for pi, r in enumerate(plans):
+            for i in range(r.a, r.b):
+                in_region[i - a0] = True
+            for ri, rr in enumerate(r.reruns):
+                at_trigger.setdefault(rr.trigger, []).append((pi, ri))
+        const: list[int] = [ctx.alloc[i] + p.fwd_temp_bytes[i] for i in range(a0, b0)]
+        gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
+        bwd_slot = [0] * n_fw
+        off: list[list[int]] = [[0] * len(r.reruns) for r in plans]
+        fwd = p.fwd_time_ms
+        time_ms = 0.0
+        for j in range(b0 - 1, a0 - 1, -1):
+            for pi, ri in at_trigger.get(j, ()):
+                rr = plans[pi].reruns[ri]
+                off[pi][ri] = len(const) - rr.start
+                const.extend(rr.step_const)
+                gidx.extend([table_index(n, RERUN, j - a0)] * len(rr.step_const))
+                idle = rr.idle
+                for i in range(rr.start, rr.stop):
+                    step_ms = 0.0 if i in idle else fwd[i]
+                    time_ms += step_ms + rr.overhead_ms if i == rr.start else step_ms
+            bwd_slot[j - a0] = len(const)
+            const.append(p.bwd_temp_bytes[j])
+            gidx.append(table_index(n, BACKWARD, j - a0))
+        return cls(const, gidx, bwd_slot, off, in_region, time_ms)
+
+
+def _add_regenerated(diff: np.ndarray, plans: Sequence[NestedRegionInfo], slots: _Slots,
+                     a0: int, nbytes_of: np.ndarray) -> None:
+    """Add each rerun-regenerated instance's bytes to `diff` from its step to its end."""
+    bwd = np.asarray(slots.bwd_slot, dtype=np.int64)
+    for pi, r in enumerate(plans):
         storage, rerun, step, kind, node, end_rerun = r.regen_cols
         if not len(storage):
             continue
-        o = np.asarray(off[pi], dtype=np.int64)
+        o = np.asarray(slots.off[pi], dtype=np.int64)
         first = o[rerun] + step + 1
         last = np.where(kind == BWD, bwd[np.where(kind == BWD, node - a0, 0)],
                         o[end_rerun] + node) + 1
@@ -674,9 +706,6 @@ def profile_parts(ctx: Context, a0: int, b0: int,
         sz = nbytes_of[storage[ok]]
         np.add.at(diff, first[ok], sz)
         np.add.at(diff, last[ok], -sz)
-    live = np.cumsum(diff[:-1])
-    return WindowParts(np.asarray(const, dtype=np.int64) + live,
-                       np.asarray(gidx, dtype=np.int64), residue, frozenset(held_out), time_ms)
 
 
 def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo | NestedRegionInfo],
