@@ -165,16 +165,21 @@ def _timm(name: str, size: int = 64, batch: int = 2, **kwargs: Any) -> Callable[
     return build
 
 
+def _hf_model(config_name: str, model_name: str, **config: Any) -> tuple[Any, nn.Module]:
+    """A random-init transformers model from its config class, seeded, quietly."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(**config)
+    return cfg, getattr(transformers, model_name)(cfg)
+
+
 def _hf_lm(config_name: str, model_name: str, batch: int = 4, seq: int = 64,
            **config: Any) -> Callable[[], zoo.ZooModel]:
     """A causal or masked LM with its default config (``use_cache`` as it comes)."""
     def build() -> zoo.ZooModel:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        torch.manual_seed(0)
-        cfg = getattr(transformers, config_name)(**config)
-        model = getattr(transformers, model_name)(cfg)
+        cfg, model = _hf_model(config_name, model_name, **config)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq),
                             generator=torch.Generator().manual_seed(0))
         return zoo.ZooModel(f"HF {model_name}", model, {"input_ids": ids, "labels": ids}, None)
@@ -184,12 +189,7 @@ def _hf_lm(config_name: str, model_name: str, batch: int = 4, seq: int = 64,
 def _hf_seq2seq(config_name: str, model_name: str, batch: int = 4, seq: int = 32,
                 **config: Any) -> Callable[[], zoo.ZooModel]:
     def build() -> zoo.ZooModel:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        torch.manual_seed(0)
-        cfg = getattr(transformers, config_name)(**config)
-        model = getattr(transformers, model_name)(cfg)
+        cfg, model = _hf_model(config_name, model_name, **config)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
         labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
@@ -199,18 +199,12 @@ def _hf_seq2seq(config_name: str, model_name: str, batch: int = 4, seq: int = 32
 
 
 def _hf_whisper() -> zoo.ZooModel:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.WhisperConfig(vocab_size=512, num_mel_bins=16, d_model=64,
-                                     encoder_layers=2, decoder_layers=2,
-                                     encoder_attention_heads=4, decoder_attention_heads=4,
-                                     encoder_ffn_dim=128, decoder_ffn_dim=128,
-                                     max_source_positions=32, max_target_positions=32,
-                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                     decoder_start_token_id=1)
-    model = transformers.WhisperForConditionalGeneration(cfg)
+    _, model = _hf_model("WhisperConfig", "WhisperForConditionalGeneration", vocab_size=512,
+                         num_mel_bins=16, d_model=64, encoder_layers=2, decoder_layers=2,
+                         encoder_attention_heads=4, decoder_attention_heads=4,
+                         encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=32,
+                         max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, decoder_start_token_id=1)
     gen = torch.Generator().manual_seed(0)
     features = torch.randn(2, 16, 64, generator=gen)
     labels = torch.randint(0, 512, (2, 12), generator=gen)
@@ -219,14 +213,9 @@ def _hf_whisper() -> zoo.ZooModel:
 
 
 def _hf_vit() -> zoo.ZooModel:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64,
-                                 num_hidden_layers=3, num_attention_heads=4,
-                                 intermediate_size=128, num_labels=10)
-    model = transformers.ViTForImageClassification(cfg)
+    _, model = _hf_model("ViTConfig", "ViTForImageClassification", image_size=32,
+                         patch_size=8, hidden_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, intermediate_size=128, num_labels=10)
     x, y = _images(2, 32)
     return zoo.ZooModel("HF ViTForImageClassification", model,
                         {"pixel_values": x, "labels": y}, None)

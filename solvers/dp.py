@@ -69,7 +69,6 @@ from solvers.accounting import (
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
-from solvers.milp import stages as problem_stages
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
@@ -99,7 +98,7 @@ def pinned_storages(problem: Problem) -> frozenset[int]:
     forward and through the backward down to its producer's backward (conservative: no
     schedule holds it longer). Short skips across single nodes are merged (exact).
     """
-    st = problem_stages(problem)
+    st = problem.stages()
     stage_of = [0] * problem.n_nodes
     for t, (a, b) in enumerate(st):
         for i in range(a, b):
@@ -121,7 +120,7 @@ def chain_stages(problem: Problem,
 
     Storages in `pinned` (see `pinned_storages`) are ignored when looking for skips.
     """
-    st = problem_stages(problem)
+    st = problem.stages()
     merged = False
     while True:
         stage_of = [0] * problem.n_nodes

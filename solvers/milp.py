@@ -47,22 +47,10 @@ from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MinPeak", "candidates", "complete", "min_peak", "solve", "stages"]
+__all__ = ["MinPeak", "candidates", "complete", "min_peak", "solve"]
 
 TIME_SCALE = 1_000_000  # objective units per ms
 FULL_MAX_CANDIDATES = 4000
-
-
-def stages(problem: Problem) -> list[tuple[int, int]]:
-    """Blocks and the single nodes between them, in order: the candidate cut points."""
-    out: list[tuple[int, int]] = []
-    pos = 0
-    for a, b in problem.blocks():
-        out.extend((i, i + 1) for i in range(pos, a))
-        out.append((a, b))
-        pos = b
-    out.extend((i, i + 1) for i in range(pos, problem.n_nodes))
-    return out
 
 
 def _keep_options(problem: Problem, a: int, b: int, full: bool) -> list[frozenset[int]]:
@@ -99,7 +87,7 @@ def candidates(ctx: Context, *, full: bool | None = None,
     if full:
         cuts = list(range(n + 1))
     else:
-        cuts = [a for a, _ in stages(p)] + [n]
+        cuts = [a for a, _ in p.stages()] + [n]
     out: list[RegionInfo] = []
     for ia, a in enumerate(cuts):
         for b in cuts[ia + 1:]:

@@ -545,6 +545,18 @@ class Problem(BaseModel):
         """Backward time of the whole graph."""
         return float(sum(self.bwd_time_ms))
 
+    def stages(self) -> list[tuple[int, int]]:
+        """Blocks and the single nodes between them, in order: the candidate cut points of
+        solvers that cut at block boundaries."""
+        out: list[tuple[int, int]] = []
+        pos = 0
+        for a, b in self.blocks():
+            out.extend((i, i + 1) for i in range(pos, a))
+            out.append((a, b))
+            pos = b
+        out.extend((i, i + 1) for i in range(pos, self.n_nodes))
+        return out
+
     def blocks(self) -> list[tuple[int, int]]:
         """Maximal runs `(start, stop)` of consecutive nodes sharing a block id >= 0."""
         if self.block_of_node is None:

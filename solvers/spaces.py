@@ -61,14 +61,7 @@ class SearchSpace(BaseModel):
 
 
 def _stage_cuts(problem: Problem) -> set[int]:
-    cuts = {0, problem.n_nodes}
-    pos = 0
-    for a, b in problem.blocks():
-        cuts.update(range(pos, a + 1))
-        cuts.add(b)
-        pos = b
-    cuts.update(range(pos, problem.n_nodes))
-    return cuts
+    return {a for a, _ in problem.stages()} | {problem.n_nodes}
 
 
 def _keep_allowed(problem: Problem, a: int, b: int, keep: frozenset[int], rule: str) -> bool:
