@@ -87,6 +87,7 @@ NEST_MAX_STAGES = 8  # longest window given a two-level (nested) option
 SPLIT_RELAXED_STAGES = 160
 RELAXED_FRONT = 128  # lower-bound entries a relaxed window hands on (optimistic corners)
 TIGHT_SPANS = 3  # beyond SPLIT_RELAXED_STAGES: relaxed windows up to 3 spans long are tight
+LONG_SKIP_NODES = 8  # without module spans, storages read further on are detached (long_skips)
 
 
 def pinned_storages(problem: Problem) -> frozenset[int]:
@@ -560,23 +561,117 @@ def _signature(ctx: Context, a: int, b: int,
                         for stop, inputs in spans_at.get(i, ()))) for i in range(a, b))
 
 
-def _pin_tables(ctx: Context, pinned: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
-    """`ctx.g_table` plus the pinned storages: conservative (upper) and sure (lower) lives.
+def long_skips(problem: Problem, pinned: frozenset[int]
+               ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Storages detached as long skips with their far readers, and the DP's stages.
 
-    Upper: live at forward events after the producer, at reruns triggered by and backward
-    events of nodes >= the producer. Lower: live at the forward events after the producer up
-    to its last reader (a later reader holds it: true under every schedule).
+    Only without module spans (regions are op ranges: synthetic DAGs, profiles made with
+    `module_spans=False`): a storage read more than `LONG_SKIP_NODES` nodes after it is made
+    would merge every stage it skips into one, and a few random skips fuse a whole DAG. Such
+    a storage is detached instead: its readers two or more stages after its producer's are
+    its far readers, and no segment holds the producer and a far reader
+    (`_Layout.stop_limit`), so each far reader that saves it holds it under every schedule
+    (`_pin_tables`). With module spans, CP-SAT over module calls handles such graphs.
+    """
+    if problem.module_spans is not None:
+        return {}, compact_stages(problem, chain_stages(problem, pinned)[0])
+    outside = set(problem.caller_held) | set(pinned)
+    long = frozenset(s for s, cons in enumerate(problem.readers) if cons and s not in outside
+                     and cons[-1] - problem.storage_producer[s] > LONG_SKIP_NODES)
+    st = compact_stages(problem, chain_stages(problem, pinned | long)[0])
+    stage_of = _stage_of(problem, st)
+    skips = {}
+    for s in long:
+        t = stage_of[problem.storage_producer[s]]
+        far = [r for r in problem.readers[s] if stage_of[r] >= t + 2]
+        if far:  # else all its readers sit in the next two stages: a chain link
+            skips[s] = far
+    return skips, st
+
+
+def _stage_of(problem: Problem, st: list[tuple[int, int]]) -> list[int]:
+    out = [0] * problem.n_nodes
+    for t, (a, b) in enumerate(st):
+        out[a:b] = [t] * (b - a)
+    return out
+
+
+class _Layout(NamedTuple):
+    """What one solve's passes share: the stages, the storages left out of the window
+    accounting (`outside`: pinned ones and long skips) and their bytes by position in the
+    upper (conservative) and lower (sure) tables, the span bounds, and per stage t the
+    largest stop u of a segment t..u-1 (`stop_limit`: a segment never holds a long skip's
+    producer and one of its far readers)."""
+
+    stages: list[tuple[int, int]]
+    pinned: frozenset[int]
+    skips: dict[int, list[int]]
+    upper_table: np.ndarray
+    lower_table: np.ndarray
+    bounds: _SpanBounds
+    stop_limit: list[int]
+
+    @property
+    def outside(self) -> frozenset[int]:
+        return self.pinned | frozenset(self.skips)
+
+
+def _layout(ctx: Context) -> _Layout:
+    problem = ctx.p
+    pinned = pinned_storages(problem)
+    skips, st = long_skips(problem, pinned)
+    up, low = _pin_tables(ctx, pinned, skips)
+    return _Layout(st, pinned, skips, up, low, _SpanBounds(ctx, pinned | frozenset(skips)),
+                   _stop_limits(problem, st, skips))
+
+
+def _stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
+                 ) -> list[int]:
+    """Per stage t: segments starting there stop at stage u <= this (exclusive), so that none
+    holds a long skip's producer and a far reader (two stages on: single stages never do)."""
+    m = len(st)
+    stage_of = _stage_of(problem, st)
+    first_far = [m] * m  # by the producer's stage
+    for s, far in skips.items():
+        t = stage_of[problem.storage_producer[s]]
+        first_far[t] = min(first_far[t], stage_of[far[0]])
+    out = [m] * m
+    low = m
+    for t in range(m - 1, -1, -1):  # least over the skips made at stage t or later
+        low = min(low, first_far[t])
+        out[t] = low
+    return out
+
+
+def _pin_tables(ctx: Context, pinned: frozenset[int], skips: dict[int, list[int]]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """`ctx.g_table` plus the pinned storages and long skips: conservative (upper) and sure
+    (lower) lives.
+
+    Upper (both): live at forward events after the producer, at reruns triggered by and
+    backward events of nodes >= the producer. Lower, pinned: live at the forward events
+    after the producer up to its last reader (a later reader holds it: true under every
+    schedule). Lower, long skip with a far reader that saves it: that reader is never in
+    the producer's segment, so it holds the storage (saved, or as its checkpoint's input)
+    from the forward to its own backward: live at every forward event after the producer
+    and every rerun and backward event down to the first such reader's; else as pinned.
     """
     n = ctx.n
     up = ctx.g_table.copy()
     low = ctx.g_table.copy()
-    for s in pinned:
+    for s in pinned | frozenset(skips):
         nbytes = ctx.p.storage_bytes[s]
         prod, last = ctx.p.storage_producer[s], ctx.last_read[s]
         up[table_slice(n, FORWARD, prod + 1, n)] += nbytes
         up[table_slice(n, RERUN, prod, n)] += nbytes
         up[table_slice(n, BACKWARD, prod, n)] += nbytes
-        low[table_slice(n, FORWARD, prod + 1, last + 1)] += nbytes
+        holders = [r for r in skips.get(s, ()) if s in ctx.p.saved[r]]
+        if holders:
+            low[table_slice(n, FORWARD, prod + 1, n)] += nbytes
+            low[table_slice(n, RERUN, holders[0], n)] += nbytes
+            low[table_slice(n, BACKWARD, holders[0], n)] += nbytes
+        else:
+            low[table_slice(n, FORWARD, prod + 1, last + 1)] += nbytes
     return up, low
 
 
@@ -591,13 +686,14 @@ def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
     return total
 
 
-def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
-         optimistic: bool, deadline: float, cache: dict, table: np.ndarray,
-         pinned: frozenset[int], bounds: _SpanBounds,
-         max_span: int) -> tuple[tuple[float, list[RegionInfo]] | None, bool, bool]:
+def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: bool,
+         deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False
+         ) -> tuple[tuple[float, list[RegionInfo]] | None, bool, bool]:
     """One DP pass; returns (best time and regions or None, rounded, relaxed windows used).
 
-    Segments span at most `max_span` stages. With `optimistic` (the lower-bound pass),
+    Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
+    the windows by their sure lives (an upper pass whose answer `simulate` must check).
+    With `optimistic` (the lower-bound pass),
     longer segments are relaxed (`_SpanBounds.relaxed`; every output read later counts as
     held by them, so the next window leaves it out): each costs no more than any option of
     that window, so the pass's optimum is a lower bound of the full space. On long chains
@@ -605,6 +701,8 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
     up to twice that (longer windows split into those).
     """
     p = ctx.p
+    st, pinned, bounds = lay.stages, lay.outside, lay.bounds
+    table = lay.lower_table if optimistic or sure_lives else lay.upper_table
     m = len(st)
     # relaxed windows up to `tight` stages count every kept output in their residue; longer
     # ones, up to 2 * tight + 1 stages, leave the unsaved ones out so that any longer window
@@ -662,7 +760,7 @@ def _run(ctx: Context, st: list[tuple[int, int]], limit: int, max_front: int,
             held_in = frozenset(p.outputs[a + r][k] for r, k in held_rel)
             room = limit - int(front.held[0])  # the least held bytes of this front
             thinned = front.corners(RELAXED_FRONT) if optimistic and max_span < m else None
-            for u in range(t + 1, m + 1):
+            for u in range(t + 1, lay.stop_limit[t] + 1):
                 b = st[u - 1][1]
                 # every flat multi-stage option recomputes the recomputable runs of [a, b):
                 # the saved bytes of its largest run are a lower bound on its peak that only
@@ -746,8 +844,9 @@ def _backtrack(f: _Front, fronts: list[dict[tuple, _Front]], st: list[tuple[int,
     return sorted(regions, key=lambda r: r.a), relaxed
 
 
-def _space(problem: Problem, *, nested: bool) -> SearchSpace:
-    return chain_segments(problem, nested=nested, any_keep=problem.n_nodes <= SUBSET_MAX_NODES)
+def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:
+    return chain_segments(problem, nested=nested, any_keep=problem.n_nodes <= SUBSET_MAX_NODES,
+                          long_skips=len(lay.skips), long_skip_nodes=LONG_SKIP_NODES)
 
 
 def _same_ms(a: float, b: float) -> bool:
@@ -764,38 +863,55 @@ def _spans(m: int) -> list[int]:
     return spans
 
 
-def _upper_pass(ctx: Context, st: list[tuple[int, int]], budget_bytes: int, max_front: int,
-                deadline: float, cache: dict, up: np.ndarray, pinned: frozenset[int],
-                bounds: _SpanBounds, span: int, t0: float) -> Solution | None:
+def _upper_pass(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
+                deadline: float, cache: dict, span: int, t0: float, *,
+                sure_lives: bool = False) -> Solution | None:
     """The best real schedule with segments of at most `span` stages, scored by `simulate`
     (OPTIMAL when the pass was exact over the whole space); None if none fits. Should
-    `simulate` find it over the budget, the pass is repeated with the limit tightened."""
+    `simulate` find it over the budget, the pass is repeated with the limit tightened.
+
+    The storages left out of the windows count by their conservative lives, or with
+    `sure_lives` by their sure ones: then the answer may exceed the budget, and the
+    tightened retries are what find one that fits (often faster than the conservative)."""
     problem = ctx.p
     limit = budget_bytes - problem.static_bytes
     for attempt in range(4):
         try:
-            found, rounded, _ = _run(ctx, st, limit, max_front, False, deadline, cache, up,
-                                     pinned, bounds, span)
+            found, rounded, _ = _run(ctx, lay, limit, max_front, False, deadline, cache, span,
+                                     sure_lives=sure_lives)
         except TimeoutError:
             logger.warning("dp hit its %.1f s limit (segments of <= %d of %d stages)",
-                           deadline - t0, span, len(st))
+                           deadline - t0, span, len(lay.stages))
             return None
         if found is None:
             return None
         sched = Schedule.from_segments(problem.n_nodes, [_schedule_region(r) for r in found[1]])
-        exact = not rounded and not pinned and span >= len(st)
+        exact = not rounded and not lay.outside and span >= len(lay.stages)
         sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
                               proven_optimal=exact, bound_ms=found[0] if exact else None,
-                              space=_space(problem, nested=True) if exact else None)
+                              space=_space(problem, lay, nested=True) if exact else None)
         if sol.feasible and not rounded and not _same_ms(found[0], sol.objective_ms):
             logger.error("dp: its model gives %.6f ms but simulate %.6f ms for %s; please "
                          "report this", found[0], sol.objective_ms, sched.describe())
         if sol.feasible:
             return sol
-        logger.error("dp schedule peaks at %d > budget %d (attempt %d); tightening",
-                     sol.peak_bytes, budget_bytes, attempt)
+        if not sure_lives:
+            logger.error("dp schedule peaks at %d > budget %d (attempt %d); tightening",
+                         sol.peak_bytes, budget_bytes, attempt)
         limit -= sol.peak_bytes - budget_bytes
     return None
+
+
+def _best_upper(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
+                deadline: float, cache: dict, span: int, t0: float) -> Solution | None:
+    """`_upper_pass` with conservative lives, and with sure ones when some storages are
+    left out of the windows (their lives differ); the faster feasible answer."""
+    found = [_upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0)]
+    if lay.outside and not (found[0] is not None and found[0].objective_ms == 0):
+        found.append(_upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0,
+                                 sure_lives=True))
+    found = [s for s in found if s is not None]
+    return min(found, key=lambda s: s.objective_ms) if found else None
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
@@ -804,16 +920,12 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ctx = Context(problem)
-    pinned = pinned_storages(problem)
-    st = compact_stages(problem, chain_stages(problem, pinned)[0])
-    up, low = _pin_tables(ctx, pinned)
-    bounds = _SpanBounds(ctx, pinned)
+    lay = _layout(ctx)
     cache: dict = {}
     best: Solution | None = None
     bound = 0.0
-    for span in _spans(len(st)):
-        sol = _upper_pass(ctx, st, budget_bytes, max_front, deadline, cache, up, pinned,
-                          bounds, span, t0)
+    for span in _spans(len(lay.stages)):
+        sol = _best_upper(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0)
         if sol is not None and sol.status == Status.OPTIMAL:
             return sol
         if sol is not None and (best is None or sol.objective_ms < best.objective_ms):
@@ -821,8 +933,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         if time.perf_counter() > deadline:
             break
         try:
-            lower, _, relaxed = _run(ctx, st, budget_bytes - problem.static_bytes, max_front,
-                                     True, deadline, cache, low, pinned, bounds, span)
+            lower, _, relaxed = _run(ctx, lay, budget_bytes - problem.static_bytes, max_front,
+                                     True, deadline, cache, span)
         except TimeoutError:
             break
         if lower is None:  # even the relaxed space has no schedule: infeasible
@@ -833,7 +945,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
                         best.objective_ms, bound, " (relaxed windows)" if relaxed else "")
             if best.objective_ms <= bound + 1e-9 * max(1.0, bound):
                 break
-        if span >= len(st):
+        if span >= len(lay.stages):
             break
     if best is not None:
         # the lower-bound passes bound flat segmentations only: no claim for a nested answer
@@ -841,7 +953,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         proven = flat and best.objective_ms <= bound + 1e-9 * max(1.0, bound)
         return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
                                proven_optimal=proven, bound_ms=bound if flat else None,
-                               space=_space(problem, nested=False) if flat else None)
+                               space=_space(problem, lay, nested=False) if flat else None)
     mfb = memory_lower_bound(problem)
     return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,

@@ -108,10 +108,16 @@ def flat_regions(problem: Problem, cuts: Literal["any", "stages"],
                        f"{kept}", cuts=cuts, keep=keep)
 
 
-def chain_segments(problem: Problem, *, nested: bool, any_keep: bool) -> SearchSpace:
-    """The DP's space: segmentations of the chain of stages (membership: its own answers)."""
+def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips: int = 0,
+                   long_skip_nodes: int = 0) -> SearchSpace:
+    """The DP's space: segmentations of the chain of stages (membership: its own answers);
+    with `long_skips`, no segment holds the producer and a reader of one of them."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = "any subset of its ops" if any_keep else "nothing or its matmuls"
-    return SearchSpace(text=f"segmentations of the chain of blocks into "
-                       f"{_regions_word(problem)} ({shape}), each keeping {kept}",
+    unit = "blocks" if problem.blocks() else "ops"
+    apart = (f"; none of the {long_skips} tensors read more than {long_skip_nodes} ops after "
+             "they are made is recomputed in one region with its distant readers (two or more "
+             "stages on)") if long_skips else ""
+    return SearchSpace(text=f"segmentations of the chain of {unit} into "
+                       f"{_regions_word(problem)} ({shape}), each keeping {kept}{apart}",
                        cuts="solver", keep="any" if any_keep else "matmuls", nested=nested)

@@ -19,14 +19,11 @@ def _passes(p, budget: int, span: int, splittable_at: int,
             monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
     monkeypatch.setattr(dp, "SPLIT_RELAXED_STAGES", splittable_at)
     ctx = Context(p)
-    pinned = dp.pinned_storages(p)
-    st = dp.compact_stages(p, dp.chain_stages(p, pinned)[0])
-    up, low = dp._pin_tables(ctx, pinned)
-    bounds = dp._SpanBounds(ctx, pinned)
+    lay = dp._layout(ctx)
     limit = budget - p.static_bytes
     deadline = time.perf_counter() + 60
-    upper, _, _ = dp._run(ctx, st, limit, 2000, False, deadline, {}, up, pinned, bounds, span)
-    lower, _, _ = dp._run(ctx, st, limit, 2000, True, deadline, {}, low, pinned, bounds, span)
+    upper, _, _ = dp._run(ctx, lay, limit, 2000, False, deadline, {}, span)
+    lower, _, _ = dp._run(ctx, lay, limit, 2000, True, deadline, {}, span)
     assert lower is not None
     return (upper[0] if upper is not None else float("inf")), lower[0]
 
