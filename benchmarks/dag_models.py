@@ -23,7 +23,7 @@ import torch
 
 import profiles
 from planner.conformance import CASES
-from solvers import Schedule, auto, memory_lower_bound, milp, simulate
+from solvers import Schedule, auto, cpsat, memory_lower_bound, simulate
 from solvers.from_profile import problem_from_profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,7 +40,7 @@ def _row(name: str, time_limit_s: float) -> list[str]:
     p = problem_from_profile(prof)
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     started = time.perf_counter()
-    least = milp.min_peak(p, time_limit_s)
+    least = cpsat.min_peak(p, time_limit_s)
     least_s = time.perf_counter() - started
     lines = []
     for factor in (1.0, 1.1):

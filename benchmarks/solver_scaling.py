@@ -130,15 +130,15 @@ def main(argv: list[str] | None = None) -> None:
         run_real(args.time_limit)
         return
     if args.quick:
-        cases = [(transformer(4, 1), ["auto", "dp", "milp"]),
-                 (random_dag(100), ["auto", "milp"])]
+        cases = [(transformer(4, 1), ["auto", "dp", "cpsat"]),
+                 (random_dag(100), ["auto", "cpsat"])]
     else:
         cases = [
-            (transformer(4, 1), ["auto", "dp", "milp"]),          # ~100 nodes
-            (transformer(24, 2), ["auto", "dp", "milp"]),         # ~1,000 nodes
+            (transformer(4, 1), ["auto", "dp", "cpsat"]),          # ~100 nodes
+            (transformer(24, 2), ["auto", "dp", "cpsat"]),         # ~1,000 nodes
             (transformer(130, 2), ["auto", "dp"]),                # ~5,000 nodes
             (transformer(525, 2), ["auto", "dp"]),                # ~20,000 nodes
-            (random_dag(100), ["auto", "milp", "dp"]),
+            (random_dag(100), ["auto", "cpsat", "dp"]),
             # CP-SAT's model alone takes minutes to build at 1,000 nodes; auto skips it
             (random_dag(1000), ["auto"]),
             (random_dag(5000), ["auto"]),

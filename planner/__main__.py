@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the JSON here")
 
     def solver_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--solver", default="auto", help="auto, milp, dp or a baseline name")
+        p.add_argument("--solver", default="auto", help="auto, cpsat, dp or a baseline name")
         p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
 
     demo = sub.add_parser("demo", help="plan the built-in GPT-style model")

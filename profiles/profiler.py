@@ -1319,14 +1319,8 @@ def profile(
     with _rng_state_preserved():
         rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
                                     progress)
-        measured = None
-        costs = spec.checkpoint_costs()
-        if timing == "measure":
-            timer = _Timer(torch.device(device_type), repeats, warmup)
-            measured = _measure_times(step, rec.recorder.records, timer, progress)
-            costs = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
-            if measured is None:  # the real run took another path: keep the estimates
-                timing = "estimate"
+        measured, costs, timing = _timings(step, rec, timing, spec, device_type,
+                                           (repeats, warmup), progress)
     records = rec.recorder.records
     with _rng_state_preserved():
         observed = _observe_backward(step, [r.name for r in records], rec.real)
@@ -1348,6 +1342,19 @@ def profile(
         if measured else None,
         checkpoint_costs=costs,
     )
+
+
+def _timings(step: _Step, rec: Any, timing: str, spec: DeviceSpec, device_type: str,
+             repeats_warmup: tuple[int, int], progress: bool) -> tuple[Any, Any, str]:
+    """(measured op times or None, checkpoint costs, the timing that holds): measured and
+    calibrated on the device with ``timing="measure"``, else the roofline's estimates (also
+    when the measured run took another path than the recorded one)."""
+    if timing != "measure":
+        return None, spec.checkpoint_costs(), timing
+    timer = _Timer(torch.device(device_type), *repeats_warmup)
+    measured = _measure_times(step, rec.recorder.records, timer, progress)
+    costs = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
+    return measured, costs, "measure" if measured is not None else "estimate"
 
 
 def _resolve_execution(execution: str, abstract: bool) -> str:

@@ -1,12 +1,12 @@
 """Torch-free decision code: problems, schedules, the simulator and the solvers.
 
 `SOLVERS` maps a name to `solve(problem, budget_bytes, time_limit_s) -> Solution`: the exact
-solvers (`milp`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline.
+solvers (`cpsat`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline.
 """
 
 from collections.abc import Callable
 
-from solvers import auto, baselines, bruteforce, dp, milp
+from solvers import auto, baselines, bruteforce, cpsat, dp
 from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
 from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
@@ -16,7 +16,8 @@ from solvers.simulate import Event, PeakBreakdown, SimulationError, Timeline, si
 
 SOLVERS: dict[str, Callable[[Problem, int, float], Solution]] = {
     "auto": auto.solve,
-    "milp": milp.solve,
+    "cpsat": cpsat.solve,
+    "milp": cpsat.solve,  # its name before 2026-11 (scripts, plans and the CLI may use it)
     "dp": dp.solve,
     "bruteforce": bruteforce.solve,
     **baselines.BASELINES,
@@ -42,9 +43,9 @@ __all__ = [
     "auto",
     "baselines",
     "bruteforce",
+    "cpsat",
     "dp",
     "memory_lower_bound",
-    "milp",
     "min_feasible_budget",
     "recompute_time_lower_bound",
     "simulate",

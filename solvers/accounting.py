@@ -5,7 +5,7 @@ schedule-independent constants (static memory, gradients and their accumulation 
 the loss outputs the caller holds, a node's new outputs and temporaries) plus (b) the bytes of
 each activation storage instance over the interval in which something holds it. This module
 computes those intervals; `evaluate` sums them and equals `simulate(...)`'s peak and recompute
-time (tests hold it to that). The exact solvers (`milp`, `dp`) are built on the same pieces,
+time (tests hold it to that). The exact solvers (`cpsat`, `dp`) are built on the same pieces,
 so their memory model is `simulate`'s, not an approximation.
 
 Holders of an original (forward) instance: a later reader in the forward, a STORE node that
@@ -371,129 +371,7 @@ class NestedRegionInfo:
         frame for the reruns, `_enter_children` for the child inputs the parent's rerun saves.
         """
         _check_children(a, b, keep, children)
-        p = ctx.p
-        owner: dict[int, int] = {}  # node -> index of the child holding it
-        for ci, (ca, cb, _) in enumerate(children):
-            for i in range(ca, cb):
-                owner[i] = ci
-        # frames: a child's packs are its own nodes' saves; the parent's also its children's
-        # inputs (saved into it at their entry), so its stop and death depend on them
-        c_in = [p.region_inputs(ca, cb) for ca, cb, _ in children]
-        c_packs = [[i for i in range(ca, cb) if p.packs[i]] for ca, cb, _ in children]
-        c_stop = [max(pk) + 1 if pk else 0 for pk in c_packs]
-        c_death = [min(pk) if pk else None for pk in c_packs]
-        inputs = p.region_inputs(a, b)
-        own = [i for i in range(a, b) if i not in owner and p.packs[i]]
-        with_in = [ci for ci in range(len(children)) if c_in[ci]]
-        stop = max([i + 1 for i in own] + [children[ci][0] for ci in with_in], default=0)
-        deaths = [c_death[ci] for ci in with_in]
-        death = min(own + [d for d in deaths if d is not None], default=None)
-        packs = death is not None
-        trigger = max(own + [c_stop[ci] - 1 for ci in with_in if c_packs[ci]]) if packs else -1
-        # reruns: the parent's first (when it happens), then each saving child's
-        saving = [ci for ci in range(len(children)) if c_death[ci] is not None]
-        rerun_of = {ci: int(packs) + t for t, ci in enumerate(saving)}
-        triggers = [trigger] * packs + [c_stop[ci] - 1 for ci in saving]
-        held: dict[int, list[Point]] = {}
-
-        def hold(s: int, pts: Iterable[Point]) -> None:
-            held.setdefault(s, []).extend(pts)
-
-        def hold_outputs(k: int, pts: list[Point]) -> None:
-            for s in p.outputs[k]:
-                hold(s, pts)
-
-        # the parent's frame holds its inputs until it dies. Its rerun and children also hold
-        # them, but only until the frame's death at the latest: nothing to add.
-        frame_end: Point = (FWD, b - 1, 0) if death is None else (BWD, death, 0)
-        for s in inputs:
-            hold(s, [frame_end])
-        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
-        parent_not_run = bool(own) and stop == own[-1] + 1 and p.stops_before_running[
-            own[-1]] and all(children[ci][0] != stop for ci in with_in)
-        for k in keep:
-            if k >= stop - parent_not_run or not packs:
-                hold_outputs(k, [frame_end])
-        for ci, (_, cb, ckeep) in enumerate(children):
-            if c_death[ci] is None:  # never reruns: its SAC cache dies with its forward
-                for k in ckeep:
-                    hold_outputs(k, [(FWD, cb - 1, 0)])
-
-        def rerun_ends(s: int, i: int, r: int, first: int, last: int,
-                       own: Callable[[int], bool]) -> list[Point]:
-            """Holders inside rerun `r` (nodes first..last-1) of storage s made at node i:
-            its last reader there, and the nodes there saving it into their frame (`own`)."""
-            pts: list[Point] = []
-            read_end = rerun_read_end(p, s, i, last)
-            if read_end > i:
-                pts.append((STEP, read_end, r))
-            pts.extend((BWD, k, 0) for k in ctx.savers[s] if first <= k < last and own(k))
-            return pts
-
-        child_args: dict[int, list[int]] = {}
-        for ci in with_in:
-            for s in c_in[ci]:
-                child_args.setdefault(s, []).append(ci)
-
-        def child_holds(s: int) -> list[Point]:
-            """A child input made by the parent's rerun: held by the rerun's fresh checkpoint
-            call until the rerun ends, and by a live child frame until the child's rerun ends
-            and its nodes saving it have run backward (then the child frame has died)."""
-            pts: list[Point] = [(STEP, stop - 1, 0)]
-            for ci in child_args[s]:
-                if ci in rerun_of:
-                    ca = children[ci][0]
-                    pts.append((STEP, c_stop[ci] - 1, rerun_of[ci]))
-                    pts.extend((BWD, k, 0) for k in ctx.savers[s] if ca <= k < c_stop[ci])
-            return pts
-
-        reruns: list[Rerun] = []
-        made: list[tuple[int, int, int, list[Point]]] = []
-
-        def run(r: int, first: int, last: int, frame_keep: frozenset[int], parent: bool,
-                not_run: bool) -> None:
-            """Rerun `r` of nodes first..last-1 (of the parent or a child): steps, instances;
-            `not_run`: it stops in node last-1's pack, before running it."""
-            own = (lambda k: k not in owner) if parent else (lambda k: True)
-            cached = frame_keep & frozenset(range(first, last))
-            consts: list[int] = []
-            overhead_ms = p.checkpoint_overhead_ms(first, last, frame_keep)
-            time_ms = overhead_ms
-            for i in range(first, last):
-                if not_run and i == last - 1:
-                    consts.append(0)
-                    break
-                ci = owner.get(i) if parent else None
-                consts.append(0 if i in cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
-                time_ms += 0.0 if i in cached else p.fwd_time_ms[i]
-                for s in p.outputs[i]:
-                    pts = rerun_ends(s, i, r, first, last, own)
-                    if parent and s in child_args:
-                        pts += child_holds(s)
-                    if ci is not None and i in children[ci][2]:  # the fresh child's SAC cache
-                        pts.append((STEP, last - 1, r))
-                    if i in cached:
-                        hold(s, [(STEP, i, r), *pts])
-                    else:
-                        made.append((s, r, i, pts))
-            reruns.append(Rerun(triggers[r], first, last, cached, tuple(consts), overhead_ms,
-                                time_ms, not_run))
-
-        if packs:  # the parent's: every node up to its stop, child nodes run fresh
-            run(0, a, stop, keep, True, parent_not_run)
-        for ci in saving:  # a saving child's own: like a flat region, from its held inputs
-            ca, _, ckeep = children[ci]
-            child_not_run = p.stops_before_running[c_stop[ci] - 1]
-            run(rerun_of[ci], ca, c_stop[ci], ckeep, False, child_not_run)
-            for k in ckeep:  # kept past what the child's rerun runs: cached until it dies
-                if k >= c_stop[ci] - child_not_run:
-                    hold_outputs(k, [(BWD, c_death[ci], 0)])
-        key = _order(reruns)
-        rows = [(s, r, i, *max(pts, key=key)) for s, r, i, pts in made if pts]
-        cols = np.asarray(rows, dtype=np.int64).reshape(-1, 6).T
-        return cls(a, b, keep, children, inputs, packs, stop, trigger, death, tuple(reruns),
-                   tuple(cols), {s: max(pts, key=key) for s, pts in held.items()},
-                   float(sum(rr.time_ms for rr in reruns)))
+        return _NestedAnalysis(ctx, a, b, keep, children).result()
 
     @classmethod
     def from_flat(cls, ctx: Context, r: RegionInfo) -> NestedRegionInfo:
@@ -532,6 +410,147 @@ class SegmentProfile:
     held_out: frozenset[int]  # storages read after the window that the window holds
     time_ms: float  # recompute time
 
+
+
+class _NestedAnalysis:
+    """`NestedRegionInfo.build`'s work: the frames, then each rerun's steps and instances,
+    and who holds what until when (`Point`s, the latest wins)."""
+
+    def __init__(self, ctx: Context, a: int, b: int, keep: frozenset[int],
+                 children: tuple[ChildSpec, ...]) -> None:
+        p = self.p = ctx.p
+        self.ctx, self.a, self.b, self.keep, self.children = ctx, a, b, keep, children
+        self.owner: dict[int, int] = {}  # node -> index of the child holding it
+        for ci, (ca, cb, _) in enumerate(children):
+            for i in range(ca, cb):
+                self.owner[i] = ci
+        # frames: a child's packs are its own nodes' saves; the parent's also its children's
+        # inputs (saved into it at their entry), so its stop and death depend on them
+        self.c_in = [p.region_inputs(ca, cb) for ca, cb, _ in children]
+        c_packs = [[i for i in range(ca, cb) if p.packs[i]] for ca, cb, _ in children]
+        self.c_stop = [max(pk) + 1 if pk else 0 for pk in c_packs]
+        self.c_death = [min(pk) if pk else None for pk in c_packs]
+        self.inputs = p.region_inputs(a, b)
+        own = [i for i in range(a, b) if i not in self.owner and p.packs[i]]
+        with_in = [ci for ci in range(len(children)) if self.c_in[ci]]
+        self.stop = max([i + 1 for i in own] + [children[ci][0] for ci in with_in], default=0)
+        deaths = [self.c_death[ci] for ci in with_in]
+        self.death = min(own + [d for d in deaths if d is not None], default=None)
+        self.packs = self.death is not None
+        self.trigger = max(own + [self.c_stop[ci] - 1 for ci in with_in if c_packs[ci]]
+                           ) if self.packs else -1
+        # reruns: the parent's first (when it happens), then each saving child's
+        self.saving = [ci for ci in range(len(children)) if self.c_death[ci] is not None]
+        self.rerun_of = {ci: int(self.packs) + t for t, ci in enumerate(self.saving)}
+        self.triggers = [self.trigger] * self.packs + [self.c_stop[ci] - 1
+                                                       for ci in self.saving]
+        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
+        self.parent_not_run = bool(own) and self.stop == own[-1] + 1 and p.stops_before_running[
+            own[-1]] and all(children[ci][0] != self.stop for ci in with_in)
+        self.child_args: dict[int, list[int]] = {}
+        for ci in with_in:
+            for s in self.c_in[ci]:
+                self.child_args.setdefault(s, []).append(ci)
+        self.held: dict[int, list[Point]] = {}
+        self.reruns: list[Rerun] = []
+        self.made: list[tuple[int, int, int, list[Point]]] = []
+
+    def _hold(self, s: int, pts: Iterable[Point]) -> None:
+        self.held.setdefault(s, []).extend(pts)
+
+    def _hold_outputs(self, k: int, pts: list[Point]) -> None:
+        for s in self.p.outputs[k]:
+            self._hold(s, pts)
+
+    def _hold_originals(self) -> None:
+        """The parent's frame holds its inputs until it dies (its rerun and children hold
+        them too, but only until then: nothing to add); SAC caches hold kept outputs that
+        no rerun runs until their frame dies."""
+        frame_end: Point = (FWD, self.b - 1, 0) if self.death is None else (BWD, self.death, 0)
+        for s in self.inputs:
+            self._hold(s, [frame_end])
+        for k in self.keep:
+            if k >= self.stop - self.parent_not_run or not self.packs:
+                self._hold_outputs(k, [frame_end])
+        for ci, (_, cb, ckeep) in enumerate(self.children):
+            if self.c_death[ci] is None:  # never reruns: its SAC cache dies with its forward
+                for k in ckeep:
+                    self._hold_outputs(k, [(FWD, cb - 1, 0)])
+
+    def _rerun_ends(self, s: int, i: int, r: int, first: int, last: int,
+                    parent: bool) -> list[Point]:
+        """Holders inside rerun `r` (nodes first..last-1) of storage s made at node i: its
+        last reader there, and the nodes there saving it into their frame (for the parent's
+        rerun, not those of its children)."""
+        pts: list[Point] = []
+        read_end = rerun_read_end(self.p, s, i, last)
+        if read_end > i:
+            pts.append((STEP, read_end, r))
+        pts.extend((BWD, k, 0) for k in self.ctx.savers[s]
+                   if first <= k < last and not (parent and k in self.owner))
+        return pts
+
+    def _child_holds(self, s: int) -> list[Point]:
+        """A child input made by the parent's rerun: held by the rerun's fresh checkpoint
+        call until the rerun ends, and by a live child frame until the child's rerun ends
+        and its nodes saving it have run backward (then the child frame has died)."""
+        pts: list[Point] = [(STEP, self.stop - 1, 0)]
+        for ci in self.child_args[s]:
+            if ci in self.rerun_of:
+                ca, stop = self.children[ci][0], self.c_stop[ci]
+                pts.append((STEP, stop - 1, self.rerun_of[ci]))
+                pts.extend((BWD, k, 0) for k in self.ctx.savers[s] if ca <= k < stop)
+        return pts
+
+    def _run(self, r: int, first: int, last: int, frame_keep: frozenset[int], parent: bool,
+             not_run: bool) -> None:
+        """Rerun `r` of nodes first..last-1 (of the parent or a child): steps, instances;
+        `not_run`: it stops in node last-1's pack, before running it."""
+        p, ctx = self.p, self.ctx
+        cached = frame_keep & frozenset(range(first, last))
+        consts: list[int] = []
+        overhead_ms = p.checkpoint_overhead_ms(first, last, frame_keep)
+        time_ms = overhead_ms
+        for i in range(first, last):
+            if not_run and i == last - 1:
+                consts.append(0)
+                break
+            ci = self.owner.get(i) if parent else None
+            consts.append(0 if i in cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
+            time_ms += 0.0 if i in cached else p.fwd_time_ms[i]
+            for s in p.outputs[i]:
+                pts = self._rerun_ends(s, i, r, first, last, parent)
+                if parent and s in self.child_args:
+                    pts += self._child_holds(s)
+                if ci is not None and i in self.children[ci][2]:  # the fresh child's SAC cache
+                    pts.append((STEP, last - 1, r))
+                if i in cached:
+                    self._hold(s, [(STEP, i, r), *pts])
+                else:
+                    self.made.append((s, r, i, pts))
+        self.reruns.append(Rerun(self.triggers[r], first, last, cached, tuple(consts),
+                                 overhead_ms, time_ms, not_run))
+
+    def result(self) -> NestedRegionInfo:
+        self._hold_originals()
+        if self.packs:  # the parent's: every node up to its stop, child nodes run fresh
+            self._run(0, self.a, self.stop, self.keep, True, self.parent_not_run)
+        for ci in self.saving:  # a saving child's own: like a flat region, from its inputs
+            ca, _, ckeep = self.children[ci]
+            stop = self.c_stop[ci]
+            child_not_run = self.p.stops_before_running[stop - 1]
+            self._run(self.rerun_of[ci], ca, stop, ckeep, False, child_not_run)
+            for k in ckeep:  # kept past what the child's rerun runs: cached until it dies
+                if k >= stop - child_not_run:
+                    self._hold_outputs(k, [(BWD, self.c_death[ci], 0)])
+        key = _order(self.reruns)
+        rows = [(s, r, i, *max(pts, key=key)) for s, r, i, pts in self.made if pts]
+        cols = np.asarray(rows, dtype=np.int64).reshape(-1, 6).T
+        return NestedRegionInfo(
+            self.a, self.b, self.keep, self.children, self.inputs, self.packs, self.stop,
+            self.trigger, self.death, tuple(self.reruns), tuple(cols),
+            {s: max(pts, key=key) for s, pts in self.held.items()},
+            float(sum(rr.time_ms for rr in self.reruns)))
 
 def _top_regions(schedule: Schedule) -> list[Region]:
     for r in schedule.regions:

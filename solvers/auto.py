@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from solvers import baselines, bruteforce, dp, milp
+from solvers import baselines, bruteforce, cpsat, dp
 from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["lowest_peak", "min_feasible_budget", "solve"]
 
-MILP_MAX_NODES = 400  # CP-SAT over op ranges of larger graphs is slow; chains use the DP
+CPSAT_MAX_NODES = 400  # CP-SAT over op ranges of larger graphs is slow; chains use the DP
 
 
 def _rank(sol: Solution) -> tuple:
@@ -46,20 +46,20 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # bound, scoring) and for picking the answer, so that auto itself returns in time
     reserve = min(0.05 * time_limit_s, 3.0)
     left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
-    # CP-SAT over op ranges grows too large past MILP_MAX_NODES; over module calls its
+    # CP-SAT over op ranges grows too large past CPSAT_MAX_NODES; over module calls its
     # candidates are the calls, and it is what proves plans of graphs that are not chains
-    cpsat = problem.n_nodes <= MILP_MAX_NODES or problem.module_spans is not None
-    share = (0.5 if dp.applies(problem) else 0.3) if cpsat else 1.0
+    use_cpsat = problem.n_nodes <= CPSAT_MAX_NODES or problem.module_spans is not None
+    share = (0.5 if dp.applies(problem) else 0.3) if use_cpsat else 1.0
     d = dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
     left = time_limit_s - (time.perf_counter() - t0)
     chain_done = d.status == Status.OPTIMAL and problem.n_nodes > 200
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
-    if cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
+    if use_cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
         # warm start from the best schedule so far (the dp's, else a baseline's): CP-SAT
         # then improves a feasible point and proves a bound instead of searching blind
         start = min([d, *base], key=_rank)
-        exact.append(milp.solve(problem, budget_bytes, left,
+        exact.append(cpsat.solve(problem, budget_bytes, left,
                                 hint=start.schedule if start.feasible else d.schedule))
     best = min(exact + base, key=_rank)
     if not best.feasible:
@@ -129,7 +129,7 @@ def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXAC
     then bisection with the dp, whose two-level nested schedules may reach lower (then that
     lower budget is returned with False: no search covers every nested schedule).
     Beyond: CP-SAT minimises the simulated peak over its candidate space; when it proves
-    that, `milp.solve` is feasible at the returned budget and INFEASIBLE one byte below, and
+    that, `cpsat.solve` is feasible at the returned budget and INFEASIBLE one byte below, and
     the flag is True iff that space is the complete one (small graphs). If CP-SAT cannot
     answer in time, or `exact_max_nodes == 0`, the schedule-independent
     `memory_lower_bound` is returned with False.
@@ -140,9 +140,9 @@ def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXAC
         flat, exact = bruteforce.min_feasible_budget(problem, exact_max_nodes)
         nested = _nested_minimum(problem, flat, time_limit_s)
         return (nested, False) if nested < flat else (flat, exact)
-    if problem.n_nodes > MILP_MAX_NODES:
+    if problem.n_nodes > CPSAT_MAX_NODES:
         return memory_lower_bound(problem), False
-    found = milp.min_peak(problem, time_limit_s)
+    found = cpsat.min_peak(problem, time_limit_s)
     if found.bytes == 0:
         return memory_lower_bound(problem), False
     return found.bytes, found.proven
@@ -153,7 +153,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
 
     Deterministic, so that asking for that peak as a budget finds it again: the baselines,
     brute force on tiny problems, CP-SAT minimising the peak with a deterministic time
-    limit (up to `MILP_MAX_NODES` nodes), and a bisection of the budget with the dp, whose
+    limit (up to `CPSAT_MAX_NODES` nodes), and a bisection of the budget with the dp, whose
     nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
     schedule-independent lower bound (`memory_lower_bound`); when CP-SAT proved its least
     peak, `least_peak_bytes` and `least_peak_space` say over which schedules.
@@ -161,7 +161,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     found: list[tuple[int, str, Schedule]] = []
-    least = milp.MinPeak(0, None, None)
+    least = cpsat.MinPeak(0, None, None)
     for name, fn in baselines.BASELINES.items():
         base = fn(problem, 0, 1.0)
         if base.schedule is not None and base.peak_bytes is not None:
@@ -170,11 +170,11 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     if problem.n_nodes <= bruteforce.EXACT_BUDGET_MAX_NODES:
         for schedule in bruteforce.enumerate_schedules(problem):
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
-    elif problem.n_nodes <= MILP_MAX_NODES or problem.module_spans is not None:
+    elif problem.n_nodes <= CPSAT_MAX_NODES or problem.module_spans is not None:
         # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s)
-        least = milp.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
+        least = cpsat.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
         if least.schedule is not None:
-            found.append((least.bytes, "milp", least.schedule))
+            found.append((least.bytes, "cpsat", least.schedule))
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None and dp.applies(problem):
         lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?

@@ -34,6 +34,13 @@ OPTIMAL). Short skips across single nodes (a position id read two nodes later, l
 the loss after an `output` node) merge the stages they skip (exact over a slightly coarser
 space; logged). Parameters, tied ones included, are static memory and their gradients are
 schedule-independent constants, so a tied embedding read by the LM head is exact as is.
+Without module spans (op-range regions: synthetic DAGs), a storage read more than
+`LONG_SKIP_NODES` nodes later is detached instead of merged (`long_skips`): no segment may
+then hold its producer and its far readers, so each far reader that saves it holds it under
+every schedule, and its sure life reaches into the backward. That restriction is part of the
+space the bound is proven over (`solvers.spaces.chain_segments` names it). Measured
+(`benchmarks/solver_scaling.py --dags`, 2 cores): 1,000-node random DAG, gap 4.9 % in 57 s,
+recompute half of Chen's greedy (it used to merge into 3 stages: baselines only).
 
 Speed on real graphs: stages of only `_empty` nodes (parameter placeholders) join the next
 stage (`compact_stages`); window profiles are cached by a translation-invariant signature
@@ -693,136 +700,182 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
 
     Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
     the windows by their sure lives (an upper pass whose answer `simulate` must check).
-    With `optimistic` (the lower-bound pass),
-    longer segments are relaxed (`_SpanBounds.relaxed`; every output read later counts as
-    held by them, so the next window leaves it out): each costs no more than any option of
-    that window, so the pass's optimum is a lower bound of the full space. On long chains
-    windows up to `TIGHT_SPANS * max_span` stages are relaxed tightly, and split-safe ones
-    up to twice that (longer windows split into those).
+    With `optimistic` (the lower-bound pass), longer segments are relaxed
+    (`_SpanBounds.relaxed`; every output read later counts as held by them, so the next
+    window leaves it out): each costs no more than any option of that window, so the pass's
+    optimum is a lower bound of the full space. On long chains windows up to
+    `TIGHT_SPANS * max_span` stages are relaxed tightly, and split-safe ones up to twice
+    that (longer windows split into those).
     """
-    p = ctx.p
-    st, pinned, bounds = lay.stages, lay.outside, lay.bounds
-    table = lay.lower_table if optimistic or sure_lives else lay.upper_table
-    m = len(st)
-    # relaxed windows up to `tight` stages count every kept output in their residue; longer
-    # ones, up to 2 * tight + 1 stages, leave the unsaved ones out so that any longer window
-    # splits into them (`_SpanBounds`); short chains relax every length tightly
-    tight = m if m <= SPLIT_RELAXED_STAGES else TIGHT_SPANS * max_span
-    subsets = p.n_nodes <= SUBSET_MAX_NODES
-    sig_ids: dict[tuple, int] = {}
+    return _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
+                 sure_lives).run()
+
+
+def _stage_signatures(ctx: Context, st: list[tuple[int, int]]) -> list[int]:
+    """Per stage, an id shared by stages with equal `_signature`s (window cache keys)."""
     spans_at: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    for span in p.module_spans or ():
+    for span in ctx.p.module_spans or ():
         spans_at.setdefault(span.start, []).append((span.stop, span.inputs))
-    stage_sig = [sig_ids.setdefault(_signature(ctx, a, b, spans_at), len(sig_ids))
-                 for a, b in st]
-    fronts: list[dict[tuple, _Front]] = [dict() for _ in range(m + 1)]
-    f0 = _Front()
-    f0.add(np.zeros(1, dtype=np.int64), np.zeros(1), None)
-    fronts[0][()] = f0
-    rounded = False
+    sig_ids: dict[tuple, int] = {}
+    return [sig_ids.setdefault(_signature(ctx, a, b, spans_at), len(sig_ids)) for a, b in st]
 
-    def rel(s: int, a: int) -> tuple[int, int]:
-        prod = p.storage_producer[s]
-        return prod - a, p.outputs[prod].index(s)
 
-    relaxed_state: dict[int, tuple] = {}
+class _Pass:
+    """The state of one `_run`: per stage, Pareto fronts keyed by the held-inputs state."""
 
-    def read_after(u: int) -> tuple[tuple[int, int], ...]:
-        """State after a relaxed window ending at stage u: all it hands on counts as held."""
-        key = relaxed_state.get(u)
-        if key is None:  # a chain of stages: only the last stage's outputs are read later
-            c, b = st[u - 1]
-            nxt = st[u][0] if u < m else 0
-            key = relaxed_state[u] = tuple(sorted(
-                rel(s, nxt) for i in range(c, b) for s in p.outputs[i]
-                if ctx.last_read[s] >= b and s not in ctx.loss and s not in pinned))
-        return key
+    def __init__(self, ctx: Context, lay: _Layout, limit: int, max_front: int,
+                 optimistic: bool, deadline: float, cache: dict, max_span: int,
+                 sure_lives: bool) -> None:
+        p = self.p = ctx.p
+        self.ctx, self.lay, self.limit, self.max_front = ctx, lay, limit, max_front
+        self.optimistic, self.deadline, self.cache, self.max_span = (optimistic, deadline,
+                                                                     cache, max_span)
+        self.st, self.outside, self.bounds = lay.stages, lay.outside, lay.bounds
+        self.table = lay.lower_table if optimistic or sure_lives else lay.upper_table
+        m = self.m = len(self.st)
+        # relaxed windows up to `tight` stages count every kept output in their residue;
+        # longer ones, up to 2 * tight + 1 stages, leave the unsaved ones out so that any
+        # longer window splits into them (`_SpanBounds`); short chains relax every length
+        # tightly
+        self.tight = m if m <= SPLIT_RELAXED_STAGES else TIGHT_SPANS * max_span
+        self.subsets = p.n_nodes <= SUBSET_MAX_NODES
+        self.stage_sig = _stage_signatures(ctx, self.st)
+        self.fronts: list[dict[tuple, _Front]] = [dict() for _ in range(m + 1)]
+        start = _Front()
+        start.add(np.zeros(1, dtype=np.int64), np.zeros(1), None)
+        self.fronts[0][()] = start
+        self.rounded = False
+        self.relaxed_state: dict[int, tuple] = {}
+        self.fwd = np.asarray(p.fwd_time_ms, dtype=float)
+        self.fwd_sum = np.concatenate([[0.0], np.cumsum(self.fwd)])
+        # `_SpanBounds` does not bound nested options: full-span passes only
+        self.nest = max_span >= m
+        self.min_nest = 1 if p.module_spans is not None else 2
 
-    fwd = np.asarray(p.fwd_time_ms, dtype=float)
-    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
-    nest = max_span >= m  # `_SpanBounds` does not bound nested options: full-span passes only
-    spans = p.module_spans is not None
+    def run(self) -> tuple[tuple[float, list[RegionInfo]] | None, bool, bool]:
+        for t in range(self.m):
+            self._check_deadline()
+            for held_rel, front in self.fronts[t].items():
+                self._extend_from(t, held_rel, front)
+        finals = [(float(f.time.min()), key, f) for key, f in self.fronts[self.m].items()
+                  if f.chunks and (f.prune(self.max_front, self.optimistic) or True)
+                  and len(f.time)]
+        if not finals:
+            return None, self.rounded, False
+        best_t, _, f = min(finals, key=lambda x: x[0])
+        regions, relaxed = _backtrack(f, self.fronts, self.st, self.options)
+        return (best_t, regions), self.rounded, relaxed
 
-    def options(t: int, u: int, flat: bool, nested: bool) -> list[tuple]:
+    def _check_deadline(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise TimeoutError
+
+    def options(self, t: int, u: int, flat: bool, nested: bool) -> list[tuple]:
+        """The window `t..u-1`'s options: tuples of regions (`()`: STORE)."""
+        ctx, st = self.ctx, self.st
         a, b = st[t][0], st[u - 1][1]
-        if p.module_spans is not None:
-            span_flat, span_nested = _span_options(ctx, a, b, u == t + 1, subsets)
+        if self.p.module_spans is not None:
+            span_flat, span_nested = _span_options(ctx, a, b, u == t + 1, self.subsets)
             return (span_flat if flat else []) + (span_nested if nested else [])
-        out = _options(ctx, a, b, u == t + 1, subsets) if flat else []
+        out = _options(ctx, a, b, u == t + 1, self.subsets) if flat else []
         return out + (_nested_options(ctx, st[t:u]) if nested else [])
 
-    for t in range(m):
-        if time.perf_counter() > deadline:
-            raise TimeoutError
-        a = st[t][0]
-        for held_rel, front in fronts[t].items():
-            rounded |= front.prune(max_front, optimistic)
-            held_in = frozenset(p.outputs[a + r][k] for r, k in held_rel)
-            room = limit - int(front.held[0])  # the least held bytes of this front
-            thinned = front.corners(RELAXED_FRONT) if optimistic and max_span < m else None
-            for u in range(t + 1, lay.stop_limit[t] + 1):
-                b = st[u - 1][1]
-                # every flat multi-stage option recomputes the recomputable runs of [a, b):
-                # the saved bytes of its largest run are a lower bound on its peak that only
-                # grows with u, so once it exceeds the room no longer flat segment from t can
-                # fit; nested ones (short windows, full-span passes) may still
-                flat = u == t + 1 or bounds.memory(a, b) <= room
-                nested = nest and (1 if spans else 2) <= u - t <= NEST_MAX_STAGES
-                if not flat and not nested:
-                    break
-                if u - t > max_span:
-                    if not optimistic or u - t > 2 * tight + 1:
-                        break
-                    for oi, (peak, residue, tms) in enumerate(bounds.relaxed(a, b,
-                                                                           u - t > tight)):
-                        if oi == 0 and u - t > 2 * max_span + 1:
-                            continue  # plain (no residue): split-dominated, see _SpanBounds
-                        cnt = int(np.searchsorted(front.held, limit - peak, side="right"))
-                        if cnt:
-                            nxt_rel = read_after(u)
-                            dst = fronts[u].get(nxt_rel)
-                            if dst is None:
-                                dst = fronts[u][nxt_rel] = _Front()
-                            held, times, idx = thinned(cnt)
-                            dst.add(held + residue, times + tms,
-                                    _Step(t, held_rel, u, -1, True, False), idx)
-                    continue
-                key = (tuple(stage_sig[t:u]), u == t + 1, held_rel, flat, nested)
-                profs = cache.get(key)
-                if profs is None:
-                    # profiling a long window costs time linear in its length: check the
-                    # deadline per window and per option, not only per stage
-                    if time.perf_counter() > deadline:
-                        raise TimeoutError
-                    profs = []
-                    for regions in options(t, u, flat, nested):
-                        if time.perf_counter() > deadline:
-                            raise TimeoutError
-                        parts = profile_parts(ctx, a, b, regions, held_in, pinned)
-                        profs.append((parts, tuple(sorted(rel(s, a) for s in parts.held_out)),
-                                      _reruns_rel(regions, a)))
-                    cache[key] = profs
-                for oi, (parts, out_rel, reruns) in enumerate(profs):
-                    peak = parts.peak(ctx, a, table)
-                    # recompute time by position (the window's structure is shared)
-                    tms = _rerun_ms(p, a, fwd_sum, fwd, reruns)
-                    cnt = int(np.searchsorted(front.held, limit - peak, side="right"))
-                    if cnt == 0:
-                        continue
-                    nxt_rel = tuple((r - (st[u][0] - a) if u < m else r, k)
-                                    for r, k in out_rel)
-                    dst = fronts[u].get(nxt_rel)
-                    if dst is None:
-                        dst = fronts[u][nxt_rel] = _Front()
-                    dst.add(front.held[:cnt] + parts.residue_bytes,
-                            front.time[:cnt] + tms, _Step(t, held_rel, u, oi, flat, nested))
-    finals = [(float(f.time.min()), key, f) for key, f in fronts[m].items()
-              if f.chunks and (f.prune(max_front, optimistic) or True) and len(f.time)]
-    if not finals:
-        return None, rounded, False
-    best_t, _, f = min(finals, key=lambda x: x[0])
-    regions, relaxed = _backtrack(f, fronts, st, options)
-    return (best_t, regions), rounded, relaxed
+    def _rel(self, s: int, a: int) -> tuple[int, int]:
+        prod = self.p.storage_producer[s]
+        return prod - a, self.p.outputs[prod].index(s)
+
+    def _front(self, u: int, state: tuple) -> _Front:
+        dst = self.fronts[u].get(state)
+        if dst is None:
+            dst = self.fronts[u][state] = _Front()
+        return dst
+
+    def _read_after(self, u: int) -> tuple[tuple[int, int], ...]:
+        """State after a relaxed window ending at stage u: all it hands on counts as held."""
+        key = self.relaxed_state.get(u)
+        if key is None:  # a chain of stages: only the last stage's outputs are read later
+            p, ctx = self.p, self.ctx
+            c, b = self.st[u - 1]
+            nxt = self.st[u][0] if u < self.m else 0
+            key = self.relaxed_state[u] = tuple(sorted(
+                self._rel(s, nxt) for i in range(c, b) for s in p.outputs[i]
+                if ctx.last_read[s] >= b and s not in ctx.loss and s not in self.outside))
+        return key
+
+    def _extend_from(self, t: int, held_rel: tuple, front: _Front) -> None:
+        """Every segment t..u-1 appended to `front`'s entries, into the fronts of stage u."""
+        self.rounded |= front.prune(self.max_front, self.optimistic)
+        a = self.st[t][0]
+        room = self.limit - int(front.held[0])  # the least held bytes of this front
+        thinned = (front.corners(RELAXED_FRONT) if self.optimistic and self.max_span < self.m
+                   else None)
+        for u in range(t + 1, self.lay.stop_limit[t] + 1):
+            b = self.st[u - 1][1]
+            # every flat multi-stage option recomputes the recomputable runs of [a, b): the
+            # saved bytes of its largest run are a lower bound on its peak that only grows
+            # with u, so once it exceeds the room no longer flat segment from t can fit;
+            # nested ones (short windows, full-span passes) may still
+            flat = u == t + 1 or self.bounds.memory(a, b) <= room
+            nested = self.nest and self.min_nest <= u - t <= NEST_MAX_STAGES
+            if not flat and not nested:
+                break
+            if u - t <= self.max_span:
+                self._add_window(t, u, held_rel, front, flat, nested)
+            elif not self.optimistic or u - t > 2 * self.tight + 1:
+                break
+            else:
+                self._add_relaxed(t, u, held_rel, front, thinned)
+
+    def _add_relaxed(self, t: int, u: int, held_rel: tuple, front: _Front,
+                     thinned: Callable) -> None:
+        """A window longer than the span, relaxed (`_SpanBounds.relaxed`): lower pass only."""
+        a, b = self.st[t][0], self.st[u - 1][1]
+        options = self.bounds.relaxed(a, b, u - t > self.tight)
+        for oi, (peak, residue, tms) in enumerate(options):
+            if oi == 0 and u - t > 2 * self.max_span + 1:
+                continue  # plain (no residue): split-dominated, see _SpanBounds
+            cnt = int(np.searchsorted(front.held, self.limit - peak, side="right"))
+            if cnt:
+                held, times, idx = thinned(cnt)
+                self._front(u, self._read_after(u)).add(
+                    held + residue, times + tms, _Step(t, held_rel, u, -1, True, False), idx)
+
+    def _profiles(self, t: int, u: int, held_rel: tuple, flat: bool, nested: bool) -> list:
+        """Per option of window t..u-1: (parts, outputs held on, reruns), cached by the
+        window's signature (identical blocks share them)."""
+        key = (tuple(self.stage_sig[t:u]), u == t + 1, held_rel, flat, nested)
+        profs = self.cache.get(key)
+        if profs is None:
+            a, b = self.st[t][0], self.st[u - 1][1]
+            held_in = frozenset(self.p.outputs[a + r][k] for r, k in held_rel)
+            # profiling a long window costs time linear in its length: check the deadline
+            # per window and per option, not only per stage
+            self._check_deadline()
+            profs = []
+            for regions in self.options(t, u, flat, nested):
+                self._check_deadline()
+                parts = profile_parts(self.ctx, a, b, regions, held_in, self.outside)
+                profs.append((parts, tuple(sorted(self._rel(s, a) for s in parts.held_out)),
+                              _reruns_rel(regions, a)))
+            self.cache[key] = profs
+        return profs
+
+    def _add_window(self, t: int, u: int, held_rel: tuple, front: _Front, flat: bool,
+                    nested: bool) -> None:
+        """Each option of window t..u-1, placed after the entries of `front` it fits."""
+        a = self.st[t][0]
+        shift = self.st[u][0] - a if u < self.m else 0
+        for oi, (parts, out_rel, reruns) in enumerate(self._profiles(t, u, held_rel, flat,
+                                                                     nested)):
+            peak = parts.peak(self.ctx, a, self.table)
+            # recompute time by position (the window's structure is shared)
+            tms = _rerun_ms(self.p, a, self.fwd_sum, self.fwd, reruns)
+            cnt = int(np.searchsorted(front.held, self.limit - peak, side="right"))
+            if cnt:
+                state = tuple((r - shift, k) for r, k in out_rel)
+                self._front(u, state).add(front.held[:cnt] + parts.residue_bytes,
+                                          front.time[:cnt] + tms,
+                                          _Step(t, held_rel, u, oi, flat, nested))
 
 
 def _backtrack(f: _Front, fronts: list[dict[tuple, _Front]], st: list[tuple[int, int]],

@@ -490,7 +490,7 @@ class Problem(BaseModel):
 
         The SAC term covers the policy in the forward and in the rerun; ops after the early
         stop and kept nodes past it (they never pay off) are not counted. `simulate`,
-        `accounting` (hence `milp`) and `dp` all charge exactly this per region.
+        `accounting` (hence `cpsat`) and `dp` all charge exactly this per region.
 
         >>> p = Problem.chain([4, 4, 1], [1.0, 1.0, 1.0]).model_copy(update={
         ...     "checkpoint_region_ms": 0.5, "checkpoint_pack_ms": 0.1,

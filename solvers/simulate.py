@@ -173,6 +173,22 @@ class Token(NamedTuple):
     key: int = 0
 
 
+@dataclass(slots=True)
+class _PassRun:
+    """One forward pass of `_Replay._pass`: its environment (storage -> instance), the rerun
+    frame (None: the original forward), where it stops, its generation and hold tokens,
+    each storage's last reader in it and the children's inputs it makes."""
+
+    env: dict[int, Inst]
+    root: _Frame | None
+    stop: int
+    gen: int
+    read_tok: Token
+    end_tok: Token
+    last_read: dict[int, int]
+    child_args: set[int]
+
+
 class _Replay:
     """Mutable state of one replay; `simulate` builds one per call."""
 
@@ -271,95 +287,103 @@ class _Replay:
         """
         p = self.p
         gen = 0 if root is None else next(self.gens)
-        phase = "forward" if root is None else "recompute"
-        read_tok = Token(Hold.READ, gen)
-        end_tok = Token(Hold.RERUN_END, gen)
         last_read: dict[int, int] = {}  # within this pass, what keeps each storage alive
         for i in range(start, stop):
             for s in p.uses[i]:
                 last_read[s] = i
         child_args = set() if root is None else {
             s for c in root.children if c.region.start <= stop for s in c.inputs}
+        run = _PassRun(env, root, stop, gen, Token(Hold.READ, gen), Token(Hold.RERUN_END, gen),
+                       last_read, child_args)
         for s, inst in env.items():
             if s in last_read:
-                self._hold(inst, read_tok)
+                self._hold(inst, run.read_tok)
             if root is not None:
-                self._hold(inst, end_tok)
+                self._hold(inst, run.end_tok)
         for i in range(start, stop):
-            inner = self.innermost[i]
-            # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
-            if root is None:
-                for f in self.top_entries.get(i, ()):
-                    for s in f.inputs:
-                        self._hold(env[s], Token(Hold.FRAME, f.uid))
-            else:
-                self._enter_children(root, i, env, end_tok)
-            not_run = last_not_run and i == stop - 1
-            cached = root is not None and inner is root and i in root.region.keep
-            before = self._live()
-            new: list[Inst] = []
-            if not_run:  # packs its inputs only; its outputs (a kept one's too) stay unmade
-                pass
-            elif cached:
-                for s in p.outputs[i]:
-                    env[s] = (s, 0)
-            else:
-                for s in p.outputs[i]:
-                    env[s] = (s, gen)
-                    self._alloc((s, gen))
-                    new.append((s, gen))
-            alloc = sum(p.storage_bytes[s] for s, _ in new)
-            temp = 0 if cached or not_run else p.fwd_temp_bytes[i]
-            parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
-                                  self.live_grad, temp)
-            # holds made by this node
-            for s in () if not_run else p.outputs[i]:
-                later = [c for c in p.readers[s] if c > i]
-                if any(c < stop for c in later):
-                    self._hold(env[s], read_tok)
-                # a rerun's value needed past its early stop: held until the rerun ends
-                if s in child_args or (root is not None and later and later[-1] >= stop):
-                    self._hold(env[s], end_tok)
-            if root is None:
-                for s in p.outputs[i]:  # the loss tensor (not its internals: those go with
-                    if s in p.caller_held:  # its backward) and what the caller keeps
-                        self._hold(env[s], Token(Hold.CALLER))
-                if inner is None:
-                    for s in p.saved[i]:
-                        self._hold(env[s], Token(Hold.BACKWARD, i))
-                elif i in inner.region.keep:
-                    for s in p.outputs[i]:
-                        self._hold(env[s], Token(Hold.SAC, inner.uid))
-            elif inner is root:
-                if p.packs[i]:
-                    for s in p.saved[i]:
-                        self._hold(env[s], Token(Hold.BACKWARD, i))
+            self._step(run, i, overhead_ms if i == start else 0.0,
+                       last_not_run and i == stop - 1)
+        if root is not None:  # early stop may fall on a child's entry (its inputs' save)
+            self._enter_children(root, stop, env, run.end_tok)
+        self._release(run.read_tok)
+        self._release(run.end_tok)
+
+    def _step(self, run: _PassRun, i: int, overhead_ms: float, not_run: bool) -> None:
+        """Node i of a pass: checkpoint entries, its outputs, holds, frees, its event.
+        `not_run`: it packs its inputs only; its outputs (a kept one's too) stay unmade."""
+        p, root, env = self.p, run.root, run.env
+        inner = self.innermost[i]
+        # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
+        if root is None:
+            for f in self.top_entries.get(i, ()):
+                for s in f.inputs:
+                    self._hold(env[s], Token(Hold.FRAME, f.uid))
+        else:
+            self._enter_children(root, i, env, run.end_tok)
+        cached = root is not None and inner is root and i in root.region.keep
+        before = self._live()
+        new: list[Inst] = []
+        if cached and not not_run:
+            for s in p.outputs[i]:
+                env[s] = (s, 0)
+        elif not not_run:
+            for s in p.outputs[i]:
+                env[s] = (s, run.gen)
+                self._alloc((s, run.gen))
+                new.append((s, run.gen))
+        alloc = sum(p.storage_bytes[s] for s, _ in new)
+        temp = 0 if cached or not_run else p.fwd_temp_bytes[i]
+        parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
+                              self.live_grad, temp)
+        self._hold_made(run, i, inner, not_run)
+        # frees after this node
+        if cached and not not_run:
+            for s in p.outputs[i]:
+                self._release_one((s, 0), Token(Hold.SAC, root.uid))
+        for s in p.uses[i]:
+            if run.last_read.get(s) == i and s in env:
+                self._release_one(env[s], run.read_tok)
+        for inst in new:
+            self._free_if_unheld(inst)
+        if root is None:
+            for f in self.end_of_forward.get(i, ()):
+                self._kill(f)
+        label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
+        if not_run:
+            label += " (stops in its pack)"
+        time = (0.0 if cached or not_run else p.fwd_time_ms[i]) + overhead_ms
+        self._record(label, "forward" if root is None else "recompute", i, time,
+                     before + alloc + temp, parts, cached or not_run)
+
+    def _hold_made(self, run: _PassRun, i: int, inner: _Frame | None, not_run: bool) -> None:
+        """The holds node i makes: later readers and a rerun's end (unless `not_run`), the
+        caller, its saves (outside checkpoints, or in the rerun's own frame: a node that
+        stops the rerun in its pack still saves) and SAC caches."""
+        p, root, env = self.p, run.root, run.env
+        for s in () if not_run else p.outputs[i]:
+            later = [c for c in p.readers[s] if c > i]
+            if any(c < run.stop for c in later):
+                self._hold(env[s], run.read_tok)
+            # a rerun's value needed past its early stop: held until the rerun ends
+            if s in run.child_args or (root is not None and later and later[-1] >= run.stop):
+                self._hold(env[s], run.end_tok)
+        if root is None:
+            for s in p.outputs[i]:  # the loss tensor (not its internals: those go with
+                if s in p.caller_held:  # its backward) and what the caller keeps
+                    self._hold(env[s], Token(Hold.CALLER))
+            if inner is None:
+                for s in p.saved[i]:
+                    self._hold(env[s], Token(Hold.BACKWARD, i))
             elif i in inner.region.keep:
                 for s in p.outputs[i]:
-                    self._hold(env[s], end_tok)
-            # frees after this node
-            if cached and not not_run:
-                for s in p.outputs[i]:
-                    self._release_one((s, 0), Token(Hold.SAC, root.uid))
-            for s in p.uses[i]:
-                if last_read.get(s) == i and s in env:
-                    self._release_one(env[s], read_tok)
-            for inst in new:
-                self._free_if_unheld(inst)
-            if root is None:
-                for f in self.end_of_forward.get(i, ()):
-                    self._kill(f)
-            label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
-            if not_run:
-                label += " (stops in its pack)"
-            time = 0.0 if cached or not_run else p.fwd_time_ms[i]
-            if i == start:
-                time += overhead_ms
-            self._record(label, phase, i, time, before + alloc + temp, parts, cached or not_run)
-        if root is not None:  # early stop may fall on a child's entry (its inputs' save)
-            self._enter_children(root, stop, env, end_tok)
-        self._release(read_tok)
-        self._release(end_tok)
+                    self._hold(env[s], Token(Hold.SAC, inner.uid))
+        elif inner is root:
+            if p.packs[i]:
+                for s in p.saved[i]:
+                    self._hold(env[s], Token(Hold.BACKWARD, i))
+        elif i in inner.region.keep:
+            for s in p.outputs[i]:
+                self._hold(env[s], run.end_tok)
 
     def _enter_children(self, root: _Frame, i: int, env: dict[int, Inst], end_tok: Token) -> None:
         """During root's rerun, a child entered at node i saves its inputs into root."""

@@ -123,11 +123,11 @@ def test_graphs_that_are_not_chains_get_cpsat_at_their_least_peak() -> None:
     """Inception-v3 (509 ops, branches): auto ran only the DP beyond 400 nodes and found no
     plan at the least peak CP-SAT proves over module calls; now CP-SAT runs on module calls
     of any size and the plan there is optimal over that space."""
-    from solvers import auto, milp
+    from solvers import auto, cpsat
 
     p = _problem("torchvision inception_v3")
-    assert p.n_nodes > auto.MILP_MAX_NODES and not auto.dp.applies(p)
-    least = milp.min_peak(p, 20.0)
+    assert p.n_nodes > auto.CPSAT_MAX_NODES and not auto.dp.applies(p)
+    least = cpsat.min_peak(p, 20.0)
     assert least.optimal_over is not None and least.schedule is not None
     sol = auto.solve(p, least.bytes, 20.0)
     assert sol.feasible and sol.peak_bytes <= least.bytes

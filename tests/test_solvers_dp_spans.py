@@ -54,7 +54,7 @@ def test_solve_on_a_long_chain_reports_a_proven_gap(monkeypatch: pytest.MonkeyPa
     p = transformer(10, 1)
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(0.6 * store)
-    exact = SOLVERS["milp"](p, budget, 30.0) if p.n_nodes <= 400 else None
+    exact = SOLVERS["cpsat"](p, budget, 30.0) if p.n_nodes <= 400 else None
     sol = dp.solve(p, budget, 60.0)
     assert sol.feasible and sol.bound_ms is not None
     assert sol.bound_ms <= sol.objective_ms + 1e-9
@@ -108,7 +108,7 @@ def test_dp_model_agrees_with_simulate_nested_included(p, frac: float) -> None:
 def test_models_agree_where_reruns_stop_before_running_with_overheads(
         caplog: pytest.LogCaptureFixture) -> None:
     """A transformer whose matmuls pack their inputs before running (so most reruns stop
-    short of their last node) with every checkpoint overhead on: dp's and milp's models of
+    short of their last node) with every checkpoint overhead on: dp's and cpsat's models of
     time and memory equal simulate at several budgets."""
     p = transformer(4, 1).model_copy(update={
         "checkpoint_region_ms": 0.4, "checkpoint_pack_ms": 0.04, "checkpoint_sac_op_ms": 0.1})
@@ -117,7 +117,7 @@ def test_models_agree_where_reruns_stop_before_running_with_overheads(
     lower = memory_lower_bound(p)
     for frac in (0.2, 0.5, 0.8):
         budget = lower + int((store - lower) * frac)
-        for name in ("dp", "milp"):
+        for name in ("dp", "cpsat"):
             with caplog.at_level("ERROR"):
                 sol = SOLVERS[name](p, budget, 30.0)
             assert not caplog.records, caplog.records[0].getMessage()

@@ -1,4 +1,4 @@
-"""Exact solvers (milp, dp, auto) against brute force and simulate, on random small graphs."""
+"""Exact solvers (cpsat, dp, auto) against brute force and simulate, on random small graphs."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from solvers import (
     auto,
     baselines,
     bruteforce,
+    cpsat,
     dp,
     memory_lower_bound,
-    milp,
     min_feasible_budget,
     simulate,
 )
@@ -70,7 +70,7 @@ def _same(a: float, b: float) -> bool:
 def test_milp_reaches_bruteforce_optimum(p: Problem, frac: float) -> None:
     budget = _budget(p, frac)
     best = bruteforce.solve(p, budget, 60.0)
-    sol = milp.solve(p, budget, 20.0)
+    sol = cpsat.solve(p, budget, 20.0)
     assert sol.feasible == best.feasible
     if best.feasible:
         assert sol.status == Status.OPTIMAL and _same(sol.objective_ms, best.objective_ms)
@@ -112,7 +112,7 @@ def test_dp_reaches_bruteforce_optimum_on_chains(p: Problem, frac: float) -> Non
 def test_reported_peaks_are_simulated_and_optimum_beats_baselines(p: Problem,
                                                                   frac: float) -> None:
     budget = _budget(p, frac)
-    opt = SOLVERS["milp"](p, budget, 20.0)
+    opt = SOLVERS["cpsat"](p, budget, 20.0)
     for name, solve in SOLVERS.items():
         sol = solve(p, budget, 20.0)
         if sol.schedule is not None:
@@ -120,7 +120,7 @@ def test_reported_peaks_are_simulated_and_optimum_beats_baselines(p: Problem,
             assert sol.peak_bytes == tl.peak_bytes, name
             assert sol.feasible == (tl.peak_bytes <= budget), name
         nested = sol.schedule is not None and any(r.children for r in sol.schedule.regions)
-        if sol.feasible and not nested:  # milp is exact over flat schedules only; the DP
+        if sol.feasible and not nested:  # cpsat is exact over flat schedules only; the DP
             assert opt.feasible          # also nests, and can beat it (seen: 4 ms vs 5 ms)
             assert opt.objective_ms <= sol.objective_ms + 1e-9, name
 
@@ -131,12 +131,12 @@ def test_min_feasible_budget_is_tight(p: Problem) -> None:
     mfb, exact = min_feasible_budget(p)
     assert auto.solve(p, mfb, 20.0).feasible
     assert auto.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
-    if exact:  # the flat minimum: milp (flat schedules) agrees
-        assert milp.solve(p, mfb, 20.0).feasible
-        below = milp.solve(p, mfb - 1, 20.0)
+    if exact:  # the flat minimum: cpsat (flat schedules) agrees
+        assert cpsat.solve(p, mfb, 20.0).feasible
+        below = cpsat.solve(p, mfb - 1, 20.0)
         assert below.status == Status.INFEASIBLE and below.min_feasible_budget_bytes == mfb
     else:  # below every flat schedule, reached by a nested one
-        assert not milp.solve(p, mfb, 20.0).feasible
+        assert not cpsat.solve(p, mfb, 20.0).feasible
         assert any(r.children for r in dp.solve(p, mfb, 20.0).schedule.regions)
 
 
@@ -151,9 +151,9 @@ def test_no_solver_keeps_unkeepable_nodes(p: Problem, frac: float, kinds: list[s
         sol = solve(p, budget, 20.0)
         if sol.schedule is not None:
             assert keeps_only_keepable(p, sol.schedule), name
-        if name in ("milp", "auto"):  # exact over the brute-force space, keepable respected
+        if name in ("cpsat", "auto"):  # exact over the brute-force space, keepable respected
             _matches_bruteforce(sol, best, name)
-            assert name != "milp" or not best.feasible or sol.status == Status.OPTIMAL
+            assert name != "cpsat" or not best.feasible or sol.status == Status.OPTIMAL
     chain = p.model_copy(update={"block_of_node": None})  # node-level stages
     if dp.applies(chain):
         d = dp.solve(chain, budget, 20.0)
@@ -163,7 +163,7 @@ def test_no_solver_keeps_unkeepable_nodes(p: Problem, frac: float, kinds: list[s
             assert d.status == Status.OPTIMAL
     ctx = Context(p)
     for full in (True, False):
-        cands, _ = milp.candidates(ctx, full=full)
+        cands, _ = cpsat.candidates(ctx, full=full)
         assert all(p.can_keep(k) for r in cands for k in r.keep)
 
 
@@ -173,7 +173,7 @@ def test_exact_solvers_give_up_a_keep_that_is_not_keepable() -> None:
     assert free.schedule.describe() == "R[0:2 keep=1] S[2:3] R[3:4 keep=3]"
     assert free.objective_ms == 1.0
     q = p.model_copy(update={"keepable": [True, False, True, True]})
-    for name in ("bruteforce", "milp", "dp", "auto"):
+    for name in ("bruteforce", "cpsat", "dp", "auto"):
         sol = SOLVERS[name](q, 35, 10.0)
         assert sol.feasible and 1 not in {k for r in sol.schedule.walk() for k in r.keep}, name
         assert sol.objective_ms == 3.0, name
@@ -182,8 +182,8 @@ def test_exact_solvers_give_up_a_keep_that_is_not_keepable() -> None:
 def test_min_feasible_budget_beyond_bruteforce_is_milp_tight() -> None:
     p = Problem.chain([10, 30, 10, 30, 10, 30, 10, 30, 10, 30, 1], [1.0] * 11)
     mfb, _ = min_feasible_budget(p)
-    assert milp.solve(p, mfb, 20.0).feasible
-    assert milp.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+    assert cpsat.solve(p, mfb, 20.0).feasible
+    assert cpsat.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
 
 
 def blocks_with_ops() -> Problem:
@@ -234,7 +234,7 @@ def test_dp_on_block_chain_and_non_chain() -> None:
 
 def test_infeasible_solutions_carry_minimum() -> None:
     p = blocks_with_ops()
-    for name in ("milp", "dp", "auto"):
+    for name in ("cpsat", "dp", "auto"):
         sol = SOLVERS[name](p, 5, 10.0)
         assert sol.status == Status.INFEASIBLE
         assert sol.min_feasible_budget_bytes is not None and sol.min_feasible_budget_bytes > 5

@@ -9,7 +9,6 @@ import pytest
 
 from solvers import SOLVERS, Schedule, Status, dp, simulate
 from solvers.accounting import Context
-from solvers.schedule import Region
 from solvers.testing import random_dag
 
 

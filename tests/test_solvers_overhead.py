@@ -1,4 +1,4 @@
-"""Checkpoint overhead in the time model: simulate, accounting, dp and milp charge one formula."""
+"""Checkpoint overhead in the time model: simulate, accounting, dp and CP-SAT charge one formula."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_solvers_exact import flat_schedules
 from test_solvers_properties import problem_and_schedule, problems
 
 from profiles.schema import GraphProfile
-from solvers import Problem, Region, Schedule, Status, bruteforce, dp, milp, simulate
+from solvers import Problem, Region, Schedule, Status, bruteforce, cpsat, dp, simulate
 from solvers.accounting import evaluate
 from solvers.from_profile import problem_from_profile
 
@@ -112,7 +112,7 @@ def test_exact_solvers_reach_bruteforce_optimum_with_overhead(p: Problem, frac: 
     lowest = bruteforce.min_feasible_budget(p)[0]
     budget = lowest + int((store - lowest) * frac)
     best = bruteforce.solve(p, budget, 60.0)
-    sol = milp.solve(p, budget, 20.0)
+    sol = cpsat.solve(p, budget, 20.0)
     assert sol.feasible == best.feasible
     if best.feasible:
         assert sol.status == Status.OPTIMAL
@@ -132,7 +132,7 @@ def test_large_overhead_makes_exact_solvers_drop_regions_and_keeps() -> None:
     costly = cheap.model_copy(update={"checkpoint_region_ms": 5.0,
                                       "checkpoint_sac_op_ms": 20.0})
     budget = 37
-    for solver in (dp, milp):
+    for solver in (dp, cpsat):
         ignored = solver.solve(cheap, budget, 20.0)
         assert ignored.objective_ms == pytest.approx(2.0) and ignored.schedule is not None
         assert any(2 in r.keep for r in ignored.schedule.recompute_regions())

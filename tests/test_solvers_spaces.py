@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import problems
 
-from solvers import Problem, Region, Schedule, Status, auto, bruteforce, milp, simulate
+from solvers import Problem, Region, Schedule, Status, auto, bruteforce, cpsat, simulate
 from solvers.spaces import every_flat, flat_regions, matmul_keep
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -69,12 +69,12 @@ def _chain() -> Problem:
 
 def test_a_flat_optimum_is_claimed_over_flat_schedules_only() -> None:
     p = _chain()
-    flat = milp.solve(p, 142, 10.0)
+    flat = cpsat.solve(p, 142, 10.0)
     assert flat.status == Status.OPTIMAL and flat.objective_ms == 5.0
     assert flat.space == every_flat(p) and "flat" in str(flat.space)
     best = auto.solve(p, 142, 10.0)
     assert best.objective_ms == 4.0 and any(r.children for r in best.schedule.regions)
-    # the nested answer is outside milp's space: its proof is the dp's, over nested schedules
+    # the nested answer is outside cpsat's space: its proof is the dp's, over nested schedules
     assert not flat.space.contains(p, best.schedule)
     assert best.status == Status.OPTIMAL and best.space.nested
     assert "nested" in str(best.space)

@@ -423,7 +423,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         cands, space = candidates(ctx, deadline=t0 + time_limit_s)
         mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
     except TimeoutError:
-        logger.warning("milp: building the model took the whole %.1f s", time_limit_s)
+        logger.warning("cpsat: building the model took the whole %.1f s", time_limit_s)
         return _no_schedule(problem, budget_bytes, t0)
     obj = sum(round(r.time_ms * TIME_SCALE) * v for r, v in zip(cands, mdl.x, strict=True))
     mdl.model.Minimize(obj)
@@ -431,7 +431,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         chosen = {(r.start, r.stop, r.keep) for r in hint.regions if r.is_recompute}
         for r, v in zip(cands, mdl.x, strict=True):
             mdl.model.AddHint(v, (r.a, r.b, r.keep) in chosen)
-    logger.info("milp: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
+    logger.info("cpsat: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
     while True:
         left = time_limit_s - (time.perf_counter() - t0)
         solver = _solver(left)
@@ -440,19 +440,19 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
             mfb = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
             return _no_schedule(problem, budget_bytes, t0, mfb)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            logger.warning("milp found no schedule in %.1f s", time_limit_s)
+            logger.warning("cpsat found no schedule in %.1f s", time_limit_s)
             return _no_schedule(problem, budget_bytes, t0)
         chosen_x = [v for v in mdl.x if solver.Value(v)]
         chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
         sched = _schedule(problem.n_nodes, chosen)
         bound = solver.BestObjectiveBound() / TIME_SCALE
-        sol = Solution.scored(problem, sched, budget_bytes, solver="milp", started_s=t0,
+        sol = Solution.scored(problem, sched, budget_bytes, solver="cpsat", started_s=t0,
                               proven_optimal=st == cp_model.OPTIMAL,
                               bound_ms=min(bound, solver.ObjectiveValue() / TIME_SCALE),
                               space=space)
         if sol.feasible or time.perf_counter() - t0 > time_limit_s:
             return sol
-        logger.error("milp model/simulate mismatch on %s; adding a no-good cut",
+        logger.error("cpsat model/simulate mismatch on %s; adding a no-good cut",
                      sched.describe())
         mdl.model.AddBoolOr([v.Not() for v in chosen_x] +
                             [v for v in mdl.x if not solver.Value(v)])
@@ -462,7 +462,7 @@ def _no_schedule(problem: Problem, budget_bytes: int, started_s: float,
                  min_budget: tuple[int, bool] | None = None) -> Solution:
     """INFEASIBLE, with the least budget proven to be needed (or the memory lower bound)."""
     mfb, exact = min_budget or (memory_lower_bound(problem), False)
-    return Solution(solver="milp", status=Status.INFEASIBLE, schedule=None,
+    return Solution(solver="cpsat", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,
                     solve_time_s=time.perf_counter() - started_s,
                     min_feasible_budget_bytes=mfb, min_feasible_budget_exact=exact)
