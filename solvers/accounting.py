@@ -221,7 +221,7 @@ class RegionInfo:
                 break
             info.step_const.append(0 if cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
             for s in p.outputs[i]:
-                read_end = rerun_read_end(p, s, i, stop)
+                read_end = p.rerun_read_end(s, i, stop)
                 savers = tuple(k for k in ctx.savers[s] if k < stop and p.packs[k])
                 if cached:
                     if s not in ctx.loss:
@@ -297,16 +297,6 @@ def _order(reruns: Sequence[Rerun]) -> Callable[[Point], tuple[int, int, int, in
             return (1, -node, 1, 0, 0)
         return (1, -reruns[r].trigger, 0, r, node)
     return key
-
-
-def rerun_read_end(p: Problem, s: int, i: int, stop: int) -> int:
-    """In a rerun of nodes up to `stop` (exclusive), the last step that keeps storage s made at
-    node i alive: its last use there, or the rerun's last step when it is used past the early
-    stop (the rerun's program holds it until it stops); -1 when nothing after i uses it."""
-    later = [c for c in p.readers[s] if c > i]
-    if later and later[-1] >= stop:
-        return stop - 1
-    return later[-1] if later else -1
 
 
 def _check_children(a: int, b: int, keep: frozenset[int],
@@ -483,7 +473,7 @@ class _NestedAnalysis:
         last reader there, and the nodes there saving it into their frame (for the parent's
         rerun, not those of its children)."""
         pts: list[Point] = []
-        read_end = rerun_read_end(self.p, s, i, last)
+        read_end = self.p.rerun_read_end(s, i, last)
         if read_end > i:
             pts.append((STEP, read_end, r))
         pts.extend((BWD, k, 0) for k in self.ctx.savers[s]

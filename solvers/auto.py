@@ -18,6 +18,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["lowest_peak", "min_feasible_budget", "solve"]
 
 CPSAT_MAX_NODES = 400  # CP-SAT over op ranges of larger graphs is slow; chains use the DP
+# ... and over op ranges cut at more stages than this: on random DAGs (single-node stages) of
+# 150 nodes it builds 22,000 candidates, finds nothing in 30 s and overruns that by 11 s
+CPSAT_MAX_STAGES = 120
+
+
+def cpsat_fits(problem: Problem) -> bool:
+    """Whether CP-SAT's model is small enough to help: always over module calls (its
+    candidates are the calls); over op ranges up to `CPSAT_MAX_NODES` nodes and
+    `CPSAT_MAX_STAGES` stages."""
+    return problem.module_spans is not None or (
+        problem.n_nodes <= CPSAT_MAX_NODES and len(problem.stages()) <= CPSAT_MAX_STAGES)
 
 
 def _rank(sol: Solution) -> tuple:
@@ -46,9 +57,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # bound, scoring) and for picking the answer, so that auto itself returns in time
     reserve = min(0.05 * time_limit_s, 3.0)
     left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
-    # CP-SAT over op ranges grows too large past CPSAT_MAX_NODES; over module calls its
-    # candidates are the calls, and it is what proves plans of graphs that are not chains
-    use_cpsat = problem.n_nodes <= CPSAT_MAX_NODES or problem.module_spans is not None
+    # over module calls CP-SAT is what proves plans of graphs that are not chains
+    use_cpsat = cpsat_fits(problem)
     share = (0.5 if dp.applies(problem) else 0.3) if use_cpsat else 1.0
     d = dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
@@ -140,7 +150,7 @@ def min_feasible_budget(problem: Problem, exact_max_nodes: int = bruteforce.EXAC
         flat, exact = bruteforce.min_feasible_budget(problem, exact_max_nodes)
         nested = _nested_minimum(problem, flat, time_limit_s)
         return (nested, False) if nested < flat else (flat, exact)
-    if problem.n_nodes > CPSAT_MAX_NODES:
+    if not cpsat_fits(problem):
         return memory_lower_bound(problem), False
     found = cpsat.min_peak(problem, time_limit_s)
     if found.bytes == 0:
@@ -153,7 +163,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
 
     Deterministic, so that asking for that peak as a budget finds it again: the baselines,
     brute force on tiny problems, CP-SAT minimising the peak with a deterministic time
-    limit (up to `CPSAT_MAX_NODES` nodes), and a bisection of the budget with the dp, whose
+    limit (`cpsat_fits`), and a bisection of the budget with the dp, whose
     nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
     schedule-independent lower bound (`memory_lower_bound`); when CP-SAT proved its least
     peak, `least_peak_bytes` and `least_peak_space` say over which schedules.
@@ -170,7 +180,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     if problem.n_nodes <= bruteforce.EXACT_BUDGET_MAX_NODES:
         for schedule in bruteforce.enumerate_schedules(problem):
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
-    elif problem.n_nodes <= CPSAT_MAX_NODES or problem.module_spans is not None:
+    elif cpsat_fits(problem):
         # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s)
         least = cpsat.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
         if least.schedule is not None:

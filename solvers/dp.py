@@ -95,6 +95,7 @@ SPLIT_RELAXED_STAGES = 160
 RELAXED_FRONT = 128  # lower-bound entries a relaxed window hands on (optimistic corners)
 TIGHT_SPANS = 3  # beyond SPLIT_RELAXED_STAGES: relaxed windows up to 3 spans long are tight
 LONG_SKIP_NODES = 8  # without module spans, storages read further on are detached (long_skips)
+FUSED_STAGES = 16  # ... when merging would leave fewer stages than this
 
 
 def pinned_storages(problem: Problem) -> frozenset[int]:
@@ -573,15 +574,18 @@ def long_skips(problem: Problem, pinned: frozenset[int]
     """Storages detached as long skips with their far readers, and the DP's stages.
 
     Only without module spans (regions are op ranges: synthetic DAGs, profiles made with
-    `module_spans=False`): a storage read more than `LONG_SKIP_NODES` nodes after it is made
-    would merge every stage it skips into one, and a few random skips fuse a whole DAG. Such
-    a storage is detached instead: its readers two or more stages after its producer's are
+    `module_spans=False`) and only when merging leaves fewer than `FUSED_STAGES` stages (a
+    few random skips fuse a whole DAG; a chain of blocks whose short skips merge a few
+    stages keeps its larger, unrestricted space): a storage read more than `LONG_SKIP_NODES`
+    nodes after it is made would merge every stage it skips into one. Such a storage is
+    detached instead: its readers two or more stages after its producer's are
     its far readers, and no segment holds the producer and a far reader
     (`_Layout.stop_limit`), so each far reader that saves it holds it under every schedule
     (`_pin_tables`). With module spans, CP-SAT over module calls handles such graphs.
     """
-    if problem.module_spans is not None:
-        return {}, compact_stages(problem, chain_stages(problem, pinned)[0])
+    merged = compact_stages(problem, chain_stages(problem, pinned)[0])
+    if problem.module_spans is not None or len(merged) >= FUSED_STAGES:
+        return {}, merged
     outside = set(problem.caller_held) | set(pinned)
     long = frozenset(s for s, cons in enumerate(problem.readers) if cons and s not in outside
                      and cons[-1] - problem.storage_producer[s] > LONG_SKIP_NODES)

@@ -346,6 +346,16 @@ class Problem(BaseModel):
         """Per storage, the last node that keeps it alive in forward (-1: none does)."""
         return tuple(c[-1] if c else -1 for c in self.readers)
 
+    def rerun_read_end(self, s: int, i: int, stop: int) -> int:
+        """In a rerun of nodes up to `stop` (exclusive), the last step that keeps storage s
+        made at node i alive: its last use there, or the rerun's last step when it is used
+        past the early stop (the rerun's program holds it until it stops); -1 when nothing
+        after i uses it. (`simulate` finds the same by replaying; accounting reads it here.)"""
+        later = [c for c in self.readers[s] if c > i]
+        if later and later[-1] >= stop:
+            return stop - 1
+        return later[-1] if later else -1
+
     @cached_property
     def caller_held(self) -> frozenset[int]:
         """Storages the caller holds for the whole step: the loss's outputs (not those its
