@@ -53,8 +53,9 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # baselines first: on very large graphs they take seconds, and the exact solvers get
     # what is left of the time limit
     base = [fn(problem, budget_bytes, 1.0) for fn in baselines.BASELINES.values()]
-    # keep a little of the limit for what follows a timed-out DP (its INFEASIBLE answer's
-    # bound, scoring) and for picking the answer, so that auto itself returns in time
+    # keep a little of the limit for what follows a timed-out DP or CP-SAT (CP-SAT stops
+    # up to about half a second late; scoring) and for picking the answer, so that auto
+    # itself returns in time
     reserve = min(0.05 * time_limit_s, 3.0)
     left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
     # over module calls CP-SAT is what proves plans of graphs that are not chains
@@ -62,7 +63,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     share = (0.5 if dp.applies(problem) else 0.3) if use_cpsat else 1.0
     d = dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
-    left = time_limit_s - (time.perf_counter() - t0)
+    left = time_limit_s - reserve - (time.perf_counter() - t0)
     chain_done = d.status == Status.OPTIMAL and problem.n_nodes > 200
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
     if use_cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
