@@ -89,8 +89,9 @@ def _proven_over_a_space(problem: Problem, best: Solution, exact: list[Solution]
     """`best` with the strongest bound proven over a space that holds its schedule.
 
     A bound over space S bounds the optimum over S; it says how far `best` is from that
-    optimum only when `best` lies in S. The answer's own solver's space always holds it;
-    another's only when `SearchSpace.contains` decides so. Without one: no bound, no gap.
+    optimum only when `best` lies in S. The answer's own solver's space always holds it, as
+    does that of any solver that returned the same schedule; another's only when
+    `SearchSpace.contains` decides so. Without one: no bound, no gap.
     """
     obj = best.objective_ms
     if obj <= 0:
@@ -100,7 +101,9 @@ def _proven_over_a_space(problem: Problem, best: Solution, exact: list[Solution]
     for sol in exact:
         if not sol.feasible or sol.space is None or sol.bound_ms is None:
             continue
-        if sol is best or sol.space.contains(problem, best.schedule):
+        # a solver's own answer lies in its space: also when another solver found it too
+        if sol is best or sol.schedule == best.schedule or sol.space.contains(problem,
+                                                                              best.schedule):
             if sol.bound_ms > obj + 1e-9 * max(1.0, obj):
                 logger.error("%s proved %.6f ms over %s, but %s found %.6f ms in that space; "
                              "please report this", sol.solver, sol.bound_ms, sol.space,

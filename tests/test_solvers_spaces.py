@@ -6,7 +6,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import problems
 
-from solvers import Problem, Region, Schedule, Status, auto, bruteforce, cpsat, simulate
+from solvers import (
+    SOLVERS,
+    Problem,
+    Region,
+    Schedule,
+    Status,
+    auto,
+    bruteforce,
+    cpsat,
+    dp,
+    simulate,
+)
 from solvers.spaces import every_flat, flat_regions, matmul_keep
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -94,3 +105,21 @@ def test_membership_follows_cuts_keeps_and_nesting() -> None:
     assert not matmuls.contains(p, keep_one) and every_flat(p).contains(p, keep_one)
     assert matmuls.contains(p, mid_block) and not stages.contains(p, mid_block)
     assert not every_flat(p).contains(p, nested)
+
+
+def test_a_bound_holds_for_the_same_schedule_found_by_another_solver() -> None:
+    """Regression (DenseNet-121 at its least peak + 10 %): CP-SAT and the DP returned the same
+    schedule; auto took CP-SAT's copy and reported CP-SAT's bound (gap 100 %), not the DP's
+    bound over a space that holds that very schedule (gap 10.7 %)."""
+    from solvers.testing import transformer
+
+    p = transformer(4, 1)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    by_dp = dp.solve(p, (every + store) // 2, 30.0)
+    assert by_dp.feasible and by_dp.bound_ms and by_dp.bound_ms > 0
+    same = by_dp.model_copy(update={"solver": "cpsat", "bound_ms": 0.0, "gap": 1.0,
+                                    "status": Status.FEASIBLE, "space": every_flat(p)})
+    assert not by_dp.space.contains(p, same.schedule)  # membership alone cannot tell
+    answer = auto._proven_over_a_space(p, same, [by_dp, same])
+    assert answer.bound_ms == by_dp.bound_ms and answer.space == by_dp.space
