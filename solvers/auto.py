@@ -31,6 +31,9 @@ def cpsat_fits(problem: Problem) -> bool:
         problem.n_nodes <= CPSAT_MAX_NODES and len(problem.stages()) <= CPSAT_MAX_STAGES)
 
 
+NEAR_TIE = 1e-3  # answers this close in recompute time are told apart by their proofs
+
+
 def _rank(sol: Solution) -> tuple:
     return (not sol.feasible, sol.objective_ms if sol.feasible else 0.0,
             sol.status != Status.OPTIMAL, sol.peak_bytes or 0)
@@ -43,7 +46,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     is left of the time limit (small and mid-size graphs). Other graphs: CP-SAT, with the DP
     over merged stages as warm start. The cheap baselines (`baselines.BASELINES`) run too, so
     the answer is never worse than any of them. Returns the feasible answer with least
-    recompute time (OPTIMAL preferred on ties); `solver` names which one, prefixed `auto/`.
+    recompute time (OPTIMAL preferred on ties; within `NEAR_TIE` of it, the one with the
+    smallest proven gap); `solver` names which one, prefixed `auto/`.
     Status, `bound_ms`, `gap` and `space` come from the strongest bound an exact solver
     proved over a space that holds the answer (`_proven_over_a_space`); none: FEASIBLE with
     no bound.
@@ -76,12 +80,23 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     if not best.feasible:
         best = min(exact, key=_rank)  # the exact solvers' lowest-peak schedule and minimum
     if best.feasible:
-        best = _proven_over_a_space(problem, best, exact)
+        best = _best_proven(problem, best, exact + base, exact)
     if not best.feasible:
         mfb = [r.min_feasible_budget_bytes for r in exact if r.min_feasible_budget_bytes]
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0})
+
+
+def _best_proven(problem: Problem, best: Solution, found: list[Solution],
+                 exact: list[Solution]) -> Solution:
+    """`best` with its proof, or an answer within `NEAR_TIE` of its recompute time whose
+    proven gap is smaller (DenseNet-121: CP-SAT's 2.853 ms within 65 % of its space's
+    optimum, the DP's 2.854 ms within 17 % of its own)."""
+    limit = best.objective_ms * (1 + NEAR_TIE)
+    close = [s for s in found if s.feasible and s.objective_ms <= limit]
+    proven = [_proven_over_a_space(problem, s, exact) for s in close]
+    return min(proven, key=lambda s: (2.0 if s.gap is None else s.gap, _rank(s)))
 
 
 def _proven_over_a_space(problem: Problem, best: Solution, exact: list[Solution]
