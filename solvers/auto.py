@@ -75,7 +75,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
         # then improves a feasible point and proves a bound instead of searching blind
         start = min([d, *base], key=_rank)
         exact.append(cpsat.solve(problem, budget_bytes, left,
-                                hint=start.schedule if start.feasible else d.schedule))
+                                 hint=start.schedule if start.feasible else d.schedule))
     best = min(exact + base, key=_rank)
     if not best.feasible:
         best = min(exact, key=_rank)  # the exact solvers' lowest-peak schedule and minimum
