@@ -111,7 +111,7 @@ def flat_regions(problem: Problem, cuts: Literal["any", "stages"],
 def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips: int = 0,
                    long_skip_nodes: int = 0) -> SearchSpace:
     """The DP's space: segmentations of the chain of stages (membership: its own answers);
-    with `long_skips`, no segment holds the producer and a reader of one of them."""
+    with `long_skips`, no segment holds the producer and a far reader of one of them."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = "any subset of its ops" if any_keep else "nothing or its matmuls"
     unit = "blocks" if problem.blocks() else "ops"
