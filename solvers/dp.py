@@ -100,6 +100,14 @@ LONG_SKIP_NODES = 8  # without module spans, storages read further on are detach
 FUSED_STAGES = 16  # ... when merging would leave fewer stages than this
 
 
+def _stage_of(problem: Problem, st: list[tuple[int, int]]) -> list[int]:
+    """Per node, the index of the stage holding it."""
+    out = [0] * problem.n_nodes
+    for t, (a, b) in enumerate(st):
+        out[a:b] = [t] * (b - a)
+    return out
+
+
 def pinned_storages(problem: Problem) -> frozenset[int]:
     """Storages read across a multi-node stage (a block) after the one that makes them.
 
@@ -110,10 +118,7 @@ def pinned_storages(problem: Problem) -> frozenset[int]:
     schedule holds it longer). Short skips across single nodes are merged (exact).
     """
     st = problem.stages()
-    stage_of = [0] * problem.n_nodes
-    for t, (a, b) in enumerate(st):
-        for i in range(a, b):
-            stage_of[i] = t
+    stage_of = _stage_of(problem, st)
     loss = set(problem.outputs[-1]) | problem.caller_held
     out = set()
     for s, cons in enumerate(problem.readers):
@@ -134,10 +139,7 @@ def chain_stages(problem: Problem,
     st = problem.stages()
     merged = False
     while True:
-        stage_of = [0] * problem.n_nodes
-        for t, (a, b) in enumerate(st):
-            for i in range(a, b):
-                stage_of[i] = t
+        stage_of = _stage_of(problem, st)
         cut = [True] * len(st)  # cut[t]: boundary before stage t kept
         bad = False
         for s, cons in enumerate(problem.readers):
@@ -600,13 +602,6 @@ def long_skips(problem: Problem, pinned: frozenset[int]
         if far:  # else all its readers sit in the next two stages: a chain link
             skips[s] = far
     return skips, st
-
-
-def _stage_of(problem: Problem, st: list[tuple[int, int]]) -> list[int]:
-    out = [0] * problem.n_nodes
-    for t, (a, b) in enumerate(st):
-        out[a:b] = [t] * (b - a)
-    return out
 
 
 class _Layout(NamedTuple):
