@@ -2,6 +2,8 @@
 checkpoint the model's own modules.
 
 >>> from planner import optimize, apply, verify, Plan  # doctest: +SKIP
+>>> step = profile_model(model, example_inputs)  # profile once  # doctest: +SKIP
+>>> plans = [solve(step, budget_gb=b) for b in (4, 8)]  # plan many  # doctest: +SKIP
 >>> plan = optimize(model, example_inputs, budget_gb=8)  # doctest: +SKIP
 >>> model = apply(model, plan)  # doctest: +SKIP
 """
@@ -12,18 +14,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from planner.api import (
+        PlanMismatchWarning,
+        ProfiledStep,
         VerifyReport,
         apply,
         measure_step,
         optimize,
+        profile_model,
         remove,
         replan,
+        solve,
         verify,
     )
     from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
     from profiles.errors import ProfileError
 
 _LAZY = {
+    "PlanMismatchWarning": "planner.api",
+    "ProfiledStep": "planner.api",
+    "profile_model": "planner.api",
+    "solve": "planner.api",
     "VerifyReport": "planner.api",
     "apply": "planner.api",
     "measure_step": "planner.api",
@@ -37,8 +47,9 @@ _LAZY = {
     "ProfileError": "profiles.errors",
 }
 
-__all__ = ["InfeasibleBudgetError", "Plan", "PlanMismatchError", "ProfileError",
-           "VerifyReport", "apply", "measure_step", "optimize", "remove", "replan", "verify"]
+__all__ = ["InfeasibleBudgetError", "Plan", "PlanMismatchError", "PlanMismatchWarning",
+           "ProfileError", "ProfiledStep", "VerifyReport", "apply", "measure_step",
+           "optimize", "profile_model", "remove", "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:

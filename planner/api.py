@@ -37,12 +37,13 @@ from profiles.schema import GraphProfile, fingerprint
 from solvers import SOLVERS, Problem, Region, Schedule, Solution, Status, Timeline, simulate
 from solvers.auto import lowest_peak
 from solvers.from_profile import block_calls, problem_from_profile
+from solvers.simulate import optimizer_step_peak
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanGuard", "PlanMismatchWarning", "VerifyReport", "apply", "measure_step",
-           "optimize", "plan_for_profile", "plan_for_schedule", "remove", "replan",
-           "structure_fingerprint", "verify"]
+__all__ = ["PlanGuard", "PlanMismatchWarning", "ProfiledStep", "VerifyReport", "apply",
+           "measure_step", "optimize", "plan_for_profile", "plan_for_schedule",
+           "profile_model", "remove", "replan", "solve", "structure_fingerprint", "verify"]
 
 
 class PlanMismatchWarning(UserWarning):
@@ -59,7 +60,23 @@ def _budget_bytes(budget_gb: Any) -> int:
     if not math.isfinite(budget_gb) or budget_gb <= 0:
         raise ValueError(f"budget_gb must be a positive, finite number of GiB, got "
                          f"{budget_gb!r}")
-    return int(budget_gb * GIB)
+    return _checked_budget(int(budget_gb * GIB), f"budget_gb={budget_gb!r} GiB")
+
+
+MIN_BUDGET_BYTES = 2**10
+MAX_BUDGET_BYTES = 2**60
+
+
+def _checked_budget(nbytes: int, given: str) -> int:
+    """A budget in bytes that can mean something: at least a KiB (no training step fits
+    in less), at most an EiB."""
+    if nbytes < MIN_BUDGET_BYTES:
+        raise ValueError(f"{given} is {nbytes} bytes, less than 1 KiB: no training step fits. "
+                         "budget_gb is in GiB (2**30 bytes), e.g. budget_gb=8")
+    if nbytes > MAX_BUDGET_BYTES:
+        raise ValueError(f"{given} is more than 2**60 bytes (1 EiB); give a budget a device "
+                         "could have")
+    return nbytes
 
 
 def _input_specs(args: tuple, kwargs: dict) -> list[InputSpec]:
@@ -152,6 +169,109 @@ def _refuse_existing_checkpointing(model: nn.Module) -> None:
 # ----------------------------------------------------------------------------- optimize
 
 
+@dataclass(frozen=True)
+class ProfiledStep:
+    """One training step of a model, profiled as it will train: what :func:`solve` plans
+    at any budget without profiling again (:func:`profile_model` makes it)."""
+
+    profile: GraphProfile
+    inputs: list[InputSpec]
+    structure: str  # structure_fingerprint() of the model
+    sharding: Sharding | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def unplanned_peak_bytes(self) -> int:
+        """The peak of the step without checkpoints (as one rank runs it)."""
+        return simulate(self.problem(), Schedule.store_all(len(self.profile.nodes))).peak_bytes
+
+    def problem(self) -> Problem:
+        """The step as the solvers see it (per rank)."""
+        return rank_problem(problem_from_profile(self.profile), self.profile.static,
+                            self.sharding)
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    autocast: torch.dtype | None = None,
+    grad_accumulation: bool = False,
+    timing: str = "auto",
+    device: str | None = None,
+    execution: str = "auto",
+    world_size: int = 1,
+    sharding: str | None = None,
+    shard_modules: list[str] | None = None,
+    progress: bool = True,
+) -> ProfiledStep:
+    """Profile one training step of ``model`` as it will train, for :func:`solve` to plan
+    at one budget or many. Arguments as :func:`optimize`.
+
+    Whatever state the object is in, the step profiled is the training step: a plan
+    already applied is taken off while profiling and put back as it was (``apply`` of the
+    new plan replaces it); the ``.grad`` the model holds now do not count (the step
+    starts as ``grad_accumulation`` says); a model in ``eval()`` is profiled in ``train()``
+    mode, each module's mode restored after, and the plan's note says so.
+    """
+    if world_size != 1 and sharding is None:
+        raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2': how "
+                         "each rank holds the model decides its memory")
+    _refuse_existing_checkpointing(model)
+    args, kwargs = normalize_inputs(model, example_inputs)
+    if autocast is None:
+        autocast = _ambient_autocast(_model_device(model).type)
+        if autocast is not None:
+            log.info("planning under the ambient torch.autocast(%s)", autocast)
+    notes = []
+    with (_plan_suspended(model), _training_mode(model) as was_eval,
+          _training_config(model) as cache_off):
+        prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
+                                optimizer=optimizer, autocast=autocast, timing=timing,
+                                device=device, execution=execution,
+                                grad_accumulation=grad_accumulation, progress=progress)
+    if was_eval:
+        notes.append("Planned the training step (dropout on, BatchNorm updating): the model "
+                     "was in eval mode; call model.train() before training with it.")
+        log.warning("%s is in eval mode; planning its training step (train() mode)",
+                    type(model).__name__)
+    if cache_off:
+        notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
+                     "apply() turns it off.")
+    layout = None
+    if sharding is not None:
+        if shard_modules is None and sharding == "fsdp2":
+            shard_modules = [call.path for call in block_calls(prof)]
+        layout = sharding_for(model, sharding, world_size, shard_modules)
+    return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), layout,
+                        tuple(notes))
+
+
+def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
+          budget_bytes: int | None = None, solver: str = "auto",
+          time_limit_s: float = 60.0) -> Plan:
+    """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
+    call it as often as you like, each call solves without profiling.
+
+    >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
+    >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
+    """
+    if not isinstance(profiled, ProfiledStep):
+        raise TypeError(f"solve() takes what profile_model() returns, not "
+                        f"{type(profiled).__name__}; for a Plan use replan(plan, budget_gb=...)")
+    budget = _budget_arg(budget_gb, budget_bytes)
+    _check_solver_options(solver, time_limit_s)
+    plan = plan_for_profile(profiled.profile, budget, profiled.inputs, profiled.structure,
+                            solver=solver, time_limit_s=time_limit_s,
+                            sharding=profiled.sharding)
+    if profiled.notes:
+        plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
+                                                                      *profiled.notes]))})
+    return plan
+
+
 def optimize(
     model: nn.Module,
     example_inputs: Any = None,
@@ -160,6 +280,7 @@ def optimize(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     autocast: torch.dtype | None = None,
+    grad_accumulation: bool = False,
     solver: str = "auto",
     time_limit_s: float = 60.0,
     timing: str = "auto",
@@ -173,11 +294,22 @@ def optimize(
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
     The budget covers parameters, gradients, buffers, inputs, activations, temporaries and,
-    when ``optimizer`` is given, its state (1 GiB = 2**30 bytes), for one step run as
-    ``loss_fn(model(*inputs)).backward()``. ``autocast`` plans mixed precision (e.g.
-    ``torch.bfloat16``); called inside ``torch.autocast``, that dtype is used.
+    when ``optimizer`` is given, its state and its ``step()`` (1 GiB = 2**30 bytes), for one
+    step run as ``loss_fn(model(*inputs)).backward()``. ``autocast`` plans mixed precision
+    (e.g. ``torch.bfloat16``); called inside ``torch.autocast``, that dtype is used.
     ``time_limit_s`` bounds the solving (profiling comes on top). See
     :func:`profiles.profile` for ``timing``, ``device`` and ``execution``.
+
+    Gradients: by default each step starts with no ``.grad`` (``zero_grad()``'s default,
+    ``set_to_none=True``); ``grad_accumulation=True`` plans steps that start with every
+    ``.grad`` allocated (micro-batches of gradient accumulation,
+    ``zero_grad(set_to_none=False)``). The planned model warns when a step starts with
+    gradients its plan did not count.
+
+    Any state of the object plans the same training step: a plan already applied (it stays
+    installed until :func:`apply` replaces it), gradients left by a backward, eval mode
+    (the training step is planned; the note says so). To plan one profile at several
+    budgets use :func:`profile_model` and :func:`solve`.
 
     Data-parallel training: ``sharding="ddp"`` or ``"fsdp2"`` over ``world_size`` ranks
     makes the budget per rank (``example_inputs``: one rank's batch); FSDP2 units are
@@ -189,37 +321,74 @@ def optimize(
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
     """
+    budget = _budget_bytes(budget_gb)
+    _check_solver_options(solver, time_limit_s)
+    profiled = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                             autocast=autocast, grad_accumulation=grad_accumulation,
+                             timing=timing, device=device, execution=execution,
+                             world_size=world_size, sharding=sharding,
+                             shard_modules=shard_modules, progress=progress)
+    return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s)
+
+
+def _check_solver_options(solver: str, time_limit_s: float) -> None:
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {sorted(SOLVERS)}")
-    budget_bytes = _budget_bytes(budget_gb)
-    if world_size != 1 and sharding is None:
-        raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2': how "
-                         "each rank holds the model decides its memory")
-    if not (isinstance(time_limit_s, numbers.Real) and time_limit_s > 0):
+    if isinstance(time_limit_s, bool) or not (isinstance(time_limit_s, numbers.Real)
+                                              and math.isfinite(time_limit_s)
+                                              and time_limit_s > 0):
         raise ValueError(f"time_limit_s must be a positive number, got {time_limit_s!r}")
-    _refuse_existing_checkpointing(model)
-    args, kwargs = normalize_inputs(model, example_inputs)
-    if autocast is None:
-        autocast = _ambient_autocast(_model_device(model).type)
-        if autocast is not None:
-            log.info("planning under the ambient torch.autocast(%s)", autocast)
-    with _training_config(model) as cache_off:
-        prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
-                                optimizer=optimizer, autocast=autocast, timing=timing,
-                                device=device, execution=execution, progress=progress)
-    layout = None
-    if sharding is not None:
-        if shard_modules is None and sharding == "fsdp2":
-            shard_modules = [call.path for call in block_calls(prof)]
-        layout = sharding_for(model, sharding, world_size, shard_modules)
-    plan = plan_for_profile(prof, budget_bytes, _input_specs(args, kwargs),
-                            structure_fingerprint(model), solver=solver,
-                            time_limit_s=time_limit_s, sharding=layout)
-    if cache_off:
-        plan = plan.model_copy(update={"note": (plan.note + " " if plan.note else "")
-                                       + "Profiled with config.use_cache=False (a training "
-                                       "step keeps no cache); apply() turns it off."})
-    return plan
+
+
+def _budget_arg(budget_gb: float | None, budget_bytes: int | None) -> int:
+    """Exactly one of ``budget_gb`` and ``budget_bytes``, checked, as bytes."""
+    if (budget_gb is None) == (budget_bytes is None):
+        raise TypeError("give budget_gb or budget_bytes")
+    if budget_bytes is None:
+        return _budget_bytes(budget_gb)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral):
+        raise TypeError(f"budget_bytes must be an int, got {type(budget_bytes).__name__}")
+    return _checked_budget(int(budget_bytes), f"budget_bytes={budget_bytes!r}")
+
+
+@contextlib.contextmanager
+def _plan_suspended(model: nn.Module) -> Iterator[bool]:
+    """Take a plan already applied off ``model`` (its checkpoints and guard) and put the
+    same objects back after: profiling sees the model as it runs without a plan, and the
+    old plan stays installed until ``apply`` replaces it. Yields whether there was one."""
+    wrappers = checkpointed_modules(model)
+    guards = [model._forward_pre_hooks[key] for key in _guards(model)]
+    if not wrappers and not guards:
+        yield False
+        return
+    remove(model)
+    try:
+        yield True
+    finally:
+        for wrapper in wrappers.values():
+            wrapper.module.forward = wrapper
+        for guard in guards:
+            model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+            for config in guard.restore_use_cache:
+                config.use_cache = False
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[bool]:
+    """The model in ``train()`` mode while profiling when it is in ``eval()`` (planning
+    the eval step would leave out dropout's masks); each module's own mode is put back.
+    A model in training mode is left as it is (a frozen submodule may be in eval on
+    purpose). Yields whether it was in eval mode."""
+    if model.training:
+        yield False
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield True
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _as_inputs(args: tuple, kwargs: dict) -> Any:
@@ -260,7 +429,13 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
     # 20.05 s of 20 when only the margin was taken off)
     margin = min(0.5, max(0.05, 0.05 * time_limit_s), 0.5 * time_limit_s)
     left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
-    solution = SOLVERS[solver](problem, budget_bytes, left)
+    # the optimizer step after the backward peaks the same under every schedule: a budget
+    # below it is infeasible whatever the solvers find for forward and backward
+    if optimizer_step_peak(problem) <= budget_bytes:
+        solution = SOLVERS[solver](problem, budget_bytes, left)
+    else:
+        solution = Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
+                            budget_bytes=budget_bytes, objective_ms=None)
     if not solution.feasible or solution.schedule is None:
         left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
         lowest = lowest_peak(problem, left)
@@ -282,9 +457,8 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
-    if (budget_gb is None) == (budget_bytes is None):
-        raise TypeError("give budget_gb or budget_bytes")
-    budget = _budget_bytes(budget_gb) if budget_bytes is None else int(budget_bytes)
+    budget = _budget_arg(budget_gb, budget_bytes)
+    _check_solver_options(solver, time_limit_s)
     return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
                             solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding)
 
@@ -311,8 +485,10 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
     budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
     goes below."""
     peak = at_minimum.predicted_peak_bytes
+    floor = optimizer_step_peak(problem)
     bound = lowest.min_feasible_budget_bytes
-    proof = ""
+    proof = (f" The optimizer's step alone peaks at {format_bytes(floor, round_up=True)}."
+             if floor else "")
     if lowest.least_peak_bytes is not None and lowest.least_peak_space is not None:
         least, space = lowest.least_peak_bytes, lowest.least_peak_space
         proof = (f" It is the least peak of {space} (proven by CP-SAT)." if least == peak else
@@ -420,13 +596,15 @@ _SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)
 
 class PlanGuard:
     """Forward pre-hook on a planned model: warns (or raises, ``strict``) when a training
-    step runs with inputs larger than planned or under another precision than planned."""
+    step runs with inputs larger than planned, under another precision than planned, or
+    starts with gradients allocated that the plan did not count."""
 
     def __init__(self, plan: Plan, device_type: str, strict: bool,
                  restore_use_cache: list[Any]) -> None:
         self.inputs = [(spec.name, spec.keyword, tuple(spec.shape))
                        for spec in plan.inputs if spec.shape is not None]
         self.autocast_dtype = plan.autocast_dtype
+        self.grads_at_start = plan.profile.static.grads_at_start
         self.device_type = device_type
         self.strict = strict
         self.restore_use_cache = restore_use_cache
@@ -444,6 +622,22 @@ class PlanGuard:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # inference is not planned; compiled graphs were checked when traced
+        self._check_shapes(args, kwargs)
+        self._check_precision()
+        self._check_grads(module)
+
+    def _check_grads(self, module: nn.Module) -> None:
+        if getattr(self, "grads_at_start", True):  # planned with them (or pickled before)
+            return
+        if any(p.grad is not None for p in module.parameters() if p.requires_grad):
+            self._complain(
+                f"{self.model_name} starts a training step with .grad allocated (gradient "
+                "accumulation, or zero_grad(set_to_none=False)), but its plan counted "
+                f"gradients from the backward on: the {self.budget} budget does not hold. "
+                "Plan with optimize(..., grad_accumulation=True), or call "
+                "zero_grad() (set_to_none=True) before each step.")
+
+    def _check_shapes(self, args: tuple, kwargs: dict) -> None:
         for name, keyword, shape in self.inputs:
             value = kwargs.get(name) if keyword else (
                 args[int(name)] if int(name) < len(args) else None)
@@ -455,6 +649,8 @@ class PlanGuard:
                     f"{list(shape)} but runs with {list(value.shape)}: the {self.budget} "
                     "budget holds only for inputs no larger than planned. Plan again "
                     "with the larger shape (planner.optimize).")
+
+    def _check_precision(self) -> None:
         enabled = self.device_type != "meta" and torch.amp.is_autocast_available(
             self.device_type) and torch.is_autocast_enabled(self.device_type)
         dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") \
@@ -598,11 +794,15 @@ def _autocast(device_type: str, dtype: str | None) -> contextlib.AbstractContext
 
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
-                 autocast_dtype: str | None = None) -> tuple[int, torch.Tensor, dict]:
+                 autocast_dtype: str | None = None, *,
+                 grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
-    :class:`planner.measure.PeakTracker`), the loss and the gradients. Gradients are
-    cleared afterwards."""
+    :class:`planner.measure.PeakTracker`), the loss and the gradients. The step starts
+    with no ``.grad``, or with zeros to accumulate into (``grads_at_start``); gradients
+    are cleared afterwards."""
     device = _model_device(module)
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p) if grads_at_start and p.requires_grad else None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -666,6 +866,20 @@ def _state_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
         restore()
 
 
+@contextlib.contextmanager
+def _grads_kept(model: nn.Module) -> Iterator[None]:
+    """The user's ``.grad`` set aside, and put back after."""
+    params = list(model.parameters())
+    kept = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, grad in zip(params, kept, strict=True):
+            p.grad = grad
+
+
 def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
            repeats: int = 3) -> VerifyReport:
@@ -678,16 +892,19 @@ def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
     loss_fn = loss_fn or profiles.default_loss
     was_planned = bool(checkpointed_modules(model) or _guards(model))
     dtype = plan.autocast_dtype
-    with _state_kept(model) as restore, warnings.catch_warnings():
+    accumulate = plan.profile.static.grads_at_start
+    with _state_kept(model) as restore, _grads_kept(model), warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanMismatchWarning)
         remove(model)
         with _training_config(model):
-            _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn, dtype)
+            _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn, dtype,
+                                                    grads_at_start=accumulate)
             restore()
             unplanned_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
             restore()
         apply(model, plan)
-        peak, loss, grads = measure_step(model, args, kwargs, loss_fn, dtype)
+        peak, loss, grads = measure_step(model, args, kwargs, loss_fn, dtype,
+                                         grads_at_start=accumulate)
         restore()
         step_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
         if not was_planned:

@@ -16,7 +16,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.sharding import Sharding, rank_problem
-from profiles.schema import GraphProfile
+from profiles.schema import (
+    Bytes,
+    Count,
+    GraphProfile,
+    Ms,
+    Seconds,
+    Shape,
+    SignedBytes,
+    SignedMs,
+)
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
@@ -78,17 +87,10 @@ class InputSpec(_Strict):
 
     name: str
     keyword: bool
-    shape: list[int] | None = None
+    shape: Shape | None = None
     dtype: str | None = None
     value: Any = None  # non-tensor inputs, as given
     same_as: str | None = Field(None, description="an earlier input that is the same tensor")
-
-    @field_validator("shape")
-    @classmethod
-    def _sizes(cls, shape: list[int] | None) -> list[int] | None:
-        if shape is not None and any(size < 0 for size in shape):
-            raise ValueError(f"input shape {shape} has a negative size")
-        return shape
 
     @field_validator("dtype")
     @classmethod
@@ -100,8 +102,8 @@ class InputSpec(_Strict):
 
 
 class PlanRegion(_Strict):
-    start: int = Field(ge=0)
-    stop: int = Field(ge=0)
+    start: Count
+    stop: Count
     mode: Literal["store", "recompute"]
     module: str | None = Field(None, description="the module whose call a RECOMPUTE region "
                                "is ('' is the model itself)")
@@ -113,10 +115,10 @@ class PlanRegion(_Strict):
 class SolverReport(_Strict):
     name: str
     status: str
-    objective_ms: float | None
-    bound_ms: float | None
-    gap: float | None
-    solve_time_s: float
+    objective_ms: SignedMs | None
+    bound_ms: SignedMs | None
+    gap: float | None = Field(ge=0, allow_inf_nan=False)
+    solve_time_s: Seconds
     space: str = Field("", description="the schedules the status and gap are proven over")
 
 
@@ -129,13 +131,13 @@ class Plan(_Strict):
     structure_fingerprint: str = Field(description="module tree, parameter and buffer "
                                        "shapes and dtypes: what apply() checks")
     autocast_dtype: str | None = None
-    budget_bytes: int = Field(ge=0)
-    predicted_peak_bytes: int = Field(ge=0)
-    peak_breakdown: dict[str, int]
+    budget_bytes: Bytes
+    predicted_peak_bytes: Bytes
+    peak_breakdown: dict[str, SignedBytes]
     peak_at: str
-    unplanned_peak_bytes: int = Field(ge=0)
-    baseline_step_ms: float = Field(ge=0, description="forward + backward, no checkpointing")
-    recompute_ms: float = Field(ge=0)
+    unplanned_peak_bytes: Bytes
+    baseline_step_ms: Ms = Field(description="forward + backward, no checkpointing")
+    recompute_ms: Ms
     checkpointing: bool
     note: str = ""
     solver: SolverReport

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from profiles.schema import StaticMemory
+from profiles.schema import Bytes, Count, StaticMemory
 from solvers.problem import Problem
 
 if TYPE_CHECKING:
@@ -40,18 +40,18 @@ class Sharding(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["ddp", "fsdp2"]
-    world_size: int = Field(ge=1)
+    world_size: Count = Field(ge=1)
     units: list[str] = Field(default_factory=list, description="fsdp2: the modules "
                              "fully_shard is called on before the root, in forward order")
-    unit_param_bytes: list[int] = Field(default_factory=list, description="fsdp2: each "
+    unit_param_bytes: list[Bytes] = Field(default_factory=list, description="fsdp2: each "
                                         "unit's all-gathered (padded) parameters")
-    unit_grad_bytes: list[int] = Field(default_factory=list, description="fsdp2: each "
+    unit_grad_bytes: list[Bytes] = Field(default_factory=list, description="fsdp2: each "
                                        "unit's unsharded gradients")
-    root_param_bytes: int = Field(0, ge=0, description="fsdp2: parameters in no unit")
-    root_grad_bytes: int = Field(0, ge=0)
-    sharded_param_bytes: int = Field(0, ge=0, description="fsdp2: this rank's shards")
-    sharded_grad_bytes: int = Field(0, ge=0)
-    bucket_bytes: int = Field(0, ge=0, description="ddp: gradient buckets")
+    root_param_bytes: Bytes = Field(0, description="fsdp2: parameters in no unit")
+    root_grad_bytes: Bytes = 0
+    sharded_param_bytes: Bytes = Field(0, description="fsdp2: this rank's shards")
+    sharded_grad_bytes: Bytes = 0
+    bucket_bytes: Bytes = Field(0, description="ddp: gradient buckets")
 
     def extra_bytes(self) -> dict[str, int]:
         """What a rank holds beyond its shards (fsdp2) or replica (ddp), by part."""

@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import logging
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -47,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm as _tqdm
 
 from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec, device_spec
@@ -78,6 +79,13 @@ _UNDECLARED_WRITES = {
 
 
 # ----------------------------------------------------------------------------- loss
+
+
+def _bar(items: Any, desc: str, progress: bool) -> Any:
+    """A progress bar over ``items`` on a terminal or in a notebook; plain iteration in
+    logs and CI, where tqdm would write carriage returns."""
+    shown = "ipykernel" in sys.modules or getattr(sys.stderr, "isatty", lambda: False)()
+    return _tqdm(items, desc=desc, leave=False, disable=not (progress and shown))
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -655,6 +663,9 @@ def _observe_backward(step: _Step, names: list[str], real: bool
                     state = {k: mode.from_tensor(v) for k, v in [
                         *model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]}
+                    _start_grads([state[k] for k, _ in
+                                  model.named_parameters(remove_duplicate=False)],
+                                 step.grads_at_start)
                     args, kwargs = tree_map(lambda t: mode.from_tensor(t)
                                             if isinstance(t, torch.Tensor) else t,
                                             (step.args, step.kwargs))
@@ -684,13 +695,20 @@ def _observe_real(step: _Step, observer: _BackwardObserver) -> None:
     grads = {p: p.grad for p in model.parameters()}
     buffers = {k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)}
     try:
-        for p in grads:
-            p.grad = None
+        _start_grads(list(grads), step.grads_at_start)
         with _reparametrize_module(model, buffers, strict=False):
             _observe(step, observer, step.args, step.kwargs)
     finally:
         for p, grad in grads.items():
             p.grad = grad
+
+
+def _start_grads(params: list[torch.Tensor], allocated: bool) -> None:
+    """Give ``params`` the gradients a step starts with: none (``zero_grad()``), or zeros
+    that the backward accumulates into (gradient accumulation). The model's own ``.grad``
+    (left by a step before planning) never leak into the profile."""
+    for p in params:
+        p.grad = torch.zeros_like(p) if allocated and p.requires_grad else None
 
 
 def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, int, int]]:
@@ -841,6 +859,7 @@ class _Step:
     loss_fn: Callable[[Any], torch.Tensor]
     autocast_dtype: torch.dtype | None
     device_type: str
+    grads_at_start: bool = False  # every .grad allocated when the step starts
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -963,13 +982,16 @@ def _record(step: _Step, real: bool, spec: DeviceSpec | None,
     rec.backward = _backward_pass(rec.recorder.records, spec, progress)
     params = dict(step.model.named_parameters(remove_duplicate=False))
     storages = rec.storages
+    state_bytes, step_bytes = _optimizer_memory(optimizer)
     rec.static = StaticMemory(
         param_bytes=storages.total_bytes("param"),
         grad_bytes=sum(s["nbytes"] for s in storages.infos if s["kind"] == "param"
                        and params[s["name"]].requires_grad),
         buffer_bytes=storages.total_bytes("buffer") + storages.total_bytes("constant"),
         input_bytes=storages.total_bytes("input"),
-        optimizer_state_bytes=_optimizer_state_bytes(optimizer),
+        optimizer_state_bytes=state_bytes,
+        optimizer_step_bytes=step_bytes,
+        grads_at_start=step.grads_at_start,
     )
     return rec
 
@@ -999,8 +1021,7 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
                  progress: bool) -> list[_Backward]:
     tracker = _WindowTracker(spec)
     out = []
-    for record in tqdm(records, desc="profiling backward", disable=not progress,
-                       leave=False):
+    for record in _bar(records, "profiling backward", progress):
         specs = _tensors_specs(record.arg_specs)
         if not record.grad_enabled or not any(s.requires_grad for s in specs):
             out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
@@ -1032,10 +1053,13 @@ def _tensors_specs(arg_specs: Any) -> list[_TensorSpec]:
             if isinstance(v, _TensorSpec)]
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the optimizer's state after one step, found by stepping a fake twin."""
+def _optimizer_memory(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """(bytes of the optimizer's state, bytes its ``step()`` allocates beyond that state
+    while it runs), found by stepping a fake twin twice: the first step creates the state,
+    the second is a step like every later one (foreach buffers, per-parameter
+    temporaries; the twin chooses foreach or not as the real one does, by device)."""
     if optimizer is None:
-        return 0
+        return 0, 0
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -1048,10 +1072,18 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         twin_params = [p for g in groups for p in g["params"]]
         for p in twin_params:
             p.grad = torch.zeros_like(p)
+        held = [*twin_params, *(p.grad for p in twin_params)]
+        tracker = _WindowTracker(None)
+        peaks = []
         try:
             # groups carry every hyperparameter; lr is passed for optimizers that require it
             twin = type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
-            twin.step()
+            for _ in range(2):
+                tracker.reset(held + _tensors([twin.state[p] for p in twin_params
+                                               if p in twin.state]))
+                with tracker:
+                    twin.step()
+                peaks.append(tracker.peak_new_bytes)
         except Exception as error:
             raise ProfileError(f"could not size the state of {type(optimizer).__name__}: "
                                f"{error}; profile without optimizer= and add its state to "
@@ -1064,7 +1096,7 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                 if ref not in seen:
                     seen.add(ref)
                     total += tensor.untyped_storage().nbytes()
-    return total
+    return total, max(0, peaks[0] - total, peaks[1])
 
 
 def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
@@ -1090,9 +1122,8 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                         "%d); op times are estimated instead", len(names), len(records))
             return None
         times: list[tuple[float, float]] = []
-        for (func, args, kwargs), record in tqdm(list(zip(recorder.calls, records, strict=True)),
-                                                 desc="timing ops", disable=not progress,
-                                                 leave=False):
+        for (func, args, kwargs), record in _bar(list(zip(recorder.calls, records,
+                                                          strict=True)), "timing ops", progress):
             try:
                 if record.grad_enabled:
                     times.append(_measure_op(func, args, kwargs, timer))
@@ -1244,10 +1275,12 @@ def _owned_buffers(mutated: list[str], buffer_names: dict[int, str]) -> list[str
 
 
 def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
-                      inputs: list[torch.Tensor], autocast_dtype: torch.dtype | None) -> str:
+                      inputs: list[torch.Tensor], autocast_dtype: torch.dtype | None,
+                      grads_at_start: bool = False) -> str:
     """Hash of what a plan depends on: the ops in order and the module call that ran each,
-    the module calls' spans, parameter/buffer shapes and dtypes, input shapes and dtypes, and
-    the autocast dtype. No generated names, so it is stable across runs."""
+    the module calls' spans, parameter/buffer shapes and dtypes, input shapes and dtypes, the
+    autocast dtype and whether the step starts with gradients allocated. No generated names,
+    so it is stable across runs."""
     structure: list[object] = [[r.name, r.call] for r in records]
     structure.append([[c.path, c.start, c.stop, c.parent] for c in calls])
     structure.append([(name, list(t.shape), str(t.dtype)) for name, t in
@@ -1255,6 +1288,8 @@ def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
                        *model.named_buffers(remove_duplicate=False)]])
     structure.append([(list(t.shape), str(t.dtype)) for t in inputs])
     structure.append(str(autocast_dtype))
+    if grads_at_start:  # appended only then: fingerprints of fresh-start steps stay as they were
+        structure.append("gradients allocated at step start")
     return fingerprint(structure)
 
 
@@ -1268,6 +1303,7 @@ def profile(
     timing: str = "auto",
     device: str | DeviceSpec | None = None,
     execution: str = "auto",
+    grad_accumulation: bool = False,
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = True,
@@ -1279,7 +1315,8 @@ def profile(
         example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
             shaped like one real batch; None: the model's ``dummy_inputs`` (HF).
         loss_fn: ``loss_fn(output) -> scalar``; default :func:`default_loss`.
-        optimizer: counted in static memory (its state after one step).
+        optimizer: counted in static memory (its state after one step), and the peak of
+            its ``step()`` after the backward.
         autocast: run the step under ``torch.autocast(dtype=autocast)`` (e.g.
             ``torch.bfloat16``), as mixed-precision training does.
         timing: ``"measure"`` runs ops on the model's device (warm median of ``repeats``)
@@ -1296,7 +1333,11 @@ def profile(
             build for fake ones). ``"fake"``: under ``FakeTensorMode``, no memory at all;
             a forward that branches on tensor values then needs ``"real"``. ``"auto"``
             (default): real unless the model is on the meta device.
-        progress: show a progress bar.
+        grad_accumulation: the step starts with every ``.grad`` allocated and adds into it
+            (micro-batches of gradient accumulation, ``zero_grad(set_to_none=False)``);
+            default: it starts with none, as ``zero_grad()`` leaves them. The ``.grad`` the
+            model holds now never matter.
+        progress: show a progress bar (on a terminal or in a notebook).
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
 
@@ -1315,7 +1356,7 @@ def profile(
     spec = device_spec(device or default_device)  # estimates (or fallbacks when measuring)
     abstract = _abstract(everything)
     execution = _resolve_execution(execution, abstract)
-    step = _Step(model, args, kwargs, loss_fn, autocast, device_type)
+    step = _Step(model, args, kwargs, loss_fn, autocast, device_type, bool(grad_accumulation))
     with _rng_state_preserved():
         rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
                                     progress)
@@ -1331,7 +1372,7 @@ def profile(
         device=device_type if measured else spec.name,
         torch_version=torch.__version__,
         fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
-                                      autocast),
+                                      autocast, step.grads_at_start),
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
         nodes=_with_observed_backward(_node_profiles(rec, measured), observed),
         storages=[StorageInfo(**info) for info in rec.storages.infos],

@@ -20,11 +20,51 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 2
+
+# Bounds on every number a profile or a plan holds. Files are data a user can edit: past
+# these a number is a typo, not a training step, and would overflow or never compare true
+# where it is used (a budget of 10**400 bytes, a shape guard against 10**30 rows).
+MAX_BYTES = 2**62  # 4 EiB
+MAX_MS = 1e9  # about 11.6 days, for one op or one step
+MAX_SECONDS = MAX_MS / 1000
+MAX_FLOPS = 2**80
+MAX_DIM = 2**40  # one dimension of a tensor
+MAX_NUMEL = 2**62  # elements of one tensor
+MAX_COUNT = 2**40  # ids, indices, calls, tensors saved by one op
+MAX_SCALE = 1e6  # measured whole step / sum of isolated op times
+
+
+def _integer(value: Any) -> Any:
+    """Bytes, sizes and counts are integers: refuse JSON's 4096.0 and true, not round them."""
+    if isinstance(value, (bool, float)):
+        raise ValueError(f"must be an integer, got {value!r}")
+    return value
+
+
+def _plausible_numel(shape: list[int]) -> list[int]:
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel > MAX_NUMEL:
+        raise ValueError(f"shape {shape} has {numel} elements, more than {MAX_NUMEL}")
+    return shape
+
+
+Bytes = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_BYTES)]
+SignedBytes = Annotated[int, BeforeValidator(_integer), Field(ge=-MAX_BYTES, le=MAX_BYTES)]
+Count = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_COUNT)]
+Flops = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_FLOPS)]
+Dim = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_DIM)]
+Shape = Annotated[list[Dim], AfterValidator(_plausible_numel)]
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+SignedMs = Annotated[float, Field(ge=-MAX_MS, le=MAX_MS, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Scale = Annotated[float, Field(gt=0, le=MAX_SCALE, allow_inf_nan=False)]
 
 StorageKind = Literal["activation", "internal", "param", "buffer", "input", "constant"]
 # held for the whole step by the model or the caller; "constant": a tensor the step reads
@@ -39,25 +79,25 @@ class _Strict(BaseModel):
 class TensorMeta(_Strict):
     """One tensor a node outputs."""
 
-    shape: list[int]
+    shape: Shape
     dtype: str
-    nbytes: int = Field(ge=0, description="numel * itemsize of this tensor (not its storage)")
-    storage: int = Field(ge=0, description="id of the storage it lives in")
+    nbytes: Bytes = Field(description="numel * itemsize of this tensor (not its storage)")
+    storage: Count = Field(description="id of the storage it lives in")
     requires_grad: bool
 
 
 class StorageInfo(_Strict):
-    id: int = Field(ge=0)
-    nbytes: int = Field(ge=0)
+    id: Count
+    nbytes: Bytes
     kind: StorageKind
-    producer: int | None = Field(None, description="index of the node that allocated it")
+    producer: Count | None = Field(None, description="index of the node that allocated it")
     name: str = Field("", description="parameter/buffer/input name for static storages")
-    release: int | None = Field(None, description="activations: the last forward node while "
+    release: Count | None = Field(None, description="activations: the last forward node while "
                                 "which Python held it (>= producer); None: static")
 
 
 class NodeProfile(_Strict):
-    index: int = Field(ge=0, description="topological position")
+    index: Count = Field(description="topological position")
     name: str
     op: str = Field(description="'aten' for an op of the step, 'loss' for the loss pseudo-node")
     target: str = Field(description="the aten op, e.g. aten.addmm.default")
@@ -75,12 +115,12 @@ class NodeProfile(_Strict):
         default_factory=list, description="storages autograd saves when this node runs"
     )
     params: list[str] = Field(default_factory=list, description="parameters the node reads")
-    fwd_time_ms: float = Field(0.0, ge=0)
-    bwd_time_ms: float = Field(0.0, ge=0)
-    fwd_flops: int = Field(0, ge=0)
-    bwd_flops: int = Field(0, ge=0)
-    fwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond outputs, forward")
-    bwd_temp_bytes: int = Field(0, ge=0, description="transient peak beyond grads, backward")
+    fwd_time_ms: Ms = 0.0
+    bwd_time_ms: Ms = 0.0
+    fwd_flops: Flops = 0
+    bwd_flops: Flops = 0
+    fwd_temp_bytes: Bytes = Field(0, description="transient peak beyond outputs, forward")
+    bwd_temp_bytes: Bytes = Field(0, description="transient peak beyond grads, backward")
     stateful: bool = Field(False, description="mutates module state (BatchNorm running stats)")
     mutated_buffers: list[str] = Field(default_factory=list,
                                        description="buffers/params it updates in place")
@@ -91,8 +131,8 @@ class NodeProfile(_Strict):
                                   description="positions in ops that allocate new_storages")
     keepable: bool = Field(True, description="a SAC policy can save its outputs (no output "
                            "is finished by an in-place op)")
-    saved_tensors: int | None = Field(
-        None, ge=0, description="tensors autograd saves when this node runs (pack-hook calls,"
+    saved_tensors: Count | None = Field(
+        None, description="tensors autograd saves when this node runs (pack-hook calls,"
         " parameters included); None in older profiles")
     written_storages: list[int] = Field(
         default_factory=list, description="earlier activations this node mutates in place")
@@ -102,26 +142,26 @@ class NodeProfile(_Strict):
         "whose last pack is this node's stops before running it; None: no packs, or unknown")
     grad_storages: list[int] = Field(
         default_factory=list, description="storages whose gradient this node's backward makes")
-    bwd_live_before_bytes: int | None = Field(
-        None, ge=0, description="observed: bytes the backward holds (gradients) just before "
+    bwd_live_before_bytes: Bytes | None = Field(
+        None, description="observed: bytes the backward holds (gradients) just before "
         "this node's backward, the same under every schedule")
-    bwd_peak_bytes: int | None = Field(None, ge=0, description="observed: the most the "
+    bwd_peak_bytes: Bytes | None = Field(None, description="observed: the most the "
                                        "backward holds during it (temporaries included)")
-    bwd_live_after_bytes: int | None = Field(None, ge=0, description="observed: what it "
+    bwd_live_after_bytes: Bytes | None = Field(None, description="observed: what it "
                                              "holds once this node's backward is done")
 
 
 class ModuleCall(_Strict):
     """One call of one of the model's modules: nodes ``[start, stop)`` ran inside it."""
 
-    index: int = Field(ge=0)
+    index: Count
     path: str = Field(description="module path in the model ('' for the model itself)")
     module_type: str
-    start: int = Field(ge=0)
-    stop: int = Field(ge=0)
-    parent: int | None = Field(None, description="index of the enclosing call")
-    call_number: int = Field(0, ge=0, description="calls of this module before this one")
-    calls: int = Field(1, ge=1, description="calls of this module in the whole step")
+    start: Count
+    stop: Count
+    parent: Count | None = Field(None, description="index of the enclosing call")
+    call_number: Count = Field(0, description="calls of this module before this one")
+    calls: Count = Field(1, ge=1, description="calls of this module in the whole step")
     input_storages: list[int] = Field(
         default_factory=list, description="storages of the tensors passed in (args and "
         "kwargs): what a checkpoint of this call holds until its backward")
@@ -130,11 +170,11 @@ class ModuleCall(_Strict):
 
 
 class StaticMemory(_Strict):
-    param_bytes: int = Field(ge=0)
-    grad_bytes: int = Field(ge=0, description="parameter .grad, present after backward")
-    buffer_bytes: int = Field(ge=0, description="buffers and constant tensors the step reads")
-    input_bytes: int = Field(ge=0)
-    optimizer_state_bytes: int = Field(0, ge=0)
+    param_bytes: Bytes
+    grad_bytes: Bytes = Field(description="parameter .grad, present after backward")
+    buffer_bytes: Bytes = Field(description="buffers and constant tensors the step reads")
+    input_bytes: Bytes
+    optimizer_state_bytes: Bytes = 0
 
     @property
     def total_bytes(self) -> int:
@@ -145,10 +185,10 @@ class StaticMemory(_Strict):
 class StepTiming(_Strict):
     """The unplanned step timed whole, and the factors applied to isolated node times."""
 
-    fwd_ms: float = Field(ge=0, description="forward + loss, measured whole")
-    bwd_ms: float = Field(ge=0, description="backward, measured whole")
-    fwd_scale: float = Field(gt=0, description="whole forward / sum of isolated node times")
-    bwd_scale: float = Field(gt=0, description="whole backward / sum of isolated node times")
+    fwd_ms: Ms = Field(description="forward + loss, measured whole")
+    bwd_ms: Ms = Field(description="backward, measured whole")
+    fwd_scale: Scale = Field(description="whole forward / sum of isolated node times")
+    bwd_scale: Scale = Field(description="whole backward / sum of isolated node times")
 
 
 class CheckpointCosts(_Strict):
@@ -160,11 +200,11 @@ class CheckpointCosts(_Strict):
     counted over the nodes up to its early stop (``solvers.Problem.checkpoint_overhead_ms``).
     """
 
-    region_ms: float = Field(ge=0, description="per region: frame, RNG stash/restore, hooks, "
+    region_ms: Ms = Field(description="per region: frame, RNG stash/restore, hooks, "
                              "the unpack that starts the rerun, early stop")
-    pack_ms: float = Field(ge=0, description="per saved tensor: pack in forward, unpack in "
+    pack_ms: Ms = Field(description="per saved tensor: pack in forward, unpack in "
                            "backward, repack and check in the rerun")
-    sac_op_ms: float = Field(ge=0, description="per aten op of a region with kept nodes: the "
+    sac_op_ms: Ms = Field(description="per aten op of a region with kept nodes: the "
                              "selective-checkpoint policy in forward and in the rerun")
     source: str = Field("", description="how they were obtained")
 

@@ -10,7 +10,7 @@ from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Schedule
-from solvers.simulate import simulate
+from solvers.simulate import optimizer_step_peak, simulate
 from solvers.spaces import every_schedule
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,9 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         base = fn(problem, 0, 1.0)
         if base.schedule is not None and base.peak_bytes is not None:
             found.append((base.peak_bytes, name, base.schedule))
-    bound = memory_lower_bound(problem)
+    # the optimizer step (if counted) peaks the same under every schedule
+    floor = optimizer_step_peak(problem)
+    bound = max(memory_lower_bound(problem), floor)
     if problem.n_nodes <= bruteforce.EXACT_BUDGET_MAX_NODES:
         for schedule in bruteforce.enumerate_schedules(problem):
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
@@ -203,7 +205,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s)
         least = cpsat.min_peak(problem, 0.4 * time_limit_s, deterministic=True)
         if least.schedule is not None:
-            found.append((least.bytes, "cpsat", least.schedule))
+            found.append((max(least.bytes, floor), "cpsat", least.schedule))
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None and dp.applies(problem):
         lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?
@@ -229,5 +231,6 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     proven = least.optimal_over is not None
     return sol.model_copy(update={"min_feasible_budget_bytes": min(bound, peak),
                                   "min_feasible_budget_exact": False,
-                                  "least_peak_bytes": least.bytes if proven else None,
+                                  "least_peak_bytes": max(least.bytes, floor) if proven
+                                  else None,
                                   "least_peak_space": least.optimal_over})

@@ -153,6 +153,8 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         profile, new_id)
     blocks = _blocks(profile, block_prefix) if detect_blocks else None
     static = profile.static
+    accumulating = static.grads_at_start
+    param_grads = _param_grad_bytes(profile)
     costs = profile.checkpoint_costs
     saved = [nd.saved_tensors for nd in nodes]
     observed = None
@@ -166,8 +168,10 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         fwd_time_ms=[nd.fwd_time_ms for nd in nodes],
         bwd_time_ms=[nd.bwd_time_ms for nd in nodes],
         fwd_temp_bytes=[nd.fwd_temp_bytes for nd in nodes],
-        # observed backward peaks include the temporaries
-        bwd_temp_bytes=[0 if observed else nd.bwd_temp_bytes for nd in nodes],
+        # observed backward peaks include the temporaries (and, with gradients allocated at
+        # the start, the fresh gradient each parameter's .grad adds in place)
+        bwd_temp_bytes=[0 if observed else nd.bwd_temp_bytes + (grads if accumulating else 0)
+                        for nd, grads in zip(nodes, param_grads, strict=True)],
         # the loss runs outside the model: it is never inside a checkpoint
         recomputable=[nd.op not in _NEVER_RECOMPUTED for nd in nodes],
         node_inputs=node_inputs,
@@ -176,9 +180,11 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         storage_bytes=[storages[sid].nbytes for sid in activation],
         storage_producer=[storages[sid].producer for sid in activation],
         storage_grad_bytes=_activation_grad_bytes(profile, new_id),
-        # parameter .grad is not static: it appears during backward (param_grad_bytes)
-        static_bytes=static.total_bytes - static.grad_bytes,
-        param_grad_bytes=_param_grad_bytes(profile),
+        # parameter .grad is static when the step starts with it allocated; else it
+        # appears during backward (param_grad_bytes)
+        static_bytes=static.total_bytes - (0 if accumulating else static.grad_bytes),
+        param_grad_bytes=[0] * len(nodes) if accumulating else param_grads,
+        optimizer_step_bytes=static.optimizer_step_bytes,
         block_of_node=blocks,
         node_saves_static=saves_static,
         # recorded since Nov 2026 (optional field); older profiles: unknown, nodes run first

@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ class Problem(BaseModel):
     modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
     `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
     plus one if it saves a static tensor).
+
+    Optional `optimizer_step_bytes`: what an optimizer step after the backward allocates
+    beyond its state (in `static_bytes`); the step's last event, the same under every
+    schedule (`simulate.optimizer_step_peak`). Default 0: the budget covers forward and backward.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -148,6 +152,7 @@ class Problem(BaseModel):
     storage_grad_bytes: list[int]
     static_bytes: int
     param_grad_bytes: list[int]
+    optimizer_step_bytes: int = Field(0, ge=0)
     block_of_node: list[int] | None = None
     node_saves_static: list[bool] | None = None
     node_packs_before_running: list[bool] | None = None

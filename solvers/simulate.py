@@ -55,6 +55,9 @@ end; unread outputs of other nodes get no gradient.* Every earlier reader (in ba
 order, a later one) makes a fresh gradient that autograd adds into the existing buffer: a
 transient of that gradient's size during its backward. Parameter gradients appear at the
 backward of `param_grad_bytes`' node and stay.
+
+Optimizer step (`Problem.optimizer_step_bytes` > 0): one last event after the backward,
+live bytes plus the step's temporaries.
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ from solvers.schedule import Region, Schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Event", "PeakBreakdown", "SimulationError", "Timeline", "simulate"]
+__all__ = ["OPTIMIZER_STEP", "Event", "PeakBreakdown", "SimulationError", "Timeline",
+           "optimizer_step_peak", "simulate"]
+
+OPTIMIZER_STEP = "optimizer.step()"  # the label of the optimizer step's event
 
 
 class SimulationError(ValueError):
@@ -441,6 +447,18 @@ class _Replay:
             self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j],
                          before + add + p.bwd_temp_bytes[j] + accumulate, parts)
 
+    def optimizer_step(self) -> None:
+        """The optimizer's step after the backward, when the budget covers it: what is
+        still live (static, gradients, what the caller holds) plus its temporaries. Its
+        time is not modelled (the same under every schedule)."""
+        p = self.p
+        if not p.optimizer_step_bytes:
+            return
+        parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
+                              self.live_grad, p.optimizer_step_bytes)
+        self._record(OPTIMIZER_STEP, "backward", 0, 0.0,
+                     self._live() + p.optimizer_step_bytes, parts)
+
 
 def check_schedule(problem: Problem, schedule: Schedule) -> None:
     """Raise `SimulationError` if `schedule` does not fit `problem`."""
@@ -485,6 +503,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
     replay = _Replay(problem, schedule)
     replay.forward()
     replay.backward()
+    replay.optimizer_step()
     return Timeline(
         events=tuple(replay.events),
         peak_bytes=replay.peak,
@@ -494,3 +513,12 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
         recompute_time_ms=replay.times["recompute"],
         breakdown=replay.breakdown,
     )
+
+
+def optimizer_step_peak(problem: Problem) -> int:
+    """The peak of the optimizer step after the backward, the same under every schedule (all
+    frames have died, every gradient is made): a floor under any schedule's peak. 0 when
+    the problem has no optimizer step."""
+    if not problem.optimizer_step_bytes:
+        return 0
+    return simulate(problem, Schedule.store_all(problem.n_nodes)).events[-1].peak_bytes
