@@ -1,0 +1,85 @@
+"""Plan files are data a user can edit: every number in one is bounded and finite."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from planner import Plan, optimize, zoo
+
+
+@pytest.fixture(scope="module")
+def model() -> zoo.ZooModel:
+    return zoo.get("gpt", size="tiny", batch=4)  # unplanned: 6.0 MiB
+
+
+@pytest.fixture(scope="module")
+def plan(model: zoo.ZooModel) -> Plan:
+    planned = optimize(model.model, model.example_inputs, budget_gb=4.5 / 1024,
+                       loss_fn=model.loss_fn, timing="estimate", progress=False)
+    assert planned.checkpointing
+    return planned
+
+
+def _edited(tmp_path: Path, plan: Plan, edit: Callable[[dict[str, Any]], object]) -> Path:
+    data = json.loads(plan.model_dump_json())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))  # inf and nan as JSON's Infinity and NaN
+    return path
+
+
+def _stored_node(plan: Plan) -> int:
+    """A node no region recomputes: editing its time changes no number the plan checks."""
+    recomputed = {i for r in plan.regions if r.mode == "recompute"
+                  for i in range(r.start, r.stop)}
+    return next(i for i in range(len(plan.profile.nodes)) if i not in recomputed)
+
+
+def _activation(plan: Plan) -> int:
+    return next(s.id for s in plan.profile.storages if s.kind == "activation")
+
+
+# (the field as pydantic names it, the edit of a plan's JSON)
+EDITS: list[tuple[str, Callable[[Plan], Callable[[dict[str, Any]], object]]]] = [
+    ("budget_bytes", lambda p: lambda d: d.update(budget_bytes=10**400)),
+    ("unplanned_peak_bytes", lambda p: lambda d: d.update(unplanned_peak_bytes=4096.0)),
+    ("baseline_step_ms", lambda p: lambda d: d.update(baseline_step_ms=float("inf"))),
+    ("peak_breakdown.static", lambda p: lambda d: d["peak_breakdown"].update(static=10**30)),
+    ("solver.solve_time_s", lambda p: lambda d: d["solver"].update(solve_time_s=float("nan"))),
+    ("solver.gap", lambda p: lambda d: d["solver"].update(gap=float("inf"))),
+    ("solver.objective_ms", lambda p: lambda d: d["solver"].update(objective_ms=float("nan"))),
+    ("inputs.0.shape.0", lambda p: lambda d: d["inputs"][0].update(shape=[4.0, 64])),
+    ("inputs.0.shape.0", lambda p: lambda d: d["inputs"][0].update(shape=[10**30, 10**30])),
+    ("inputs.0.shape", lambda p: lambda d: d["inputs"][0].update(shape=[2**40, 2**40])),
+    ("profile.nodes.{node}.fwd_time_ms", lambda p: lambda d: d["profile"]["nodes"][
+        _stored_node(p)].update(fwd_time_ms=1e308)),
+    ("profile.nodes.{node}.fwd_flops", lambda p: lambda d: d["profile"]["nodes"][
+        _stored_node(p)].update(fwd_flops=10**40)),
+    ("profile.storages.{storage}.nbytes", lambda p: lambda d: d["profile"]["storages"][
+        _activation(p)].update(nbytes=10**30)),
+    ("profile.static.param_bytes", lambda p: lambda d: d["profile"]["static"].update(
+        param_bytes=2**70)),
+    ("profile.checkpoint_costs.region_ms", lambda p: lambda d: d["profile"][
+        "checkpoint_costs"].update(region_ms=float("inf"))),
+    ("profile.step.fwd_scale", lambda p: lambda d: d["profile"].update(step={
+        "fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_scale": float("inf"), "bwd_scale": 1.0})),
+    ("profile.nodes.0.outputs.0.shape.0", lambda p: lambda d: d["profile"]["nodes"][0][
+        "outputs"][0].update(shape=[10**30])),
+]
+
+
+@pytest.mark.parametrize("case", range(len(EDITS)), ids=[f"{k}-{field}" for k, (field, _)
+                                                         in enumerate(EDITS)])
+def test_numbers_out_of_bounds_are_refused_naming_the_field(plan: Plan, tmp_path: Path,
+                                                            case: int) -> None:
+    field, edit = EDITS[case]
+    assert Plan.load(_edited(tmp_path, plan, lambda data: None)) == plan
+    path = _edited(tmp_path, plan, edit(plan))
+    named = field.format(node=_stored_node(plan), storage=_activation(plan))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        Plan.load(path)
