@@ -45,9 +45,12 @@ __all__ = ["Checkpointed", "OpStreamWarning", "RegionSpec", "checkpointed_module
 class RegionSpec:
     """What one module's checkpoint does: kept ops and buffers to restore after a rerun.
 
-    ``expected_ops`` (op, count) are the ops the module's forward ran when profiled: with
-    kept ops, a forward that runs others (changed code, another branch) could keep the
-    wrong tensors, so it is reported (``OpStreamWarning``) or refused (``strict``).
+    ``expected_ops`` (op, count) are the ops the module's forward ran when profiled. A
+    forward that runs others is not the call that was planned (changed code, another branch,
+    or an edited plan that names another module): its checkpoint frees other tensors and
+    may keep the wrong ones, so it is reported (``OpStreamWarning``) or refused
+    (``strict``). Checked on the module's first call in a training step (grad enabled, not
+    compiling), and on every call when the region keeps ops (its policy counts them anyway).
     """
 
     path: str
@@ -58,7 +61,7 @@ class RegionSpec:
 
 
 class OpStreamWarning(UserWarning):
-    """A checkpointed module kept ops by position in a forward that ran other ops."""
+    """A checkpointed module's forward ran other ops than the call the plan was made for."""
 
 
 class _Policy:
@@ -81,6 +84,8 @@ class _Policy:
 
 class Checkpointed:
     """A module's ``forward``, run under non-reentrant checkpoint (set on the instance)."""
+
+    checked = False  # the op stream of a training step was compared with the plan's
 
     def __init__(self, module: nn.Module, spec: RegionSpec) -> None:
         self.module = module
@@ -141,13 +146,19 @@ class Checkpointed:
         tensors = [leaves[k] for k in where]
         for k in where:
             leaves[k] = None  # the closure keeps the structure, not the tensors
-        if not self.spec.keep_ops:
+        # the first training call counts its ops with a policy that keeps what the plan
+        # keeps (nothing, for most regions); later calls of a region that keeps nothing run
+        # plain checkpoint and pay nothing
+        check = bool(self.spec.expected_ops) and not torch.compiler.is_compiling() and (
+            bool(self.spec.keep_ops) or not self.checked)
+        if not check and not self.spec.keep_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
         out = checkpoint(run, *tensors, use_reentrant=False,
                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
-        if not torch.compiler.is_compiling():
-            self._check_ops(policy.counters[False])
+        if check:
+            self._check_ops(policy.counters[False])  # under strict, raises every call
+            self.checked = True
         return out
 
     def _check_ops(self, ran: Counter[str]) -> None:
@@ -156,10 +167,11 @@ class Checkpointed:
             return
         changed = sorted(set(ran) ^ set(expected) | {op for op in ran
                                                      if ran[op] != expected.get(op)})
-        message = (f"module {self.spec.path!r} ran other ops than when it was profiled "
-                   f"({', '.join(changed[:4])} ...): the ops its checkpoint keeps by position "
-                   "may not be the planned ones. Run planner.optimize() again on this model "
-                   "and these inputs.")
+        message = (f"module {self.spec.path!r} ran other ops than the call the plan "
+                   f"checkpoints ({', '.join(changed[:4])} ...): the plan's memory and the "
+                   "ops its checkpoint keeps are not this module's (changed code, another "
+                   "branch, or a plan file edited to name another module). Run "
+                   "planner.optimize() again on this model and these inputs.")
         if self.spec.strict:
             from planner.plan import PlanMismatchError
 

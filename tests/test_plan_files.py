@@ -1,15 +1,20 @@
-"""Plan files are data a user can edit: every number in one is bounded and finite."""
+"""Plan files are data a user can edit: every number in one is bounded and finite, and a
+region that checkpoints another module than the one profiled is caught when it first runs."""
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from planner import Plan, optimize, zoo
+import torch
+
+from planner import Plan, PlanMismatchError, apply, optimize, remove, zoo
+from planner.emit import OpStreamWarning
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +88,47 @@ def test_numbers_out_of_bounds_are_refused_naming_the_field(plan: Plan, tmp_path
     named = field.format(node=_stored_node(plan), storage=_activation(plan))
     with pytest.raises(ValueError, match=re.escape(named)):
         Plan.load(path)
+
+
+def _checkpoint_another_module(plan: Plan, other: str) -> Callable[[dict[str, Any]], None]:
+    """The first checkpointed call relabelled as ``other`` (and ``other``'s call as it):
+    the plan stays consistent with itself, but its region now wraps another module."""
+    region = next(r for r in plan.regions if r.mode == "recompute" and not r.kept)
+
+    def edit(data: dict[str, Any]) -> None:
+        calls = data["profile"]["module_calls"]
+        mine = next(c for c in calls if (c["start"], c["stop"]) == (region.start, region.stop))
+        theirs = next(c for c in calls if c["path"] == other)
+        mine["path"], theirs["path"] = other, mine["path"]
+        for r in data["regions"]:
+            if r["module"] == region.module:
+                r["module"] = other
+
+    return edit
+
+
+def _step(model: zoo.ZooModel) -> None:
+    torch.manual_seed(0)
+    model.loss_fn(model.model(*model.example_inputs)).backward()
+    model.model.zero_grad(set_to_none=True)
+
+
+def test_a_region_on_another_module_is_caught_on_the_first_step(
+        model: zoo.ZooModel, plan: Plan, tmp_path: Path) -> None:
+    edited = Plan.load(_edited(tmp_path, plan, _checkpoint_another_module(plan, "ln_f")))
+    try:
+        apply(model.model, plan, strict=True)  # the modules profiled: nothing to say
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _step(model)
+        apply(model.model, edited)
+        with pytest.warns(OpStreamWarning, match="'ln_f'"):
+            _step(model)
+        with warnings.catch_warnings():  # checked once: later steps pay nothing
+            warnings.simplefilter("error")
+            _step(model)
+        apply(model.model, edited, strict=True)
+        with pytest.raises(PlanMismatchError, match="'ln_f'"):
+            _step(model)
+    finally:
+        remove(model.model)
