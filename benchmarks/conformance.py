@@ -3,7 +3,7 @@
     python benchmarks/conformance.py                 # every case, fp32 and bf16 autocast
     python benchmarks/conformance.py --models resnet18 T5   # a subset (substring match)
 
-Each case (``planner.conformance.CASES``: torchvision, timm, Hugging Face transformers and
+Each case (``conformance_harness.CASES``: torchvision, timm, Hugging Face transformers and
 hand-written failure-class models, random-init, CPU-sized) is profiled once and planned at
 static memory + 30, 50 and 80 % of its activations (and at the named minimum when a budget
 is infeasible), applied, and one training step measured (``planner.measure.PeakTracker``)
@@ -24,8 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
-from planner.conformance import (
+from conformance_harness import (
     CASES,
     Row,
     check_case,

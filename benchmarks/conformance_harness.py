@@ -17,6 +17,10 @@ step; and checks, against the unplanned model from the same state:
 * solving took at most ``time_limit_s`` (profiling comes on top).
 
 ``benchmarks/conformance.py`` runs every case; the test suite runs one per failure class.
+``conformance_workflows.py`` beside this file runs the same cases as users train: re-planned,
+planned after a backward, with gradient accumulation, with an optimizer, planned in eval.
+The harness uses the planner's public API only (``profile_model`` / ``solve``), as a user
+would.
 """
 
 from __future__ import annotations
@@ -34,22 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import profiles
-from planner import zoo
-from planner.api import (
-    _input_specs,
-    _training_config,
-    apply,
-    measure_step,
-    plan_for_profile,
-    remove,
-    structure_fingerprint,
-)
+from planner import ProfiledStep, apply, measure_step, profile_model, remove, solve, zoo
 from planner.plan import InfeasibleBudgetError, Plan, format_bytes
 from profiles.inputs import normalize_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CASES", "Case", "Row", "check_case", "markdown_table"]
+__all__ = ["CASES", "Case", "Row", "cache_off", "check_case", "markdown_table", "model_state",
+           "quiet", "same_state"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +67,8 @@ class Row:
     family: str
     budget: str  # "30 %", "50 %", "80 %", "minimum"
     precision: str = "fp32"  # or the autocast dtype the step runs under ("bf16")
+    workflow: str = "fresh"  # or how the user got there (conformance_workflows.WORKFLOWS)
+    same_plan: bool | None = None  # the plan of a fresh object at this budget (None: n/a)
     budget_bytes: int = 0
     outcome: str = ""  # "ok", or what went wrong
     predicted_bytes: int = 0
@@ -419,16 +417,31 @@ CASES: list[Case] = [
 # ----------------------------------------------------------------------------- checking
 
 
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def cache_off(model: nn.Module) -> Iterator[None]:
+    """Hugging Face's key/value cache off, as a planned model trains (``apply`` turns it off),
+    so that the unplanned reference runs the same step."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(getattr(m, "config", None), "use_cache", False) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
@@ -439,10 +452,10 @@ def _reference_step(zm: zoo.ZooModel, args: tuple, kwargs: dict, state: dict,
     """One unplanned step from ``state`` (HF cache off, as training with a plan runs)."""
     zm.model.load_state_dict(state)
     torch.manual_seed(0)
-    with _training_config(zm.model):
+    with cache_off(zm.model):
         peak, loss, grads = measure_step(zm.model, args, kwargs,
                                          zm.loss_fn or profiles.default_loss, autocast_dtype)
-    return peak, loss, grads, _state(zm.model)
+    return peak, loss, grads, model_state(zm.model)
 
 
 def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state: dict,
@@ -454,7 +467,7 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
     params = [id(p) for p in zm.model.parameters()]
     if apply(zm.model, plan) is not zm.model:
         row.failures.append("apply returned another object than the model")
-    if not (_same(state, _state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
+    if not (same_state(state, model_state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
         row.failures.append("apply changed the model's state or the RNG")
     if (tree != [(name, type(m)) for name, m in zm.model.named_modules()]
             or params != [id(p) for p in zm.model.parameters()]):
@@ -465,7 +478,7 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
                                          zm.loss_fn or profiles.default_loss,
                                          plan.autocast_dtype)
     finally:
-        after = _state(zm.model)
+        after = model_state(zm.model)
         remove(zm.model)
         zm.model.load_state_dict(state)
     _, base_loss, base_grads, base_after = reference
@@ -475,7 +488,7 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
     row.losses_equal = bool(torch.equal(loss, base_loss))
     row.grads_equal = base_grads.keys() == grads.keys() and all(
         torch.equal(base_grads[k], grads[k]) for k in grads)
-    row.buffers_equal = _same(after, base_after)
+    row.buffers_equal = same_state(after, base_after)
     row.solver = f"{plan.solver.name} ({plan.solver.status})"
     row.regions = len(plan.schedule.recompute_regions())
     if peak > plan.budget_bytes:
@@ -491,9 +504,12 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
 
 def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
                time_limit_s: float = 20.0, timing: str = "estimate",
-               autocast: torch.dtype | None = None) -> list[Row]:
+               autocast: torch.dtype | None = None,
+               enforce_time_limit: bool = True) -> list[Row]:
     """Plan, apply and measure ``case`` at static + each fraction of its activations,
-    profiled, planned and run under ``autocast`` (None: full precision)."""
+    profiled, planned and run under ``autocast`` (None: full precision). A solve over
+    ``time_limit_s`` is a failure when ``enforce_time_limit`` (benchmarks; tests on a shared
+    machine do not judge wall time)."""
     precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast]
     try:
         zm = case.build()
@@ -503,40 +519,38 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
                     failures=[f"the case could not be built: {type(error).__name__}: "
                               f"{error}"])]
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
-    state = _state(zm.model)
+    state = model_state(zm.model)
     rng = torch.get_rng_state()
     rows: list[Row] = []
     base = Row(case.name, case.family, "", precision)
     try:
         started = time.perf_counter()
-        with _training_config(zm.model), _quiet():
-            prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
-                                    timing=timing, autocast=autocast, progress=False)
+        with quiet():
+            profiled = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                                     timing=timing, autocast=autocast, progress=False)
         base.profile_s = time.perf_counter() - started
     except Exception as error:  # a crash is a finding, not the end of the run
         base.budget, base.outcome = "all", f"profile crashed: {type(error).__name__}: {error}"
         base.failures.append(base.outcome)
         return [base]
-    if not (_same(state, _state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
+    if not (same_state(state, model_state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
         base.failures.append("profiling changed the model's state or the RNG")
-    inputs = _input_specs(args, kwargs)
-    structure = structure_fingerprint(zm.model)
     try:
-        reference = _reference_step(zm, args, kwargs, state, prof.autocast_dtype)
+        reference = _reference_step(zm, args, kwargs, state, profiled.profile.autocast_dtype)
     except Exception as error:
         base.budget, base.outcome = "all", f"the unplanned step fails: {error}"
         base.failures.append(base.outcome)
         return [base]
-    unplanned = plan_for_profile(prof, 2**62, inputs, structure).unplanned_peak_bytes
+    unplanned = profiled.unplanned_peak_bytes
     base.unplanned_bytes = unplanned
-    static = prof.static.total_bytes
+    static = profiled.profile.static.total_bytes
     for fraction in fractions:
         row = Row(**{**asdict(base), "failures": list(base.failures)})
         row.budget = f"{100 * fraction:.0f} %"
         row.budget_bytes = int(static + fraction * (unplanned - static))
         rows.append(row)
         try:
-            plan = _solve(prof, row.budget_bytes, inputs, structure, time_limit_s, row)
+            plan = _solve(profiled, row.budget_bytes, time_limit_s, row, enforce_time_limit)
         except InfeasibleBudgetError as error:
             row.named_minimum_bytes = error.min_budget_bytes
             row.note = f"minimum {format_bytes(error.min_budget_bytes)}"
@@ -546,8 +560,8 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
             row.outcome = "infeasible"
             row = minimum
             try:
-                plan = _solve(prof, error.min_budget_bytes, inputs, structure, time_limit_s,
-                              row)
+                plan = _solve(profiled, error.min_budget_bytes, time_limit_s, row,
+                              enforce_time_limit)
             except InfeasibleBudgetError as again:
                 row.failures.append(f"the named minimum is infeasible too: {again}")
                 row.outcome = "minimum refused"
@@ -557,7 +571,7 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
             row.outcome = "crash"
             continue
         try:
-            with _quiet():
+            with quiet():
                 _planned_step(zm, plan, args, kwargs, state, row, reference)
         except Exception as error:
             row.failures.append(f"planned step crashed: {type(error).__name__}: {error}")
@@ -567,19 +581,19 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
         row.outcome = row.outcome or ("ok" if row.ok else "FAILED")
         if row.budget == "minimum":
             row.outcome = "ok" if row.ok else "FAILED"
-    if not (_same(state, _state(zm.model))):
+    if not (same_state(state, model_state(zm.model))):
         rows[-1].failures.append("the model's state changed over the run")
     return rows
 
 
-def _solve(prof: profiles.GraphProfile, budget: int, inputs: list, structure: str,
-           time_limit_s: float, row: Row) -> Plan:
+def _solve(profiled: ProfiledStep, budget: int, time_limit_s: float, row: Row,
+           enforce_time_limit: bool = True) -> Plan:
     started = time.perf_counter()
     try:
-        return plan_for_profile(prof, budget, inputs, structure, time_limit_s=time_limit_s)
+        return solve(profiled, budget_bytes=budget, time_limit_s=time_limit_s)
     finally:
         row.solve_s = time.perf_counter() - started
-        if row.solve_s > time_limit_s:
+        if enforce_time_limit and row.solve_s > time_limit_s:
             row.failures.append(f"solving took {row.solve_s:.1f} s, over the "
                                 f"{time_limit_s:.0f} s limit")
 

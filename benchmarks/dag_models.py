@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from conformance_harness import CASES
 
 import profiles
-from planner.conformance import CASES
 from solvers import Schedule, auto, cpsat, memory_lower_bound, simulate
 from solvers.from_profile import problem_from_profile
 

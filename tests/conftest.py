@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from planner import zoo
+
+# the conformance harness lives beside the benchmarks that run it, not in the library
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # Small sizes keep the suite fast on 2 CPU cores, with batches large enough that
 # activations, not parameters and their gradients, dominate memory (so budgets bite).
