@@ -1,16 +1,29 @@
-"""Command line: ``python -m planner {demo,optimize,show,profile} ...``."""
+"""Command line: ``python -m planner {demo,optimize,show,profile} ...``.
+
+An error a user can act on (a bad budget, a missing or edited file, a budget no plan meets,
+a model that cannot run) is one line on stderr and exit code 2; ``-v`` adds its traceback.
+The planner says what it profiles and solves; solver internals speak only with ``-vv``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import math
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from profiles.errors import ProfileError
 
 log = logging.getLogger("planner")
+
+GIB = 2**30
+# errors that describe the user's input, not a bug: one line, exit code 2
+USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, ProfileError)
 
 
 def _load_model(spec: str, overrides: list[str]) -> Any:
@@ -24,7 +37,9 @@ def _load_model(spec: str, overrides: list[str]) -> Any:
     if ":" not in spec:
         return zoo.get(spec, **kwargs)
     module_name, _, attr = spec.partition(":")
-    target = getattr(importlib.import_module(module_name), attr)
+    target = getattr(importlib.import_module(module_name), attr, None)
+    if target is None:
+        raise ValueError(f"--model {spec}: module {module_name!r} has no attribute {attr!r}")
     built = target(**kwargs) if callable(target) and not hasattr(target, "forward") else target
     if isinstance(built, zoo.ZooModel):
         return built
@@ -32,17 +47,21 @@ def _load_model(spec: str, overrides: list[str]) -> Any:
 
 
 def _profile(model: Any, args: argparse.Namespace) -> Any:
-    import profiles
+    """The model's training step profiled as ``optimize`` profiles it."""
+    from planner import profile_model
 
     started = time.perf_counter()
-    prof = profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
-                            timing=args.timing, device=args.device, progress=not args.quiet)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing=args.timing, device=args.device, progress=not args.quiet)
+    prof = step.profile
     log.info("profiled %s in %.1f s: %d ops, %d module calls", model.name,
              time.perf_counter() - started, len(prof.nodes), len(prof.module_calls))
-    return prof
+    return step
 
 
 def _print_profile(prof: Any, top: int) -> None:
+    from planner.plan import format_bytes
+
     print(prof.summary())
     saved: dict[int, int] = {}
     for node in prof.nodes:
@@ -51,16 +70,16 @@ def _print_profile(prof: Any, top: int) -> None:
             if storage.kind in ("activation", "internal"):
                 saved[storage.producer] = saved.get(storage.producer, 0) + storage.nbytes
     print(f"\n  largest saved activations (top {top}), by producing op:")
-    print(f"  {'op':<32} {'module':<28} {'saved MiB':>10} {'fwd ms':>8} {'bwd ms':>8}")
+    print(f"  {'op':<32} {'module':<28} {'saved':>10} {'fwd ms':>8} {'bwd ms':>8}")
     for index, nbytes in sorted(saved.items(), key=lambda kv: -kv[1])[:top]:
         node = prof.nodes[index]
-        print(f"  {node.name[:32]:<32} {node.module[:28]:<28} {nbytes / 2**20:>10.2f} "
+        print(f"  {node.name[:32]:<32} {node.module[:28]:<28} {format_bytes(nbytes):>10} "
               f"{node.fwd_time_ms:>8.3f} {node.bwd_time_ms:>8.3f}")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     model = _load_model(args.model, args.set)
-    prof = _profile(model, args)
+    prof = _profile(model, args).profile
     _print_profile(prof, args.top)
     prof.save(args.out)
     print(f"\nprofile written to {args.out}")
@@ -100,20 +119,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plan the zoo's GPT-style model at a budget that forces checkpointing, apply the plan
     to the model and measure one training step of it."""
-    from planner import optimize, replan, verify
+    from planner import solve, verify
     from planner.plan import format_bytes
 
     model = _load_model("gpt", [f"size={args.size}"])
-    unplanned = optimize(model.model, model.example_inputs, budget_gb=1e6,
-                         loss_fn=model.loss_fn, timing=args.timing, device=args.device,
-                         progress=not args.quiet)
-    static = unplanned.profile.static.total_bytes
-    budget = int(static + args.fraction * (unplanned.unplanned_peak_bytes - static))
-    print(f"{model.name}: unplanned peak {format_bytes(unplanned.unplanned_peak_bytes)}, "
-          f"static {format_bytes(static)}; planning at static + {100 * args.fraction:.0f} % "
-          f"of the activations = {format_bytes(budget)}\n")
-    plan = replan(unplanned, budget_bytes=budget, solver=args.solver,
-                  time_limit_s=args.time_limit)
+    step = _profile(model, args)
+    unplanned = step.unplanned_peak_bytes
+    static = step.profile.static.total_bytes
+    budget = int(static + args.fraction * (unplanned - static))
+    print(f"{model.name}: unplanned peak {format_bytes(unplanned)}, static "
+          f"{format_bytes(static)}; planning at static + {100 * args.fraction:.0f} % of the "
+          f"activations = {format_bytes(budget)}\n")
+    plan = solve(step, budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
     status = _print_and_save(plan, args.out)
     report = verify(model.model, plan, model.example_inputs, model.loss_fn)
     print(f"\none measured training step of the planned model ({report.device}):\n  "
@@ -121,10 +138,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return status if report.within_budget and report.grads_equal else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (``--help`` has the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _budget_gb(text: str) -> float:
+    """``--budget-gb``: a positive, finite number of GiB, at least a KiB and at most what
+    ``optimize`` accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of GiB "
+                                         f"(2**30 bytes), got {text!r}")
+    from planner.api import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
+
+    if value * GIB < MIN_BUDGET_BYTES:
+        raise argparse.ArgumentTypeError(f"{text} GiB is below one KiB, which no training "
+                                         "step fits; the budget is in GiB, e.g. --budget-gb 8")
+    if value * GIB > MAX_BUDGET_BYTES:
+        raise argparse.ArgumentTypeError(f"{text} GiB is more than 2**60 bytes; give a "
+                                         "budget a device could have")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m planner",
-                                     description="Activation-checkpointing planner.")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser = _Parser(prog="python -m planner", description="Activation-checkpointing planner.")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars and no progress messages")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="-v: every library's messages and tracebacks of errors; "
+                        "-vv: solver internals too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def timing_options(p: argparse.ArgumentParser) -> None:
@@ -132,18 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure on this machine, or estimate from FLOPs (default)")
         p.add_argument("--device", default="H100",
                        help="roofline for estimates: H100, H200, A100, cpu (default H100)")
-        p.add_argument("--top", type=int, default=10, help="rows in the table")
+        p.add_argument("--top", type=_count, default=10, help="rows in the table")
         p.add_argument("--out", type=Path, default=Path("plan.json"),
                        help="write the JSON here")
 
     def solver_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--solver", default="auto", help="auto, cpsat, dp or a baseline name")
-        p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+        p.add_argument("--time-limit", type=_positive, default=60.0, help="solver seconds")
 
     demo = sub.add_parser("demo", help="plan the built-in GPT-style model")
     demo.add_argument("--size", default="small", help="zoo GPT size: tiny, small, gpt2, "
                       "gpt2-medium")
-    demo.add_argument("--fraction", type=float, default=0.5,
+    demo.add_argument("--fraction", type=_fraction, default=0.5,
                       help="budget = static + this fraction of the unplanned activations")
     timing_options(demo)
     solver_options(demo)
@@ -154,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
     opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
-    opt.add_argument("--budget-gb", type=float, required=True, help="peak GiB of one step")
+    opt.add_argument("--budget-gb", type=_budget_gb, required=True,
+                     help="peak GiB (2**30 bytes) of one training step")
     timing_options(opt)
     solver_options(opt)
     opt.set_defaults(func=cmd_optimize)
@@ -175,11 +247,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.StreamHandler):
+    """Messages to ``sys.stderr`` as it is when they come (tests and notebooks swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+_HANDLER = _Stderr()
+
+
+def _configure_logging(verbose: int, quiet: bool) -> None:
+    """Warnings from everything; the planner's own progress messages unless ``quiet``;
+    ``-v`` every library's INFO, ``-vv`` DEBUG (solver internals)."""
+    root = logging.getLogger()
+    if _HANDLER not in root.handlers:
+        root.addHandler(_HANDLER)
+    root.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose
+                  else logging.WARNING)
+    logging.getLogger("planner").setLevel(logging.WARNING if quiet else logging.NOTSET
+                                          if verbose else logging.INFO)
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line; pydantic's as ``field: problem; ...``."""
+    from pydantic import ValidationError
+
+    from planner.plan import InfeasibleBudgetError
+
+    if isinstance(error, ValidationError):
+        return f"{error.title}: " + "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    if isinstance(error, InfeasibleBudgetError):
+        text += f" From the shell: --budget-gb {error.min_budget_gb!r}."
+    return " ".join(text.split()) or type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(message)s")
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose, args.quiet)
+    try:
+        return args.func(args)
+    except USER_ERRORS as error:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{parser.prog}: error: {_one_line(error)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from profiles.schema import (
     Shape,
     SignedBytes,
     SignedMs,
+    format_bytes,
 )
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -38,19 +39,6 @@ DTYPES = frozenset({
     "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn",
     "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
 })
-
-
-def format_bytes(nbytes: float, *, round_up: bool = False) -> str:
-    """Bytes in the unit that fits (GiB, MiB, KiB or B), 4 significant digits; with
-    ``round_up`` the printed number is never below the exact one."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            value = nbytes / size
-            digits = max(0, 3 - math.floor(math.log10(abs(value))))
-            if round_up:
-                value = math.ceil(value * 10**digits) / 10**digits
-            return f"{value:.{digits}f} {unit}"
-    return f"{math.ceil(nbytes) if round_up else int(nbytes)} B"
 
 
 class PlanMismatchError(ValueError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -299,18 +300,18 @@ class GraphProfile(_Strict):
 
     def summary(self) -> str:
         """A few readable lines about the profile."""
-        gib = 2**30
+        static = self.static
         return "\n".join([
             f"{self.model_name}: {len(self.nodes)} ops, {len(self.module_calls)} module calls "
             f"({self.execution} tensors"
             f"{', autocast ' + self.autocast_dtype if self.autocast_dtype else ''}), "
             f"fingerprint {self.fingerprint}",
-            f"  static {self.static.total_bytes / gib:.3f} GiB (params "
-            f"{self.static.param_bytes / gib:.3f}, grads {self.static.grad_bytes / gib:.3f}, "
-            f"buffers {self.static.buffer_bytes / gib:.3f}, inputs "
-            f"{self.static.input_bytes / gib:.3f}, optimizer "
-            f"{self.static.optimizer_state_bytes / gib:.3f})",
-            f"  saved activations {self.saved_activation_bytes() / gib:.3f} GiB",
+            f"  static {format_bytes(static.total_bytes)} (params "
+            f"{format_bytes(static.param_bytes)}, grads {format_bytes(static.grad_bytes)}, "
+            f"buffers {format_bytes(static.buffer_bytes)}, inputs "
+            f"{format_bytes(static.input_bytes)}, optimizer "
+            f"{format_bytes(static.optimizer_state_bytes)})",
+            f"  saved activations {format_bytes(self.saved_activation_bytes())}",
             f"  time ({self.timing} on {self.device}): forward {self.fwd_time_ms:.2f} ms, "
             f"backward {self.bwd_time_ms:.2f} ms"
             + (f" (node times scaled by {self.step.fwd_scale:.2f} / {self.step.bwd_scale:.2f} "
@@ -331,6 +332,19 @@ class GraphProfile(_Strict):
     @classmethod
     def load(cls, path: str | Path) -> GraphProfile:
         return cls.from_json(Path(path).read_text())
+
+
+def format_bytes(nbytes: float, *, round_up: bool = False) -> str:
+    """Bytes in the unit that fits (GiB, MiB, KiB or B), 4 significant digits; with
+    ``round_up`` the printed number is never below the exact one."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            value = nbytes / size
+            digits = max(0, 3 - math.floor(math.log10(abs(value))))
+            if round_up:
+                value = math.ceil(value * 10**digits) / 10**digits
+            return f"{value:.{digits}f} {unit}"
+    return f"{math.ceil(nbytes) if round_up else int(nbytes)} B"
 
 
 def fingerprint(structure: list[object]) -> str:

@@ -29,8 +29,8 @@ def units(problem: Problem) -> list[tuple[int, int]]:
     """The repeated blocks `(start, stop)`; one unit per node if the problem has no blocks."""
     blocks = problem.blocks()
     if not blocks:
-        logger.info("problem %r has no block_of_node; using single nodes as blocks",
-                    problem.name)
+        logger.debug("problem %r has no block_of_node; using single nodes as blocks",
+                     problem.name)
         return [(i, i + 1) for i in range(problem.n_nodes)]
     return blocks
 
@@ -40,8 +40,8 @@ def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
     regions = [run for a, b in segments for run in problem.recomputable_runs(a, b)]
     if not all(problem.emittable(a, b) for a, b in regions):
         # e.g. Chen's segments of several blocks where no module call spans them
-        logger.info("%s: its regions are not module spans of %r; not applicable", solver,
-                    problem.name)
+        logger.debug("%s: its regions are not module spans of %r; not applicable", solver,
+                     problem.name)
         return Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
                         budget_bytes=budget_bytes, objective_ms=None,
                         solve_time_s=time.perf_counter() - t0)

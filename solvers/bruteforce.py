@@ -71,7 +71,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     for schedule in enumerate_schedules(problem):
         if time.perf_counter() - t0 > time_limit_s:
             complete = False
-            logger.info("brute force hit its %.1f s limit", time_limit_s)
+            logger.debug("brute force hit its %.1f s limit", time_limit_s)
             break
         tl = simulate(problem, schedule)
         if lowest is None or tl.peak_bytes < lowest[0]:

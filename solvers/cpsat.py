@@ -431,7 +431,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         chosen = {(r.start, r.stop, r.keep) for r in hint.regions if r.is_recompute}
         for r, v in zip(cands, mdl.x, strict=True):
             mdl.model.AddHint(v, (r.a, r.b, r.keep) in chosen)
-    logger.info("cpsat: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
+    logger.debug("cpsat: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
     while True:
         left = time_limit_s - (time.perf_counter() - t0)
         solver = _solver(left)

@@ -159,8 +159,8 @@ def chain_stages(problem: Problem,
                 new[-1] = (new[-1][0], b)
             else:
                 new.append((a, b))
-        logger.info("dp: %s is not a chain of its stages; merged %d stages into %d",
-                    problem.name, len(st), len(new))
+        logger.debug("dp: %s is not a chain of its stages; merged %d stages into %d",
+                     problem.name, len(st), len(new))
         st = new
 
 
@@ -997,8 +997,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
             best = _faster(best, _upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache,
                                              span, t0, sure_lives=True))
         if best is not None:
-            logger.info("dp: segments of <= %d stages: %.3f ms, lower bound %.3f ms%s", span,
-                        best.objective_ms, bound, " (relaxed windows)" if relaxed else "")
+            logger.debug("dp: segments of <= %d stages: %.3f ms, lower bound %.3f ms%s", span,
+                         best.objective_ms, bound, " (relaxed windows)" if relaxed else "")
             if _proven(best, bound):
                 break
         if span >= len(lay.stages):

@@ -1,0 +1,96 @@
+"""``python -m planner``: errors are one line and exit code 2, output is what a user needs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.__main__ import main
+from planner.plan import format_bytes
+from profiles import GraphProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GPT = ["--model", "gpt", "--set", "size=tiny"]
+
+
+def _run(argv: list[str]) -> int:
+    """``main``'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("budget", ["-1", "nan", "0", "inf", "-inf", "lots"])
+def test_budgets_that_are_not_a_positive_number_are_one_line(
+        budget: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status = _run(["optimize", *TINY_GPT, "--budget-gb", budget, "--out",
+                   str(tmp_path / "plan.json")])
+    assert status == 2
+    assert "--budget-gb" in _one_line(capsys.readouterr().err)
+
+
+def test_a_budget_below_one_kib_is_refused(capsys: pytest.CaptureFixture[str],
+                                           tmp_path: Path) -> None:
+    status = _run(["optimize", *TINY_GPT, "--budget-gb", "1e-30", "--out",
+                   str(tmp_path / "plan.json")])
+    assert status == 2
+    assert "below one KiB" in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_errors_of_the_library_are_one_line(capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Path) -> None:
+    missing = tmp_path / "missing.json"
+    assert _run(["show", str(missing)]) == 2
+    assert str(missing) in _one_line(capsys.readouterr().err)
+
+    assert _run(["optimize", "--model", "no-such-model", "--budget-gb", "1"]) == 2
+    assert "no-such-model" in _one_line(capsys.readouterr().err)
+
+    # a budget no schedule meets: the lowest one that works, in one line
+    assert _run(["-q", "optimize", *TINY_GPT, "--budget-gb", str(1.5 / 1024), "--out",
+                 str(tmp_path / "plan.json")]) == 2
+    assert "--budget-gb 0.00" in _one_line(capsys.readouterr().err)
+
+    assert _run(["-q", "optimize", *TINY_GPT, "--budget-gb", "1", "--out",
+                 str(tmp_path / "plan.json")]) == 0
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["budget_bytes"] = 10**400
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    assert _run(["show", str(tmp_path / "edited.json")]) == 2
+    assert "budget_bytes" in _one_line(capsys.readouterr().err)
+
+
+def test_profile_prints_sizes_in_units_that_fit(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    assert _run(["-q", "profile", *TINY_GPT, "--out", str(tmp_path / "profile.json")]) == 0
+    out = capsys.readouterr().out
+    static = GraphProfile.load(tmp_path / "profile.json").static.total_bytes
+    assert f"static {format_bytes(static)} (params" in out, out
+    assert "GiB" not in out, out  # a 1 MiB model in MiB, not "0.001 GiB"
+
+
+def test_demo_says_only_what_it_plans_and_no_solver_internals() -> None:
+    """Run as a user does (a fresh process: logging as the CLI sets it up)."""
+    done = subprocess.run([sys.executable, "-m", "planner", "demo", "--size", "tiny",
+                           "--out", "/dev/null"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "No checkpointing needed" not in done.stdout + done.stderr
+    assert "recompute" in done.stdout and "measured peak" in done.stdout
+    # the planner says what it does; the solvers' internals stay quiet
+    assert "solving with auto" in done.stderr
+    for chatter in ("dp:", "cpsat:", "merged"):
+        assert chatter not in done.stderr, done.stderr
