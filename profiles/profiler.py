@@ -1344,6 +1344,7 @@ def profile(
     Raises:
         ProfileError: the step cannot run (the message says where and what to do).
     """
+    _refuse_active_tools(type(model).__name__)
     args, kwargs = normalize_inputs(model, example_inputs)
     loss_fn = loss_fn or default_loss
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -1383,6 +1384,29 @@ def profile(
         if measured else None,
         checkpoint_costs=costs,
     )
+
+
+def _refuse_active_tools(name: str) -> None:
+    """Profiling runs the step under its own dispatch modes and fake tensors: a tool that
+    is still watching (``MemTracker``, ``FlopCounterMode``, ``DebugMode``, another profiler's
+    mode) would see those and fail somewhere deep inside, so it is named up front."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
+    if modes:
+        raise ProfileError(
+            f"cannot profile {name} inside {', '.join(modes)} (a TorchDispatchMode that is "
+            "still active, e.g. torch's MemTracker or FlopCounterMode): plan outside its "
+            "`with` block.")
+    from torch.nn.modules import module as nn_module
+
+    hooks = sum(len(getattr(nn_module, table, {})) for table in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+    if hooks:
+        log.warning("%d global module hooks are registered (torch.nn.modules.module."
+                    "register_module_forward_hook and friends, as ModTracker/MemTracker "
+                    "register while active); they run in the profiled step too", hooks)
 
 
 def _timings(step: _Step, rec: Any, timing: str, spec: DeviceSpec, device_type: str,

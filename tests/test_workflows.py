@@ -198,3 +198,13 @@ def test_budgets_too_small_to_mean_anything_are_refused(budget_gb: float) -> Non
     with pytest.raises(ValueError, match="less than 1 KiB"):
         optimize(zm.model, zm.example_inputs, budget_gb=budget_gb, loss_fn=zm.loss_fn,
                  timing="estimate", progress=False)
+
+
+def test_profiling_inside_a_memory_tool_names_the_tool() -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from planner import ProfileError
+
+    zm = zoo.get("mlp", batch=64, width=32, depth=2)
+    with MemTracker(), pytest.raises(ProfileError, match="inside MemTracker"):
+        _plan(zm, 2**30)
