@@ -107,8 +107,11 @@ def _unit(largest: float) -> tuple[str, int]:
 
 
 def _problem(source: Plan | GraphProfile) -> tuple[Problem, GraphProfile]:
-    profile = source.profile if isinstance(source, Plan) else source
-    return problem_from_profile(profile), profile
+    """The step a plan's numbers replay (per rank for DDP/FSDP: ``Plan.problem``), or a
+    profile's step as one process runs it."""
+    if isinstance(source, Plan):
+        return source.problem(), source.profile
+    return problem_from_profile(source), source
 
 
 def node_status(n_nodes: int, schedule: Schedule) -> list[str]:
@@ -618,11 +621,11 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
 
     plan = profile_or_plan if isinstance(profile_or_plan, Plan) else None
     profile = plan.profile if plan else profile_or_plan
-    base = baseline_points(profile, baselines)
+    base = baseline_points(profile_or_plan, baselines)
     if points is not None:
         budgets = [p.budget_bytes or p.peak_bytes for p in points]
     elif budgets is None:  # the default sweep, plus each baseline's peak and the plan's budget
-        problem, _ = _problem(profile)
+        problem, _ = _problem(profile_or_plan)
         lo = memory_lower_bound(problem)
         hi = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
         budgets = sorted({int(lo + (hi - lo) * k / max(1, n_budgets - 1))
@@ -630,7 +633,8 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
                          | {p.peak_bytes for p in base}
                          | ({plan.budget_bytes} if plan else set()))
     if points is None:
-        points = frontier_points(profile, budgets, solver=solver, time_limit_s=time_limit_s)
+        points = frontier_points(profile_or_plan, budgets, solver=solver,
+                                 time_limit_s=time_limit_s)
     front = pareto(points)
     unit, size = _unit(max([p.peak_bytes for p in [*points, *base]] or [GIB]))
     fig = _figure(10.5, 6.2)

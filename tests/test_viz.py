@@ -76,6 +76,25 @@ def test_timeline(plan: Plan, tmp_path: Path) -> None:
     assert "event index" in _texts(fig)
 
 
+def test_a_data_parallel_plan_is_drawn_per_rank() -> None:
+    """DDP's gradient buckets are part of a rank's memory: the timeline, the baselines and
+    the frontier of a DDP plan replay the plan's own per-rank problem, as its numbers do."""
+    model = zoo.get("gpt", size="tiny", dropout=0.0)
+    first = optimize(model.model, model.example_inputs, budget_gb=1e3, loss_fn=model.loss_fn,
+                     timing="estimate", world_size=2, sharding="ddp", progress=False)
+    static = first.problem().static_bytes
+    plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) * 3 // 4,
+                  time_limit_s=5.0)
+    assert plan.checkpointing and plan.sharding is not None
+    text = _texts(viz.plot_timeline(plan))
+    assert f"peak {format_bytes(plan.predicted_peak_bytes)}" in text, text
+    assert f"(peak {format_bytes(plan.unplanned_peak_bytes)})" in text, text  # no checkpoints
+    none, = viz.baseline_points(plan, ["none"])
+    assert none.peak_bytes == plan.unplanned_peak_bytes
+    point, = viz.frontier_points(plan, [plan.budget_bytes], time_limit_s=5.0)
+    assert point.peak_bytes == plan.predicted_peak_bytes
+
+
 def test_graph_collapsed_and_expanded(plan: Plan, tmp_path: Path) -> None:
     fig = viz.plot_graph(plan)
     _render(fig, tmp_path / "graph.png")
