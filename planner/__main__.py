@@ -198,14 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "-vv: solver internals too")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def timing_options(p: argparse.ArgumentParser) -> None:
+    def timing_options(p: argparse.ArgumentParser, out: str) -> None:
         p.add_argument("--timing", default="estimate", choices=["auto", "measure", "estimate"],
                        help="measure on this machine, or estimate from FLOPs (default)")
         p.add_argument("--device", default="H100",
                        help="roofline for estimates: H100, H200, A100, cpu (default H100)")
         p.add_argument("--top", type=_count, default=10, help="rows in the table")
-        p.add_argument("--out", type=Path, default=Path("plan.json"),
-                       help="write the JSON here")
+        p.add_argument("--out", type=Path, default=Path(out),
+                       help=f"write the JSON here (default {out})")
 
     def solver_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--solver", default="auto", help="auto, cpsat, dp or a baseline name")
@@ -216,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "gpt2-medium")
     demo.add_argument("--fraction", type=_fraction, default=0.5,
                       help="budget = static + this fraction of the unplanned activations")
-    timing_options(demo)
+    timing_options(demo, "demo-plan.json")
     solver_options(demo)
-    demo.set_defaults(func=cmd_demo, out=Path("demo-plan.json"))
+    demo.set_defaults(func=cmd_demo)
 
     opt = sub.add_parser("optimize", help="plan a model under a memory budget")
     opt.add_argument("--model", required=True,
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     opt.add_argument("--budget-gb", type=_budget_gb, required=True,
                      help="peak GiB (2**30 bytes) of one training step")
-    timing_options(opt)
+    timing_options(opt, "plan.json")
     solver_options(opt)
     opt.set_defaults(func=cmd_optimize)
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
     prof.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="zoo builder argument, e.g. --set batch=4 (repeatable)")
-    timing_options(prof)
+    timing_options(prof, "profile.json")
     prof.set_defaults(func=cmd_profile)
     return parser
 

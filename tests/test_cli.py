@@ -74,8 +74,11 @@ def test_errors_of_the_library_are_one_line(capsys: pytest.CaptureFixture[str],
 
 
 def test_profile_prints_sizes_in_units_that_fit(capsys: pytest.CaptureFixture[str],
-                                                tmp_path: Path) -> None:
-    assert _run(["-q", "profile", *TINY_GPT, "--out", str(tmp_path / "profile.json")]) == 0
+                                                tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _run(["-q", "profile", *TINY_GPT]) == 0
+    assert not (tmp_path / "plan.json").exists()  # a profile goes to profile.json
     out = capsys.readouterr().out
     static = GraphProfile.load(tmp_path / "profile.json").static.total_bytes
     assert f"static {format_bytes(static)} (params" in out, out
