@@ -49,7 +49,14 @@ def _tails(problem: Problem, start: int, prev_store: bool) -> Iterator[tuple[Reg
 
 
 def enumerate_schedules(problem: Problem) -> Iterator[Schedule]:
-    """Every schedule of the space above; refuses more than `MAX_NODES` nodes."""
+    """Every schedule of the space above; refuses more than `MAX_NODES` nodes.
+
+    >>> from solvers.problem import Problem
+    >>> p = Problem.chain([8, 4, 8, 1], [1.0, 1.0, 1.0, 1.0])
+    >>> schedules = [s.describe() for s in enumerate_schedules(p)]
+    >>> len(schedules), schedules[0], schedules[-1]
+    (269, 'S[0:1] R[1:2] S[2:3] R[3:4]', 'R[0:4 keep=0,1,2,3]')
+    """
     if problem.n_nodes > MAX_NODES:
         raise ValueError(
             f"brute force enumerates exponentially many schedules; {problem.n_nodes} nodes is "
@@ -63,6 +70,16 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     """Least recompute time with simulated peak <= budget (ties: lower peak).
 
     OPTIMAL when the enumeration finished, FEASIBLE when the time limit cut it short.
+    Below every schedule's peak: INFEASIBLE, with the lowest peak found.
+
+    >>> from solvers.problem import Problem
+    >>> p = Problem.chain([8, 4, 8, 1], [1.0, 1.0, 1.0, 1.0])  # unplanned peak: 30 bytes
+    >>> found = solve(p, 24)
+    >>> found.status.value, found.schedule.describe(), found.objective_ms, found.peak_bytes
+    ('optimal', 'R[0:2 keep=1] S[2:3] R[3:4 keep=3]', 1.0, 22)
+    >>> below = solve(p, 20)
+    >>> below.status.value, below.min_feasible_budget_bytes
+    ('infeasible', 22)
     """
     t0 = time.perf_counter()
     best: tuple[float, int, Schedule] | None = None
@@ -99,6 +116,11 @@ def min_feasible_budget(problem: Problem,
 
     Exact (lowest simulated peak over the brute-force space) up to `exact_max_nodes` nodes;
     beyond, `memory_lower_bound`: the largest single-step working set plus static memory.
+
+    >>> from solvers.problem import Problem
+    >>> p = Problem.chain([8, 4, 8, 1], [1.0, 1.0, 1.0, 1.0])
+    >>> min_feasible_budget(p), min_feasible_budget(p, exact_max_nodes=3)
+    ((22, True), (22, False))
     """
     if problem.n_nodes <= exact_max_nodes:
         return min(simulate(problem, s).peak_bytes for s in enumerate_schedules(problem)), True

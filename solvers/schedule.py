@@ -25,7 +25,14 @@ class ScheduleError(ValueError):
 
 
 class Region(BaseModel):
-    """Nodes `start..stop-1`, stored or recomputed. `Region(0, 3, "recompute")` works."""
+    """Nodes `start..stop-1`, stored or recomputed.
+
+    >>> Region(0, 3, "recompute", keep=[1]).describe()
+    'R[0:3 keep=1]'
+    >>> outer = Region(0, 6, "recompute", children=[Region(2, 4, "recompute")])
+    >>> [r.describe() for r in outer.walk()]
+    ['R[0:6 (R[2:4])]', 'R[2:4]']
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -140,7 +147,12 @@ class Schedule(BaseModel):
         """Recompute the given `(start, stop)` segments (or Regions), store the gaps.
 
         `keep` lists nodes saved by selective checkpointing; each goes to the segment holding
-        it. `Schedule.from_segments(6, [(0, 3)]).describe() == 'R[0:3] S[3:6]'`.
+        it.
+
+        >>> Schedule.from_segments(6, [(0, 3)]).describe()
+        'R[0:3] S[3:6]'
+        >>> Schedule.from_segments(8, [(5, 8), (1, 3)], keep=[6]).describe()
+        'S[0:1] R[1:3] S[3:5] R[5:8 keep=6]'
         """
         keep_set = set(keep)
         segs: list[Region] = []
@@ -166,7 +178,11 @@ class Schedule(BaseModel):
 
     @classmethod
     def from_modes(cls, modes: Sequence[Mode]) -> Schedule:
-        """One top-level region per run of equal consecutive modes (no keep, no nesting)."""
+        """One top-level region per run of equal consecutive modes (no keep, no nesting).
+
+        >>> Schedule.from_modes(["store", "recompute", "recompute", "store"]).describe()
+        'S[0:1] R[1:3] S[3:4]'
+        """
         regions: list[Region] = []
         start = 0
         for i in range(1, len(modes) + 1):
@@ -185,7 +201,11 @@ class Schedule(BaseModel):
         return [r for r in self.walk() if r.is_recompute]
 
     def recomputed_nodes(self) -> frozenset[int]:
-        """Nodes inside some RECOMPUTE region (kept ones included)."""
+        """Nodes inside some RECOMPUTE region (kept ones included).
+
+        >>> sorted(Schedule.from_segments(6, [(1, 3), (4, 6)], keep=[5]).recomputed_nodes())
+        [1, 2, 4, 5]
+        """
         return frozenset(k for r in self.regions if r.is_recompute for k in range(r.start, r.stop))
 
     def describe(self) -> str:

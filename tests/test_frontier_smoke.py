@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 FRONTIER = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
@@ -19,10 +18,7 @@ def _load_frontier():
 
 def test_frontier_quick(tmp_path: Path) -> None:
     frontier = _load_frontier()
-    began = time.perf_counter()
     frontier.main(["--quick", "--out", str(tmp_path)])
-    elapsed = time.perf_counter() - began
-    assert elapsed < 60, f"--quick took {elapsed:.0f} s"
 
     result = json.loads((tmp_path / "frontier-cpu-quick.json").read_text())
     assert result["torch"] and result["device_name"] and result["date"]

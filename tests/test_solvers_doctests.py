@@ -13,4 +13,5 @@ MODULES = ["solvers.problem", "solvers.schedule", "solvers.simulate", "solvers.b
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0, f"{name} has no examples in its docstrings"
     assert result.failed == 0
