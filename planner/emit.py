@@ -37,8 +37,11 @@ from torch.utils.checkpoint import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpointed", "OpStreamWarning", "RegionSpec", "checkpointed_modules",
-           "install_checkpoints", "remove_checkpoints"]
+__all__ = ["ANY_PRECISION", "Checkpointed", "OpStreamWarning", "RegionSpec",
+           "checkpointed_modules", "install_checkpoints", "remove_checkpoints"]
+
+
+ANY_PRECISION = "any"  # RegionSpec.autocast_dtype: compare the op stream under any precision
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class RegionSpec:
     may keep the wrong ones, so it is reported (``OpStreamWarning``) or refused
     (``strict``). Checked on the module's first call in a training step (grad enabled, not
     compiling), and on every call when the region keeps ops (its policy counts them anyway).
+
+    ``autocast_dtype``: the precision the plan was profiled under (None: no autocast). A
+    call under another precision runs other casts, and the plan's guard reports that
+    precision, so the op stream is compared on calls under this one only; ``ANY_PRECISION``
+    compares every call.
     """
 
     path: str
@@ -58,6 +66,15 @@ class RegionSpec:
     restore_buffers: tuple[str, ...] = ()  # relative to the module
     expected_ops: tuple[tuple[str, int], ...] = ()
     strict: bool = False
+    autocast_dtype: str | None = ANY_PRECISION
+
+
+def _precision(tensors: list[torch.Tensor]) -> str | None:
+    """The autocast dtype a call runs under, e.g. ``"bfloat16"``; None without autocast."""
+    device = tensors[0].device.type if tensors else "cpu"
+    if not torch.is_autocast_enabled(device):
+        return None
+    return str(torch.get_autocast_dtype(device)).removeprefix("torch.")
 
 
 class OpStreamWarning(UserWarning):
@@ -150,7 +167,9 @@ class Checkpointed:
         # keeps (nothing, for most regions); later calls of a region that keeps nothing run
         # plain checkpoint and pay nothing
         check = bool(self.spec.expected_ops) and not torch.compiler.is_compiling() and (
-            bool(self.spec.keep_ops) or not self.checked)
+            bool(self.spec.keep_ops) or not self.checked) and (
+            self.spec.autocast_dtype == ANY_PRECISION
+            or _precision(tensors) == self.spec.autocast_dtype)
         if not check and not self.spec.keep_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)

@@ -7,6 +7,7 @@ import json
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 from planner import Plan, PlanMismatchError, apply, optimize, remove, zoo
-from planner.emit import OpStreamWarning
+from planner.api import region_specs
+from planner.emit import (
+    OpStreamWarning,
+    checkpointed_modules,
+    install_checkpoints,
+    remove_checkpoints,
+)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +139,22 @@ def test_a_region_on_another_module_is_caught_on_the_first_step(
             _step(model)
     finally:
         remove(model.model)
+
+
+def test_the_op_stream_is_compared_under_the_precision_planned(model: zoo.ZooModel,
+                                                               plan: Plan) -> None:
+    """A step under another precision runs other casts: the plan's guard reports it, and
+    the op-stream check waits for a step under the planned precision instead of warning
+    once per checkpointed module."""
+    specs = [replace(spec, autocast_dtype=plan.autocast_dtype) for spec in region_specs(plan)]
+    install_checkpoints(model.model, specs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _step(model)
+            assert not any(w.checked for w in checkpointed_modules(model.model).values())
+            _step(model)  # the precision planned: compared, and equal
+        assert all(w.checked for w in checkpointed_modules(model.model).values())
+    finally:
+        remove_checkpoints(model.model)
