@@ -52,8 +52,9 @@ class RegionSpec:
     forward that runs others is not the call that was planned (changed code, another branch,
     or an edited plan that names another module): its checkpoint frees other tensors and
     may keep the wrong ones, so it is reported (``OpStreamWarning``) or refused
-    (``strict``). Checked on the module's first call in a training step (grad enabled, not
-    compiling), and on every call when the region keeps ops (its policy counts them anyway).
+    (``strict``). Checked on the module's first call in a training step (grad enabled,
+    train() mode, not compiling), and on every such call when the region keeps ops (its
+    policy counts them anyway).
 
     ``autocast_dtype``: the precision the plan was profiled under (None: no autocast). A
     call under another precision runs other casts, and the plan's guard reports that
@@ -166,10 +167,8 @@ class Checkpointed:
         # the first training call counts its ops with a policy that keeps what the plan
         # keeps (nothing, for most regions); later calls of a region that keeps nothing run
         # plain checkpoint and pay nothing
-        check = bool(self.spec.expected_ops) and not torch.compiler.is_compiling() and (
-            bool(self.spec.keep_ops) or not self.checked) and (
-            self.spec.autocast_dtype == ANY_PRECISION
-            or _precision(tensors) == self.spec.autocast_dtype)
+        check = bool(self.spec.expected_ops) and self._planned_step(tensors) and (
+            bool(self.spec.keep_ops) or not self.checked)
         if not check and not self.spec.keep_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
@@ -179,6 +178,14 @@ class Checkpointed:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True
         return out
+
+    def _planned_step(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether this call is one of the training step the plan was made for: the module
+        in train() mode (eval runs other ops, e.g. no dropout), under the precision planned,
+        eager (the compiled graph is not counted)."""
+        return self.module.training and not torch.compiler.is_compiling() and (
+            self.spec.autocast_dtype == ANY_PRECISION
+            or _precision(tensors) == self.spec.autocast_dtype)
 
     def _check_ops(self, ran: Counter[str]) -> None:
         expected = dict(self.spec.expected_ops)

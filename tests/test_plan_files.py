@@ -141,11 +141,11 @@ def test_a_region_on_another_module_is_caught_on_the_first_step(
         remove(model.model)
 
 
-def test_the_op_stream_is_compared_under_the_precision_planned(model: zoo.ZooModel,
-                                                               plan: Plan) -> None:
-    """A step under another precision runs other casts: the plan's guard reports it, and
-    the op-stream check waits for a step under the planned precision instead of warning
-    once per checkpointed module."""
+def test_the_op_stream_is_compared_in_the_step_planned(model: zoo.ZooModel,
+                                                       plan: Plan) -> None:
+    """A step under another precision runs other casts (the plan's guard reports it), an
+    eval() forward runs no dropout: neither is the training step planned, so the op-stream
+    check waits for one instead of warning once per checkpointed module."""
     specs = [replace(spec, autocast_dtype=plan.autocast_dtype) for spec in region_specs(plan)]
     install_checkpoints(model.model, specs)
     try:
@@ -153,8 +153,13 @@ def test_the_op_stream_is_compared_under_the_precision_planned(model: zoo.ZooMod
             warnings.simplefilter("error")
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _step(model)
+            model.model.eval()
+            try:
+                _step(model)
+            finally:
+                model.model.train()
             assert not any(w.checked for w in checkpointed_modules(model.model).values())
-            _step(model)  # the precision planned: compared, and equal
+            _step(model)  # the step planned: compared, and equal
         assert all(w.checked for w in checkpointed_modules(model.model).values())
     finally:
         remove_checkpoints(model.model)
