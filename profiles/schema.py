@@ -176,6 +176,12 @@ class StaticMemory(_Strict):
     buffer_bytes: Bytes = Field(description="buffers and constant tensors the step reads")
     input_bytes: Bytes
     optimizer_state_bytes: Bytes = 0
+    optimizer_step_bytes: Bytes = Field(0, description="what ``optimizer.step()`` "
+                                      "allocates beyond its state while it runs (foreach "
+                                      "buffers, per-parameter temporaries)")
+    grads_at_start: bool = Field(False, description="the step starts with every .grad "
+                                 "allocated (gradient accumulation, zero_grad(set_to_none="
+                                 "False)); False: with none, as zero_grad() leaves them")
 
     @property
     def total_bytes(self) -> int:
