@@ -582,7 +582,8 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
         prefix = f"{path}." if path else ""
         out.append(RegionSpec(path, frozenset(keep_ops),
                               tuple(b.removeprefix(prefix) for b in call.mutated_buffers),
-                              tuple(sorted(counter.items())), strict))
+                              tuple(sorted(counter.items())), strict,
+                              autocast_dtype=plan.autocast_dtype))
         for child in region.children:
             visit(child)
 

@@ -423,7 +423,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         cands, space = candidates(ctx, deadline=t0 + time_limit_s)
         mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
     except TimeoutError:
-        logger.warning("cpsat: building the model took the whole %.1f s", time_limit_s)
+        logger.info("cpsat: building the model took the whole %.1f s", time_limit_s)
         return _no_schedule(problem, budget_bytes, t0)
     obj = sum(round(r.time_ms * TIME_SCALE) * v for r, v in zip(cands, mdl.x, strict=True))
     mdl.model.Minimize(obj)
@@ -440,7 +440,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
             mfb = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
             return _no_schedule(problem, budget_bytes, t0, mfb)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            logger.warning("cpsat found no schedule in %.1f s", time_limit_s)
+            logger.info("cpsat found no schedule in %.1f s", time_limit_s)
             return _no_schedule(problem, budget_bytes, t0)
         chosen_x = [v for v in mdl.x if solver.Value(v)]
         chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]

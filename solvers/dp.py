@@ -934,7 +934,7 @@ def _upper_pass(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
             found, rounded, _ = _run(ctx, lay, limit, max_front, False, deadline, cache, span,
                                      sure_lives=sure_lives)
         except TimeoutError:
-            logger.warning("dp hit its %.1f s limit (segments of <= %d of %d stages)",
+            logger.info("dp hit its %.1f s limit (segments of <= %d of %d stages)",
                            deadline - t0, span, len(lay.stages))
             return None
         if found is None:
