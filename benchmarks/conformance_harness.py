@@ -68,7 +68,8 @@ class Row:
     budget: str  # "30 %", "50 %", "80 %", "minimum"
     precision: str = "fp32"  # or the autocast dtype the step runs under ("bf16")
     workflow: str = "fresh"  # or how the user got there (conformance_workflows.WORKFLOWS)
-    same_plan: bool | None = None  # the plan of a fresh object at this budget (None: n/a)
+    same_profile: bool | None = None  # the step profiled as on a fresh object (None: n/a)
+    same_plan: bool | None = None  # the fresh object's schedule at this budget (None: n/a)
     budget_bytes: int = 0
     outcome: str = ""  # "ok", or what went wrong
     predicted_bytes: int = 0
