@@ -487,17 +487,20 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
     peak = at_minimum.predicted_peak_bytes
     floor = optimizer_step_peak(problem)
     bound = lowest.min_feasible_budget_bytes
-    proof = (f" The optimizer's step alone peaks at {format_bytes(floor, round_up=True)}."
-             if floor else "")
+    proof = ""
     if lowest.least_peak_bytes is not None and lowest.least_peak_space is not None:
         least, space = lowest.least_peak_bytes, lowest.least_peak_space
         proof = (f" It is the least peak of {space} (proven by CP-SAT)." if least == peak else
                  f" No plan of {space} peaks below {format_bytes(least)} (proven by CP-SAT).")
     if bound is not None and bound < peak:
-        proof += (f" No schedule at all can peak below {format_bytes(bound)} (static memory "
-                  "plus the largest working set of one op)"
+        what = ("the optimizer's step" if bound == floor else
+                "static memory plus the largest working set of one op")
+        proof += (f" No schedule at all can peak below {format_bytes(bound)} ({what})"
                   + ("." if proof else "; plans between the two may exist that the solvers "
                      "did not find."))
+    if floor and floor >= peak:
+        proof += (f" It is the peak of the optimizer's step ({format_bytes(floor)}), the same "
+                  "under every schedule: checkpointing cannot lower it.")
     return InfeasibleBudgetError(
         f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
         f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "

@@ -208,3 +208,17 @@ def test_profiling_inside_a_memory_tool_names_the_tool() -> None:
     zm = zoo.get("mlp", batch=64, width=32, depth=2)
     with MemTracker(), pytest.raises(ProfileError, match="inside MemTracker"):
         _plan(zm, 2**30)
+
+
+def test_a_budget_below_the_optimizer_step_names_it() -> None:
+    from planner import InfeasibleBudgetError
+
+    torch.manual_seed(0)
+    model = _Wide()
+    zm = zoo.ZooModel("wide", model, (torch.randn(8, 512),), lambda out: out.square().mean())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_peak = _plan(zm, 2**30, optimizer=optimizer).predicted_peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match="optimizer's step") as caught:
+        _plan(zm, step_peak - 4096, optimizer=optimizer)
+    assert caught.value.min_budget_bytes == step_peak
+    assert caught.value.lower_bound_bytes == step_peak
