@@ -222,3 +222,13 @@ def test_a_budget_below_the_optimizer_step_names_it() -> None:
         _plan(zm, step_peak - 4096, optimizer=optimizer)
     assert caught.value.min_budget_bytes == step_peak
     assert caught.value.lower_bound_bytes == step_peak
+
+
+def test_progress_bars_stay_out_of_logs(capfd: pytest.CaptureFixture[str]) -> None:
+    """Not on a terminal (a log, CI): no bar, no carriage returns."""
+    import profiles
+
+    zm = zoo.get("mlp", batch=64, width=32, depth=2)
+    profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
+                     progress=True)
+    assert "\r" not in capfd.readouterr().err
