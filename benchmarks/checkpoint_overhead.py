@@ -41,14 +41,8 @@ import numpy as np
 import torch
 
 import profiles
-from planner import apply, zoo
-from planner.api import (
-    _input_specs,
-    measure_step,
-    plan_for_profile,
-    plan_for_schedule,
-    structure_fingerprint,
-)
+from planner import apply, profile_model, solve, zoo
+from planner.api import measure_step, plan_for_schedule
 from planner.emit import checkpointed_modules
 from profiles.calibrate import (
     OPS,
@@ -118,14 +112,18 @@ def _region_forwards(module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn
                      ) -> Any:
     """A callable running each checkpointed region's forward alone, grad enabled, on its
     inputs from a step: what the reruns re-execute (up to the regions' ends)."""
-    calls: list[tuple[torch.nn.Module, tuple]] = []
+    calls: list[tuple[torch.nn.Module, tuple, dict]] = []
 
-    def grab(m: torch.nn.Module, inputs: tuple) -> None:
-        calls.append((m, tuple(t.detach().requires_grad_(t.requires_grad)
-                               if isinstance(t, torch.Tensor) else t for t in inputs)))
+    def fresh(value: Any) -> Any:
+        return value.detach().requires_grad_(value.requires_grad) \
+            if isinstance(value, torch.Tensor) else value
+
+    def grab(m: torch.nn.Module, inputs: tuple, kw: dict) -> None:
+        # keyword inputs too: HF decoder layers take position_embeddings=... by keyword
+        calls.append((m, tuple(fresh(t) for t in inputs), {k: fresh(v) for k, v in kw.items()}))
 
     wrappers = list(checkpointed_modules(module).values())
-    handles = [w.module.register_forward_pre_hook(grab) for w in wrappers]
+    handles = [w.module.register_forward_pre_hook(grab, with_kwargs=True) for w in wrappers]
     loss_fn(module(*args, **kwargs))  # forward only: the hooks see each region once
     for h in handles:
         h.remove()
@@ -133,8 +131,8 @@ def _region_forwards(module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn
     originals = {id(w.module): w.original for w in wrappers}
 
     def run() -> None:
-        for m, inputs in calls:
-            originals[id(m)](*inputs)
+        for m, inputs, kw in calls:
+            originals[id(m)](*inputs, **kw)
 
     return run
 
@@ -144,8 +142,9 @@ def zoo_case(name: str, kwargs: dict[str, Any], rounds: int, plans: bool) -> dic
     loss_fn = zm.loss_fn or profiles.default_loss
     args, kw = normalize_inputs(zm.model, zm.example_inputs)
     began = time.perf_counter()
-    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
-                            timing="measure", progress=False)
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
+                         progress=False)
+    prof = step.profile
     profile_s = time.perf_counter() - began
     problem = problem_from_profile(prof)
     plain = problem.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0,
@@ -155,13 +154,12 @@ def zoo_case(name: str, kwargs: dict[str, Any], rounds: int, plans: bool) -> dic
                  "SAC save-matmuls": baselines.save_matmuls(problem, big).schedule}
     if plans:
         budget = simulate(problem, schedules["SAC save-matmuls"]).peak_bytes
-        plan = plan_for_profile(prof, budget, _input_specs(args, kw),
-                                structure_fingerprint(zm.model), time_limit_s=30.0)
+        plan = solve(step, budget_bytes=budget, time_limit_s=30.0)
         schedules[f"ours @ save-matmuls peak ({plan.solver.name})"] = plan.schedule
     modules: dict[str, torch.nn.Module] = {"none": zm.model}
     for label, sched in schedules.items():  # each plan on its own copy of the model
         modules[label] = apply(copy.deepcopy(zm.model), plan_for_schedule(
-            prof, sched, _input_specs(args, kw), structure_fingerprint(zm.model)))
+            prof, sched, step.inputs, step.structure))
     # one interleaved loop: the steps, the regions' forwards (schedules without keeps) and
     # the calibration chains again, so all of them see the same host load
     runs: dict[Any, Any] = {("step", k): functools.partial(_step, m, args, kw, loss_fn)
