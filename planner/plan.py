@@ -182,6 +182,17 @@ class Plan(_Strict):
             raise ValueError(f"autocast_dtype: {self.autocast_dtype!r} but the profile ran "
                              f"under {self.profile.autocast_dtype!r}")
 
+    def step_description(self) -> str:
+        """The training step the budget holds for: how its gradients start, and whether
+        the optimizer's step is in it."""
+        static = self.profile.static
+        start = ("steps start with every .grad allocated (gradient accumulation, "
+                 "zero_grad(set_to_none=False))" if static.grads_at_start else
+                 "steps start without .grad (zero_grad() before each)")
+        optimizer = (", optimizer state and step included" if static.optimizer_state_bytes
+                     or static.optimizer_step_bytes else ", no optimizer counted")
+        return f"forward + backward{optimizer}; {start}"
+
     def summary(self) -> str:
         """A readable table of the plan."""
         solver = self.solver
@@ -196,6 +207,7 @@ class Plan(_Strict):
             f"({self.recompute_ms:.2f} ms recompute on {self.baseline_step_ms:.2f} ms, "
             f"{self.profile.timing} on {self.profile.device})",
             f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
+            f"  {self.step_description()}",
         ]
         if self.note:
             lines.append(f"  {self.note}")

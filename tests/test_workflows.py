@@ -114,6 +114,7 @@ def test_gradient_accumulation_is_planned_and_holds_over_micro_batches() -> None
     budget = _budget(zm, 0.5, grad_accumulation=True)
     plan = _plan(zm, budget, grad_accumulation=True)
     assert plan.profile.static.grads_at_start
+    assert "every .grad allocated" in plan.summary()
     assert plan.fingerprint != _plan(zm, budget).fingerprint
     apply(zm.model, plan)
     with warnings.catch_warnings():
@@ -162,6 +163,7 @@ def test_the_budget_covers_the_optimizer_step() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = _plan(zm, 2**30, optimizer=optimizer)
     assert plan.peak_at == "optimizer.step()"
+    assert "optimizer state and step included" in plan.summary()
     tight = _plan(zm, plan.predicted_peak_bytes, optimizer=optimizer)
     apply(model, tight)
     measured = _micro_batches(zm, 3, optimizer=optimizer)
