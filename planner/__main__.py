@@ -99,7 +99,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     model = _load_model(args.model, args.set)
     plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
                     loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
-                    timing=args.timing, device=args.device, progress=not args.quiet)
+                    timing=args.timing, device=args.device, progress=not args.quiet,
+                    grad_accumulation=args.grad_accumulation)
     return _print_and_save(plan, args.out)
 
 
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     opt.add_argument("--budget-gb", type=_budget_gb, required=True,
                      help="peak GiB (2**30 bytes) of one training step")
+    opt.add_argument("--grad-accumulation", action="store_true",
+                     help="steps start with every .grad allocated (micro-batches of gradient "
+                     "accumulation, zero_grad(set_to_none=False)); default: without .grad")
     timing_options(opt, "plan.json")
     solver_options(opt)
     opt.set_defaults(func=cmd_optimize)

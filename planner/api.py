@@ -418,7 +418,7 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                               space="every schedule (nothing is recomputed)")
         note = (f"No checkpointing needed: the unplanned step peaks at "
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
-        log.info(note)
+        log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
         return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
                           budget_bytes, report, inputs, structure, note, sharding)
     log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,

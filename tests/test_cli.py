@@ -97,3 +97,15 @@ def test_demo_says_only_what_it_plans_and_no_solver_internals() -> None:
     assert "solving with auto" in done.stderr
     for chatter in ("dp:", "cpsat:", "merged"):
         assert chatter not in done.stderr, done.stderr
+
+
+def test_optimize_plans_gradient_accumulation_and_says_things_once(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "planner", "optimize", "--model", "mlp",
+                           "--set", "batch=64", "--budget-gb", "1", "--grad-accumulation",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["profile"]["static"]["grads_at_start"] is True
+    said = done.stdout + done.stderr
+    assert said.count("No checkpointing needed") == 1, said
