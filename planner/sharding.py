@@ -90,8 +90,11 @@ def rank_problem(problem: Problem, static: StaticMemory, sharding: Sharding | No
     # sharded gradients are counted all step: they appear unit by unit in backward
     rank_static = (static.buffer_bytes + static.input_bytes + sharding.sharded_param_bytes
                    + sharding.sharded_grad_bytes + optimizer + extra)
+    # the optimizer steps on this rank's shards: its temporaries shrink with them
     return problem.model_copy(update={"static_bytes": rank_static,
-                                      "param_grad_bytes": [0] * problem.n_nodes})
+                                      "param_grad_bytes": [0] * problem.n_nodes,
+                                      "optimizer_step_bytes": -(-static.optimizer_step_bytes
+                                                                // n)})
 
 
 def sharding_for(model: nn.Module, kind: str, world_size: int,
