@@ -355,10 +355,16 @@ def workflow_summary(rows: list[Row]) -> dict[str, Any]:
         "crashes": sum(any("crashed" in f for f in r.failures) for r in rows),
         "same_profile": f"{sum(bool(r.same_profile) for r in profiled)} of {len(profiled)}",
         "same_plan": f"{sum(bool(r.same_plan) for r in compared)} of {len(compared)}",
-        "worst_error_pct": max((r.error_pct for r in measured), key=abs, default=None),
+        "worst_error_pct": max((r.error_pct for r in measured), default=None),
+        "lowest_error_pct": min((r.error_pct for r in measured), default=None),
+        "at_minimum": sum("named minimum" in r.note for r in rows),
         "failed": [f"{r.model} / {r.workflow} @ {r.budget}: {'; '.join(r.failures)}"
                    for r in rows if not r.ok],
     }
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3f} %"
 
 
 def render_markdown(result: dict) -> str:
@@ -373,7 +379,10 @@ def render_markdown(result: dict) -> str:
         f"# Conformance in every workflow (CPU)\n\n{result['date']}, {result['machine']}, "
         f"{result['seconds']} s, solver limit {result['time_limit_s']:g} s. {s['models']} of "
         f"{result['cases']} models, {s['rows']} planned budgets, {s['ok']} "
-        f"hold; {s['over_budget']} over budget, {s['crashes']} crashes. Re-planned, planned "
+        f"hold; {s['over_budget']} over budget, {s['crashes']} crashes; prediction error "
+        f"{_pct(s['lowest_error_pct'])} to {_pct(s['worst_error_pct'])} of the measured peak "
+        f"(budgets found infeasible were planned at the minimum the error named: "
+        f"{s['at_minimum']} rows). Re-planned, planned "
         f"after a backward or in eval: the step profiled as on a fresh object "
         f"{s['same_profile']}, the very same schedule {s['same_plan']} (otherwise one of "
         "equal cost: CP-SAT's parallel search picks among ties).\n\n"
@@ -391,7 +400,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workflows", nargs="*", default=list(WORKFLOWS), choices=WORKFLOWS)
     parser.add_argument("--time-limit", type=float, default=20.0, help="solver seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the .md from the recorded .json")
     args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads((args.out / "conformance-workflows-cpu.json").read_text())
+        result["summary"] = workflow_summary([Row(**r) for r in result["rows"]])
+        _write(result, args.out)
+        return result
     torch.set_num_threads(2)
     cases = list(CASES) if not args.models else list(dict.fromkeys(
         c for m in args.models for c in CASES if m.lower() in c.name.lower()))
