@@ -355,6 +355,8 @@ def workflow_summary(rows: list[Row]) -> dict[str, Any]:
         "crashes": sum(any("crashed" in f for f in r.failures) for r in rows),
         "same_profile": f"{sum(bool(r.same_profile) for r in profiled)} of {len(profiled)}",
         "same_plan": f"{sum(bool(r.same_plan) for r in compared)} of {len(compared)}",
+        "tie_of_equal_cost": sum(r.note.endswith("of equal cost") for r in compared),
+        "unproven_other": sum(r.note.endswith("another schedule") for r in compared),
         "worst_error_pct": max((r.error_pct for r in measured), default=None),
         "lowest_error_pct": min((r.error_pct for r in measured), default=None),
         "at_minimum": sum("named minimum" in r.note for r in rows),
@@ -384,8 +386,10 @@ def render_markdown(result: dict) -> str:
         f"(budgets found infeasible were planned at the minimum the error named: "
         f"{s['at_minimum']} rows). Re-planned, planned "
         f"after a backward or in eval: the step profiled as on a fresh object "
-        f"{s['same_profile']}, the very same schedule {s['same_plan']} (otherwise one of "
-        "equal cost: CP-SAT's parallel search picks among ties).\n\n"
+        f"{s['same_profile']}, the very same schedule {s['same_plan']}; the others: "
+        f"{s['tie_of_equal_cost']} of equal cost (both proven optimal: CP-SAT's parallel "
+        f"search picks among ties), {s['unproven_other']} where the time limit stopped a "
+        "search that had not proven its answer.\n\n"
         f"{workflow_table(rows)}\n\n## Every budget\n\n"
         "| model | workflow | budget | outcome | budget | predicted | measured | same schedule |"
         " failures or notes |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
