@@ -84,8 +84,15 @@ _UNDECLARED_WRITES = {
 def _bar(items: Any, desc: str, progress: bool) -> Any:
     """A progress bar over ``items`` on a terminal or in a notebook; plain iteration in
     logs and CI, where tqdm would write carriage returns."""
-    shown = "ipykernel" in sys.modules or getattr(sys.stderr, "isatty", lambda: False)()
+    shown = _in_notebook() or getattr(sys.stderr, "isatty", lambda: False)()
     return _tqdm(items, desc=desc, leave=False, disable=not (progress and shown))
+
+
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (a module merely imported does not count)."""
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def default_loss(output: Any) -> torch.Tensor:
