@@ -37,7 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conformance_harness import CASES, Case, Row, cache_off, model_state, quiet, same_state
+from conformance_harness import (
+    CASES,
+    Case,
+    Row,
+    cache_off,
+    judge,
+    model_state,
+    quiet,
+    same_state,
+)
 from torch.utils._pytree import tree_leaves
 
 import profiles
@@ -239,15 +248,7 @@ def _compare(row: Row, got: Trained, reference: Trained) -> None:
     row.grads_equal = got.grads.keys() == reference.grads.keys() and all(
         torch.equal(got.grads[k], reference.grads[k]) for k in got.grads)
     row.buffers_equal = same_state(got.state, reference.state)
-    if got.peak > row.budget_bytes:
-        row.failures.append(f"measured {format_bytes(got.peak)} over the budget "
-                            f"{format_bytes(row.budget_bytes)}")
-    if not -0.1 <= row.error_pct <= 1.0:
-        row.failures.append(f"predicted {row.error_pct:+.2f} % off the measured peak")
-    if not (row.losses_equal and row.grads_equal):
-        row.failures.append("losses or gradients differ from the unplanned model's")
-    if not row.buffers_equal:
-        row.failures.append("weights or buffers differ from the unplanned model's")
+    judge(row, row.budget_bytes)
 
 
 def _compare_with_fresh(row: Row, plan: Plan, fresh: Plan) -> None:
