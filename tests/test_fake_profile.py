@@ -1,0 +1,170 @@
+"""A fake profile runs what the device runs: its fused attention kernel, autocast on meta
+models, and the branches libraries take on real values (``profiles.kernels``,
+``profiles.fake``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import profiles
+from planner import apply, profile_model, remove, solve, zoo
+from planner.emit import OpStreamWarning
+from planner.plan import InfeasibleBudgetError
+from profiles.devices import device_spec
+from profiles.kernels import (
+    ATTENTION_OPS,
+    AttentionCall,
+    FusedKernels,
+    attention_rules,
+    choose_attention,
+)
+
+pytestmark = pytest.mark.skipif(not zoo.has_transformers(), reason="needs transformers")
+
+LLAMA = dict(size="tiny", batch=2, seq_len=64)
+
+
+def _llama(device: str) -> zoo.ZooModel:
+    return zoo.get("hf-llama", device=device, **LLAMA)
+
+
+def _profile(model: zoo.ZooModel, device: str, **kwargs: object) -> profiles.GraphProfile:
+    return profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                            device=device, timing="estimate", progress=False, **kwargs)
+
+
+def _targets(prof: profiles.GraphProfile) -> list[str]:
+    return [node.target for node in prof.nodes]
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_meta_profile_for_the_cpu_is_the_real_cpu_profile(autocast: torch.dtype | None
+                                                          ) -> None:
+    real = _profile(_llama("cpu"), "cpu", autocast=autocast)
+    meta = _profile(_llama("meta"), "cpu", autocast=autocast)
+    assert (real.execution, meta.execution) == ("real", "fake")
+    # same kernels in the same order (autocast casts included), same storages, same saves
+    assert _targets(meta) == _targets(real)
+    assert [(s.nbytes, s.kind, s.producer, s.release) for s in meta.storages] == \
+        [(s.nbytes, s.kind, s.producer, s.release) for s in real.storages]
+    assert [n.saved_storages for n in meta.nodes] == [n.saved_storages for n in real.nodes]
+
+
+@pytest.mark.parametrize(("autocast", "kernel"), [(None, "efficient"),
+                                                  (torch.bfloat16, "cudnn")])
+def test_meta_profile_for_an_h100_runs_its_fused_attention(autocast: torch.dtype | None,
+                                                           kernel: str) -> None:
+    prof = _profile(_llama("meta"), "H100", autocast=autocast)
+    targets = _targets(prof)
+    assert targets.count(ATTENTION_OPS[kernel]) == 2  # one per layer
+    assert "aten._safe_softmax.default" not in targets  # no math decomposition
+    # the fused kernel keeps no (heads x tokens x tokens) matrix: the step saves about
+    # what the CPU's fused kernel saves
+    cpu = _profile(_llama("cpu"), "cpu", autocast=autocast)
+    assert prof.saved_activation_bytes() == pytest.approx(cpu.saved_activation_bytes(),
+                                                          rel=0.01)
+
+
+def test_meta_profile_for_an_h100_runs_fused_dropout() -> None:
+    gpt = zoo.get("gpt", size="tiny", batch=2, device="meta")  # dropout 0.1
+    targets = {device: _targets(_profile(gpt, device)) for device in ("cpu", "H100")}
+    # the CPU draws float noise and multiplies (saving the noise); a GPU runs one
+    # native_dropout that saves a boolean mask
+    assert "aten.bernoulli_.float" in targets["cpu"]
+    assert "aten.native_dropout.default" not in targets["cpu"]
+    assert targets["H100"].count("aten.native_dropout.default") == \
+        targets["cpu"].count("aten.bernoulli_.float")
+    assert "aten.bernoulli_.float" not in targets["H100"]
+
+
+def _call(dtype: torch.dtype = torch.bfloat16, head_dim: int = 64, **kwargs: object
+          ) -> AttentionCall:
+    q = torch.empty(2, 8, 128, head_dim, dtype=dtype, device="meta", requires_grad=True)
+    return AttentionCall(q, q, q, **kwargs)
+
+
+def test_attention_selection_follows_torchs_rules() -> None:
+    h100, a100, cpu = (attention_rules(device_spec(n)) for n in ("H100", "A100", "cpu"))
+    mask = torch.ones(128, 128, dtype=torch.bool, device="meta")
+    assert choose_attention(h100, _call()) == "cudnn"
+    assert choose_attention(a100, _call()) == "flash"
+    assert choose_attention(h100, _call(torch.float32)) == "efficient"
+    assert choose_attention(a100, _call(attn_mask=mask)) == "efficient"  # flash: no mask
+    assert choose_attention(h100, _call(head_dim=6)) == "flash"  # padded to 8
+    assert choose_attention(h100, _call(torch.float64)) == "math"
+    assert choose_attention(cpu, _call(torch.float32)) == "flash_cpu"
+    assert choose_attention(cpu, _call(torch.float32, dropout_p=0.1)) == "math"
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):  # the user's choice
+        assert choose_attention(h100, _call()) == "flash"
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_fake_cuda_tensors_run_the_fused_kernel_without_a_gpu() -> None:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+        with FusedKernels(device_spec("H100")), _OpNames() as seen:
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert ATTENTION_OPS["cudnn"] in seen.names
+    assert out.shape == q.shape and out.device.type == "cuda"
+
+
+class _BranchOnPositions(nn.Module):
+    """Branches on values computed from the input's shape, as HF's mask code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        if bool((torch.diff(positions) == 1).all()):  # one sequence, not packed
+            return self.linear(x)
+        return self.linear(x) * 2
+
+
+def test_a_branch_on_computable_values_stays_on_fake_tensors() -> None:
+    model = _BranchOnPositions()
+    prof = profiles.profile(model, (torch.randn(2, 8, 16),), loss_fn=lambda y: y.sum(),
+                            execution="fake", timing="estimate", device="cpu",
+                            progress=False)
+    assert prof.execution == "fake"  # answered from known values, not redone on real ones
+    assert "aten.mul.Tensor" not in _targets(prof)  # the branch the real step takes
+
+
+def test_plan_names_its_attention_kernel_and_the_model_warns_when_another_runs() -> None:
+    meta = zoo.get("hf-llama", device="meta", size="tiny", batch=2, seq_len=256)
+    profiled = profile_model(meta.model, meta.example_inputs, device="H100",
+                             timing="estimate", progress=False)
+    with pytest.raises(InfeasibleBudgetError) as lowest:  # its lowest peak: every layer
+        solve(profiled, budget_bytes=int(0.3 * profiled.unplanned_peak_bytes))
+    plan = lowest.value.plan
+    assert "model.layers.0" in {r.module for r in plan.regions if r.mode == "recompute"}
+    assert plan.attention_kernels() == {"efficient": 2}
+    assert "attention kernel assumed: efficient x2" in plan.summary()
+    real = zoo.get("hf-llama", device="cpu", size="tiny", batch=2, seq_len=256)  # flash_cpu
+    apply(real.model, plan)
+    try:
+        with pytest.warns(OpStreamWarning, match="attention kernel flash_cpu where the plan "
+                          "assumed efficient"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("always", OpStreamWarning)
+            real.model(**real.example_inputs).loss.backward()
+    finally:
+        remove(real.model)
