@@ -53,7 +53,9 @@ from tqdm.auto import tqdm as _tqdm
 from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
+from profiles.fake import KnownValues, MetaAsDevice, fake_converter, library_value_branches
 from profiles.inputs import normalize_inputs
+from profiles.kernels import FusedKernels
 from profiles.schema import (
     GraphProfile,
     ModuleCall,
@@ -406,10 +408,8 @@ class _ForwardRecorder(TorchDispatchMode):
             with contextlib.suppress(Exception):
                 record.flops = int(counter(*args, **kwargs, out_val=out))
         if self.spec is not None:
-            traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in _tensors(out))
-            outs = _tensors(out)
-            dtype = _dtype_name(outs[0].dtype) if outs else "float32"
-            record.estimated_ms = self.spec.op_time_ms(record.flops, traffic, dtype)
+            record.estimated_ms = self.spec.estimate_ms(func, inputs, _tensors(out),
+                                                        record.flops)
         return out
 
     def _spec(self, value: Any) -> Any:
@@ -481,10 +481,7 @@ class _WindowTracker(TorchDispatchMode):
                 flops = int(counter(*args, **kwargs, out_val=out))
         self.flops += flops
         if self.spec is not None:
-            outs = _tensors(out)
-            traffic = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outs)
-            dtype = _dtype_name(outs[0].dtype) if outs else "float32"
-            self.estimated_ms += self.spec.op_time_ms(flops, traffic, dtype)
+            self.estimated_ms += self.spec.estimate_ms(func, inputs, _tensors(out), flops)
         return out
 
 
@@ -650,14 +647,12 @@ class _BackwardObserver(TorchDispatchMode):
         return out
 
 
-def _observe_backward(step: _Step, names: list[str], real: bool
+def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpec | None
                       ) -> list[tuple[int, int, int]] | None:
     """Per op of the profile (``names``, then the loss), the backward-held bytes before its
     backward, at its peak and after it, observed in a fake step, or in a real one when the
     forward ran on real tensors and fake ones cannot run the backward; None if neither can.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     model = step.model
     attempts = [False, True] if real else [False]
     for on_real in attempts:
@@ -666,17 +661,16 @@ def _observe_backward(step: _Step, names: list[str], real: bool
             if on_real:
                 _observe_real(step, observer)
             else:
-                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    state = {k: mode.from_tensor(v) for k, v in [
+                with _fake_step(step, spec) as convert:
+                    state = {k: convert(v) for k, v in [
                         *model.named_parameters(remove_duplicate=False),
                         *model.named_buffers(remove_duplicate=False)]}
                     _start_grads([state[k] for k, _ in
                                   model.named_parameters(remove_duplicate=False)],
                                  step.grads_at_start)
-                    args, kwargs = tree_map(lambda t: mode.from_tensor(t)
-                                            if isinstance(t, torch.Tensor) else t,
-                                            (step.args, step.kwargs))
-                    with _reparametrize_module(model, state, tie_weights=True, strict=False):
+                    args, kwargs = tree_map(convert, (step.args, step.kwargs))
+                    with _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                            _kernels(spec, real=False):
                         _observe(step, observer, args, kwargs)
         except Exception as error:
             log.info("could not observe the backward of %s on %s tensors (%s)",
@@ -867,6 +861,7 @@ class _Step:
     autocast_dtype: torch.dtype | None
     device_type: str
     grads_at_start: bool = False  # every .grad allocated when the step starts
+    meta_as: str = "cpu"  # a fake step runs meta tensors as fake tensors of this device
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -937,26 +932,41 @@ class _Recorded:
 
 
 @contextlib.contextmanager
+def _fake_step(step: _Step, spec: DeviceSpec | None) -> Iterator[Callable[[Any], Any]]:
+    """Fake tensor mode for one step run as the device runs it (``profiles.fake``): meta
+    tensors as fake ``step.meta_as`` ones, small values known. Yields the converter of
+    real/meta tensors to fake ones. The step itself runs under :func:`_kernels`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    known = KnownValues()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        convert = fake_converter(mode, step.meta_as, known)
+        with MetaAsDevice(convert), known, library_value_branches(known):
+            yield convert
+
+
+def _kernels(spec: DeviceSpec | None, real: bool) -> contextlib.AbstractContextManager:
+    """On fake tensors, the fused kernels ``spec``'s device selects (``profiles.kernels``);
+    enter it innermost, so that the ops it runs are seen like any other."""
+    return FusedKernels(spec) if spec is not None and not real else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
 def _observed(step: _Step, real: bool, spec: DeviceSpec | None
               ) -> Iterator[tuple[_Recorded, Callable[[Any], Any]]]:
     """Run the forward + loss once, fake or on real tensors, recording everything; yields
     the record and the converter to the tensors it ran on, inside that tensor mode."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     model = step.model
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
     storages = _Storages()
     recorder = _ForwardRecorder(storages, spec, {id(m): n for n, m in model.named_modules()})
 
-    def convert(t: Any) -> Any:
-        return mode.from_tensor(t) if isinstance(t, torch.Tensor) and mode else t
-
-    with mode or contextlib.nullcontext():
+    with _fake_step(step, spec) if not real else contextlib.nullcontext(lambda t: t) \
+            as convert:
         # buffers are updated by the forward: it runs on copies (fake ones are copies)
         state = {k: convert(v) for k, v in params.items()}
-        state.update({k: convert(v) if mode else v.detach().clone()
+        state.update({k: convert(v) if not real else v.detach().clone()
                       for k, v in buffers.items()})
         for key in params:
             storages.add(state[key], "param", None, key)
@@ -968,7 +978,7 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
         with (_reparametrize_module(model, state, tie_weights=True, strict=False),
               _module_hooks(model, recorder),
               torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack_placeholder)):
-            with recorder, _CallMarker(recorder):
+            with recorder, _CallMarker(recorder), _kernels(spec, real):
                 loss = step.forward_loss(args, kwargs)
                 recorder.flush()
             n_ops = len(recorder.records)
@@ -1372,7 +1382,9 @@ def profile(
                                            (repeats, warmup), progress)
     records = rec.recorder.records
     with _rng_state_preserved():
-        observed = _observe_backward(step, [r.name for r in records], rec.real)
+        # the same program as recorded: a real recording ran the real device's kernels
+        observed = _observe_backward(step, [r.name for r in records], rec.real,
+                                     None if rec.real else spec)
     return GraphProfile(
         model_name=type(model).__name__,
         execution="real" if rec.real else "fake",
