@@ -35,6 +35,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from profiles.kernels import attention_kernels
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ANY_PRECISION", "Checkpointed", "OpStreamWarning", "RegionSpec",
@@ -193,11 +195,20 @@ class Checkpointed:
             return
         changed = sorted(set(ran) ^ set(expected) | {op for op in ran
                                                      if ran[op] != expected.get(op)})
-        message = (f"module {self.spec.path!r} ran other ops than the call the plan "
-                   f"checkpoints ({', '.join(changed[:4])} ...): the plan's memory and the "
-                   "ops its checkpoint keeps are not this module's (changed code, another "
-                   "branch, or a plan file edited to name another module). Run "
-                   "planner.optimize() again on this model and these inputs.")
+        planned, running = attention_kernels(list(expected)), attention_kernels(list(ran))
+        if set(planned) != set(running):
+            message = (f"module {self.spec.path!r} runs attention kernel "
+                       f"{', '.join(running) or 'none'} where the plan assumed "
+                       f"{', '.join(planned) or 'none'}: it saves other tensors, so the "
+                       "plan's memory is not this step's. Plan for this device and dtype "
+                       "(optimize(..., device=...)), or pin the kernel with "
+                       "torch.nn.attention.sdpa_kernel while profiling and training.")
+        else:
+            message = (f"module {self.spec.path!r} ran other ops than the call the plan "
+                       f"checkpoints ({', '.join(changed[:4])} ...): the plan's memory and "
+                       "the ops its checkpoint keeps are not this module's (changed code, "
+                       "another branch, or a plan file edited to name another module). Run "
+                       "planner.optimize() again on this model and these inputs.")
         if self.spec.strict:
             from planner.plan import PlanMismatchError
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.sharding import Sharding, rank_problem
+from profiles.kernels import attention_kernels
 from profiles.schema import (
     Bytes,
     Count,
@@ -193,6 +194,12 @@ class Plan(_Strict):
                      or static.optimizer_step_bytes else ", no optimizer counted")
         return f"forward + backward{optimizer}; {start}"
 
+    def attention_kernels(self) -> dict[str, int]:
+        """The attention kernels the profiled step ran (kernel -> calls): the ones this plan
+        assumes the device runs (``profiles.kernels``; the planned model warns, where a
+        checkpointed call shows it, when another one runs)."""
+        return attention_kernels([node.target for node in self.profile.nodes])
+
     def summary(self) -> str:
         """A readable table of the plan."""
         solver = self.solver
@@ -209,6 +216,11 @@ class Plan(_Strict):
             f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
             f"  {self.step_description()}",
         ]
+        kernels = self.attention_kernels()
+        if kernels:
+            lines.append(f"  attention kernel assumed: "
+                         f"{', '.join(f'{k} x{n}' for k, n in kernels.items())} (profiled on "
+                         f"{self.profile.execution} tensors for {self.profile.device})")
         if self.note:
             lines.append(f"  {self.note}")
         lines.append(f"  {'nodes':<14} {'mode':<10} {'kept':>5}  module")
