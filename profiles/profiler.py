@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import logging
 import statistics
 import sys
@@ -177,6 +178,11 @@ class _Storages:
         if kind in ("activation", "internal"):
             self.watched[sid] = ref
         return sid
+
+    def alias(self, tensor: torch.Tensor, sid: int) -> None:
+        """``tensor``'s storage stands for storage ``sid`` (the fake twin of a constant
+        that fake mode converted on the fly): later readers of it read ``sid``."""
+        self.refs.setdefault(StorageWeakRef(tensor.untyped_storage()), sid)
 
     def _forget(self, sid: int, release: int | None) -> None:
         ref = self.watched.pop(sid)
@@ -397,6 +403,8 @@ class _ForwardRecorder(TorchDispatchMode):
                 # a view of a tensor that fake mode converted on the fly (a closure constant
                 # such as a loss target): it shares that tensor's storage
                 sid = self.storages.lookup(inputs[0])
+                if sid is not None:
+                    self.storages.alias(tensor, sid)
             if sid is None:
                 sid = self.storages.add(tensor, "activation", index)
             record.outputs.append(TensorMeta(
@@ -1043,15 +1051,8 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
         if not record.grad_enabled or not any(s.requires_grad for s in specs):
             out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
             continue
-        made: dict[int, torch.Tensor] = {}
-
-        def build(value: Any, made: dict[int, torch.Tensor] = made) -> Any:
-            if not isinstance(value, _TensorSpec):
-                return value
-            return made.setdefault(id(value), value.make(real=False))
-
         try:
-            args, kwargs = tree_map(build, record.arg_specs,
+            args, kwargs = tree_map(_stand_ins(specs), record.arg_specs,
                                     is_leaf=lambda v: isinstance(v, _TensorSpec))
             out.append(_profile_backward(record.func, args, kwargs,
                                          [s.storage for s in specs], tracker))
@@ -1063,6 +1064,26 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
                                                 and s.storage is not None],
                                  output_requires_grad=[True] * len(record.outputs)))
     return out
+
+
+def _stand_ins(specs: list[_TensorSpec]) -> Callable[[Any], Any]:
+    """Fake stand-ins for an op's tensor arguments, one per argument tensor. A meta
+    constant met in a fake step of a meta model ran as a tensor of the step's device
+    (``profiles.fake.MetaAsDevice``): its stand-in goes there too."""
+    made: dict[int, torch.Tensor] = {}
+    devices = {s.device for s in specs if s.device.type != "meta"}
+    device = next(iter(devices)) if len(devices) == 1 else None
+
+    def build(value: Any) -> Any:
+        if not isinstance(value, _TensorSpec):
+            return value
+        if id(value) not in made:
+            spec = value if device is None or value.device.type != "meta" else \
+                dataclasses.replace(value, device=device)
+            made[id(value)] = spec.make(real=False)
+        return made[id(value)]
+
+    return build
 
 
 def _tensors_specs(arg_specs: Any) -> list[_TensorSpec]:

@@ -58,6 +58,23 @@ def test_meta_profile_for_the_cpu_is_the_real_cpu_profile(autocast: torch.dtype 
     assert [n.saved_storages for n in meta.nodes] == [n.saved_storages for n in real.nodes]
 
 
+@pytest.mark.parametrize(("recorded", "name", "options"), [
+    ("gpt-small.cpu", "gpt", {"size": "small"}), ("resnet.cpu", "resnet", {})])
+def test_recorded_cpu_profile_and_meta_profile_agree(recorded: str, name: str,
+                                                     options: dict) -> None:
+    """A profile measured on real CPU tensors (benchmarks/record_profiles.py) and the meta
+    model's fake profile for the CPU: the same kernels and the same storages."""
+    real = profiles.load_recorded(recorded)
+    meta = _profile(zoo.get(name, device="meta", **options), "cpu")
+    assert (real.execution, meta.execution) == ("real", "fake")
+    assert meta.fingerprint == real.fingerprint
+    assert _targets(meta) == _targets(real)
+    assert [(s.nbytes, s.kind, s.producer, s.release) for s in meta.storages] == \
+        [(s.nbytes, s.kind, s.producer, s.release) for s in real.storages]
+    for field in ("saved_storages", "grad_storages", "bwd_temp_bytes"):
+        assert [getattr(n, field) for n in meta.nodes] == [getattr(n, field) for n in real.nodes]
+
+
 @pytest.mark.parametrize(("autocast", "kernel"), [(None, "efficient"),
                                                   (torch.bfloat16, "cudnn")])
 def test_meta_profile_for_an_h100_runs_its_fused_attention(autocast: torch.dtype | None,

@@ -54,7 +54,9 @@ def test_solve_on_a_long_chain_reports_a_proven_gap(monkeypatch: pytest.MonkeyPa
     p = transformer(10, 1)
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(0.6 * store)
-    exact = SOLVERS["cpsat"](p, budget, 30.0) if p.n_nodes <= 400 else None
+    # compared when CP-SAT proves its optimum in 5 s; on this 195-node chain it does not on
+    # 2 cores even in 30 s (measured), so the bound is checked against its own objective
+    exact = SOLVERS["cpsat"](p, budget, 5.0) if p.n_nodes <= 400 else None
     sol = dp.solve(p, budget, 60.0)
     assert sol.feasible and sol.bound_ms is not None
     assert sol.bound_ms <= sol.objective_ms + 1e-9
