@@ -33,6 +33,7 @@ from planner.plan import (
 )
 from planner.sharding import Sharding, rank_problem, sharding_for
 from profiles.inputs import normalize_inputs
+from profiles.kernels import attention_kernels
 from profiles.schema import GraphProfile, fingerprint
 from solvers import SOLVERS, Problem, Region, Schedule, Solution, Status, Timeline, simulate
 from solvers.auto import lowest_peak
@@ -240,6 +241,7 @@ def profile_model(
     if cache_off:
         notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
                      "apply() turns it off.")
+    notes.extend(_cpu_kernels_for_a_gpu(prof))
     layout = None
     if sharding is not None:
         if shard_modules is None and sharding == "fsdp2":
@@ -247,6 +249,25 @@ def profile_model(
         layout = sharding_for(model, sharding, world_size, shard_modules)
     return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), layout,
                         tuple(notes))
+
+
+def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
+    """A note when real CPU tensors stood in for a GPU: attention and dropout ran the CPU's
+    kernels, which save other tensors than the GPU's fused ones (``profiles.kernels``)."""
+    if prof.execution != "real" or prof.timing != "estimate" or prof.device.lower() == "cpu":
+        return []
+    targets = [node.target for node in prof.nodes]
+    kernels = attention_kernels(targets)
+    cpu_only = [k for k in kernels if k in ("flash_cpu", "math")]
+    if "aten.bernoulli_.float" in targets:
+        cpu_only.append("dropout as bernoulli_ noise")
+    if not cpu_only:
+        return []
+    log.warning("%s was profiled on real CPU tensors for %s: its attention/dropout ran the "
+                "CPU's kernels", prof.model_name, prof.device)
+    return [f"Profiled on real CPU tensors for {prof.device}: {', '.join(cpu_only)} ran as "
+            f"on the CPU, where {prof.device} runs fused kernels that save less. Build the "
+            "model on the meta device to profile the GPU's kernels."]
 
 
 def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,

@@ -185,3 +185,15 @@ def test_plan_names_its_attention_kernel_and_the_model_warns_when_another_runs()
             real.model(**real.example_inputs).loss.backward()
     finally:
         remove(real.model)
+
+
+def test_a_real_cpu_profile_for_a_gpu_says_its_kernels_are_the_cpus() -> None:
+    gpt = zoo.get("hf-gpt2", device="cpu")  # SDPA with dropout: math on the CPU
+    profiled = profile_model(gpt.model, gpt.example_inputs, device="H100", timing="estimate",
+                             progress=False)
+    assert profiled.profile.execution == "real"
+    (note,) = [n for n in profiled.notes if "real CPU tensors" in n]
+    assert "math" in note and "meta device" in note
+    meta = zoo.get("hf-gpt2", device="meta")
+    assert not any("real CPU tensors" in n for n in profile_model(
+        meta.model, meta.example_inputs, device="H100", progress=False).notes)
