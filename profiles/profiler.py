@@ -4,8 +4,9 @@ What the planned model runs is the user's own eager model with checkpoints on so
 modules, so the profile observes exactly that program, not a captured graph of it:
 
 1. **Memory** (``_ForwardRecorder``): the forward and the loss run once under
-   ``FakeTensorMode`` (exact shapes, dtypes and aliasing, no memory used), or on real
-   tensors when the forward branches on tensor values. A dispatch mode sees every aten op in
+   ``FakeTensorMode`` (exact shapes, dtypes and aliasing, no memory used) as the target
+   device runs them (``profiles.fake``, ``profiles.kernels``), or on real tensors when the
+   forward branches on tensor values it cannot know. A dispatch mode sees every aten op in
    call order, its inputs, the storages it allocates (views share their base's) and what it
    writes in place; module hooks give the span of nodes each module call ran (the regions a
    plan can checkpoint) and the tensors passed to it (what a checkpoint of it holds).
@@ -1366,11 +1367,13 @@ def profile(
             default: H100 when estimating on a GPU or meta, the CPU's when on the CPU.
         execution: how the forward is observed. ``"real"``: on the model's own tensors (on
             copies of its buffers; autograd keeps nothing, so it needs only the forward's
-            working set, not a step's memory); this is what training runs, including the
-            branches libraries take on real tensors (Hugging Face skips masks it would
-            build for fake ones). ``"fake"``: under ``FakeTensorMode``, no memory at all;
-            a forward that branches on tensor values then needs ``"real"``. ``"auto"``
-            (default): real unless the model is on the meta device.
+            working set, not a step's memory), with the kernels of the device they are on.
+            ``"fake"``: under ``FakeTensorMode``, no memory at all, run as ``device`` runs
+            it (its fused attention and dropout, ``profiles.kernels``; meta tensors as CPU
+            ones so that autocast applies, ``profiles.fake``); a branch on a value that
+            follows from shapes and small inputs takes the real step's way, any other
+            value-dependent forward is redone on real tensors. ``"auto"`` (default): real
+            unless the model is on the meta device.
         grad_accumulation: the step starts with every ``.grad`` allocated and adds into it
             (micro-batches of gradient accumulation, ``zero_grad(set_to_none=False)``);
             default: it starts with none, as ``zero_grad()`` leaves them. The ``.grad`` the
