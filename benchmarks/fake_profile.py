@@ -105,7 +105,9 @@ def llama3_8b(seq_len: int, budget_gb: float) -> list[dict[str, Any]]:
         try:
             plan = solve(profiled, budget_gb=budget_gb, time_limit_s=60)
             row.update(plan_peak_gib=plan.predicted_peak_bytes / GIB,
-                       overhead=plan.predicted_overhead, regions=len(plan.regions))
+                       overhead=plan.predicted_overhead, regions=len(plan.regions),
+                       solver=plan.solver.name, status=plan.solver.status,
+                       gap=plan.solver.gap)
         except Exception as error:  # an infeasible budget says its minimum
             row.update(plan=str(error).splitlines()[0])
         rows.append(row)
@@ -113,8 +115,10 @@ def llama3_8b(seq_len: int, budget_gb: float) -> list[dict[str, Any]]:
     print(f"\n2. Llama-3-8B shape, batch 1 x {seq_len}, bf16 autocast, meta, H100; plan at "
           f"{budget_gb:g} GiB")
     for row in rows:
+        gap = f", gap {row['gap']:.1%}" if row.get("gap") is not None else ""
         plan = (f"plan peak {row['plan_peak_gib']:.2f} GiB, recompute +{row['overhead']:.1%}"
-                f", {row['regions']} regions" if "overhead" in row else row.get("plan", ""))
+                f", {row['regions']} regions ({row['solver']}: {row['status']}{gap})"
+                if "overhead" in row else row.get("plan", ""))
         print(f"  {row['attention']:<20} [{row['kernels']}] {row['ops']} ops in "
               f"{row['profile_s']:.0f} s: unplanned peak {row['unplanned_peak_gib']:.1f} GiB,"
               f" saved activations {row['saved_gib']:.1f} GiB, step {row['step_ms']:.0f} ms;"
