@@ -241,7 +241,7 @@ def profile_model(
     if cache_off:
         notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
                      "apply() turns it off.")
-    notes.extend(_cpu_kernels_for_a_gpu(prof, asked=device is not None))
+    notes.extend(_cpu_kernels_for_a_gpu(prof))
     layout = None
     if sharding is not None:
         if shard_modules is None and sharding == "fsdp2":
@@ -251,11 +251,11 @@ def profile_model(
                         tuple(notes))
 
 
-def _cpu_kernels_for_a_gpu(prof: GraphProfile, asked: bool) -> list[str]:
+def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
     """A note when real CPU tensors stood in for a GPU: attention and dropout ran the CPU's
     kernels, which save other tensors than the GPU's fused ones (``profiles.kernels``).
-    Logged as a warning when the user named the GPU (``asked``), else at INFO (the
-    default estimate device)."""
+    The plan's note says it (``summary()``); the log only at INFO, as the CLI estimates
+    for an H100 by default."""
     if prof.execution != "real" or prof.timing != "estimate" or prof.device.lower() == "cpu":
         return []
     targets = [node.target for node in prof.nodes]
@@ -265,9 +265,8 @@ def _cpu_kernels_for_a_gpu(prof: GraphProfile, asked: bool) -> list[str]:
         cpu_only.append("dropout as bernoulli_ noise")
     if not cpu_only:
         return []
-    log.log(logging.WARNING if asked else logging.INFO, "%s was profiled on real CPU "
-            "tensors for %s: its attention/dropout ran the CPU's kernels", prof.model_name,
-            prof.device)
+    log.info("%s was profiled on real CPU tensors for %s: its attention/dropout ran the "
+             "CPU's kernels", prof.model_name, prof.device)
     return [f"Profiled on real CPU tensors for {prof.device}: {', '.join(cpu_only)} ran as "
             f"on the CPU, where {prof.device} runs fused kernels that save less. Build the "
             "model on the meta device to profile the GPU's kernels."]
