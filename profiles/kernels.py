@@ -133,7 +133,7 @@ def _cudnn_ok(call: AttentionCall, rules: AttentionRules) -> bool:
         return False
     if call.needs_grad and not (max(d_qk, d_v) <= 128 or (d_qk, d_v) in ((192, 128), (256, 256))):
         return False
-    return (call.dropout_p * 16).is_integer() and max(q.size(0), q.size(1)) <= 65535 \
+    return float(call.dropout_p * 16).is_integer() and max(q.size(0), q.size(1)) <= 65535 \
         and k.size(2) != 1
 
 

@@ -112,6 +112,7 @@ def test_attention_selection_follows_torchs_rules() -> None:
     h100, a100, cpu = (attention_rules(device_spec(n)) for n in ("H100", "A100", "cpu"))
     mask = torch.ones(128, 128, dtype=torch.bool, device="meta")
     assert choose_attention(h100, _call()) == "cudnn"
+    assert choose_attention(h100, _call(dropout_p=0)) == "cudnn"  # an int, as users write it
     assert choose_attention(a100, _call()) == "flash"
     assert choose_attention(h100, _call(torch.float32)) == "efficient"
     assert choose_attention(a100, _call(attn_mask=mask)) == "efficient"  # flash: no mask
