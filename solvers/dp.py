@@ -74,10 +74,13 @@ from solvers.accounting import (
     Context,
     NestedRegionInfo,
     RegionInfo,
+    WindowParts,
     profile_parts,
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
+from solvers.keep import KeepSpace, under_caps
+from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
@@ -248,6 +251,24 @@ def _keeps(ctx: Context, a: int, b: int, subsets: bool) -> list[frozenset[int]]:
     return [frozenset(), mm] if mm else [frozenset()]
 
 
+def _usable(p: Problem, x: int, y: int) -> bool:
+    """Whether module span `[x, y)` can be a RECOMPUTE region that reruns."""
+    return all(p.recomputable[x:y]) and any(p.packs[x:y])
+
+
+def _tops(p: Problem, a: int, b: int, single: bool) -> list[tuple[int, int]]:
+    """The single top-level regions window `[a, b)` may recompute: with module spans the
+    window itself when it is one, else (one stage) each of its largest inner spans; without,
+    its recomputable run when it has one."""
+    if p.module_spans is None:
+        runs = _runs(p, a, b)
+        return runs if len(runs) == 1 else []
+    if p.emittable(a, b) and _usable(p, a, b):
+        return [(a, b)]
+    return [(sp.start, sp.stop) for sp in p.spans_within(a, b)
+            if _usable(p, sp.start, sp.stop)] if single else []
+
+
 def _span_options(ctx: Context, a: int, b: int, single: bool,
                   subsets: bool) -> tuple[list[tuple], list[tuple]]:
     """(flat, nested) options of window `[a, b)` when regions must be module spans.
@@ -257,18 +278,15 @@ def _span_options(ctx: Context, a: int, b: int, single: bool,
     spans: each alone and all together, so a block can checkpoint only its MLP, say.
     """
     p = ctx.p
-
-    def usable(x: int, y: int) -> bool:
-        return all(p.recomputable[x:y]) and any(p.packs[x:y])
-
     flat: list[tuple] = [()] if single else []
     nested: list[tuple] = []
-    whole = p.emittable(a, b) and usable(a, b)
-    inner = [(sp.start, sp.stop) for sp in p.spans_within(a, b) if usable(sp.start, sp.stop)]
-    tops = [(a, b)] if whole else (inner if single else [])
+    whole = p.emittable(a, b) and _usable(p, a, b)
+    inner = [(sp.start, sp.stop) for sp in p.spans_within(a, b) if _usable(p, sp.start, sp.stop)]
+    tops = _tops(p, a, b, single)
     for x, y in tops:
         flat += [(ctx.region(x, y, keep),) for keep in _keeps(ctx, x, y, subsets)]
-        kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y) if usable(sp.start, sp.stop)]
+        kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y)
+                if _usable(p, sp.start, sp.stop)]
         for keep_matmuls in (False, True):
             spec = [(cx, cy, tuple(i for i in range(cx, cy) if keep_matmuls and p.is_matmul(i)
                                    and p.can_keep(i))) for cx, cy in kids]
@@ -333,16 +351,48 @@ def _reruns_rel(regions: tuple, a: int) -> list[tuple[int, int, np.ndarray, np.n
         if isinstance(r, NestedRegionInfo):
             out.extend((q.start - a, q.stop - a, rel(q.idle), rel(q.cached)) for q in r.reruns)
         elif r.packs:
-            kept = r.keep & frozenset(range(r.a, r.stop))
-            idle = kept | {r.trigger} if r.last_not_run else kept
-            out.append((r.a - a, r.stop - a, rel(idle), rel(kept)))
+            out.append(_flat_rerun_rel(r, r.keep, a))
     return out
 
 
-def _schedule_region(r: RegionInfo | NestedRegionInfo) -> Region:
-    kids = [Region(ca, cb, RECOMPUTE, keep=ck) for ca, cb, ck in
-            getattr(r, "children", ())]
-    return Region(r.a, r.b, RECOMPUTE, keep=r.keep, children=kids)
+def _flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int
+                    ) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """`_reruns_rel`'s entry for flat region `r` (which reruns) keeping `keep`."""
+    kept = keep & frozenset(range(r.a, r.stop))
+    idle = kept | {r.trigger} if r.last_not_run else kept
+    return (r.a - a, r.stop - a, np.asarray(sorted(k - a for k in idle), dtype=np.int64),
+            np.asarray(sorted(k - a for k in kept), dtype=np.int64))
+
+
+Spec = tuple[tuple[int, int, tuple[int, ...], tuple], ...]  # regions relative to a window
+
+
+def _spec(regions: tuple, a: int) -> Spec:
+    """An option's regions relative to its window start `a` (`_regions_at` rebuilds them)."""
+    return tuple((r.a - a, r.b - a, tuple(sorted(k - a for k in r.keep)),
+                  tuple((ca - a, cb - a, tuple(sorted(k - a for k in ck)))
+                        for ca, cb, ck in getattr(r, "children", ())))
+                 for r in regions)
+
+
+def _regions_at(spec: Spec, a: int) -> list[Region]:
+    """The RECOMPUTE regions of an option's `spec`, placed at window start `a`."""
+    return [Region(a + x, a + y, RECOMPUTE, keep=[a + k for k in keep],
+                   children=[Region(a + cx, a + cy, RECOMPUTE, keep=[a + k for k in ck])
+                             for cx, cy, ck in kids])
+            for x, y, keep, kids in spec]
+
+
+class _Option(NamedTuple):
+    """One option of a window, placeable at any window with its signature: its parts, the
+    outputs it holds on (relative), its reruns (`_reruns_rel`), its regions (`_spec`) and
+    the rerun time it saves beyond what `reruns` says (an optimistic keep corner's)."""
+
+    parts: WindowParts
+    out_rel: tuple
+    reruns: list
+    spec: Spec
+    saved_ms: float = 0.0
 
 
 class _Step(NamedTuple):
@@ -609,7 +659,8 @@ class _Layout(NamedTuple):
     accounting (`outside`: pinned ones and long skips) and their bytes by position in the
     upper (conservative) and lower (sure) tables, the span bounds, and per stage t the
     largest stop u of a segment t..u-1 (`stop_limit`: a segment never holds a long skip's
-    producer and one of its far readers)."""
+    producer and one of its far readers); `keep_front`: single-stage regions may keep
+    any subset of their ops (`solvers.keep`)."""
 
     stages: list[tuple[int, int]]
     pinned: frozenset[int]
@@ -618,19 +669,20 @@ class _Layout(NamedTuple):
     lower_table: np.ndarray
     bounds: _SpanBounds
     stop_limit: list[int]
+    keep_front: bool = True
 
     @property
     def outside(self) -> frozenset[int]:
         return self.pinned | frozenset(self.skips)
 
 
-def _layout(ctx: Context) -> _Layout:
+def _layout(ctx: Context, keep_front: bool = True) -> _Layout:
     problem = ctx.p
     pinned = pinned_storages(problem)
     skips, st = long_skips(problem, pinned)
     up, low = _pin_tables(ctx, pinned, skips)
     return _Layout(st, pinned, skips, up, low, _SpanBounds(ctx, pinned | frozenset(skips)),
-                   _stop_limits(problem, st, skips))
+                   _stop_limits(problem, st, skips), keep_front)
 
 
 def _stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
@@ -694,10 +746,21 @@ def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
     return total
 
 
+class _PassResult(NamedTuple):
+    """A pass's best time and regions (None: nothing fits), whether a front was thinned
+    (`rounded`), a relaxed window is on the best path, and keep fronts were offered
+    (`loose`: then only the lower-bound pass proves anything)."""
+
+    found: tuple[float, list[Region]] | None
+    rounded: bool
+    relaxed: bool
+    loose: bool
+
+
 def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: bool,
          deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False
-         ) -> tuple[tuple[float, list[RegionInfo]] | None, bool, bool]:
-    """One DP pass; returns (best time and regions or None, rounded, relaxed windows used).
+         ) -> _PassResult:
+    """One DP pass (`_PassResult`).
 
     Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
     the windows by their sure lives (an upper pass whose answer `simulate` must check).
@@ -752,8 +815,10 @@ class _Pass:
         # `_SpanBounds` does not bound nested options: full-span passes only
         self.nest = max_span >= m
         self.min_nest = 1 if p.module_spans is not None else 2
+        self.keep_front = lay.keep_front and not self.subsets
+        self.loose = False  # keep options were offered: the upper pass alone proves nothing
 
-    def run(self) -> tuple[tuple[float, list[RegionInfo]] | None, bool, bool]:
+    def run(self) -> _PassResult:
         for t in range(self.m):
             self._check_deadline()
             for held_rel, front in self.fronts[t].items():
@@ -762,10 +827,10 @@ class _Pass:
                   if f.chunks and (f.prune(self.max_front, self.optimistic) or True)
                   and len(f.time)]
         if not finals:
-            return None, self.rounded, False
+            return _PassResult(None, self.rounded, False, self.loose)
         best_t, _, f = min(finals, key=lambda x: x[0])
-        regions, relaxed = _backtrack(f, self.fronts, self.st, self.options)
-        return (best_t, regions), self.rounded, relaxed
+        regions, relaxed = _backtrack(f, self.fronts, self.st, self._spec_of)
+        return _PassResult((best_t, regions), self.rounded, relaxed, self.loose)
 
     def _check_deadline(self) -> None:
         if time.perf_counter() > self.deadline:
@@ -841,14 +906,19 @@ class _Pass:
                 self._front(u, self._read_after(u)).add(
                     held + residue, times + tms, _Step(t, held_rel, u, -1, True, False), idx)
 
-    def _profiles(self, t: int, u: int, held_rel: tuple, flat: bool, nested: bool) -> list:
-        """Per option of window t..u-1: (parts, outputs held on, reruns), cached by the
-        window's signature (identical blocks share them)."""
+    def _spec_of(self, step: _Step) -> Spec:
+        return self._profiles(step.start, step.stop, step.held_rel, step.flat,
+                              step.nested)[step.option].spec
+
+    def _profiles(self, t: int, u: int, held_rel: tuple, flat: bool, nested: bool
+                  ) -> list[_Option]:
+        """Every `_Option` of window t..u-1, cached by the window's signature (identical
+        blocks share them); a single stage's keep options also by its forward times."""
         key = (tuple(self.stage_sig[t:u]), u == t + 1, held_rel, flat, nested)
         profs = self.cache.get(key)
+        a, b = self.st[t][0], self.st[u - 1][1]
+        held_in = frozenset(self.p.outputs[a + r][k] for r, k in held_rel)
         if profs is None:
-            a, b = self.st[t][0], self.st[u - 1][1]
-            held_in = frozenset(self.p.outputs[a + r][k] for r, k in held_rel)
             # profiling a long window costs time linear in its length: check the deadline
             # per window and per option, not only per stage
             self._check_deadline()
@@ -856,21 +926,68 @@ class _Pass:
             for regions in self.options(t, u, flat, nested):
                 self._check_deadline()
                 parts = profile_parts(self.ctx, a, b, regions, held_in, self.outside)
-                profs.append((parts, tuple(sorted(self._rel(s, a) for s in parts.held_out)),
-                              _reruns_rel(regions, a)))
+                profs.append(_Option(parts, self._out_rel(parts, a), _reruns_rel(regions, a),
+                                     _spec(regions, a)))
             self.cache[key] = profs
-        return profs
+        if not (self.keep_front and flat and u == t + 1):
+            return profs
+        keyed = (key, tuple(self.p.fwd_time_ms[a:b]), self.optimistic)
+        kept = self.cache.get(keyed)
+        if kept is None:
+            kept = self.cache[keyed] = [
+                opt for x, y in _tops(self.p, a, b, True)
+                for opt in self._keep_options(a, b, x, y, held_in, key)]
+        self.loose |= bool(kept)
+        return profs + kept
+
+    def _out_rel(self, parts: WindowParts, a: int) -> tuple:
+        return tuple(sorted(self._rel(s, a) for s in parts.held_out))
+
+    def _keep_options(self, a: int, b: int, x: int, y: int, held_in: frozenset[int],
+                      key: tuple) -> list[_Option]:
+        """Region `[x, y)` of window `[a, b)` keeping each point of its keep front
+        (`solvers.keep`); the lower-bound pass gets each point's floor, or the corners of
+        a thinned front. The per-node terms are cached by `key` (no times in them)."""
+        self._check_deadline()
+        space = self.cache.get((key, x - a, y - a, "keep"))
+        if space is None:
+            space = self.cache[(key, x - a, y - a, "keep")] = KeepSpace.analyse(
+                self.ctx, a, b, x, y, held_in, self.outside) or False
+        if space is False:
+            return []
+        info = self.ctx.region(x, y)
+        p = self.p
+        by_hand = [[i for i, k in enumerate(space.nodes) if wanted(k)]
+                   for wanted in (p.is_linear, p.is_matmul)]
+        also = [] if self.optimistic else by_hand + under_caps(
+            space, self.table[space.base.g_index + a])
+        out = []
+        for choice in keep_choices(space, optimistic=self.optimistic, also=also)[0]:
+            keep = frozenset(space.nodes[i] for i in choice.chosen)
+            exported = frozenset().union(*(space.exports[i] for i in choice.chosen))
+            parts = (space.floor_parts(choice.residue_bytes, exported) if self.optimistic
+                     else space.parts(choice.chosen))
+            spec = ((x - a, y - a, tuple(sorted(k - a for k in keep)), ()),)
+            if choice.real:
+                out.append(_Option(parts, self._out_rel(parts, a),
+                                   [_flat_rerun_rel(info, keep, a)], spec))
+            else:  # a corner: keeping nothing's rerun with the SAC overhead, less its saving
+                start, stop, idle, _ = _flat_rerun_rel(info, frozenset(), a)
+                sac = (start, stop, idle, np.asarray([x - a], dtype=np.int64))
+                out.append(_Option(parts, self._out_rel(parts, a), [sac], spec,
+                                   choice.saved_ms))
+        return out
 
     def _add_window(self, t: int, u: int, held_rel: tuple, front: _Front, flat: bool,
                     nested: bool) -> None:
         """Each option of window t..u-1, placed after the entries of `front` it fits."""
         a = self.st[t][0]
         shift = self.st[u][0] - a if u < self.m else 0
-        for oi, (parts, out_rel, reruns) in enumerate(self._profiles(t, u, held_rel, flat,
-                                                                     nested)):
+        for oi, (parts, out_rel, reruns, _, saved_ms) in enumerate(
+                self._profiles(t, u, held_rel, flat, nested)):
             peak = parts.peak(self.ctx, a, self.table)
             # recompute time by position (the window's structure is shared)
-            tms = _rerun_ms(self.p, a, self.fwd_sum, self.fwd, reruns)
+            tms = _rerun_ms(self.p, a, self.fwd_sum, self.fwd, reruns) - saved_ms
             cnt = int(np.searchsorted(front.held, self.limit - peak, side="right"))
             if cnt:
                 state = tuple((r - shift, k) for r, k in out_rel)
@@ -880,11 +997,10 @@ class _Pass:
 
 
 def _backtrack(f: _Front, fronts: list[dict[tuple, _Front]], st: list[tuple[int, int]],
-               options: Callable[[int, int, bool, bool], list[tuple]]
-               ) -> tuple[list[RegionInfo], bool]:
+               spec_of: Callable[[_Step], Spec]) -> tuple[list[Region], bool]:
     """The regions of `f`'s fastest entry, following back-pointers to the chain's start;
     and whether a relaxed window (lower-bound pass, no real regions) is on the way."""
-    regions: list[RegionInfo] = []
+    regions: list[Region] = []
     relaxed = False
     pos = int(np.argmin(f.time))
     while (step := f.info[int(f.src[pos])]) is not None:
@@ -893,14 +1009,15 @@ def _backtrack(f: _Front, fronts: list[dict[tuple, _Front]], st: list[tuple[int,
             logger.debug("dp: relaxed window [%d, %d) on the lower-bound path",
                          st[step.start][0], st[step.stop - 1][1])
         else:
-            regions.extend(options(step.start, step.stop, step.flat, step.nested)[step.option])
+            regions.extend(_regions_at(spec_of(step), st[step.start][0]))
         pos, f = int(f.idx[pos]), fronts[step.start][step.held_rel]
-    return sorted(regions, key=lambda r: r.a), relaxed
+    return sorted(regions, key=lambda r: r.start), relaxed
 
 
 def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:
     return chain_segments(problem, nested=nested, any_keep=problem.n_nodes <= SUBSET_MAX_NODES,
-                          long_skips=len(lay.skips), long_skip_nodes=LONG_SKIP_NODES)
+                          long_skips=len(lay.skips), long_skip_nodes=LONG_SKIP_NODES,
+                          stage_keep=lay.keep_front)
 
 
 def _same_ms(a: float, b: float) -> bool:
@@ -931,16 +1048,16 @@ def _upper_pass(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
     limit = budget_bytes - problem.static_bytes
     for attempt in range(4):
         try:
-            found, rounded, _ = _run(ctx, lay, limit, max_front, False, deadline, cache, span,
-                                     sure_lives=sure_lives)
+            found, rounded, _, loose = _run(ctx, lay, limit, max_front, False, deadline,
+                                            cache, span, sure_lives=sure_lives)
         except TimeoutError:
             logger.info("dp hit its %.1f s limit (segments of <= %d of %d stages)",
                            deadline - t0, span, len(lay.stages))
             return None
         if found is None:
             return None
-        sched = Schedule.from_segments(problem.n_nodes, [_schedule_region(r) for r in found[1]])
-        exact = not rounded and not lay.outside and span >= len(lay.stages)
+        sched = Schedule.from_segments(problem.n_nodes, found[1])
+        exact = not rounded and not loose and not lay.outside and span >= len(lay.stages)
         sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
                               proven_optimal=exact, bound_ms=found[0] if exact else None,
                               space=_space(problem, lay, nested=True) if exact else None)
@@ -966,16 +1083,35 @@ def _proven(best: Solution | None, bound: float) -> bool:
     return best is not None and best.objective_ms <= bound + 1e-9 * max(1.0, bound)
 
 
+def _answer(problem: Problem, lay: _Layout, best: Solution, bound: float,
+            nested_bound: float | None, budget_bytes: int, t0: float) -> Solution:
+    """`best` with the bound the lower-bound passes proved: capped-span passes bound flat
+    segmentations only (no claim for a nested answer), a full-span pass nested ones too."""
+    if nested_bound is not None and (nested_bound >= bound or any(
+            r.children for r in best.schedule.regions)):
+        bound, nested = nested_bound, True
+    elif not any(r.children for r in best.schedule.regions):
+        nested = False
+    else:
+        return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
+                               bound_ms=None)
+    return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
+                           proven_optimal=_proven(best, bound), bound_ms=bound,
+                           space=_space(problem, lay, nested=nested))
+
+
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
-          *, max_front: int = 2000) -> Solution:
-    """Least recompute time within the budget over chain segmentations (see module doc)."""
+          *, max_front: int = 2000, keep_front: bool = True) -> Solution:
+    """Least recompute time within the budget over chain segmentations (see module doc);
+    `keep_front=False` lets regions keep only nothing or their matmuls."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ctx = Context(problem)
-    lay = _layout(ctx)
+    lay = _layout(ctx, keep_front)
     cache: dict = {}
     best: Solution | None = None
     bound = 0.0
+    nested_bound = None  # a full-span lower pass bounds nested schedules too
     for span in _spans(len(lay.stages)):
         sol = _upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0)
         if sol is not None and sol.status == Status.OPTIMAL:
@@ -984,13 +1120,15 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         if time.perf_counter() > deadline:
             break
         try:
-            lower, _, relaxed = _run(ctx, lay, budget_bytes - problem.static_bytes, max_front,
+            lower, _, relaxed, _ = _run(ctx, lay, budget_bytes - problem.static_bytes, max_front,
                                      True, deadline, cache, span)
         except TimeoutError:
             break
         if lower is None:  # even the relaxed space has no schedule: infeasible
             break
         bound = max(bound, lower[0])
+        if span >= len(lay.stages):
+            nested_bound = lower[0]
         if lay.outside and not _proven(best, bound):
             # the left-out storages counted by their sure lives may fit a faster schedule
             # (the conservative lives hold them longest); simulate checks it
@@ -1004,12 +1142,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         if span >= len(lay.stages):
             break
     if best is not None:
-        # the lower-bound passes bound flat segmentations only: no claim for a nested answer
-        flat = not any(r.children for r in best.schedule.regions)
-        proven = flat and _proven(best, bound)
-        return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
-                               proven_optimal=proven, bound_ms=bound if flat else None,
-                               space=_space(problem, lay, nested=False) if flat else None)
+        return _answer(problem, lay, best, bound, nested_bound, budget_bytes, t0)
     mfb = memory_lower_bound(problem)
     return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,

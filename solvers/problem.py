@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACCUMULATION_COPIES", "MATMUL_KINDS", "GradientEvents", "ModuleSpan",
+__all__ = ["ACCUMULATION_COPIES", "LINEAR_KINDS", "MATMUL_KINDS", "GradientEvents", "ModuleSpan",
            "ObservedBackward", "Problem", "ProblemError"]
 
 MATMUL_KINDS = frozenset({
@@ -26,6 +26,8 @@ MATMUL_KINDS = frozenset({
     "conv3d", "convolution", "einsum", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
 })
+# what `nn.Linear` (and HF's Conv1D) run: the outputs a "save linear" policy keeps
+LINEAR_KINDS = frozenset({"mm", "addmm", "linear"})
 
 
 class ProblemError(ValueError):
@@ -545,10 +547,14 @@ class Problem(BaseModel):
 
     def is_matmul(self, i: int) -> bool:
         """Whether node i is matmul-like per `op_kind` (False when op kinds are unknown)."""
-        if self.op_kind is None:
-            return False
-        kind = self.op_kind[i].lower().rsplit(".", 1)[-1]
-        return kind in MATMUL_KINDS
+        return self._kind(i) in MATMUL_KINDS
+
+    def is_linear(self, i: int) -> bool:
+        """Whether node i is a linear layer's matmul per `op_kind` (`LINEAR_KINDS`)."""
+        return self._kind(i) in LINEAR_KINDS
+
+    def _kind(self, i: int) -> str | None:
+        return None if self.op_kind is None else self.op_kind[i].lower().rsplit(".", 1)[-1]
 
     @property
     def total_fwd_time_ms(self) -> float:

@@ -28,7 +28,8 @@ class SearchSpace(BaseModel):
     boundaries of `blocks()` and the single nodes between them, "solver": only schedules
     the solver itself produced). `keep`: what a region may keep ("any" keepable subset,
     "matmuls": nothing or all its keepable matmul-like nodes, "short-any": any subset in
-    regions of at most `FULL_KEEP_MAX_LEN` nodes, else as "matmuls"). Regions are module
+    regions of at most `FULL_KEEP_MAX_LEN` nodes, else as "matmuls"; "stage-any": any
+    subset in regions within one of the DP's stages, else as "matmuls"). Regions are module
     calls whenever the problem has module spans. `nested`: one level of nesting included.
     """
 
@@ -36,7 +37,7 @@ class SearchSpace(BaseModel):
 
     text: str
     cuts: Literal["any", "stages", "solver"]
-    keep: Literal["any", "matmuls", "short-any"]
+    keep: Literal["any", "matmuls", "short-any", "stage-any"]
     nested: bool = False
 
     def __str__(self) -> str:
@@ -109,15 +110,20 @@ def flat_regions(problem: Problem, cuts: Literal["any", "stages"],
 
 
 def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips: int = 0,
-                   long_skip_nodes: int = 0) -> SearchSpace:
+                   long_skip_nodes: int = 0, stage_keep: bool = False) -> SearchSpace:
     """The DP's space: segmentations of the chain of stages (membership: its own answers);
-    with `long_skips`, no segment holds the producer and a far reader of one of them."""
+    with `long_skips`, no segment holds the producer and a far reader of one of them; with
+    `stage_keep`, a region within one stage keeps any subset of its ops, others nothing or
+    their matmuls."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
-    kept = "any subset of its ops" if any_keep else "nothing or its matmuls"
+    kept = ("any subset of its ops" if any_keep else
+            "any subset of its ops when it lies within one stage, else nothing or its matmuls"
+            if stage_keep else "nothing or its matmuls")
     unit = "blocks" if problem.blocks() else "ops"
     apart = (f"; none of the {long_skips} tensors read more than {long_skip_nodes} ops after "
              "they are made is recomputed in one region with its distant readers (two or more "
              "stages on)") if long_skips else ""
     return SearchSpace(text=f"segmentations of the chain of {unit} into "
                        f"{_regions_word(problem)} ({shape}), each keeping {kept}{apart}",
-                       cuts="solver", keep="any" if any_keep else "matmuls", nested=nested)
+                       cuts="solver", keep="any" if any_keep else "stage-any" if stage_keep
+                       else "matmuls", nested=nested)

@@ -99,12 +99,16 @@ def test_auto_falls_back_to_baselines_when_exact_solvers_run_out_of_time() -> No
 
 
 @pytest.mark.skipif(not (DATA / "gpt2-medium-b8.problem.json").exists(), reason="no data")
-def test_dp_optimal_on_gpt2_medium_and_beats_baselines() -> None:
+def test_dp_on_gpt2_medium_proves_both_spaces_and_beats_baselines() -> None:
     p = Problem.model_validate_json((DATA / "gpt2-medium-b8.problem.json").read_text())
     unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(p.static_bytes + 0.3 * (unplanned - p.static_bytes))
-    sol = dp.solve(p, budget, 30.0)
-    assert sol.status == Status.OPTIMAL and sol.gap == 0.0
+    coarse = dp.solve(p, budget, 30.0, keep_front=False)  # keep nothing or the matmuls
+    assert coarse.status == Status.OPTIMAL and coarse.gap == 0.0
+    sol = dp.solve(p, budget, 30.0)  # any subset kept: a larger space, its gap proven
+    assert sol.objective_ms < 0.7 * coarse.objective_ms
+    assert sol.bound_ms <= sol.objective_ms and sol.gap < 0.01
+    assert sol.space.keep == "stage-any"
     assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
     for name, solve in baselines.BASELINES.items():
         b = solve(p, budget, 1.0)

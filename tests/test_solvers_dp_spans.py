@@ -15,15 +15,15 @@ from solvers.accounting import Context
 from solvers.testing import transformer
 
 
-def _passes(p, budget: int, span: int, splittable_at: int,
-            monkeypatch: pytest.MonkeyPatch) -> tuple[float, float]:
+def _passes(p, budget: int, span: int, splittable_at: int, monkeypatch: pytest.MonkeyPatch,
+            keep_front: bool = False) -> tuple[float, float]:
     monkeypatch.setattr(dp, "SPLIT_RELAXED_STAGES", splittable_at)
     ctx = Context(p)
-    lay = dp._layout(ctx)
+    lay = dp._layout(ctx, keep_front)
     limit = budget - p.static_bytes
     deadline = time.perf_counter() + 60
-    upper, _, _ = dp._run(ctx, lay, limit, 2000, False, deadline, {}, span)
-    lower, _, _ = dp._run(ctx, lay, limit, 2000, True, deadline, {}, span)
+    upper = dp._run(ctx, lay, limit, 2000, False, deadline, {}, span).found
+    lower = dp._run(ctx, lay, limit, 2000, True, deadline, {}, span).found
     assert lower is not None
     return (upper[0] if upper is not None else float("inf")), lower[0]
 
@@ -36,13 +36,18 @@ def test_capped_spans_bracket_the_optimum(frac: float, splittable_at: int,
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     low_peak = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
     budget = low_peak + int(frac * (store - low_peak))
-    opt = dp.solve(p, budget, 60.0)  # 15 stages: the full space in one pass
+    # 15 stages: the full space in one pass (blocks keep nothing or their matmuls)
+    opt = dp.solve(p, budget, 60.0, keep_front=False)
     assert opt.status == Status.OPTIMAL
+    any_keep = dp.solve(p, budget, 60.0)  # blocks keep any subset: its gap is proven
+    assert any_keep.bound_ms <= any_keep.objective_ms <= opt.objective_ms
     tightest = None
     for span in (1, 2, 3):
         upper, lower = _passes(p, budget, span, splittable_at, monkeypatch)
         assert lower <= opt.objective_ms + 1e-6 <= upper + 2e-6, (span, lower, upper)
         tightest = lower if tightest is None else max(tightest, lower)
+        _, lower = _passes(p, budget, span, splittable_at, monkeypatch, keep_front=True)
+        assert lower <= any_keep.objective_ms + 1e-6, (span, lower)
     # relaxing every length (every kept output in the residue) is the tight bound; the
     # split-safe one leaves unsaved kept outputs out and is much looser (see dp docstring)
     assert tightest > (0.5 if splittable_at else 0.2) * opt.objective_ms or opt.objective_ms == 0

@@ -1,0 +1,242 @@
+"""What a checkpointed region keeps: its keep space, reduced to a Pareto front.
+
+Selective checkpointing may keep any node k of a RECOMPUTE region (`CheckpointPolicy.MUST_SAVE`):
+its outputs stay in the SAC cache from the forward until the rerun reaches k, which then
+runs nothing for it (`simulate`). That changes only the lives of k's own outputs and k's
+rerun step, so over a window of the chain (`accounting.profile_parts`) keeping a set K is
+keeping nothing plus one term per node of K (`KeepSpace.parts`; the tests hold it to
+`profile_parts` and `simulate`):
+
+1. the live bytes at each slot add up (`KeepSpace.delta`: positive while the cache holds
+   what the rerun would make later, negative at k's rerun step by the temporaries it no
+   longer allocates);
+2. the bytes held past the end of the forward add up (`KeepSpace.residue`), and so does the
+   rerun time saved (k's forward time; nodes the early-stopped rerun never runs save none
+   and only hold memory, so they are left out);
+3. the SAC policy's overhead is paid once, whatever K is (`Problem.checkpoint_overhead_ms`).
+
+So a solver needs per region only the keep sets on the Pareto front of (bytes held past
+the forward, rerun time saved) (`pareto_front`): any other set is matched or beaten on both
+by a point of the front, and its live bytes are nowhere below `KeepSpace.floor` (keeping
+nothing plus every negative term), which a lower-bound pass pairs with each point. Kept
+outputs read after the window (`KeepSpace.exports`) change what the next window receives,
+so each subset of those nodes gets its own front (`choices`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from solvers.accounting import Context, WindowParts, profile_parts
+
+__all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "MAX_EXPORTS", "KeepChoice",
+           "KeepSpace", "choices", "pareto_front", "under_caps"]
+
+MAX_EXPORTS = 4  # regions with more kept-and-exported candidates get no keep space
+FRONT_POINTS = 256  # fronts larger than this are thinned to this many memory buckets
+CAP_LEVELS = 4  # `under_caps`: caps on the local peak tried per region
+CAP_POINTS = 16  # ... and the sets kept per cap
+
+
+@dataclass(frozen=True, eq=False)
+class KeepSpace:
+    """The keep sets of region `[x, y)` inside window `[a0, b0)`, as per-node terms.
+
+    `nodes` are the candidates: keepable nodes the rerun runs. Per candidate: `residue`
+    (bytes it adds to those held past the forward), `exports` (storages read after the
+    window that it then holds past the forward), `saved_ms` (the rerun time it saves) and
+    a row of `delta` (what it adds to each slot of `base.local`).
+    """
+
+    base: WindowParts
+    nodes: tuple[int, ...]
+    residue: tuple[int, ...]
+    exports: tuple[frozenset[int], ...]
+    saved_ms: tuple[float, ...]
+    delta: np.ndarray
+    floor: np.ndarray
+
+    @classmethod
+    def analyse(cls, ctx: Context, a0: int, b0: int, x: int, y: int,
+                external: frozenset[int] = frozenset(),
+                skip: frozenset[int] = frozenset()) -> KeepSpace | None:
+        """Per-node terms of region `[x, y)` in window `[a0, b0)` (`profile_parts`'s
+        `external` and `skip`); None when the region never reruns or more than
+        `MAX_EXPORTS` candidates export."""
+        p = ctx.p
+        info = ctx.region(x, y)
+        if not info.packs:
+            return None
+        base = profile_parts(ctx, a0, b0, [info], external, skip)
+        rows = []
+        for k in range(x, info.stop - info.last_not_run):
+            if p.can_keep(k):
+                one = profile_parts(ctx, a0, b0, [ctx.region(x, y, [k])], external, skip)
+                rows.append((k, one.residue_bytes - base.residue_bytes,
+                             one.held_out - base.held_out, float(p.fwd_time_ms[k]),
+                             one.local - base.local))
+        if sum(1 for row in rows if row[2]) > MAX_EXPORTS:
+            return None
+        delta = (np.stack([row[4] for row in rows]) if rows
+                 else np.zeros((0, len(base.local)), dtype=np.int64))
+        nodes, residue, exports, saved = (tuple(col) for col in zip(*[row[:4] for row in rows],
+                                                                    strict=True)) \
+            if rows else ((), (), (), ())
+        return cls(base, nodes, residue, exports, saved, delta,
+                   base.local + np.minimum(delta, 0).sum(axis=0))
+
+    def parts(self, chosen: Iterable[int]) -> WindowParts:
+        """The window's parts when the region keeps candidates `chosen` (indices), without
+        the SAC overhead in `time_ms` (the solver adds the rerun time by position)."""
+        idx = list(chosen)
+        b = self.base
+        return WindowParts(b.local + self.delta[idx].sum(axis=0), b.g_index,
+                           b.residue_bytes + sum(self.residue[i] for i in idx),
+                           b.held_out.union(*(self.exports[i] for i in idx)), b.time_ms)
+
+    def floor_parts(self, residue_bytes: int, held_out: frozenset[int]) -> WindowParts:
+        """Parts no keep set holding `residue_bytes` past the forward beats at any slot."""
+        b = self.base
+        return WindowParts(self.floor, b.g_index, b.residue_bytes + residue_bytes,
+                           b.held_out | held_out, b.time_ms)
+
+
+class KeepChoice(NamedTuple):
+    """One keep option: candidate indices kept (for an optimistic corner of a thinned
+    front, only its exported ones), with the residue and time that option adds and saves."""
+
+    chosen: tuple[int, ...]
+    residue_bytes: int
+    saved_ms: float
+    real: bool
+
+
+def pareto_front(residue: Sequence[int], saved_ms: Sequence[float], *,
+                 max_points: int = FRONT_POINTS, optimistic: bool = False
+                 ) -> tuple[list[tuple[int, float, tuple[int, ...]]], bool]:
+    """The subsets of items (`residue[i]` bytes, `saved_ms[i]`) on the front of least
+    bytes and most time saved, as (bytes, ms, items) in ascending bytes; and whether it
+    was thinned.
+
+    Exact (a 0/1 knapsack's Pareto front, item by item) until it exceeds `max_points`;
+    then it is thinned to one point per memory bucket: the bucket's real point saving the
+    most (`optimistic=False`) or its corner of least bytes and most time saved, beaten by
+    no subset of the bucket (`optimistic=True`: a lower bound, items meaningless).
+
+    >>> [(r, s) for r, s, _ in pareto_front([4, 1, 2], [3.0, 1.0, 1.0])[0]]
+    [(0, 0.0), (1, 1.0), (3, 2.0), (4, 3.0), (5, 4.0), (7, 5.0)]
+    """
+    front: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    thinned = False
+    for i, (r, s) in enumerate(zip(residue, saved_ms, strict=True)):
+        if s <= 0:
+            continue
+        merged = sorted(front + [(fr + r, fs + s, (*items, i)) for fr, fs, items in front],
+                        key=lambda e: (e[0], -e[1]))
+        front = []
+        for e in merged:
+            if not front or e[1] > front[-1][1]:
+                front.append(e)
+        if len(front) > max_points:
+            thinned = True
+            front = _thin(front, max_points, optimistic)
+    return front, thinned
+
+
+def _thin(front: list[tuple], buckets: int, optimistic: bool) -> list[tuple]:
+    """One entry per memory bucket of a front of (bytes, ms, items, ...) tuples (see
+    `pareto_front`)."""
+    lo, hi = front[0][0], front[-1][0]
+    width = max(1, -(-(hi - lo) // buckets))
+    out: list[tuple] = []
+    for _, group in itertools.groupby(front, key=lambda e: (e[0] - lo) // width):
+        members = list(group)
+        best = members[-1]  # times grow along the front: the last saves the most
+        out.append((members[0][0], best[1], ()) if optimistic else best)
+    return out
+
+
+def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int = CAP_LEVELS,
+               max_points: int = CAP_POINTS) -> list[tuple[int, ...]]:
+    """Real keep sets (candidate indices) for tight budgets: per cap on the window's peak
+    (`base.local` plus `outside`, the bytes outside the window per slot, e.g. gradients),
+    from keeping nothing's up to the highest a front point reaches, the sets of a (bytes,
+    time) front built only from sets within the cap (`max_points` per cap; ties go to
+    the lower peak).
+
+    A front point may keep an output that waits in the cache through the rerun's peak; at a
+    budget that binds there, a set off the front fits where it does not. Which sets these
+    are is a heuristic (a set over the cap is dropped, its supersets with it); the lower
+    bound does not rest on it (`KeepSpace.floor`)."""
+    local = space.base.local + (0 if outside is None else outside)
+
+    def peak(vec: np.ndarray) -> int:
+        return int((local + vec).max(initial=0))
+
+    base = peak(np.zeros_like(local))
+    front, _ = pareto_front(space.residue, space.saved_ms)
+    top = max((peak(space.delta[list(items)].sum(axis=0)) for _, _, items in front),
+              default=base)
+    out: list[tuple[int, ...]] = []
+    for q in range(levels):
+        cap = base + (top - base) * q // levels
+        states: list[tuple[int, float, tuple[int, ...], np.ndarray, int]] = [
+            (0, 0.0, (), np.zeros_like(local), base)]
+        for i, (r, ms) in enumerate(zip(space.residue, space.saved_ms, strict=True)):
+            if ms <= 0:
+                continue
+            grown = [(sr + r, sm + ms, (*items, i), vec + space.delta[i])
+                     for sr, sm, items, vec, _ in states]
+            grown = [(*g, pk) for g in grown if (pk := peak(g[3])) <= cap]
+            merged = sorted(states + grown, key=lambda e: (e[0], -e[1], e[4]))
+            states = []
+            for e in merged:
+                if not states or e[1] > states[-1][1]:
+                    states.append(e)
+            if len(states) > max_points:
+                states = _thin(states, max_points, False)
+        out.extend(e[2] for e in states if e[2])
+    return out
+
+
+def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | None = None,
+            also: Iterable[Iterable[int]] = ()) -> tuple[list[KeepChoice], bool]:
+    """The keep options of `space`: per subset of its exporting candidates, the front of
+    the others (`pareto_front`), each point with that subset; and whether any front was
+    thinned (then `optimistic` gives corners, `real=False`, for a lower bound).
+
+    `also` adds real keep sets (candidate indices) unless `optimistic`: a front point
+    beats each on bytes and time but may peak higher inside the window (its outputs wait
+    longer in the cache), so the policies people write by hand are offered as they are.
+    """
+    exporting = [i for i, e in enumerate(space.exports) if e]
+    plain = [i for i, e in enumerate(space.exports) if not e]
+    front, thinned = pareto_front([space.residue[i] for i in plain],
+                                  [space.saved_ms[i] for i in plain],
+                                  max_points=max_points or FRONT_POINTS,
+                                  optimistic=optimistic)
+    out: list[KeepChoice] = []
+    for n in range(len(exporting) + 1):
+        for fixed in itertools.combinations(exporting, n):
+            if fixed and not any(space.saved_ms[i] > 0 for i in fixed):
+                continue
+            r0 = sum(space.residue[i] for i in fixed)
+            s0 = sum(space.saved_ms[i] for i in fixed)
+            for r, s, items in front:
+                real = not (thinned and optimistic)
+                chosen = tuple(sorted((*fixed, *(plain[i] for i in items)))) if real else fixed
+                if chosen or not real:
+                    out.append(KeepChoice(chosen, r0 + r, s0 + s, real))
+    offered = {c.chosen for c in out}
+    for extra in () if optimistic else also:
+        chosen = tuple(sorted(set(extra)))
+        if chosen and chosen not in offered:
+            offered.add(chosen)
+            out.append(KeepChoice(chosen, sum(space.residue[i] for i in chosen),
+                                  sum(space.saved_ms[i] for i in chosen), True))
+    return out, thinned
