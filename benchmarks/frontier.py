@@ -72,6 +72,7 @@ from planner.plan import InfeasibleBudgetError
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("none", "every-layer", "every-2nd", "every-4th", "chen-sqrt-n", "sac-matmuls",
+         "sac-linear",
          "auto-sac-milp", "rockmate")
 QUICK_PEERS = ("none", "every-layer", "sac-matmuls", "auto-sac-milp", "rockmate")
 
@@ -139,6 +140,20 @@ def save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpo
 
 def sac_context() -> Any:
     return create_selective_checkpoint_contexts(save_matmuls_policy)
+
+
+LINEAR_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def save_linear_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The one-line policy users write: keep the linear layers' outputs (``mm``,
+    ``addmm``), recompute attention and everything else."""
+    return (CheckpointPolicy.MUST_SAVE if op in LINEAR_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def sac_linear_context() -> Any:
+    return create_selective_checkpoint_contexts(save_linear_policy)
 
 
 def _first(output: Any) -> Any:
@@ -215,9 +230,10 @@ def peer_context(name: str, zm: zoo.ZooModel) -> contextlib.AbstractContextManag
         size = max(1, round(math.sqrt(n)))
         return checkpointed_blocks(zm.model, zm.block_prefix,
                                    [list(range(i, min(i + size, n))) for i in range(0, n, size)])
-    if name == "sac-matmuls":
+    if name in ("sac-matmuls", "sac-linear"):
         return checkpointed_blocks(zm.model, zm.block_prefix, [[i] for i in range(n)],
-                                   context_fn=sac_context)
+                                   context_fn=sac_context if name == "sac-matmuls"
+                                   else sac_linear_context)
     raise KeyError(name)
 
 

@@ -49,7 +49,8 @@ __all__ = [
     "plot_timeline",
 ]
 
-DEFAULT_BASELINES = ("none", "every_block", "every_2", "every_4", "chen_sqrt", "save_matmuls")
+DEFAULT_BASELINES = ("none", "every_block", "every_2", "every_4", "chen_sqrt", "save_matmuls",
+                     "save_linear")
 
 # colour-blind-safe (Okabe-Ito) colours, one meaning each across all plots
 STORED = "stored"

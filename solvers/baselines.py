@@ -20,7 +20,7 @@ from solvers.schedule import Schedule
 logger = logging.getLogger(__name__)
 
 __all__ = ["BASELINES", "Solver", "chen_greedy", "chen_sqrt", "every_block", "every_k", "none",
-           "save_matmuls", "units"]
+           "save_linear", "save_matmuls", "units"]
 
 Solver = Callable[[Problem, int, float], Solution]
 
@@ -36,7 +36,7 @@ def units(problem: Problem) -> list[tuple[int, int]]:
 
 
 def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
-           solver: str, t0: float, *, keep_matmuls: bool = False) -> Solution:
+           solver: str, t0: float, *, keep: Callable[[int], bool] | None = None) -> Solution:
     regions = [run for a, b in segments for run in problem.recomputable_runs(a, b)]
     if not all(problem.emittable(a, b) for a, b in regions):
         # e.g. Chen's segments of several blocks where no module call spans them
@@ -45,9 +45,9 @@ def _score(problem: Problem, segments: list[tuple[int, int]], budget_bytes: int,
         return Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
                         budget_bytes=budget_bytes, objective_ms=None,
                         solve_time_s=time.perf_counter() - t0)
-    keep = [i for a, b in regions for i in range(a, b)
-            if keep_matmuls and problem.is_matmul(i) and problem.can_keep(i)]
-    schedule = Schedule.from_segments(problem.n_nodes, regions, keep=keep)
+    kept = [i for a, b in regions for i in range(a, b)
+            if keep is not None and keep(i) and problem.can_keep(i)]
+    schedule = Schedule.from_segments(problem.n_nodes, regions, keep=kept)
     sol = Solution.scored(problem, schedule, budget_bytes, solver=solver, started_s=t0)
     if not sol.feasible:
         mfb, exact = min_feasible_budget(problem, exact_max_nodes=0)
@@ -147,7 +147,14 @@ def save_matmuls(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0)
     `Problem.can_keep` (not keepable) are recomputed, not kept.
     """
     return _score(problem, units(problem), budget_bytes, "save_matmuls", time.perf_counter(),
-                  keep_matmuls=True)
+                  keep=problem.is_matmul)
+
+
+def save_linear(problem: Problem, budget_bytes: int, time_limit_s: float = 0.0) -> Solution:
+    """Selective checkpointing per block keeping only the linear layers' outputs (`mm`,
+    `addmm`; attention is recomputed): the one-line policy users write by hand."""
+    return _score(problem, units(problem), budget_bytes, "save_linear", time.perf_counter(),
+                  keep=problem.is_linear)
 
 
 BASELINES: dict[str, Solver] = {
@@ -158,4 +165,5 @@ BASELINES: dict[str, Solver] = {
     "chen_sqrt": chen_sqrt,
     "chen_greedy": chen_greedy,
     "save_matmuls": save_matmuls,
+    "save_linear": save_linear,
 }

@@ -17,6 +17,15 @@ larger than `max_front` are thinned to one entry per memory bucket (`_Front.prun
 upper-bound pass keeps each bucket's fastest real entry, a second, lower-bound pass pairs
 that time with the bucket's least held bytes; the difference is reported as the gap.
 
+Keep fronts (`keep_front`, the default beyond `SUBSET_MAX_NODES` nodes): a region within one
+stage (a layer's call, or one call inside it) may keep any subset of its ops. The upper pass
+offers each point of its Pareto front of (bytes held past the forward, rerun time saved),
+the hand-written policies (linear outputs, matmuls) and sets that stay under a few caps on the
+window's peak (`solvers.keep`), each with its exact window profile; the lower-bound pass
+pairs each front point with the floor no keep set goes below, so its optimum bounds every
+subset. With keep fronts the answer is proven by that second pass (gap reported), not by the
+upper pass alone.
+
 Long chains (more than `FULL_SPAN_STAGES` stages): segments are capped at a span of 16 (8
 beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's upper-bound
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to
@@ -964,9 +973,8 @@ class _Pass:
         out = []
         for choice in keep_choices(space, optimistic=self.optimistic, also=also)[0]:
             keep = frozenset(space.nodes[i] for i in choice.chosen)
-            exported = frozenset().union(*(space.exports[i] for i in choice.chosen))
-            parts = (space.floor_parts(choice.residue_bytes, exported) if self.optimistic
-                     else space.parts(choice.chosen))
+            parts = (space.floor_parts(choice.residue_bytes, choice.exported)
+                     if self.optimistic else space.parts(choice.chosen))
             spec = ((x - a, y - a, tuple(sorted(k - a for k in keep)), ()),)
             if choice.real:
                 out.append(_Option(parts, self._out_rel(parts, a),

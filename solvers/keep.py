@@ -20,7 +20,7 @@ the forward, rerun time saved) (`pareto_front`): any other set is matched or bea
 by a point of the front, and its live bytes are nowhere below `KeepSpace.floor` (keeping
 nothing plus every negative term), which a lower-bound pass pairs with each point. Kept
 outputs read after the window (`KeepSpace.exports`) change what the next window receives,
-so each subset of those nodes gets its own front (`choices`).
+so subsets of those nodes get their own fronts (`choices`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from solvers.accounting import Context, WindowParts, profile_parts
 __all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "MAX_EXPORTS", "KeepChoice",
            "KeepSpace", "choices", "pareto_front", "under_caps"]
 
-MAX_EXPORTS = 4  # regions with more kept-and-exported candidates get no keep space
+MAX_EXPORTS = 4  # up to this many exporting candidates, every subset of them is offered
 FRONT_POINTS = 256  # fronts larger than this are thinned to this many memory buckets
 CAP_LEVELS = 4  # `under_caps`: caps on the local peak tried per region
 CAP_POINTS = 16  # ... and the sets kept per cap
@@ -66,8 +66,7 @@ class KeepSpace:
                 external: frozenset[int] = frozenset(),
                 skip: frozenset[int] = frozenset()) -> KeepSpace | None:
         """Per-node terms of region `[x, y)` in window `[a0, b0)` (`profile_parts`'s
-        `external` and `skip`); None when the region never reruns or more than
-        `MAX_EXPORTS` candidates export."""
+        `external` and `skip`); None when the region never reruns."""
         p = ctx.p
         info = ctx.region(x, y)
         if not info.packs:
@@ -80,8 +79,6 @@ class KeepSpace:
                 rows.append((k, one.residue_bytes - base.residue_bytes,
                              one.held_out - base.held_out, float(p.fwd_time_ms[k]),
                              one.local - base.local))
-        if sum(1 for row in rows if row[2]) > MAX_EXPORTS:
-            return None
         delta = (np.stack([row[4] for row in rows]) if rows
                  else np.zeros((0, len(base.local)), dtype=np.int64))
         nodes, residue, exports, saved = (tuple(col) for col in zip(*[row[:4] for row in rows],
@@ -99,6 +96,13 @@ class KeepSpace:
                            b.residue_bytes + sum(self.residue[i] for i in idx),
                            b.held_out.union(*(self.exports[i] for i in idx)), b.time_ms)
 
+    def choice(self, chosen: Iterable[int]) -> KeepChoice:
+        """The real keep option of candidates `chosen`."""
+        idx = tuple(sorted(set(chosen)))
+        return KeepChoice(idx, sum(self.residue[i] for i in idx),
+                          sum(self.saved_ms[i] for i in idx), True,
+                          frozenset().union(*(self.exports[i] for i in idx)))
+
     def floor_parts(self, residue_bytes: int, held_out: frozenset[int]) -> WindowParts:
         """Parts no keep set holding `residue_bytes` past the forward beats at any slot."""
         b = self.base
@@ -107,13 +111,15 @@ class KeepSpace:
 
 
 class KeepChoice(NamedTuple):
-    """One keep option: candidate indices kept (for an optimistic corner of a thinned
-    front, only its exported ones), with the residue and time that option adds and saves."""
+    """One keep option: candidate indices kept (none for an optimistic corner of a thinned
+    front, `real=False`), the bytes it adds past the forward, the rerun time it saves, and
+    the storages it hands on to the next window."""
 
     chosen: tuple[int, ...]
     residue_bytes: int
     saved_ms: float
     real: bool
+    exported: frozenset[int]
 
 
 def pareto_front(residue: Sequence[int], saved_ms: Sequence[float], *,
@@ -161,8 +167,8 @@ def _thin(front: list[tuple], buckets: int, optimistic: bool) -> list[tuple]:
     return out
 
 
-def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int = CAP_LEVELS,
-               max_points: int = CAP_POINTS) -> list[tuple[int, ...]]:
+def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int | None = None,
+               max_points: int | None = None) -> list[tuple[int, ...]]:
     """Real keep sets (candidate indices) for tight budgets: per cap on the window's peak
     (`base.local` plus `outside`, the bytes outside the window per slot, e.g. gradients),
     from keeping nothing's up to the highest a front point reaches, the sets of a (bytes,
@@ -173,6 +179,7 @@ def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int 
     budget that binds there, a set off the front fits where it does not. Which sets these
     are is a heuristic (a set over the cap is dropped, its supersets with it); the lower
     bound does not rest on it (`KeepSpace.floor`)."""
+    levels, max_points = levels or CAP_LEVELS, max_points or CAP_POINTS
     local = space.base.local + (0 if outside is None else outside)
 
     def peak(vec: np.ndarray) -> int:
@@ -206,37 +213,41 @@ def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int 
 
 def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | None = None,
             also: Iterable[Iterable[int]] = ()) -> tuple[list[KeepChoice], bool]:
-    """The keep options of `space`: per subset of its exporting candidates, the front of
-    the others (`pareto_front`), each point with that subset; and whether any front was
-    thinned (then `optimistic` gives corners, `real=False`, for a lower bound).
+    """The keep options of `space`, and whether a front was thinned.
 
-    `also` adds real keep sets (candidate indices) unless `optimistic`: a front point
-    beats each on bytes and time but may peak higher inside the window (its outputs wait
-    longer in the cache), so the policies people write by hand are offered as they are.
+    Real options (`optimistic=False`): per subset of the exporting candidates (every
+    subset up to `MAX_EXPORTS` of them; beyond, none, each one and all), the front of the
+    others (`pareto_front`), each point with that subset; then `also`, further real sets
+    (candidate indices): a front point beats each on bytes and time but may peak higher
+    inside the window (its outputs wait longer in the cache), so the policies people write
+    by hand are offered as they are.
+
+    Optimistic options (the lower bound): one front over every candidate, each point
+    handing on every storage any candidate exports (`KeepChoice.exported`): the next
+    window then counts none of them, and this one only those its point keeps, so no real
+    set's accounting goes below; corners (`real=False`) where the front was thinned.
     """
-    exporting = [i for i, e in enumerate(space.exports) if e]
+    points = max_points or FRONT_POINTS
+    if optimistic:
+        everything = frozenset().union(*space.exports)
+        front, thinned = pareto_front(space.residue, space.saved_ms, max_points=points,
+                                      optimistic=True)
+        return [KeepChoice(items, r, s, not thinned, everything) for r, s, items in front
+                if items or thinned], thinned
+    exporting = [i for i, e in enumerate(space.exports) if e and space.saved_ms[i] > 0]
     plain = [i for i, e in enumerate(space.exports) if not e]
     front, thinned = pareto_front([space.residue[i] for i in plain],
-                                  [space.saved_ms[i] for i in plain],
-                                  max_points=max_points or FRONT_POINTS,
-                                  optimistic=optimistic)
-    out: list[KeepChoice] = []
-    for n in range(len(exporting) + 1):
-        for fixed in itertools.combinations(exporting, n):
-            if fixed and not any(space.saved_ms[i] > 0 for i in fixed):
-                continue
-            r0 = sum(space.residue[i] for i in fixed)
-            s0 = sum(space.saved_ms[i] for i in fixed)
-            for r, s, items in front:
-                real = not (thinned and optimistic)
-                chosen = tuple(sorted((*fixed, *(plain[i] for i in items)))) if real else fixed
-                if chosen or not real:
-                    out.append(KeepChoice(chosen, r0 + r, s0 + s, real))
+                                  [space.saved_ms[i] for i in plain], max_points=points)
+    subsets = ([c for n in range(len(exporting) + 1)
+                for c in itertools.combinations(exporting, n)]
+               if len(exporting) <= MAX_EXPORTS else
+               [(), *((i,) for i in exporting), tuple(exporting)])
+    out = [space.choice((*fixed, *(plain[i] for i in items)))
+           for fixed in subsets for _, _, items in front if fixed or items]
     offered = {c.chosen for c in out}
-    for extra in () if optimistic else also:
+    for extra in also:
         chosen = tuple(sorted(set(extra)))
         if chosen and chosen not in offered:
             offered.add(chosen)
-            out.append(KeepChoice(chosen, sum(space.residue[i] for i in chosen),
-                                  sum(space.saved_ms[i] for i in chosen), True))
+            out.append(space.choice(chosen))
     return out, thinned

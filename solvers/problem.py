@@ -25,6 +25,7 @@ MATMUL_KINDS = frozenset({
     "mm", "matmul", "bmm", "addmm", "baddbmm", "linear", "conv", "conv1d", "conv2d",
     "conv3d", "convolution", "einsum", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
 })
 # what `nn.Linear` (and HF's Conv1D) run: the outputs a "save linear" policy keeps
 LINEAR_KINDS = frozenset({"mm", "addmm", "linear"})
