@@ -50,7 +50,8 @@ class KeepSpace:
     `nodes` are the candidates: keepable nodes the rerun runs. Per candidate: `residue`
     (bytes it adds to those held past the forward), `exports` (storages read after the
     window that it then holds past the forward), `saved_ms` (the rerun time it saves) and
-    a row of `delta` (what it adds to each slot of `base.local`).
+    a row of `delta` (what it adds to each slot of `base.local`). `floor`: `base.local`
+    plus every negative term, below which no keep set's slots go.
     """
 
     base: WindowParts
@@ -72,19 +73,18 @@ class KeepSpace:
         if not info.packs:
             return None
         base = profile_parts(ctx, a0, b0, [info], external, skip)
-        rows = []
+        nodes, residue, exports, saved, deltas = [], [], [], [], []
         for k in range(x, info.stop - info.last_not_run):
             if p.can_keep(k):
                 one = profile_parts(ctx, a0, b0, [ctx.region(x, y, [k])], external, skip)
-                rows.append((k, one.residue_bytes - base.residue_bytes,
-                             one.held_out - base.held_out, float(p.fwd_time_ms[k]),
-                             one.local - base.local))
-        delta = (np.stack([row[4] for row in rows]) if rows
+                nodes.append(k)
+                residue.append(one.residue_bytes - base.residue_bytes)
+                exports.append(one.held_out - base.held_out)
+                saved.append(float(p.fwd_time_ms[k]))
+                deltas.append(one.local - base.local)
+        delta = (np.stack(deltas) if deltas
                  else np.zeros((0, len(base.local)), dtype=np.int64))
-        nodes, residue, exports, saved = (tuple(col) for col in zip(*[row[:4] for row in rows],
-                                                                    strict=True)) \
-            if rows else ((), (), (), ())
-        return cls(base, nodes, residue, exports, saved, delta,
+        return cls(base, tuple(nodes), tuple(residue), tuple(exports), tuple(saved), delta,
                    base.local + np.minimum(delta, 0).sum(axis=0))
 
     def parts(self, chosen: Iterable[int]) -> WindowParts:
