@@ -51,6 +51,7 @@ from typing import overload
 
 import numpy as np
 
+from solvers.frame import frame_rules, own_packs
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
@@ -202,18 +203,17 @@ class RegionInfo:
     def build(cls, ctx: Context, a: int, b: int, keep: frozenset[int]) -> RegionInfo:
         """Analyse region `[a, b)` with kept nodes `keep`."""
         p = ctx.p
-        own = [i for i in range(a, b) if p.packs[i]]
+        own = own_packs(p, a, b)
         inputs = p.region_inputs(a, b)
         if not own:
             info = cls(a, b, keep, False, 0, -1, None, inputs, 0.0)
             info.kept_ends = {s: (-1, -1, ()) for k in keep for s in p.outputs[k]
                               if s not in ctx.loss}
             return info
-        stop = max(own) + 1
-        not_run = p.stops_before_running[stop - 1]
+        stop, not_run, death = frame_rules(p, own)
         time_ms = float(sum(p.fwd_time_ms[i] for i in range(a, stop - not_run) if i not in keep)
                         + p.checkpoint_overhead_ms(a, stop, keep))
-        info = cls(a, b, keep, True, stop, stop - 1, min(own), inputs, time_ms, not_run)
+        info = cls(a, b, keep, True, stop, stop - 1, death, inputs, time_ms, not_run)
         for i in range(a, stop):
             cached = i in keep
             if not_run and i == stop - 1:  # the rerun stops in its pack: nothing made
@@ -417,26 +417,23 @@ class _NestedAnalysis:
         # frames: a child's packs are its own nodes' saves; the parent's also its children's
         # inputs (saved into it at their entry), so its stop and death depend on them
         self.c_in = [p.region_inputs(ca, cb) for ca, cb, _ in children]
-        c_packs = [[i for i in range(ca, cb) if p.packs[i]] for ca, cb, _ in children]
-        self.c_stop = [max(pk) + 1 if pk else 0 for pk in c_packs]
-        self.c_death = [min(pk) if pk else None for pk in c_packs]
+        self.c_rules = [frame_rules(p, own_packs(p, ca, cb)) for ca, cb, _ in children]
+        self.c_stop = [rules.rerun_stop for rules in self.c_rules]
+        self.c_death = [rules.death for rules in self.c_rules]
         self.inputs = p.region_inputs(a, b)
-        own = [i for i in range(a, b) if i not in self.owner and p.packs[i]]
+        own = own_packs(p, a, b, [(ca, cb) for ca, cb, _ in children])
         with_in = [ci for ci in range(len(children)) if self.c_in[ci]]
-        self.stop = max([i + 1 for i in own] + [children[ci][0] for ci in with_in], default=0)
-        deaths = [self.c_death[ci] for ci in with_in]
-        self.death = min(own + [d for d in deaths if d is not None], default=None)
+        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
+        self.stop, self.parent_not_run, self.death = frame_rules(
+            p, own, [(children[ci][0], self.c_death[ci]) for ci in with_in])
         self.packs = self.death is not None
-        self.trigger = max(own + [self.c_stop[ci] - 1 for ci in with_in if c_packs[ci]]
-                           ) if self.packs else -1
+        self.trigger = max(own + [self.c_stop[ci] - 1 for ci in with_in
+                                  if self.c_death[ci] is not None]) if self.packs else -1
         # reruns: the parent's first (when it happens), then each saving child's
         self.saving = [ci for ci in range(len(children)) if self.c_death[ci] is not None]
         self.rerun_of = {ci: int(self.packs) + t for t, ci in enumerate(self.saving)}
         self.triggers = [self.trigger] * self.packs + [self.c_stop[ci] - 1
                                                        for ci in self.saving]
-        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
-        self.parent_not_run = bool(own) and self.stop == own[-1] + 1 and p.stops_before_running[
-            own[-1]] and all(children[ci][0] != self.stop for ci in with_in)
         self.child_args: dict[int, list[int]] = {}
         for ci in with_in:
             for s in self.c_in[ci]:
@@ -528,7 +525,7 @@ class _NestedAnalysis:
         for ci in self.saving:  # a saving child's own: like a flat region, from its inputs
             ca, _, ckeep = self.children[ci]
             stop = self.c_stop[ci]
-            child_not_run = self.p.stops_before_running[stop - 1]
+            child_not_run = self.c_rules[ci].last_not_run
             self._run(self.rerun_of[ci], ca, stop, ckeep, False, child_not_run)
             for k in ckeep:  # kept past what the child's rerun runs: cached until it dies
                 if k >= stop - child_not_run:

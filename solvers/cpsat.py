@@ -39,6 +39,7 @@ from ortools.sat.python import cp_model
 
 from solvers.accounting import Context, RegionInfo
 from solvers.bounds import memory_lower_bound
+from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
@@ -93,8 +94,8 @@ def candidates(ctx: Context, *, full: bool | None = None,
         for b in cuts[ia + 1:]:
             if not all(p.recomputable[a:b]):
                 break
-            if not any(p.packs[a:b]):
-                continue  # never reruns; STORE is as good (no frame holding its inputs)
+            if not worth_checkpointing(p, a, b):
+                continue  # never reruns; STORE is as good (frame rule 5)
             _check(deadline)
             for keep in _keep_options(p, a, b, full and b - a <= FULL_KEEP_MAX_LEN):
                 out.append(ctx.region(a, b, keep))
@@ -116,7 +117,7 @@ def _span_candidates(ctx: Context, full: bool | None,
     (complete), else with keep = nothing or its matmul-like nodes."""
     p = ctx.p
     spans = [(sp.start, sp.stop) for sp in p.module_spans or ()
-             if all(p.recomputable[sp.start:sp.stop]) and any(p.packs[sp.start:sp.stop])]
+             if worth_checkpointing(p, sp.start, sp.stop)]
     if full is None:
         count = sum(2 ** min(sum(p.can_keep(i) for i in range(a, b)), 30) for a, b in spans)
         full = count <= FULL_MAX_CANDIDATES

@@ -88,6 +88,7 @@ from solvers.accounting import (
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
+from solvers.frame import worth_checkpointing
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
@@ -219,7 +220,7 @@ def compact_stages(problem: Problem, st: list[tuple[int, int]]) -> list[tuple[in
 def _runs(problem: Problem, a: int, b: int) -> list[tuple[int, int]]:
     out = []
     for x, y in problem.recomputable_runs(a, b):
-        if not any(problem.packs[x:y]):
+        if not worth_checkpointing(problem, x, y):
             continue
         while _empty(problem, x):  # leading empty nodes: same memory, rerun time saved
             x += 1
@@ -260,11 +261,6 @@ def _keeps(ctx: Context, a: int, b: int, subsets: bool) -> list[frozenset[int]]:
     return [frozenset(), mm] if mm else [frozenset()]
 
 
-def _usable(p: Problem, x: int, y: int) -> bool:
-    """Whether module span `[x, y)` can be a RECOMPUTE region that reruns."""
-    return all(p.recomputable[x:y]) and any(p.packs[x:y])
-
-
 def _tops(p: Problem, a: int, b: int, single: bool) -> list[tuple[int, int]]:
     """The single top-level regions window `[a, b)` may recompute: with module spans the
     window itself when it is one, else (one stage) each of its largest inner spans; without,
@@ -272,10 +268,10 @@ def _tops(p: Problem, a: int, b: int, single: bool) -> list[tuple[int, int]]:
     if p.module_spans is None:
         runs = _runs(p, a, b)
         return runs if len(runs) == 1 else []
-    if p.emittable(a, b) and _usable(p, a, b):
+    if p.emittable(a, b) and worth_checkpointing(p, a, b):
         return [(a, b)]
     return [(sp.start, sp.stop) for sp in p.spans_within(a, b)
-            if _usable(p, sp.start, sp.stop)] if single else []
+            if worth_checkpointing(p, sp.start, sp.stop)] if single else []
 
 
 def _span_options(ctx: Context, a: int, b: int, single: bool,
@@ -289,13 +285,14 @@ def _span_options(ctx: Context, a: int, b: int, single: bool,
     p = ctx.p
     flat: list[tuple] = [()] if single else []
     nested: list[tuple] = []
-    whole = p.emittable(a, b) and _usable(p, a, b)
-    inner = [(sp.start, sp.stop) for sp in p.spans_within(a, b) if _usable(p, sp.start, sp.stop)]
+    whole = p.emittable(a, b) and worth_checkpointing(p, a, b)
+    inner = [(sp.start, sp.stop) for sp in p.spans_within(a, b)
+             if worth_checkpointing(p, sp.start, sp.stop)]
     tops = _tops(p, a, b, single)
     for x, y in tops:
         flat += [(ctx.region(x, y, keep),) for keep in _keeps(ctx, x, y, subsets)]
         kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y)
-                if _usable(p, sp.start, sp.stop)]
+                if worth_checkpointing(p, sp.start, sp.stop)]
         for keep_matmuls in (False, True):
             spec = [(cx, cy, tuple(i for i in range(cx, cy) if keep_matmuls and p.is_matmul(i)
                                    and p.can_keep(i))) for cx, cy in kids]

@@ -17,25 +17,18 @@ forward temp. A storage instance is freed as soon as nothing holds it:
   freed with its backward like any saved tensor.*
 Saved tensors of nodes inside a RECOMPUTE region are packed as holders: nothing is held.
 
-* Frame death: a frame lives while any SavedVariable packed by its hook lives, i.e. until
-  the backward of its earliest (forward order) own node that saves something, or until its
-  last nested child frame dies; a region whose nodes save nothing frees its inputs right
-  after its forward.
+* Frame death: `solvers.frame` rule 4 (the frame's packs, its children's deaths).
 
 Backward, nodes in reverse order. The first backward of a node that packed into frame F
-(`Problem.packs`) unpacks a holder and reruns F's forward from its first node
-(`_checkpoint_hook.unpack_hook`). Early stop (`_recomputation_hook`): the rerun stops right
-after the last pack the original forward made into F, i.e. after F's last own node that
-saves something, or at the entry of F's last child region with inputs (a child's inputs are
-saved into its parent, rule 2). The stop raises inside that pack, so when it is a node's that
-packs only its inputs (`Problem.stops_before_running`: autograd packs inputs before the op
-runs) the rerun ends before running that node: it allocates and costs nothing, and a kept
-one's SAC entry is never consumed (held until the frame dies). Kept nodes are not re-run
-(the SAC cache returns the stored tensor: no time, no new memory) but their saves still
-count. Rerun-regenerated saved tensors
-are new storages (memory is counted again if the original is still held elsewhere) and live
-until the backward node that saves them has run (rule 4); other rerun tensors are freed
-after their last reader inside the rerun or when the rerun stops.
+(`solvers.frame` rule 1) unpacks a holder and reruns F's forward from its first node
+(`_checkpoint_hook.unpack_hook`), up to its early stop (rule 2), without running the last
+node when the stop raises in a pack made before it runs (rule 3: it allocates and costs
+nothing, and a kept one's SAC entry is never consumed, held until the frame dies). Kept
+nodes are not re-run (the SAC cache returns the stored tensor: no time, no new memory) but
+their saves still count. Rerun-regenerated saved tensors are new storages (memory is counted
+again if the original is still held elsewhere) and live until the backward node that saves
+them has run (torch's checkpoint rule 4); other rerun tensors are freed after their last
+reader inside the rerun or when the rerun stops.
 
 * Nested regions: during a parent's rerun a child runs as a fresh checkpoint whose own
   saves are not kept; its inputs and its kept outputs live until that rerun ends. A child's
@@ -69,6 +62,7 @@ from enum import IntEnum
 from itertools import count
 from typing import NamedTuple
 
+from solvers.frame import frame_rules, own_packs
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
@@ -237,13 +231,9 @@ class _Replay:
         for i in range(r.start, r.stop):
             self.innermost[i] = f
         f.children = [self._build_frame(c, f) for c in r.children]
-        own = [i for i in range(r.start, r.stop) if self.innermost[i] is f and p.packs[i]]
-        entries = [c.region.start for c in f.children if c.inputs]
-        f.rerun_stop = max([i + 1 for i in own] + entries, default=0)
-        f.last_not_run = bool(own) and f.rerun_stop == own[-1] + 1 and \
-            f.rerun_stop not in entries and p.stops_before_running[own[-1]]
-        lives = own + [c.death for c in f.children if c.inputs and c.death is not None]
-        f.death = min(lives, default=None)
+        own = own_packs(p, r.start, r.stop, [(c.start, c.stop) for c in r.children])
+        f.rerun_stop, f.last_not_run, f.death = frame_rules(
+            p, own, [(c.region.start, c.death) for c in f.children if c.inputs])
         return f
 
     # ------------------------------------------------------------ memory

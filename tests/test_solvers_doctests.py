@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["solvers.problem", "solvers.schedule", "solvers.simulate", "solvers.bruteforce"]
+MODULES = ["solvers.problem", "solvers.schedule", "solvers.simulate", "solvers.bruteforce",
+           "solvers.frame", "solvers.keep"]
 
 
 @pytest.mark.parametrize("name", MODULES)
