@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 import math
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -227,7 +229,8 @@ class Plan(_Strict):
         for region in self.regions:
             lines.append(f"  [{region.start:>4}, {region.stop:>4}) {region.mode:<10} "
                          f"{len(region.kept):>5}  "
-                         + (_module_label(region.module) if region.mode == "recompute"
+                         + (_module_label(region.module) + _kept_ops(region.kept)
+                            if region.mode == "recompute"
                             else f"{region.nodes[0]} .. {region.nodes[-1]}"))
             for child in region.children:
                 lines.append(f"      nested [{child.start}, {child.stop}) keep "
@@ -265,6 +268,13 @@ class Plan(_Strict):
                 raise
             raise ValueError(f"{path}: {error}") from error
         return plan
+
+
+def _kept_ops(kept: list[str]) -> str:
+    """`, keeps addmm x4, _softmax`: the ops of kept nodes (`module/op_2` names), counted."""
+    ops = Counter(re.sub(r"_\d+$", "", name.rsplit("/", 1)[-1]) for name in kept)
+    return (", keeps " + ", ".join(op if n == 1 else f"{op} x{n}" for op, n in ops.items())
+            if ops else "")
 
 
 def _module_label(module: str | None) -> str:

@@ -17,8 +17,9 @@ keeping nothing plus one term per node of K (`KeepSpace.parts`; the tests hold i
 
 So a solver needs per region only the keep sets on the Pareto front of (bytes held past
 the forward, rerun time saved) (`pareto_front`): any other set is matched or beaten on both
-by a point of the front, and its live bytes are nowhere below `KeepSpace.floor` (keeping
-nothing plus every negative term), which a lower-bound pass pairs with each point. Kept
+by a point of the front, and its live bytes are nowhere below that point's floor
+(`KeepSpace.floor_for`: keeping nothing plus, slot by slot, the least any set holding as
+many bytes past the forward can add), which a lower-bound pass pairs with each point. Kept
 outputs read after the window (`KeepSpace.exports`) change what the next window receives,
 so subsets of those nodes get their own fronts (`choices`).
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -104,10 +106,36 @@ class KeepSpace:
                           frozenset().union(*(self.exports[i] for i in idx)))
 
     def floor_parts(self, residue_bytes: int, held_out: frozenset[int]) -> WindowParts:
-        """Parts no keep set holding `residue_bytes` past the forward beats at any slot."""
+        """Parts no keep set holding at least `residue_bytes` more past the forward beats,
+        at any slot (`floor_for`)."""
         b = self.base
-        return WindowParts(self.floor, b.g_index, b.residue_bytes + residue_bytes,
-                           b.held_out | held_out, b.time_ms)
+        return WindowParts(self.floor_for(residue_bytes), b.g_index,
+                           b.residue_bytes + residue_bytes, b.held_out | held_out, b.time_ms)
+
+    def floor_for(self, residue_bytes: int) -> np.ndarray:
+        """Per slot, at most what any keep set adding at least `residue_bytes` past the
+        forward leaves live: `base.local` plus, slot by slot, the least the candidates'
+        terms can add while their residues cover `residue_bytes` (a fractional cover,
+        cheapest per byte first: a relaxation, so never above a real set's)."""
+        cost, weight = self._by_ratio
+        if not len(weight):
+            return self.floor
+        before = np.cumsum(weight, axis=0) - weight
+        taken = np.clip((residue_bytes - before) / weight, 0.0, 1.0)
+        # past the cover, what only lowers a slot (a rerun temporary saved) is taken too
+        added = (taken * cost + (1.0 - taken) * np.minimum(cost, 0)).sum(axis=0)
+        free = np.minimum(self.delta[np.asarray(self.residue) <= 0], 0).sum(axis=0)
+        return self.base.local + free + np.floor(added).astype(np.int64)
+
+    @cached_property
+    def _by_ratio(self) -> tuple[np.ndarray, np.ndarray]:
+        """The terms of candidates with a residue, per slot in ascending order of term per
+        residue byte, and their residues in that order (`floor_for`)."""
+        paid = np.asarray(self.residue) > 0
+        cost = self.delta[paid].astype(float)
+        weight = np.asarray(self.residue, dtype=float)[paid]
+        order = np.argsort(cost / weight[:, None], axis=0, kind="stable")
+        return np.take_along_axis(cost, order, axis=0), weight[order]
 
 
 class KeepChoice(NamedTuple):

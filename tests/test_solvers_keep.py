@@ -37,6 +37,9 @@ def test_keeping_a_set_adds_up_its_nodes_terms(p: Problem, data: st.DataObject) 
     assert got.local.tolist() == want.local.tolist()
     assert (got.residue_bytes, got.held_out) == (want.residue_bytes, want.held_out)
     assert (space.floor <= got.local).all()
+    held = sum(space.residue[i] for i in chosen)  # a floor for every set holding as much
+    assert (space.floor_for(held) <= got.local).all()
+    assert (space.floor_for(held // 2) <= space.floor_for(held)).all()
     stop = ctx.region(x, y).stop  # the SAC term counts the ops the rerun runs
     sac = p.checkpoint_overhead_ms(x, stop, [x]) - p.checkpoint_overhead_ms(x, stop)
     saved = sum(space.saved_ms[i] for i in chosen)
