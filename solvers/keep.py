@@ -206,7 +206,7 @@ def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int 
     A front point may keep an output that waits in the cache through the rerun's peak; at a
     budget that binds there, a set off the front fits where it does not. Which sets these
     are is a heuristic (a set over the cap is dropped, its supersets with it); the lower
-    bound does not rest on it (`KeepSpace.floor`)."""
+    bound does not rest on it (`KeepSpace.floor_for`)."""
     levels, max_points = levels or CAP_LEVELS, max_points or CAP_POINTS
     local = space.base.local + (0 if outside is None else outside)
 
