@@ -17,8 +17,9 @@ larger than `max_front` are thinned to one entry per memory bucket (`_Front.prun
 upper-bound pass keeps each bucket's fastest real entry, a second, lower-bound pass pairs
 that time with the bucket's least held bytes; the difference is reported as the gap.
 
-Keep fronts (`keep_front`, the default beyond `SUBSET_MAX_NODES` nodes): a region within one
-stage (a layer's call, or one call inside it) may keep any subset of its ops. The upper pass
+Keep fronts (`keep_front`, the default beyond `SUBSET_MAX_NODES` nodes): a stage's outermost
+region (a layer's call; each call inside a layer that is no call; a stage's recomputable run
+without module spans, `_tops`) may keep any subset of its ops. The upper pass
 offers each point of its Pareto front of (bytes held past the forward, rerun time saved),
 the hand-written policies (linear outputs, matmuls) and sets that stay under a few caps on the
 window's peak (`solvers.keep`), each with its exact window profile; the lower-bound pass

@@ -29,7 +29,7 @@ class SearchSpace(BaseModel):
     the solver itself produced). `keep`: what a region may keep ("any" keepable subset,
     "matmuls": nothing or all its keepable matmul-like nodes, "short-any": any subset in
     regions of at most `FULL_KEEP_MAX_LEN` nodes, else as "matmuls"; "stage-any": any
-    subset in regions within one of the DP's stages, else as "matmuls"). Regions are module
+    subset in the outermost region of one of the DP's stages, else as "matmuls"). Regions are module
     calls whenever the problem has module spans. `nested`: one level of nesting included.
     """
 
@@ -113,11 +113,12 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
                    long_skip_nodes: int = 0, stage_keep: bool = False) -> SearchSpace:
     """The DP's space: segmentations of the chain of stages (membership: its own answers);
     with `long_skips`, no segment holds the producer and a far reader of one of them; with
-    `stage_keep`, a region within one stage keeps any subset of its ops, others nothing or
-    their matmuls."""
+    `stage_keep`, a stage's outermost region keeps any subset of its ops, others nothing or
+    their matmuls (`dp._tops`)."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = ("any subset of its ops" if any_keep else
-            "any subset of its ops when it lies within one stage, else nothing or its matmuls"
+            "any subset of its ops when it is a stage's outermost region, else nothing or its "
+            "matmuls"
             if stage_keep else "nothing or its matmuls")
     unit = "blocks" if problem.blocks() else "ops"
     apart = (f"; none of the {long_skips} tensors read more than {long_skip_nodes} ops after "
