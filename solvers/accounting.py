@@ -423,7 +423,7 @@ class _NestedAnalysis:
         self.inputs = p.region_inputs(a, b)
         own = own_packs(p, a, b, [(ca, cb) for ca, cb, _ in children])
         with_in = [ci for ci in range(len(children)) if self.c_in[ci]]
-        # kept outputs the parent's rerun does not run wait in the SAC cache for the death
+        # `parent_not_run`: kept outputs the rerun does not run wait in the SAC cache
         self.stop, self.parent_not_run, self.death = frame_rules(
             p, own, [(children[ci][0], self.c_death[ci]) for ci in with_in])
         self.packs = self.death is not None
