@@ -27,7 +27,6 @@ from planner.plan import (
     InputSpec,
     Plan,
     PlanMismatchError,
-    PlanRegion,
     SolverReport,
     format_bytes,
 )
@@ -35,7 +34,16 @@ from planner.sharding import Sharding, rank_problem, sharding_for
 from profiles.inputs import normalize_inputs
 from profiles.kernels import attention_kernels
 from profiles.schema import GraphProfile, fingerprint
-from solvers import SOLVERS, Problem, Region, Schedule, Solution, Status, Timeline, simulate
+from solvers import (
+    SOLVERS,
+    ModuleCall,
+    Problem,
+    Save,
+    Schedule,
+    Solution,
+    Status,
+    simulate,
+)
 from solvers.auto import lowest_peak
 from solvers.from_profile import block_calls, problem_from_profile
 from solvers.simulate import optimizer_step_peak
@@ -442,8 +450,8 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
         note = (f"No checkpointing needed: the unplanned step peaks at "
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
         log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
-        return _make_plan(prof, problem, unplanned, Schedule.store_all(problem.n_nodes),
-                          budget_bytes, report, inputs, structure, note, sharding)
+        return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
+                          inputs, structure, note, sharding)
     log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
              len(problem.module_spans or ()), format_bytes(budget_bytes))
     # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
@@ -465,13 +473,12 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
         if lowest.schedule is None or lowest.peak_bytes is None:
             raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
         if lowest.peak_bytes > budget_bytes:
-            at_minimum = _make_plan(prof, problem, unplanned, lowest.schedule,
-                                    lowest.peak_bytes, _report(lowest), inputs, structure,
-                                    sharding=sharding)
+            at_minimum = _make_plan(prof, lowest.schedule, lowest.peak_bytes,
+                                    _report(lowest), inputs, structure, sharding=sharding)
             raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum)
         solution = lowest  # the solver missed a schedule that fits
-    return _make_plan(prof, problem, unplanned, solution.schedule, budget_bytes,
-                      _report(solution), inputs, structure, sharding=sharding)
+    return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
+                      structure, sharding=sharding)
 
 
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -492,12 +499,11 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
     """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
     hand or by another tool; its numbers come from ``simulate`` like every plan's."""
     problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
-    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     timeline = simulate(problem, schedule)
     report = SolverReport(name="given", status=Status.FEASIBLE.value,
                           objective_ms=timeline.recompute_time_ms, bound_ms=None, gap=None,
                           solve_time_s=0.0)
-    return _make_plan(prof, problem, unplanned, schedule,
+    return _make_plan(prof, schedule,
                       timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
                       inputs, structure, sharding=sharding)
 
@@ -537,48 +543,27 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
         peak, bound if bound is not None and bound <= peak else None, at_minimum)
 
 
-def _plan_regions(profile: GraphProfile, regions: tuple[Region, ...]) -> list[PlanRegion]:
-    names = [n.name for n in profile.nodes]
-    paths = {}
+def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall]:
+    """The module call each span of the profile checkpoints: the first (outermost) one
+    where several modules ran the same nodes (a wrapper and the module it wraps)."""
+    targets: dict[tuple[int, int], ModuleCall] = {}
     for call in profile.module_calls:
-        paths.setdefault((call.start, call.stop), call.path)
-    return [PlanRegion(start=r.start, stop=r.stop, mode=r.mode, nodes=names[r.start:r.stop],
-                       module=paths.get((r.start, r.stop)) if r.is_recompute else None,
-                       kept=[names[i] for i in sorted(r.keep)],
-                       children=_plan_regions(profile, r.children)) for r in regions]
+        targets.setdefault((call.start, call.stop), ModuleCall(path=call.path))
+    return targets
 
 
-def _make_plan(profile: GraphProfile, problem: Problem, unplanned: Timeline,
-               schedule: Schedule, budget_bytes: int, report: SolverReport,
-               inputs: list[InputSpec], structure: str, note: str = "",
-               sharding: Sharding | None = None) -> Plan:
-    timeline = simulate(problem, schedule)
-    breakdown = timeline.breakdown
-    return Plan(
-        model_name=profile.model_name,
-        fingerprint=profile.fingerprint,
-        structure_fingerprint=structure,
-        autocast_dtype=profile.autocast_dtype,
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=timeline.peak_bytes,
-        peak_breakdown={"static": breakdown.static_bytes,
-                        "kept_activations": breakdown.kept_activation_bytes,
-                        "recomputed_activations": breakdown.recomputed_activation_bytes,
-                        "gradients": breakdown.gradient_bytes,
-                        "temporaries": breakdown.temp_bytes},
-        peak_at=timeline.peak_label,
-        unplanned_peak_bytes=unplanned.peak_bytes,
-        baseline_step_ms=unplanned.total_time_ms,
-        recompute_ms=timeline.recompute_time_ms,
-        checkpointing=any(r.mode == "recompute" for r in schedule.regions),
-        note=note,
-        solver=report,
-        regions=_plan_regions(profile, schedule.regions),
-        schedule=schedule,
-        inputs=inputs,
-        profile=profile,
-        sharding=sharding,
-    )
+def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
+               report: SolverReport, inputs: list[InputSpec], structure: str,
+               note: str = "", sharding: Sharding | None = None) -> Plan:
+    """The plan of ``schedule``; each checkpoint's target is the module call of its span."""
+    targets = _module_call_targets(profile)
+    missing = [r for r in schedule.recompute_regions() if (r.start, r.stop) not in targets]
+    if missing:
+        raise ValueError(f"the schedule checkpoints nodes [{missing[0].start}, "
+                         f"{missing[0].stop}), which no module call of the profile ran")
+    return Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
+                solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
+                profile=profile, sharding=sharding)
 
 
 # ----------------------------------------------------------------------------- apply
@@ -590,19 +575,16 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
     nodes = plan.profile.nodes
     calls = {(c.start, c.stop, c.path): c for c in plan.profile.module_calls}
     out = []
-
-    def visit(region: PlanRegion) -> None:
-        if region.mode != "recompute":
-            return
-        path = region.module or ""
+    for region in plan.schedule.recompute_regions():  # pre-order: outer before nested
+        path = region.target.path
         call = calls[(region.start, region.stop, path)]
         counter: Counter[str] = Counter()
-        kept = set(region.kept)
         keep_ops = set()
-        for node in nodes[region.start:region.stop]:
+        for k in range(region.start, region.stop):
+            node = nodes[k]
             if node.target in _SAC_UNSEEN:  # never shown to a SAC policy
                 continue
-            if node.name in kept:
+            if region.saves.get(k) is Save.KEEP:
                 keep_ops.add((node.target, counter[node.target]))
             counter[node.target] += 1
         prefix = f"{path}." if path else ""
@@ -610,11 +592,6 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
                               tuple(b.removeprefix(prefix) for b in call.mutated_buffers),
                               tuple(sorted(counter.items())), strict,
                               autocast_dtype=plan.autocast_dtype))
-        for child in region.children:
-            visit(child)
-
-    for region in plan.regions:
-        visit(region)
     return out
 
 

@@ -1,19 +1,21 @@
 """Plan: which module calls to checkpoint, what it is predicted to cost, and its profile.
 
-Plans are data (pydantic, JSON with a schema version). Every number in a plan comes from
-``solvers.simulate`` on the embedded profile, never from a solver's internal model; a plan
-read from a file is checked against itself (``Plan.check``: regions, schedule, profile and
-numbers agree), so an edited or truncated file is refused naming the field.
+Plans are data (pydantic, JSON with a schema version) holding the schedule, the profile and
+the solver's report once. Every number of a plan is derived from them by
+``solvers.simulate``, never taken from a solver's internal model or from the file; a plan
+read from a file is checked against its profile (``Plan.check``: every checkpoint is a call
+the profile ran), so an edited or truncated file is refused naming the field.
 """
 
 from __future__ import annotations
 
 import html
-import math
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -21,19 +23,16 @@ from planner.sharding import Sharding, rank_problem
 from profiles.kernels import attention_kernels
 from profiles.schema import (
     Bytes,
-    Count,
     GraphProfile,
-    Ms,
     Seconds,
     Shape,
-    SignedBytes,
     SignedMs,
     format_bytes,
 )
 from solvers.problem import Problem
-from solvers.schedule import Region, Schedule
+from solvers.schedule import Mode, Region, Schedule
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 GIB = 2**30
 
 # torch dtype names an input spec may name (checked without importing torch)
@@ -92,15 +91,18 @@ class InputSpec(_Strict):
         return dtype
 
 
-class PlanRegion(_Strict):
-    start: Count
-    stop: Count
-    mode: Literal["store", "recompute"]
-    module: str | None = Field(None, description="the module whose call a RECOMPUTE region "
-                               "is ('' is the model itself)")
+class PlanRegion(NamedTuple):
+    """One region of a plan as people read it (derived from the plan's schedule): profile
+    node names instead of indices, the module whose call a RECOMPUTE region checkpoints
+    ('' is the model itself), the nodes it keeps and the checkpoints nested in it."""
+
+    start: int
+    stop: int
+    mode: Mode
+    module: str | None
     nodes: list[str]
-    kept: list[str] = Field(default_factory=list)
-    children: list[PlanRegion] = Field(default_factory=list)
+    kept: list[str]
+    children: list[PlanRegion]
 
 
 class SolverReport(_Strict):
@@ -113,27 +115,33 @@ class SolverReport(_Strict):
     space: str = Field("", description="the schedules the status and gap are proven over")
 
 
+class _Replay(NamedTuple):
+    """What ``simulate`` says of a plan's schedule on its profile (and of no checkpointing)."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_at: str
+    recompute_ms: float
+    unplanned_peak_bytes: int
+    baseline_step_ms: float
+
+
 class Plan(_Strict):
-    """An activation-checkpointing plan for one model, precision, input shapes and budget."""
+    """An activation-checkpointing plan for one model, precision, input shapes and budget.
+
+    It stores the schedule, the profile and the solver's report once; its numbers
+    (``predicted_peak_bytes``, ``recompute_ms``, ...) and its readable ``regions`` are
+    derived from them, by ``simulate`` for the numbers, so they cannot disagree.
+    """
 
     schema_version: int = PLAN_SCHEMA_VERSION
-    model_name: str
-    fingerprint: str = Field(description="the profiled step: ops, module calls, shapes")
     structure_fingerprint: str = Field(description="module tree, parameter and buffer "
                                        "shapes and dtypes: what apply() checks")
-    autocast_dtype: str | None = None
     budget_bytes: Bytes
-    predicted_peak_bytes: Bytes
-    peak_breakdown: dict[str, SignedBytes]
-    peak_at: str
-    unplanned_peak_bytes: Bytes
-    baseline_step_ms: Ms = Field(description="forward + backward, no checkpointing")
-    recompute_ms: Ms
-    checkpointing: bool
     note: str = ""
     solver: SolverReport
-    regions: list[PlanRegion]
-    schedule: Schedule
+    schedule: Schedule = Field(description="the regions; every RECOMPUTE region targets "
+                               "one of the profile's module calls")
     inputs: list[InputSpec]
     profile: GraphProfile
     sharding: Sharding | None = Field(None, description="data-parallel training: the "
@@ -146,6 +154,76 @@ class Plan(_Strict):
             raise ValueError(f"plan schema_version {version} is not {PLAN_SCHEMA_VERSION}: "
                              "re-run planner.optimize() with this version")
         return version
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Plan:
+        """A copy; what it derives is derived again (``update`` may change the schedule)."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("_replay", None)
+        return copied
+
+    @cached_property
+    def _replay(self) -> _Replay:
+        from solvers import simulate
+
+        problem = self.problem()
+        timeline = simulate(problem, self.schedule)
+        unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
+        b = timeline.breakdown
+        return _Replay(timeline.peak_bytes,
+                       {"static": b.static_bytes, "kept_activations": b.kept_activation_bytes,
+                        "recomputed_activations": b.recomputed_activation_bytes,
+                        "gradients": b.gradient_bytes, "temporaries": b.temp_bytes},
+                       timeline.peak_label, timeline.recompute_time_ms,
+                       unplanned.peak_bytes, unplanned.total_time_ms)
+
+    @property
+    def model_name(self) -> str:
+        return self.profile.model_name
+
+    @property
+    def fingerprint(self) -> str:
+        """The profiled step's: ops, module calls, shapes."""
+        return self.profile.fingerprint
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        return self.profile.autocast_dtype
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self._replay.peak_bytes
+
+    @property
+    def peak_breakdown(self) -> dict[str, int]:
+        """What the predicted peak holds: static, kept and recomputed activations, ..."""
+        return dict(self._replay.breakdown)
+
+    @property
+    def peak_at(self) -> str:
+        return self._replay.peak_at
+
+    @property
+    def recompute_ms(self) -> float:
+        return self._replay.recompute_ms
+
+    @property
+    def unplanned_peak_bytes(self) -> int:
+        return self._replay.unplanned_peak_bytes
+
+    @property
+    def baseline_step_ms(self) -> float:
+        """Forward + backward, no checkpointing."""
+        return self._replay.baseline_step_ms
+
+    @property
+    def checkpointing(self) -> bool:
+        return any(r.is_recompute for r in self.schedule.regions)
+
+    @property
+    def regions(self) -> list[PlanRegion]:
+        """The schedule's regions as people read them."""
+        return _plan_regions([n.name for n in self.profile.nodes], self.schedule.regions)
 
     @property
     def predicted_overhead(self) -> float:
@@ -160,30 +238,23 @@ class Plan(_Strict):
                             self.sharding)
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the field where the plan disagrees with itself: its
-        regions with its schedule, either with its profile, or its numbers with a replay."""
-        from solvers import simulate
-
-        names = [n.name for n in self.profile.nodes]
-        if self.schedule.n_nodes != len(names):
+        """Raise ``ValueError`` naming the field where the plan's schedule does not fit its
+        profile: nodes it does not have, a checkpoint on a span no module call ran."""
+        if self.schedule.n_nodes != len(self.profile.nodes):
             raise ValueError(f"schedule: covers {self.schedule.n_nodes} nodes but the "
-                             f"profile has {len(names)}")
-        _check_regions(self.regions, list(self.schedule.regions), names, self.profile,
-                       "regions")
-        problem = self.problem()
+                             f"profile has {len(self.profile.nodes)}")
+        calls = {(c.start, c.stop, c.path) for c in self.profile.module_calls}
+        for k, region in enumerate(self.schedule.recompute_regions()):
+            where = f"schedule: checkpoint {k} [{region.start}, {region.stop})"
+            if region.target is None:
+                raise ValueError(f"{where} has no target module call")
+            if (region.start, region.stop, region.target.path) not in calls:
+                raise ValueError(f"{where}: its target, module {region.target.path!r}, did "
+                                 "not run these nodes in the profile")
         try:
-            timeline = simulate(problem, self.schedule)
+            self._replay  # noqa: B018 (simulates the schedule: the numbers it derives)
         except ValueError as error:
             raise ValueError(f"schedule: {error}") from error
-        for field, value in (("predicted_peak_bytes", timeline.peak_bytes),
-                             ("recompute_ms", timeline.recompute_time_ms)):
-            recorded = getattr(self, field)
-            if not math.isclose(recorded, value, rel_tol=1e-9, abs_tol=1e-9):
-                raise ValueError(f"{field}: the plan says {recorded} but its schedule on its "
-                                 f"profile gives {value}")
-        if self.autocast_dtype != self.profile.autocast_dtype:
-            raise ValueError(f"autocast_dtype: {self.autocast_dtype!r} but the profile ran "
-                             f"under {self.profile.autocast_dtype!r}")
 
     def step_description(self) -> str:
         """The training step the budget holds for: how its gradients start, and whether
@@ -281,38 +352,10 @@ def _module_label(module: str | None) -> str:
     return "<the model>" if module == "" else (module or "?")
 
 
-def _check_regions(regions: list[PlanRegion], expected: list[Region], names: list[str],
-                   profile: GraphProfile, where: str) -> None:
-    if len(regions) != len(expected):
-        raise ValueError(f"{where}: {len(regions)} regions but the schedule has "
-                         f"{len(expected)}")
-    spans = {(c.start, c.stop): c.path for c in profile.module_calls}
-    for k, (region, sched) in enumerate(zip(regions, expected, strict=True)):
-        field = f"{where}[{k}]"
-        if (region.start, region.stop, region.mode) != (sched.start, sched.stop, sched.mode):
-            raise ValueError(f"{field}: [{region.start}, {region.stop}) {region.mode} but the "
-                             f"schedule has [{sched.start}, {sched.stop}) {sched.mode}")
-        if region.nodes != names[region.start:region.stop]:
-            raise ValueError(f"{field}.nodes: not the profile's nodes "
-                             f"{region.start}..{region.stop - 1}")
-        unknown = [name for name in region.kept if name not in names]
-        if unknown:
-            raise ValueError(f"{field}.kept: no node named {unknown[0]!r} in the profile")
-        if sorted(region.kept) != sorted(names[i] for i in sched.keep):
-            raise ValueError(f"{field}.kept: {region.kept} but the schedule keeps "
-                             f"{[names[i] for i in sorted(sched.keep)]}")
-        if region.mode == "recompute" and spans.get((region.start, region.stop)) is None:
-            raise ValueError(f"{field}.module: no module call of the profile spans nodes "
-                             f"[{region.start}, {region.stop})")
-        if region.mode == "recompute" and region.module is not None and \
-                region.module != spans.get((region.start, region.stop)) and not any(
-                    c.path == region.module and (c.start, c.stop) == (region.start,
-                                                                      region.stop)
-                    for c in profile.module_calls):
-            raise ValueError(f"{field}.module: {region.module!r} did not run nodes "
-                             f"[{region.start}, {region.stop})")
-        _check_regions(region.children, list(sched.children), names, profile,
-                       f"{field}.children")
+def _plan_regions(names: list[str], regions: Iterable[Region]) -> list[PlanRegion]:
+    return [PlanRegion(r.start, r.stop, r.mode, r.target.path if r.target else None,
+                       names[r.start:r.stop], [names[i] for i in sorted(r.keep)],
+                       _plan_regions(names, r.children)) for r in regions]
 
 
 def _proof(solver: SolverReport) -> str:

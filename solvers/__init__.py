@@ -11,7 +11,15 @@ from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
 from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
 from solvers.result import Solution, Status
-from solvers.schedule import RECOMPUTE, STORE, Region, Schedule, ScheduleError
+from solvers.schedule import (
+    RECOMPUTE,
+    STORE,
+    ModuleCall,
+    Region,
+    Save,
+    Schedule,
+    ScheduleError,
+)
 from solvers.simulate import Event, PeakBreakdown, SimulationError, Timeline, simulate
 
 SOLVERS: dict[str, Callable[[Problem, int, float], Solution]] = {
@@ -29,11 +37,13 @@ __all__ = [
     "SOLVERS",
     "STORE",
     "Event",
+    "ModuleCall",
     "ModuleSpan",
     "PeakBreakdown",
     "Problem",
     "ProblemError",
     "Region",
+    "Save",
     "Schedule",
     "ScheduleError",
     "SimulationError",

@@ -1,19 +1,22 @@
 """Schedules: the node order cut into consecutive STORE / RECOMPUTE regions.
 
-A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call;
-its `keep` nodes get `CheckpointPolicy.MUST_SAVE` (selective checkpointing) and its
-`children` are checkpoints nested inside it. `keep` names the region's own nodes, i.e. nodes
-not inside a child (a child has its own `keep`).
+A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call
+on its `target` (today a module call). Its decisions are data: `saves` maps some of its own
+nodes (nodes not inside a child; a child has its own `saves`) to what happens to their
+outputs, `Save.KEEP` (`CheckpointPolicy.MUST_SAVE`, selective checkpointing); a node it does
+not name is recomputed. `children` are checkpoints nested inside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-__all__ = ["RECOMPUTE", "STORE", "Mode", "Region", "Schedule", "ScheduleError"]
+__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Region", "Save", "Schedule",
+           "ScheduleError"]
 
 Mode = Literal["store", "recompute"]
 STORE: Mode = "store"
@@ -24,11 +27,31 @@ class ScheduleError(ValueError):
     """A schedule is malformed or does not fit its problem."""
 
 
+class Save(str, Enum):
+    """What a RECOMPUTE region does with one of its nodes' outputs instead of recomputing it
+    (a node a region does not name is recomputed)."""
+
+    KEEP = "keep"  # held from the forward to the backward (SAC MUST_SAVE)
+
+
+class ModuleCall(BaseModel):
+    """A region's target: one call of the module at `path` ('' is the model itself)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["module"] = "module"
+    path: str
+
+
 class Region(BaseModel):
     """Nodes `start..stop-1`, stored or recomputed.
 
+    `keep=` is shorthand for `saves={node: Save.KEEP}`; `.keep` reads the kept nodes back.
+
     >>> Region(0, 3, "recompute", keep=[1]).describe()
     'R[0:3 keep=1]'
+    >>> Region(0, 3, "recompute", saves={1: "keep"}).saves
+    {1: <Save.KEEP: 'keep'>}
     >>> outer = Region(0, 6, "recompute", children=[Region(2, 4, "recompute")])
     >>> [r.describe() for r in outer.walk()]
     ['R[0:6 (R[2:4])]', 'R[2:4]']
@@ -39,29 +62,34 @@ class Region(BaseModel):
     start: int
     stop: int
     mode: Mode = STORE
-    keep: frozenset[int] = frozenset()
+    saves: dict[int, Save] = {}
+    target: ModuleCall | None = None
     children: tuple[Region, ...] = ()
 
     def __init__(self, start: int | None = None, stop: int | None = None,
-                 mode: Mode = STORE, keep: Iterable[int] = frozenset(),
+                 mode: Mode = STORE, keep: Iterable[int] = (),
                  children: Iterable[Region] = (), **data: Any) -> None:
         if start is not None:
             data["start"] = start
         if stop is not None:
             data["stop"] = stop
         data.setdefault("mode", mode)
-        data.setdefault("keep", frozenset(keep))
+        data.setdefault("saves", dict.fromkeys(sorted(keep), Save.KEEP))
         data.setdefault("children", tuple(children))
         super().__init__(**data)
+
+    def __hash__(self) -> int:
+        return hash((self.start, self.stop, self.mode, frozenset(self.saves.items()),
+                     self.target, self.children))
 
     @model_validator(mode="after")
     def _validate(self) -> Region:
         if not 0 <= self.start < self.stop:
             raise ScheduleError(f"region [{self.start}, {self.stop}) is empty or negative.")
-        if self.mode == STORE and (self.keep or self.children):
+        if self.mode == STORE and (self.saves or self.children or self.target):
             raise ScheduleError(
-                f"STORE region [{self.start}, {self.stop}) has keep/children; only RECOMPUTE "
-                f"regions select kept nodes or nest checkpoints."
+                f"STORE region [{self.start}, {self.stop}) has saves/children/a target; only "
+                f"RECOMPUTE regions are checkpoints, decide what they save or nest others."
             )
         pos = self.start
         for c in self.children:
@@ -73,14 +101,26 @@ class Region(BaseModel):
                     f"inside it, sorted and not overlapping its siblings."
                 )
             pos = c.stop
-        for k in self.keep:
+        for k in self.saves:
             if not self.start <= k < self.stop:
-                raise ScheduleError(f"kept node {k} is outside region [{self.start}, {self.stop}).")
+                raise ScheduleError(f"saved node {k} is outside region [{self.start}, "
+                                    f"{self.stop}).")
             if any(c.start <= k < c.stop for c in self.children):
                 raise ScheduleError(
-                    f"kept node {k} lies in a child region; put it in that child's keep."
+                    f"saved node {k} lies in a child region; put it in that child's saves."
                 )
         return self
+
+    @property
+    def keep(self) -> frozenset[int]:
+        """The nodes whose outputs this region keeps (`Save.KEEP`)."""
+        return frozenset(k for k, save in self.saves.items() if save is Save.KEEP)
+
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Region:
+        """This region with every RECOMPUTE region's target looked up by its span."""
+        children = tuple(c.with_targets(target_of) for c in self.children)
+        target = target_of.get((self.start, self.stop)) if self.is_recompute else None
+        return self.model_copy(update={"target": target, "children": children})
 
     @property
     def is_recompute(self) -> bool:
@@ -190,6 +230,10 @@ class Schedule(BaseModel):
                 regions.append(Region(start, i, modes[start]))
                 start = i
         return cls(regions=tuple(regions))
+
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Schedule:
+        """The same schedule, each RECOMPUTE region's target looked up by its span."""
+        return Schedule(regions=tuple(r.with_targets(target_of) for r in self.regions))
 
     def walk(self) -> Iterator[Region]:
         """All regions, pre-order."""

@@ -61,7 +61,9 @@ EDITS: list[tuple[str, Callable[[Plan], Callable[[dict[str, Any]], object]]]] = 
     ("budget_bytes", lambda p: lambda d: d.update(budget_bytes=10**400)),
     ("unplanned_peak_bytes", lambda p: lambda d: d.update(unplanned_peak_bytes=4096.0)),
     ("baseline_step_ms", lambda p: lambda d: d.update(baseline_step_ms=float("inf"))),
-    ("peak_breakdown.static", lambda p: lambda d: d["peak_breakdown"].update(static=10**30)),
+    ("peak_breakdown", lambda p: lambda d: d.update(peak_breakdown={"static": 10**30})),
+    ("schedule.regions.0.stop", lambda p: lambda d: d["schedule"]["regions"][0].update(
+        stop=float("inf"))),
     ("solver.solve_time_s", lambda p: lambda d: d["solver"].update(solve_time_s=float("nan"))),
     ("solver.gap", lambda p: lambda d: d["solver"].update(gap=float("inf"))),
     ("solver.objective_ms", lambda p: lambda d: d["solver"].update(objective_ms=float("nan"))),
@@ -107,9 +109,13 @@ def _checkpoint_another_module(plan: Plan, other: str) -> Callable[[dict[str, An
         mine = next(c for c in calls if (c["start"], c["stop"]) == (region.start, region.stop))
         theirs = next(c for c in calls if c["path"] == other)
         mine["path"], theirs["path"] = other, mine["path"]
-        for r in data["regions"]:
-            if r["module"] == region.module:
-                r["module"] = other
+        def relabel(regions: list[dict[str, Any]]) -> None:
+            for r in regions:
+                if r.get("target") and r["target"]["path"] == region.module:
+                    r["target"]["path"] = other
+                relabel(r["children"])
+
+        relabel(data["schedule"]["regions"])
 
     return edit
 

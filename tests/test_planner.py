@@ -170,14 +170,21 @@ def test_corrupt_or_edited_plan_files_name_the_field(tmp_path: object) -> None:
     open(path, "w").write(text[: len(text) // 2])
     with pytest.raises(pydantic.ValidationError):
         Plan.load(path)
-    recompute = next(i for i, r in enumerate(plan.regions) if r.mode == "recompute")
+    recompute = next(i for i, r in enumerate(plan.schedule.regions) if r.is_recompute)
+
+    def region(data: dict, k: int = recompute) -> dict:
+        return data["schedule"]["regions"][k]
+
     edits = {
         "budget_bytes": lambda d: d.update(budget_bytes="lots"),
-        "mode": lambda d: d["regions"][0].update(mode="sometimes"),
+        "mode": lambda d: region(d, 0).update(mode="sometimes"),
         "dtype": lambda d: d["inputs"][0].update(dtype="float33"),
         "shape": lambda d: d["inputs"][0].update(shape=[-1, 4]),
-        "kept": lambda d: d["regions"][recompute].update(kept=["no-such-node"]),
-        "regions": lambda d: d["regions"][recompute].update(mode="store"),
+        "saves": lambda d: region(d).update(saves={str(region(d)["start"]): "discard"}),
+        "saved node": lambda d: region(d).update(saves={"100000": "keep"}),
+        "target": lambda d: region(d)["target"].update(path="no.such.module"),
+        "STORE region": lambda d: region(d).update(mode="store"),
+        # the numbers are derived from the schedule: a file cannot state its own
         "predicted_peak_bytes": lambda d: d.update(predicted_peak_bytes=1),
     }
     for field, edit in edits.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from solvers import Problem, Region, Schedule, ScheduleError, simulate
+from solvers import ModuleCall, Problem, Region, Save, Schedule, ScheduleError, simulate
 
 
 def test_chain_builder() -> None:
@@ -81,6 +81,27 @@ def test_schedule_helpers_and_errors() -> None:
         Region(0, 2, "recompute", keep={5})
     with pytest.raises(ScheduleError, match="not recomputed"):
         Schedule.from_segments(4, [(0, 2)], keep=[3])
+
+
+def test_a_region_decides_per_saved_node_and_names_its_target() -> None:
+    block = ModuleCall(path="h.0")
+    region = Region(1, 4, "recompute", saves={2: Save.KEEP}, target=block)
+    assert region == Region(1, 4, "recompute", keep=[2], target=block)
+    assert region.keep == {2} and region.saves == {2: Save.KEEP}
+    schedule = Schedule(regions=(Region(0, 1), region))
+    text = schedule.model_dump_json()
+    assert '"saves":{"2":"keep"}' in text and '"path":"h.0"' in text
+    again = Schedule.model_validate_json(text)
+    assert again == schedule and hash(again) == hash(schedule)
+    assert {region, Region(1, 4, "recompute", keep=[3])} != {region}
+    with pytest.raises(ValueError, match="saves"):  # a decision that does not exist
+        Region(1, 4, "recompute", saves={2: "discard"})
+    with pytest.raises(ValueError, match="only RECOMPUTE regions are checkpoints"):
+        Region(0, 1, "store", target=block)
+    with pytest.raises(ValueError, match="child.s saves"):
+        Region(0, 4, "recompute", keep=[2], children=[Region(1, 3, "recompute")])
+    untargeted = Schedule(regions=(Region(0, 1), Region(1, 4, "recompute", keep=[2])))
+    assert untargeted.with_targets({(1, 4): block}) == schedule
 
 
 def test_model_copy_drops_cached_derived_data() -> None:
