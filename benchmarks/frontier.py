@@ -7,9 +7,24 @@ measured. Our plans are made at budgets equal to each peer's measured peak.
     python benchmarks/frontier.py                 # CPU mode (<= 10 min on 2 cores)
     python benchmarks/frontier.py --device cuda   # GPT-2-medium 24x1024, batch 8x1024, fp32
     python benchmarks/frontier.py --quick         # smallest sizes, for the smoke test
+    python benchmarks/frontier.py --autocast bf16 # every step under torch.autocast(bfloat16)
 
-Writes benchmarks/results/frontier-<device>.{json,md,png} (``--out`` to change the folder).
-Every number written is measured in that run (``--models``/``--peers`` for a short run).
+Writes benchmarks/results/frontier-<device>[-bf16].{json,md,png} (``--out`` to change the
+folder). Every number written is measured in that run (``--models``/``--peers`` for a short
+run). With ``--autocast bf16`` every step (peers, ours, the interleaved no-checkpointing
+steps) runs its forward under ``torch.autocast(device, torch.bfloat16)`` and our plans are
+made with ``optimize(..., autocast=torch.bfloat16)``; gradients are compared with the
+no-checkpointing step of the same precision.
+
+Peer "torch.compile" (opt-in: ``--peers compile``) is the model compiled once per
+``activation_memory_budget`` of ``torch._functorch.config`` (its min-cut partitioner then
+recomputes in the backward to keep that share of the saved activations): inductor on CUDA,
+``aot_eager_decomp_partition`` (the same partitioner, no code generation) on CPU. Compiling
+reorders floating point, so its gradients are compared within a relative tolerance
+(``grad_rel_error``: the largest over parameters of ||g - g_ref|| / ||g_ref||), not bit for bit.
+With dropout they are not comparable: inductor draws its own masks, and on the CPU path (torch
+2.14.1) a budget below 1 recomputes dropout in the backward with fresh random numbers (same
+loss, gradients ~80 % off on gpt tiny); ``gpu_suite.py`` runs its model with dropout 0.
 
 Peer "torch auto-SAC (sac_ilp)" is torch's own automatic selective checkpointing
 (``torch.distributed._tools``, needs ``pulp`` and ``pwlf``), run as torch's tests do: one
@@ -65,8 +80,10 @@ from torch.utils.checkpoint import (
 )
 
 import planner
+import planner.measure
 from planner import zoo
 from planner.api import measure_step, replan
+from planner.measure import PeakTracker
 from planner.plan import InfeasibleBudgetError
 
 GIB = 2**30
@@ -75,6 +92,15 @@ PEERS = ("none", "every-layer", "every-2nd", "every-4th", "chen-sqrt-n", "sac-ma
          "sac-linear",
          "auto-sac-milp", "rockmate")
 QUICK_PEERS = ("none", "every-layer", "sac-matmuls", "auto-sac-milp", "rockmate")
+# every peer in the order run ("compile" only when asked for: it compiles once per budget)
+ALL_PEERS = (*PEERS[:PEERS.index("auto-sac-milp")], "compile",
+             *PEERS[PEERS.index("auto-sac-milp"):])
+COMPILE = "torch.compile"
+COMPILE_BUDGETS = (0.5, 0.1)
+# relative gradient error allowed to a compiled step, by autocast dtype (None: fp32)
+GRAD_TOLERANCE: dict[torch.dtype | None, float] = {None: 1e-4, torch.bfloat16: 5e-2,
+                                                   torch.float16: 1e-2}
+TIME_UP = "not run: the run's time limit was reached"
 
 
 # --------------------------------------------------------------------------- models
@@ -249,7 +275,91 @@ def peer_not_run(name: str, device: str) -> str | None:
         return "not run: Rockmate adapter not written for this torch version"
     if name == "auto-sac-milp":
         return auto_sac_not_run()
+    if name == "compile" and not hasattr(torch._functorch.config, "activation_memory_budget"):
+        return (f"not run: torch {torch.__version__} has no "
+                "torch._functorch.config.activation_memory_budget")
     return None
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+class _CompiledRegionTracker(PeakTracker):
+    """PeakTracker that lets Dynamo run compiled code under it: Dynamo runs a frame eagerly
+    while a dispatch mode that does not ignore compile internals is active."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _compiled_code_measured(device: str) -> Iterator[None]:
+    """On CPU, ``measure_step``'s PeakTracker swapped for one under which the compiled code
+    runs (the warm-up step compiled it outside any mode); on CUDA the allocator measures."""
+    if device == "cuda":
+        yield
+        return
+    original = planner.measure.PeakTracker
+    planner.measure.PeakTracker = _CompiledRegionTracker
+    try:
+        yield
+    finally:
+        planner.measure.PeakTracker = original
+
+
+def compile_backend(device: str) -> str:
+    """Inductor on CUDA; on CPU the min-cut partitioner without code generation."""
+    return "inductor" if device == "cuda" else "aot_eager_decomp_partition"
+
+
+def grads_rel_error(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+                    ) -> float:
+    """The largest over parameters of ||g - g_ref|| / ||g_ref|| (absolute where g_ref is 0)."""
+    if reference.keys() != grads.keys():
+        return math.inf
+    worst = 0.0
+    for k, ref in reference.items():
+        diff, scale = float((grads[k].float() - ref.float()).norm()), float(ref.float().norm())
+        worst = max(worst, diff / scale if scale else diff)
+    return worst
+
+
+def compile_peer(zm: zoo.ZooModel, runner: Runner, budgets: tuple[float, ...],
+                 reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
+                 ) -> None:
+    """The model under ``torch.compile`` at each ``activation_memory_budget``: compiled
+    afresh per budget (``torch._dynamo.reset()``), the partition made at the warm-up step
+    inside ``torch._functorch.config.patch``; then measured like the other peers."""
+    backend = compile_backend(runner.device)
+    tolerance = GRAD_TOLERANCE.get(runner.autocast, 5e-2)
+    for budget in budgets:
+        label = f"{COMPILE} (activation_memory_budget {budget:g})"
+        fields: dict[str, Any] = dict(short=f"compile@{budget:g}", backend=backend,
+                                      activation_memory_budget=budget)
+        if runner.out_of_time():
+            row(label, "peer", status=TIME_UP, **fields)
+            continue
+        torch._dynamo.reset()
+        try:
+            with torch._functorch.config.patch(activation_memory_budget=budget), \
+                    _compiled_code_measured(runner.device):
+                compiled = torch.compile(zm.model, backend=backend)
+                began = time.perf_counter()
+                runner.warm_up(compiled)  # compiles forward and backward: the partition
+                fields["compile_s"] = time.perf_counter() - began
+                peak, ms, base, grads = runner.run(compiled)
+        except Exception as error:  # a peer failing is a result to record
+            row(label, "peer", status=f"failed: {type(error).__name__}: {error}"[:300],
+                **fields)
+            continue
+        finally:
+            torch._dynamo.reset()
+        equal, diff = grads_match(reference, grads)
+        rel = grads_rel_error(reference, grads)
+        row(label, "peer", status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
+            grads_equal=equal, grad_max_abs_diff=diff, grad_rel_error=rel,
+            grad_tolerance=tolerance, grads_close=rel <= tolerance, **fields)
 
 
 # --------------------------------------------------------------------------- torch auto-SAC
@@ -318,9 +428,28 @@ class AutoSACStats(NamedTuple):  # NamedTuple: the smoke test loads this file un
     filled: list[str]  # modules given their POST_FW snapshot as backward ones (see below)
 
 
-def collect_auto_sac_stats(zm: zoo.ZooModel, device: str) -> AutoSACStats:
+def _fill_backward_snapshots(mem_tracker: Any) -> list[str]:
+    """A module whose outputs need no gradient (Llama's rotary embedding) has no backward,
+    so MemTracker takes no backward snapshots of it, which aggregate_stats reads; as torch's
+    test_sac_ilp fills in missing POST_BW snapshots, give it its POST_FW one. Returns the
+    modules so filled."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    filled = []
+    for mod_stats in mem_tracker.memory_tracking.values():
+        snapshots = mod_stats.snapshots
+        if _ModState.PRE_BW not in snapshots and _ModState.POST_FW in snapshots:
+            for state in (_ModState.PRE_BW, _ModState.PEAK_BW):
+                snapshots[state] = [copy.deepcopy(snapshots[_ModState.POST_FW][-1])]
+            filled.append(mod_stats.mod_fqn)
+    return filled
+
+
+def collect_auto_sac_stats(zm: zoo.ZooModel, device: str,
+                           autocast: torch.dtype | None = None) -> AutoSACStats:
     """Run one step of a fake-tensor copy of ``zm.model`` under torch's MemTracker,
-    RuntimeEstimator and SACEstimator (as torch's test_sac_ilp does) and aggregate them."""
+    RuntimeEstimator and SACEstimator (as torch's test_sac_ilp does; each forward under
+    ``autocast`` when given) and aggregate them."""
     import numpy as np
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.ilp_utils import (
@@ -328,7 +457,7 @@ def collect_auto_sac_stats(zm: zoo.ZooModel, device: str) -> AutoSACStats:
         get_peak_memory_runtime_baseline,
         parse_module_info,
     )
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.runtime_estimator import RuntimeEstimator
     from torch.distributed._tools.sac_estimator import SACEstimator
 
@@ -352,34 +481,31 @@ def collect_auto_sac_stats(zm: zoo.ZooModel, device: str) -> AutoSACStats:
         mem_tracker = MemTracker()
         mem_tracker.track_external(model)
         with mem_tracker:
-            loss_fn(model(*args, **kwargs)).backward()
+            with autocast_context(device, autocast):
+                loss = loss_fn(model(*args, **kwargs))
+            loss.backward()
         model.zero_grad(set_to_none=True)
-        # a module whose outputs need no gradient (Llama's rotary embedding) has no backward,
-        # so MemTracker takes no backward snapshots of it, which aggregate_stats reads; as
-        # torch's test_sac_ilp fills in missing POST_BW snapshots, give it its POST_FW one
-        filled = []
-        for mod_stats in mem_tracker.memory_tracking.values():
-            snapshots = mod_stats.snapshots
-            if _ModState.PRE_BW not in snapshots and _ModState.POST_FW in snapshots:
-                for state in (_ModState.PRE_BW, _ModState.PEAK_BW):
-                    snapshots[state] = [copy.deepcopy(snapshots[_ModState.POST_FW][-1])]
-                filled.append(mod_stats.mod_fqn)
+        filled = _fill_backward_snapshots(mem_tracker)
 
         runtime_estimator = RuntimeEstimator()
         runtime_estimator(estimate_mode_type=mode)
         if cpu:
             runtime_estimator._estimate = _cpu_operator_benchmark
         with runtime_estimator:
-            loss_fn(model(*args, **kwargs)).backward()
+            with autocast_context(device, autocast):
+                loss = loss_fn(model(*args, **kwargs))
+            loss.backward()
         model.zero_grad(set_to_none=True)
 
         sac_estimator = SACEstimator()
         sac_estimator(estimate_mode_type=mode)
         if cpu:
             sac_estimator._estimate_runtime = _cpu_operator_benchmark
-        with sac_estimator:
+        with sac_estimator, autocast_context(device, autocast):
             out = model(*args, **kwargs)
-        loss_fn(out).backward()
+        with autocast_context(device, autocast):
+            loss = loss_fn(out)
+        loss.backward()
         model.zero_grad(set_to_none=True)
 
     np.random.seed(0)  # pwlf fits the trade-off curves by differential evolution
@@ -470,9 +596,11 @@ def solve_auto_sac(stats: AutoSACStats, budget_bytes: float) -> AutoSACPlan | No
                        policies, widened)
 
 
-def eager_op_names(zm: zoo.ZooModel, fqns: list[str]) -> dict[str, list[str]]:
+def eager_op_names(zm: zoo.ZooModel, fqns: list[str], autocast: torch.dtype | None = None
+                   ) -> dict[str, list[str]]:
     """The ops (less ``OPS_TO_ALWAYS_SKIP``) that each module in ``fqns`` runs in one eager
-    training-mode forward of the real model: the sequence its SAC policy will be asked about.
+    training-mode forward of the real model (under ``autocast`` when given: it adds casts):
+    the sequence its SAC policy will be asked about.
     SACEstimator's, from the fake-tensor run, can differ (on CPU, the math SDPA with dropout
     builds its causal mask with other ops under FakeTensorMode)."""
     from torch.distributed._tools.mod_tracker import ModTracker
@@ -493,7 +621,8 @@ def eager_op_names(zm: zoo.ZooModel, fqns: list[str]) -> dict[str, list[str]]:
 
     args, kwargs = split_inputs(zm.example_inputs)
     state = {k: v.detach().clone() for k, v in zm.model.state_dict().items()}
-    with torch.random.fork_rng(), tracker, Recorder():
+    device = next(zm.model.parameters()).device.type
+    with torch.random.fork_rng(), tracker, Recorder(), autocast_context(device, autocast):
         zm.model(*args, **kwargs)  # output dropped: no backward
     zm.model.load_state_dict(state)  # BatchNorm's running statistics
     return names
@@ -587,15 +716,37 @@ def _planned(model: nn.Module, plan: planner.Plan) -> Iterator[None]:
 # --------------------------------------------------------------------------- measuring
 
 
-class Runner:
-    """Measures one callable module on fixed inputs: peak, gradients, median step time."""
+def autocast_context(device: str, dtype: torch.dtype | None
+                     ) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device, dtype)``, or nothing for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device, dtype=dtype)
 
-    def __init__(self, zm: zoo.ZooModel, device: str, steps: int):
-        self.zm, self.device, self.steps = zm, device, steps
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+class Runner:
+    """Measures one callable module on fixed inputs: peak, gradients, median step time.
+
+    ``autocast``: every step's forward and loss run under ``torch.autocast(dtype)``;
+    ``deadline`` (a ``time.perf_counter()`` value): past it, ``out_of_time()`` says so;
+    ``warmup``: untimed steps of each kind before the timed ones.
+    """
+
+    def __init__(self, zm: zoo.ZooModel, device: str, steps: int,
+                 autocast: torch.dtype | None = None, deadline: float | None = None,
+                 warmup: int = 2):
+        self.zm, self.device, self.steps, self.warmup = zm, device, steps, warmup
+        self.autocast, self.deadline = autocast, deadline
+        self.autocast_name = None if autocast is None else str(autocast).removeprefix("torch.")
         self.args, self.kwargs = split_inputs(zm.example_inputs)
         self.loss_fn = zm.loss_fn or default_loss
         self.state = {k: v.detach().clone() for k, v in zm.model.state_dict().items()}
         self.names = {p: n for n, p in zm.model.named_parameters()}
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def _reset(self) -> None:
         self.zm.model.load_state_dict(self.state)
@@ -610,7 +761,8 @@ class Runner:
             torch.cuda.empty_cache()
         # measure_step names gradients by module.named_parameters(): map to the model's names
         by_name = dict(module.named_parameters())
-        peak, _, grads = measure_step(module, self.args, self.kwargs, self.loss_fn)
+        peak, _, grads = measure_step(module, self.args, self.kwargs, self.loss_fn,
+                                      self.autocast_name)
         return peak, {self.names[by_name[k]]: g for k, g in grads.items()}
 
     def _step_ms(self, module: nn.Module, context: Callable[[], Any]) -> float:
@@ -618,23 +770,31 @@ class Runner:
             if self.device == "cuda":
                 torch.cuda.synchronize()
             begin = time.perf_counter()
-            self.loss_fn(module(*self.args, **self.kwargs)).backward()
+            with autocast_context(self.device, self.autocast):
+                loss = self.loss_fn(module(*self.args, **self.kwargs))
+            loss.backward()
             if self.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - begin) * 1e3
         module.zero_grad(set_to_none=True)
         return elapsed
 
+    def warm_up(self, module: nn.Module) -> None:
+        """One untimed step (e.g. the one that compiles), from the model's initial state."""
+        self._reset()
+        self._step_ms(module, contextlib.nullcontext)
+        self._reset()
+
     def paired_ms(self, module: nn.Module, context: Callable[[], Any]) -> tuple[float, float]:
         """Median step ms of ``module`` under ``context`` and of the model without
-        checkpointing, their steps interleaved (after 2 warm-up steps each), so load from
-        other processes hits both alike."""
+        checkpointing, their steps interleaved (after ``warmup`` warm-up steps each), so load
+        from other processes hits both alike."""
         plain = contextlib.nullcontext
         samples: tuple[list[float], list[float]] = ([], [])
-        for i in range(self.steps + 2):
+        for i in range(self.steps + self.warmup):
             base = self._step_ms(self.zm.model, plain)
             ms = self._step_ms(module, context)
-            if i >= 2:
+            if i >= self.warmup:
                 samples[0].append(ms)
                 samples[1].append(base)
         self._reset()
@@ -674,6 +834,35 @@ def distinct_peaks(rows: list[dict[str, Any]]) -> list[tuple[int, list[str]]]:
     return sorted(budgets)
 
 
+def _aligned_policies(plan: AutoSACPlan, eager: dict[str, list[str]]
+                      ) -> tuple[dict[str, tuple[list[str], list[int]]], dict[str, str]]:
+    """The plan's per-op decisions moved onto each module's eager ops; where some eager ops
+    were not in SACEstimator's record, how many ("misses/ops") by module."""
+    policies, unmatched = {}, {}
+    for fqn, (names, decisions) in plan.policies.items():
+        aligned, misses = align_decisions(names, decisions, eager[fqn])
+        policies[fqn] = (eager[fqn], aligned)
+        if misses:
+            unmatched[fqn] = f"{misses}/{len(aligned)}"
+    return policies, unmatched
+
+
+def _run_auto_sac(zm: zoo.ZooModel, runner: Runner,
+                  policies: dict[str, tuple[list[str], list[int]]], fields: dict[str, Any]
+                  ) -> tuple[int, float, float, dict[str, torch.Tensor]]:
+    """``runner.run`` of the model under the auto-SAC policies."""
+    try:
+        return runner.run(zm.model, functools.partial(auto_sac_modules, zm.model, policies))
+    except RuntimeError as error:
+        if "has been mutated" not in str(error):
+            raise
+        # torch's policy keeps an output that an in-place op then changes: run it with
+        # SAC's opt-in for that, and say so (the gradients are still compared)
+        fields["allow_cache_entry_mutation"] = True
+        return runner.run(zm.model, functools.partial(auto_sac_modules, zm.model, policies,
+                                                      True))
+
+
 def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict[str, Any]],
                   reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
                   ) -> None:
@@ -689,14 +878,17 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
     if not targets:
         row(AUTO_SAC, "peer", status="not run: no other peer's peak to solve it at")
         return
+    if runner.out_of_time():
+        row(AUTO_SAC, "peer", status=TIME_UP)
+        return
     try:
-        stats = collect_auto_sac_stats(zm, device)
+        stats = collect_auto_sac_stats(zm, device, runner.autocast)
     except Exception as error:  # fake-tensor tracing, estimators or pwlf fits that fail
         row(AUTO_SAC, "peer", status=f"not run: torch's estimators failed on this model: "
             f"{type(error).__name__}: {error}"[:300])
         return
     try:
-        eager = eager_op_names(zm, list(stats.sac_stats))
+        eager = eager_op_names(zm, list(stats.sac_stats), runner.autocast)
     except Exception as error:
         row(AUTO_SAC, "peer", status=f"not run: recording the model's eager ops failed: "
             f"{type(error).__name__}: {error}"[:300])
@@ -713,6 +905,9 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
             sac_milp_unmodelled_bytes=offset, sac_milp_no_ac_peak_bytes=stats.model_peak_bytes,
             estimate_mode=stats.estimate_mode, estimators_s=stats.collect_s,
             no_backward_snapshot_modules=stats.filled)
+        if runner.out_of_time():
+            row(label, "peer", status=TIME_UP, **fields)
+            continue
         began = time.perf_counter()
         try:
             plan = solve_auto_sac(stats, target - offset)
@@ -724,12 +919,7 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
                 f"{(target - offset) / GIB:.4f} GiB of its memory model (its no-checkpointing "
                 f"peak: {stats.model_peak_bytes / GIB:.4f} GiB)", **fields)
             continue
-        policies, unmatched = {}, {}
-        for fqn, (names_, decisions) in plan.policies.items():
-            aligned, misses = align_decisions(names_, decisions, eager[fqn])
-            policies[fqn] = (eager[fqn], aligned)
-            if misses:
-                unmatched[fqn] = f"{misses}/{len(aligned)}"
+        policies, unmatched = _aligned_policies(plan, eager)
         planning_s = time.perf_counter() - began + (stats.collect_s if first else 0.0)
         fields.update(
             predicted_peak_bytes=plan.peak_bytes + offset, planning_s=planning_s,
@@ -740,17 +930,7 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
             widened_modules=plan.widened, eager_ops_not_in_sac_estimator=unmatched)
         first = False
         try:
-            try:
-                peak, ms, base, grads = runner.run(
-                    zm.model, functools.partial(auto_sac_modules, zm.model, policies))
-            except RuntimeError as error:
-                if "has been mutated" not in str(error):
-                    raise
-                # torch's policy keeps an output that an in-place op then changes: run it
-                # with SAC's opt-in for that, and say so (the gradients are still compared)
-                fields["allow_cache_entry_mutation"] = True
-                peak, ms, base, grads = runner.run(zm.model, functools.partial(
-                    auto_sac_modules, zm.model, policies, True))
+            peak, ms, base, grads = _run_auto_sac(zm, runner, policies, fields)
         except Exception as error:  # e.g. ops that differ from the recorded eager ones
             row(label, "peer", status=f"failed: {type(error).__name__}: {error}"[:300], **fields)
             continue
@@ -762,14 +942,20 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
 
 
 def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quick: bool,
-                timing: str, peers: list[str] | None = None) -> list[dict[str, Any]]:
+                timing: str, peers: list[str] | None = None, *,
+                autocast: torch.dtype | None = None, deadline: float | None = None,
+                compile_budgets: tuple[float, ...] = COMPILE_BUDGETS, warmup: int = 2
+                ) -> list[dict[str, Any]]:
+    """Every selected peer, then our plans at their measured peaks, on zoo model ``name``.
+    ``autocast``: every step under ``torch.autocast(dtype)``; ``deadline``: a
+    ``time.perf_counter()`` value past which what is left is recorded as not run;
+    ``warmup``: untimed steps before the timed ones."""
     zm = zoo.get(name, **kwargs)
-    runner = Runner(zm, device, steps)
+    runner = Runner(zm, device, steps, autocast, deadline, warmup)
     rows: list[dict[str, Any]] = []
     short = {"batch": "b", "seq_len": "seq", "num_hidden_layers": "L", "n_layer": "L"}
     model_label = f"{zm.name} " + " ".join(f"{short.get(k, k)}{v}" for k, v in kwargs.items()
                                            if k not in ("device", "size"))
-    reference: dict[str, torch.Tensor] = {}
 
     def row(strategy: str, kind: str, **fields: Any) -> dict[str, Any]:
         out = {"model": model_label, "strategy": strategy, "kind": kind, **fields}
@@ -781,44 +967,60 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
 
     selected = QUICK_PEERS if quick else PEERS
     if peers is not None:  # "none" always: it is the reference for gradients and memory
-        selected = tuple(p for p in PEERS if p == "none" or p in peers)
+        selected = tuple(p for p in ALL_PEERS if p == "none" or p in peers)
+    reference: dict[str, torch.Tensor] = {}
     for peer in selected:
-        reason = peer_not_run(peer, device)
+        reason = peer_not_run(peer, device) or (TIME_UP if runner.out_of_time() else None)
         if reason:
-            row(AUTO_SAC if peer == "auto-sac-milp" else peer, "peer", status=reason)
-            continue
-        if peer == "auto-sac-milp":
+            row({"auto-sac-milp": AUTO_SAC, "compile": COMPILE}.get(peer, peer), "peer",
+                status=reason)
+        elif peer == "auto-sac-milp":
             auto_sac_peer(zm, runner, device, rows, reference, row)
-            continue
-        try:
-            peak, ms, base, grads = runner.run(zm.model, functools.partial(peer_context, peer, zm))
-        except Exception as error:  # a peer failing is a result to record
-            row(peer, "peer", status=f"failed: {type(error).__name__}: {error}"[:300])
-            continue
-        if peer == "none":
-            reference = grads
-        equal, diff = grads_match(reference, grads)
-        row(peer, "peer", status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
-            grads_equal=equal,
-            grad_max_abs_diff=diff)
+        elif peer == "compile":
+            compile_peer(zm, runner, compile_budgets, reference, row)
+        else:
+            grads = eager_peer(peer, zm, runner, reference, row)
+            reference = grads if peer == "none" and grads is not None else reference
+    our_plans(zm, runner, timing, rows, reference, row)
+    return rows
 
-    # our plans, one per distinct peer peak (torch auto-SAC's included): the first via
-    # optimize() (profile + solve, timed), the others reuse its profile (replan, timed)
-    budgets = distinct_peaks(rows)
+
+def eager_peer(peer: str, zm: zoo.ZooModel, runner: Runner,
+               reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
+               ) -> dict[str, torch.Tensor] | None:
+    """Measure one hand-written peer strategy; its gradients (None if it failed)."""
+    try:
+        peak, ms, base, grads = runner.run(zm.model, functools.partial(peer_context, peer, zm))
+    except Exception as error:  # a peer failing is a result to record
+        row(peer, "peer", status=f"failed: {type(error).__name__}: {error}"[:300])
+        return None
+    equal, diff = grads_match(grads if peer == "none" else reference, grads)
+    row(peer, "peer", status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
+        grads_equal=equal, grad_max_abs_diff=diff)
+    return grads
+
+
+def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str, Any]],
+              reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]) -> None:
+    """Our plans, one per distinct peer peak (torch auto-SAC's and torch.compile's included):
+    the first via optimize() (profile + solve, timed), the others reuse its profile (replan,
+    timed). Planned under the runner's autocast, and run under it."""
     first: planner.Plan | None = None
-    for budget, peers in budgets:
+    for budget, peers in distinct_peaks(rows):
         label = f"ours @ {'/'.join(peers)}"
+        if runner.out_of_time():
+            row(label, "ours", status=TIME_UP, budget_bytes=budget)
+            continue
         began = time.perf_counter()
         try:
             if first is None:
-                plan = planner.optimize(zm.model, zm.example_inputs, budget_gb=1e6,
-                                        loss_fn=zm.loss_fn, timing=timing, progress=False)
-                first = plan
-                plan = replan(first, budget_bytes=budget)
+                first = planner.optimize(zm.model, zm.example_inputs, budget_gb=1e6,
+                                         loss_fn=zm.loss_fn, timing=timing, progress=False,
+                                         autocast=runner.autocast)
                 how = f"optimize(timing={timing!r})"
             else:
-                plan = replan(first, budget_bytes=budget)
                 how = "replan (profile reused)"
+            plan = replan(first, budget_bytes=budget)
         except InfeasibleBudgetError as error:
             row(label, "ours", status=f"infeasible: {error.args[0][:200]}", budget_bytes=budget)
             continue
@@ -834,8 +1036,7 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
             peak_error=(plan.predicted_peak_bytes - peak) / peak,
             within_budget=peak <= budget, planning_s=planning_s, planning_how=how,
             solver=plan.solver.name, solver_status=plan.solver.status,
-            grads_equal=equal, grad_max_abs_diff=diff)
-    return rows
+            autocast_dtype=plan.autocast_dtype, grads_equal=equal, grad_max_abs_diff=diff)
 
 
 # --------------------------------------------------------------------------- output
@@ -845,17 +1046,25 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f} %"
 
 
+def _grads_word(r: dict[str, Any]) -> str:
+    if "grads_close" in r and not r["grads_equal"]:  # compiled: within a tolerance
+        return (f"{'close' if r['grads_close'] else 'NOT CLOSE'} (rel. error "
+                f"{r['grad_rel_error']:.1e}, tolerance {r['grad_tolerance']:g})")
+    return "equal" if r["grads_equal"] else "DIFFER"
+
+
 def format_row(r: dict[str, Any]) -> str:
     if r.get("status") != "ok":
         return f"  {r['model']:<24} {r['strategy']:<28} {r['status']}"
     return (f"  {r['model']:<24} {r['strategy']:<28} peak {r['peak_bytes'] / GIB:8.4f} GiB  "
             f"step {r['step_ms']:8.1f} ms  {_pct(r.get('overhead')):>9}  "
-            f"grads {'equal' if r['grads_equal'] else 'DIFFER'}")
+            f"grads {_grads_word(r)}")
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Frontier on {result['device_name']} (torch {result['torch']}, "
-             f"{result['date']}, {result['mode']} mode, {result['steps']} timed steps)", "",
+    lines = [f"# Frontier on {result['device_name']} ({result.get('precision', 'fp32')}, "
+             f"torch {result['torch']}, {result['date']}, {result['mode']} mode, "
+             f"{result['steps']} timed steps)", "",
              "| model | strategy | peak GiB | step ms | no-ckpt ms | overhead | budget GiB "
              "| within | predicted GiB | pred. error | planning s | grads equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -868,6 +1077,8 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         planned = "within_budget" in r  # ours, and torch's auto-SAC
         grads = "yes" if r["grads_equal"] else f"no (max diff {r['grad_max_abs_diff']:.2e})"
+        if "grads_close" in r and not r["grads_equal"]:
+            grads = _grads_word(r)
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['peak_bytes'] / GIB:.4f} | "
             f"{r['step_ms']:.1f} | {r['base_step_ms']:.1f} | {_pct(r.get('overhead'))} | "
@@ -888,6 +1099,16 @@ def markdown(result: dict[str, Any]) -> str:
               "(MemTracker, RuntimeEstimator, SACEstimator on a fake-tensor step). The JSON "
               "rows hold its decisions (`ac_decisions`, `saved_ops`) and the adaptations made "
               "(see frontier.py's docstring)."]
+    if any(r["strategy"].startswith(COMPILE) for r in result["rows"]):
+        lines += ["", f"{COMPILE} (activation_memory_budget b): the model compiled once per "
+                  "budget (backend in the JSON rows, `compile_s` its compile time, not in the "
+                  "step time); its gradients are compared within a tolerance (rel. error: the "
+                  "largest over parameters of ||g - g_ref|| / ||g_ref||), since compiling "
+                  "reorders floating point."]
+    if result.get("precision", "fp32") != "fp32":
+        lines += ["", f"Every step ran under `torch.autocast({result['autocast']})`; our plans "
+                  f"were made with `optimize(..., autocast=torch.{result['autocast']})`; "
+                  "gradients are compared with the no-checkpointing step of that precision."]
     return "\n".join(lines) + "\n"
 
 
@@ -910,8 +1131,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for r in peers:
             x, y = r["peak_bytes"] / GIB, 100 * r.get("overhead", 0.0)
             ax.scatter(x, y, s=60, marker="s", zorder=3)
-            ax.annotate(r["strategy"], (x, y), textcoords="offset points", xytext=(6, 6),
-                        fontsize=9)
+            ax.annotate(r.get("short", r["strategy"]), (x, y), textcoords="offset points",
+                        xytext=(6, 6), fontsize=9)
         if auto:
             ax.plot([r["peak_bytes"] / GIB for r in auto],
                     [100 * r.get("overhead", 0.0) for r in auto], "^--", color="m",
@@ -930,11 +1151,47 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(models):]:
         ax.axis("off")
-    fig.suptitle(f"Memory/time frontier: {result['device_name']}, torch {result['torch']}, "
+    fig.suptitle(f"Memory/time frontier: {result['device_name']}, "
+                 f"{result.get('precision', 'fp32')}\ntorch {result['torch']}, "
                  f"{result['date']}", fontsize=12)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def make_result(device: str, mode: str, steps: int, timing: str, autocast: torch.dtype | None,
+                started: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document of one run (``started``: its ``time.perf_counter()`` start)."""
+    return {
+        "torch": torch.__version__, "device": device, "device_name": device_name(device),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "mode": mode, "steps": steps, "timing": timing,
+        "precision": precision_name(autocast),
+        "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
+        "python": platform.python_version(), "wall_s": time.perf_counter() - started,
+        "rows": rows,
+    }
+
+
+def write_result(result: dict[str, Any], out: Path, stem: str) -> None:
+    """``out/stem.{json,md,png}``, and the table on the terminal."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    table = markdown(result)
+    (out / f"{stem}.md").write_text(table)
+    plot(result, out / f"{stem}.png")
+    print()
+    print(table)
+    print(f"wrote {out / stem}.{{json,md,png}}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -944,41 +1201,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="smallest sizes, 2 timed steps")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (7; --quick 2)")
     parser.add_argument("--timing", default="measure", choices=["measure", "estimate"])
+    parser.add_argument("--autocast", default=None, choices=sorted(AUTOCAST),
+                        help="run every step under torch.autocast(this dtype)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--models", nargs="*", default=None, help="zoo names to keep")
-    parser.add_argument("--peers", nargs="*", default=None, choices=PEERS,
+    parser.add_argument("--peers", nargs="*", default=None, choices=ALL_PEERS,
                         help="peer strategies to run ('none' always runs)")
     opts = parser.parse_args(argv)
     steps = opts.steps or (2 if opts.quick else 7)
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
+    autocast = AUTOCAST.get(opts.autocast)
     started = time.perf_counter()
-    device_name = (torch.cuda.get_device_name() if opts.device == "cuda"
-                   else f"CPU {platform.processor() or platform.machine()}, "
-                        f"{torch.get_num_threads()} threads")
     rows: list[dict[str, Any]] = []
     for name, kwargs in cases(opts.device, opts.quick):
         if opts.models and name not in opts.models:
             continue
         print(f"== {name} {kwargs}", flush=True)
         rows += bench_model(name, kwargs, opts.device, steps, opts.quick, opts.timing,
-                            opts.peers)
-    result = {
-        "torch": torch.__version__, "device": opts.device, "device_name": device_name,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "mode": "quick" if opts.quick else "full", "steps": steps, "timing": opts.timing,
-        "python": platform.python_version(), "wall_s": time.perf_counter() - started,
-        "rows": rows,
-    }
-    opts.out.mkdir(parents=True, exist_ok=True)
-    stem = f"frontier-{opts.device}" + ("-quick" if opts.quick else "")
-    (opts.out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    table = markdown(result)
-    (opts.out / f"{stem}.md").write_text(table)
-    plot(result, opts.out / f"{stem}.png")
-    print()
-    print(table)
-    print(f"wrote {opts.out / stem}.{{json,md,png}}")
+                            opts.peers, autocast=autocast)
+    result = make_result(opts.device, "quick" if opts.quick else "full", steps, opts.timing,
+                         autocast, started, rows)
+    stem = (f"frontier-{opts.device}" + (f"-{opts.autocast}" if opts.autocast else "")
+            + ("-quick" if opts.quick else ""))
+    write_result(result, opts.out, stem)
     return result
 
 

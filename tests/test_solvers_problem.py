@@ -98,7 +98,7 @@ def test_a_region_decides_per_saved_node_and_names_its_target() -> None:
         Region(1, 4, "recompute", saves={2: "discard"})
     with pytest.raises(ValueError, match="only RECOMPUTE regions are checkpoints"):
         Region(0, 1, "store", target=block)
-    with pytest.raises(ValueError, match="child.s saves"):
+    with pytest.raises(ValueError, match="put it in that child"):
         Region(0, 4, "recompute", keep=[2], children=[Region(1, 3, "recompute")])
     untargeted = Schedule(regions=(Region(0, 1), Region(1, 4, "recompute", keep=[2])))
     assert untargeted.with_targets({(1, 4): block}) == schedule

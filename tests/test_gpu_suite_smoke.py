@@ -1,0 +1,106 @@
+"""Smoke test of benchmarks/gpu_suite.py --tiny: the GPU suite's code path, run on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from profiles.schema import GraphProfile
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+
+
+def _load_suite() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_suite_bench", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gpu_suite")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only wait on each other
+    try:
+        done = _load_suite().main(["--tiny", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    return out, done
+
+
+def _rows(out: Path, precision: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    result = json.loads((out / f"frontier-cpu-tiny-{precision}.json").read_text())
+    return result, result["rows"]
+
+
+def test_files_written(suite_run: tuple[Path, dict[str, Any]]) -> None:
+    out, done = suite_run
+    for precision in ("fp32", "bf16"):
+        assert (out / f"frontier-cpu-tiny-{precision}.md").read_text().startswith("# Frontier")
+        assert (out / f"frontier-cpu-tiny-{precision}.png").stat().st_size > 0
+        result, _ = _rows(out, precision)
+        assert result["precision"] == precision and result["suite"]["compile_budgets"]
+    # the record part wrote loadable per-op profiles into --out, not profiles/recorded/
+    assert sorted(p.name for p in done["record"]) == ["gpt-tiny-bf16.cpu.json",
+                                                     "gpt-tiny.cpu.json"]
+    for path in done["record"]:
+        assert path.parent == out and GraphProfile.load(path).nodes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rows_measured_and_planned(suite_run: tuple[Path, dict[str, Any]],
+                                   precision: str) -> None:
+    _, rows = _rows(suite_run[0], precision)
+    assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible")) for r in rows)
+    measured = [r for r in rows if r["status"] == "ok"]
+    for r in measured:
+        assert r["peak_bytes"] > 0 and r["step_ms"] > 0, r["strategy"]
+    eager = [r for r in measured if r["kind"] == "peer" and "grads_close" not in r]
+    ours = [r for r in measured if r["kind"] == "ours"]
+    assert {r["strategy"] for r in eager} == {"none", "every-layer", "sac-linear"}
+    assert ours, "no plan of ours was measured"
+    # gradients bit-identical to the no-checkpointing step of the same precision
+    for r in eager + ours:
+        assert r["grads_equal"], f"{precision} {r['strategy']}: gradients differ"
+    for r in ours:
+        assert r["peak_bytes"] <= r["budget_bytes"], r["strategy"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compile_peer(suite_run: tuple[Path, dict[str, Any]], precision: str) -> None:
+    _, rows = _rows(suite_run[0], precision)
+    compiled = [r for r in rows if r["strategy"].startswith("torch.compile")]
+    assert len(compiled) == 1, "one compile budget in --tiny"
+    row = compiled[0]
+    assert row["status"].startswith(("ok", "failed", "not run")), row["status"]
+    if row["status"] != "ok":
+        return  # a failing compile is a recorded result
+    assert row["activation_memory_budget"] == 0.5
+    assert row["backend"] == "aot_eager_decomp_partition"
+    assert row["grad_rel_error"] <= row["grad_tolerance"] and row["grads_close"]
+    # the compiled code ran while measured: its partition keeps less than eager does
+    none = next(r for r in rows if r["strategy"] == "none")
+    assert row["peak_bytes"] < none["peak_bytes"]
+    # and our planner planned at its peak like at any other peer's
+    assert any(r["kind"] == "ours" and "compile@0.5" in r["strategy"] for r in rows)
+
+
+def test_bf16_ran_under_autocast(suite_run: tuple[Path, dict[str, Any]]) -> None:
+    fp32, fp32_rows = _rows(suite_run[0], "fp32")
+    bf16, bf16_rows = _rows(suite_run[0], "bf16")
+    assert fp32["autocast"] is None and bf16["autocast"] == "bfloat16"
+    assert all(r["autocast_dtype"] == "bfloat16" for r in bf16_rows
+               if r["kind"] == "ours" and r["status"] == "ok")
+    assert all(r["autocast_dtype"] is None for r in fp32_rows
+               if r["kind"] == "ours" and r["status"] == "ok")
+    # bf16 activations: the no-checkpointing step holds less than in fp32
+    peak = {name: next(r["peak_bytes"] for r in rows if r["strategy"] == "none")
+            for name, rows in (("fp32", fp32_rows), ("bf16", bf16_rows))}
+    assert peak["bf16"] < peak["fp32"]
