@@ -85,6 +85,7 @@ from planner import zoo
 from planner.api import measure_step, replan
 from planner.measure import PeakTracker
 from planner.plan import InfeasibleBudgetError
+from solvers import Problem, Schedule, baselines, simulate
 
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -981,8 +982,81 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         else:
             grads = eager_peer(peer, zm, runner, reference, row)
             reference = grads if peer == "none" and grads is not None else reference
-    our_plans(zm, runner, timing, rows, reference, row)
+    first = our_plans(zm, runner, timing, rows, reference, row)
+    if first is not None:
+        replay_peers(zm, first, rows)
     return rows
+
+
+def peer_schedule(peer: str, problem: Problem, n_blocks: int) -> Schedule | None:
+    """The schedule hand-written peer ``peer`` runs, on our profile's problem (None for
+    peers the simulator does not replay, or when the profile's blocks are not the model's
+    ``n_blocks`` layers)."""
+    blocks = baselines.units(problem)
+    if len(blocks) != n_blocks:
+        return None
+    keep = {"sac-matmuls": problem.is_matmul, "sac-linear": problem.is_linear}.get(peer)
+    if peer == "none":
+        segments: list[tuple[int, int]] = []
+    elif peer == "every-layer" or keep is not None:
+        segments = blocks
+    elif peer in ("every-2nd", "every-4th"):
+        step = 2 if peer == "every-2nd" else 4
+        segments = blocks[step - 1::step]
+    elif peer == "chen-sqrt-n":
+        size = max(1, round(math.sqrt(n_blocks)))
+        segments = [(blocks[i][0], blocks[min(i + size, n_blocks) - 1][1])
+                    for i in range(0, n_blocks, size)]
+    else:
+        return None
+    regions = [run for a, b in segments for run in problem.recomputable_runs(a, b)]
+    kept = [i for a, b in regions for i in range(a, b)
+            if keep is not None and keep(i) and problem.can_keep(i)]
+    return Schedule.from_segments(problem.n_nodes, regions, keep=kept)
+
+
+def replay_peers(zm: zoo.ZooModel, plan: planner.Plan, rows: list[dict[str, Any]]) -> None:
+    """Each measured hand-written peer replayed by our simulator on our profile (its
+    predicted peak and overhead: ``schedule``), and each plan of ours marked with the peers
+    whose schedule it is (``same_plan_as``): those pairs can only tie."""
+    problem = plan.problem()
+    n_blocks = len(zm.model.get_submodule(zm.block_prefix))
+    schedules: dict[str, str] = {}
+    for r in rows:
+        if r["kind"] != "peer" or r.get("status") != "ok":
+            continue
+        schedule = peer_schedule(r["strategy"], problem, n_blocks)
+        if schedule is None:
+            continue
+        timeline = simulate(problem, schedule)
+        schedules[r["strategy"]] = r["schedule"] = schedule.describe()
+        r["predicted_peak_bytes_replayed"] = timeline.peak_bytes
+        r["predicted_overhead"] = timeline.recompute_time_ms / plan.baseline_step_ms
+    for r in rows:
+        if r["kind"] == "ours" and "plan_schedule" in r:
+            r["same_plan_as"] = [peer for peer, text in schedules.items()
+                                 if text == r["plan_schedule"]]
+
+
+def pairings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each plan of ours against each measured peer whose peak was its budget: the two
+    measured overheads, and whether the two run the same schedule (a tie within noise)."""
+    peers = {r.get("short", r["strategy"]): r for r in rows
+             if r["kind"] == "peer" and r.get("status") == "ok" and r["strategy"] != "none"}
+    out = []
+    for r in rows:
+        if r["kind"] != "ours" or r.get("status") != "ok":
+            continue
+        for name in r["strategy"].removeprefix("ours @ ").split("/"):
+            peer = peers.get(name)
+            if peer is None:
+                continue
+            out.append(dict(model=r["model"], peer=name, ours=r["overhead"],
+                            theirs=peer["overhead"],
+                            predicted_ours=r.get("predicted_overhead"),
+                            predicted_theirs=peer.get("predicted_overhead"),
+                            same_plan=name in r.get("same_plan_as", ())))
+    return out
 
 
 def eager_peer(peer: str, zm: zoo.ZooModel, runner: Runner,
@@ -1001,10 +1075,11 @@ def eager_peer(peer: str, zm: zoo.ZooModel, runner: Runner,
 
 
 def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str, Any]],
-              reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]) -> None:
+              reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
+              ) -> planner.Plan | None:
     """Our plans, one per distinct peer peak (torch auto-SAC's and torch.compile's included):
     the first via optimize() (profile + solve, timed), the others reuse its profile (replan,
-    timed). Planned under the runner's autocast, and run under it."""
+    timed). Planned under the runner's autocast, and run under it. Returns the first."""
     first: planner.Plan | None = None
     for budget, peers in distinct_peaks(rows):
         label = f"ours @ {'/'.join(peers)}"
@@ -1036,7 +1111,10 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
             peak_error=(plan.predicted_peak_bytes - peak) / peak,
             within_budget=peak <= budget, planning_s=planning_s, planning_how=how,
             solver=plan.solver.name, solver_status=plan.solver.status,
-            autocast_dtype=plan.autocast_dtype, grads_equal=equal, grad_max_abs_diff=diff)
+            autocast_dtype=plan.autocast_dtype, grads_equal=equal, grad_max_abs_diff=diff,
+            plan_schedule=plan.schedule.describe(),
+            predicted_overhead=plan.predicted_overhead)
+    return first
 
 
 # --------------------------------------------------------------------------- output
@@ -1105,11 +1183,34 @@ def markdown(result: dict[str, Any]) -> str:
                   "step time); its gradients are compared within a tolerance (rel. error: the "
                   "largest over parameters of ||g - g_ref|| / ||g_ref||), since compiling "
                   "reorders floating point."]
+    lines += pairing_lines(result.get("pairings", []))
     if result.get("precision", "fp32") != "fp32":
         lines += ["", f"Every step ran under `torch.autocast({result['autocast']})`; our plans "
                   f"were made with `optimize(..., autocast=torch.{result['autocast']})`; "
                   "gradients are compared with the no-checkpointing step of that precision."]
     return "\n".join(lines) + "\n"
+
+
+def pairing_lines(pairs: list[dict[str, Any]]) -> list[str]:
+    """The pairings of our plans with the peers at whose peak they were made: how many,
+    how many run the peer's own schedule, and where ours measured slower, the predictions."""
+    if not pairs:
+        return []
+    differ = [p for p in pairs if not p["same_plan"]]
+    wins = [p for p in differ if p["ours"] < p["theirs"]]
+    lines = ["", "## Ours against each peer at that peer's peak", "",
+             f"{len(pairs)} pairings; in {len(pairs) - len(differ)} our plan is the peer's "
+             f"own schedule (a tie within noise). Of the {len(differ)} where the plans "
+             f"differ, ours measured a lower overhead in {len(wins)}. Predicted: the peer "
+             "replayed by our simulator on our profile (blank: a peer it does not replay)."]
+    losses = [p for p in differ if p not in wins]
+    if losses:
+        lines += ["", "| model | peer | ours measured | peer measured | ours predicted "
+                  "| peer predicted |", "|---|---|---|---|---|---|"]
+        lines += [f"| {p['model']} | {p['peer']} | {_pct(p['ours'])} | {_pct(p['theirs'])} "
+                  f"| {_pct(p['predicted_ours'])} | {_pct(p['predicted_theirs'])} |"
+                  for p in losses]
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -1178,7 +1279,7 @@ def make_result(device: str, mode: str, steps: int, timing: str, autocast: torch
         "precision": precision_name(autocast),
         "autocast": None if autocast is None else str(autocast).removeprefix("torch."),
         "python": platform.python_version(), "wall_s": time.perf_counter() - started,
-        "rows": rows,
+        "rows": rows, "pairings": pairings(rows),
     }
 
 

@@ -36,6 +36,14 @@ def test_frontier_quick(tmp_path: Path) -> None:
     for r in ours:
         assert r["peak_bytes"] <= r["budget_bytes"], (
             f"{r['strategy']}: measured {r['peak_bytes']} B over budget {r['budget_bytes']} B")
+    # our simulator replays the hand-written peers on our profile; where our plan is a
+    # peer's own schedule (no checkpointing at the unplanned peak) the pair is a tie
+    every_layer = next(r for r in peers if r["strategy"] == "every-layer")
+    assert every_layer["schedule"].count("R[") == 2 and every_layer["predicted_overhead"] > 0
+    at_none = [r for r in ours if "none" in r["strategy"].removeprefix("ours @ ").split("/")]
+    assert at_none and all("none" in r["same_plan_as"] for r in at_none)
+    assert {p["peer"] for p in result["pairings"]} >= {"every-layer", "sac-matmuls"}
+    assert "Ours against each peer" in (tmp_path / "frontier-cpu-quick.md").read_text()
     # strategies that cannot run here are recorded with a reason, not dropped
     assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible"))
                for r in result["rows"])
