@@ -85,7 +85,7 @@ from planner import zoo
 from planner.api import measure_step, replan
 from planner.measure import PeakTracker
 from planner.plan import InfeasibleBudgetError
-from solvers import Problem, Schedule, baselines, simulate
+from solvers import Problem, Schedule, SimulationError, baselines, simulate
 
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -1028,7 +1028,11 @@ def replay_peers(zm: zoo.ZooModel, plan: planner.Plan, rows: list[dict[str, Any]
         schedule = peer_schedule(r["strategy"], problem, n_blocks)
         if schedule is None:
             continue
-        timeline = simulate(problem, schedule)
+        try:
+            timeline = simulate(problem, schedule)
+        except SimulationError as error:  # e.g. Chen's segments of several layers
+            r["not_replayed"] = str(error)[:200]
+            continue
         schedules[r["strategy"]] = r["schedule"] = schedule.describe()
         r["predicted_peak_bytes_replayed"] = timeline.peak_bytes
         r["predicted_overhead"] = timeline.recompute_time_ms / plan.baseline_step_ms
@@ -1041,14 +1045,14 @@ def replay_peers(zm: zoo.ZooModel, plan: planner.Plan, rows: list[dict[str, Any]
 def pairings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each plan of ours against each measured peer whose peak was its budget: the two
     measured overheads, and whether the two run the same schedule (a tie within noise)."""
-    peers = {r.get("short", r["strategy"]): r for r in rows
+    peers = {(r["model"], r.get("short", r["strategy"])): r for r in rows
              if r["kind"] == "peer" and r.get("status") == "ok" and r["strategy"] != "none"}
     out = []
     for r in rows:
         if r["kind"] != "ours" or r.get("status") != "ok":
             continue
         for name in r["strategy"].removeprefix("ours @ ").split("/"):
-            peer = peers.get(name)
+            peer = peers.get((r["model"], name))
             if peer is None:
                 continue
             out.append(dict(model=r["model"], peer=name, ours=r["overhead"],
