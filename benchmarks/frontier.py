@@ -83,6 +83,7 @@ import planner
 import planner.measure
 from planner import zoo
 from planner.api import measure_step, replan
+from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
 from planner.plan import InfeasibleBudgetError
 from solvers import Problem, Schedule, SimulationError, baselines, simulate
@@ -707,11 +708,23 @@ def auto_sac_modules(model: nn.Module, policies: dict[str, tuple[list[str], list
 
 @contextlib.contextmanager
 def _planned(model: nn.Module, plan: planner.Plan) -> Iterator[None]:
+    """``plan`` applied around one step. A planned call checks its op stream against the
+    plan on its first training call after ``apply`` (a selective-checkpoint dispatch mode
+    over its ops); a training loop applies once, so that check runs on the first step only,
+    here too: the timed steps do not pay it (before, every timed step did)."""
     planner.apply(model, plan)
+    key = (plan.fingerprint, plan.schedule.describe())
+    if key in _OPS_CHECKED:
+        for wrapper in checkpointed_modules(model).values():
+            wrapper.checked = True
     try:
         yield
+        _OPS_CHECKED.add(key)
     finally:
         planner.remove(model)
+
+
+_OPS_CHECKED: set[tuple[str, str]] = set()  # plans whose op streams were checked once
 
 
 # --------------------------------------------------------------------------- measuring

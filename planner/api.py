@@ -451,7 +451,7 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
         log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
         return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
-                          inputs, structure, note, sharding)
+                          inputs, structure, note, sharding, problem)
     log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
              len(problem.module_spans or ()), format_bytes(budget_bytes))
     # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
@@ -474,11 +474,12 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
             raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
         if lowest.peak_bytes > budget_bytes:
             at_minimum = _make_plan(prof, lowest.schedule, lowest.peak_bytes,
-                                    _report(lowest), inputs, structure, sharding=sharding)
+                                    _report(lowest), inputs, structure, sharding=sharding,
+                                    problem=problem)
             raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum)
         solution = lowest  # the solver missed a schedule that fits
     return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
-                      structure, sharding=sharding)
+                      structure, sharding=sharding, problem=problem)
 
 
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
@@ -505,7 +506,7 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
                           solve_time_s=0.0)
     return _make_plan(prof, schedule,
                       timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
-                      inputs, structure, sharding=sharding)
+                      inputs, structure, sharding=sharding, problem=problem)
 
 
 def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest: Solution,
@@ -554,16 +555,19 @@ def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleC
 
 def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                report: SolverReport, inputs: list[InputSpec], structure: str,
-               note: str = "", sharding: Sharding | None = None) -> Plan:
-    """The plan of ``schedule``; each checkpoint's target is the module call of its span."""
+               note: str = "", sharding: Sharding | None = None,
+               problem: Problem | None = None) -> Plan:
+    """The plan of ``schedule``; each checkpoint's target is the module call of its span.
+    ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
     targets = _module_call_targets(profile)
     missing = [r for r in schedule.recompute_regions() if (r.start, r.stop) not in targets]
     if missing:
         raise ValueError(f"the schedule checkpoints nodes [{missing[0].start}, "
                          f"{missing[0].stop}), which no module call of the profile ran")
-    return Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
+    plan = Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
                 solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
                 profile=profile, sharding=sharding)
+    return plan.reusing(problem) if problem is not None else plan
 
 
 # ----------------------------------------------------------------------------- apply

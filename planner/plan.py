@@ -159,8 +159,15 @@ class Plan(_Strict):
                    deep: bool = False) -> Plan:
         """A copy; what it derives is derived again (``update`` may change the schedule)."""
         copied = super().model_copy(update=update, deep=deep)
-        copied.__dict__.pop("_replay", None)
+        for derived in ("_replay", "_problem"):
+            copied.__dict__.pop(derived, None)
         return copied
+
+    def reusing(self, problem: Problem) -> Plan:
+        """This plan, taking ``problem`` as what ``problem()`` would build (the caller built
+        it from this plan's profile and sharding) rather than building it again."""
+        self.__dict__["_problem"] = problem
+        return self
 
     @cached_property
     def _replay(self) -> _Replay:
@@ -232,6 +239,10 @@ class Plan(_Strict):
 
     def problem(self) -> Problem:
         """The step the plan's numbers replay: its profile, as one rank runs it."""
+        return self._problem
+
+    @cached_property
+    def _problem(self) -> Problem:
         from solvers.from_profile import problem_from_profile
 
         return rank_problem(problem_from_profile(self.profile), self.profile.static,

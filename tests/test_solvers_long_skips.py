@@ -82,7 +82,9 @@ def test_long_skips_keep_a_random_dag_from_fusing() -> None:
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     chen = SOLVERS["chen_sqrt"](p, 10**18, 1.0).peak_bytes
     budget = (chen + store) // 2
-    sol = dp.solve(p, budget, 30.0)
+    # the flat space (no keep fronts): it is the detaching that is tested, and with keep
+    # fronts the solve would stop at its time limit here, its gap depending on the machine
+    sol = dp.solve(p, budget, 30.0, keep_front=False)
     assert sol.feasible and sol.peak_bytes <= budget
     assert sol.status in (Status.OPTIMAL, Status.FEASIBLE) and sol.gap is not None
     assert sol.gap < 0.10
