@@ -82,6 +82,8 @@ class Row:
     state_kept: bool = False
     solver: str = ""
     regions: int = 0
+    offloads: int = 0  # offloaded module calls (planned with offload=True)
+    offloaded_bytes: int = 0
     solve_s: float = 0.0
     profile_s: float = 0.0
     named_minimum_bytes: int | None = None
@@ -492,6 +494,8 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
     row.buffers_equal = same_state(after, base_after)
     row.solver = f"{plan.solver.name} ({plan.solver.status})"
     row.regions = len(plan.schedule.recompute_regions())
+    row.offloads = len(plan.schedule.offloads)
+    row.offloaded_bytes = plan.offloaded_bytes
     judge(row, plan.budget_bytes)
 
 
@@ -514,11 +518,13 @@ def judge(row: Row, budget_bytes: int) -> None:
 def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
                time_limit_s: float = 20.0, timing: str = "estimate",
                autocast: torch.dtype | None = None,
-               enforce_time_limit: bool = True) -> list[Row]:
+               enforce_time_limit: bool = True, offload: bool = False,
+               device: str | None = None) -> list[Row]:
     """Plan, apply and measure ``case`` at static + each fraction of its activations,
-    profiled, planned and run under ``autocast`` (None: full precision). A solve over
-    ``time_limit_s`` is a failure when ``enforce_time_limit`` (benchmarks; tests on a shared
-    machine do not judge wall time)."""
+    profiled, planned and run under ``autocast`` (None: full precision), with ``offload``
+    allowed. A solve over ``time_limit_s`` is a failure when ``enforce_time_limit``
+    (benchmarks; tests on a shared machine do not judge wall time). ``device``: the device
+    the times are estimated for (None: the profiler's default)."""
     precision = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast]
     try:
         zm = case.build()
@@ -536,7 +542,8 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
         started = time.perf_counter()
         with quiet():
             profiled = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
-                                     timing=timing, autocast=autocast, progress=False)
+                                     timing=timing, autocast=autocast, progress=False,
+                                     device=device)
         base.profile_s = time.perf_counter() - started
     except Exception as error:  # a crash is a finding, not the end of the run
         base.budget, base.outcome = "all", f"profile crashed: {type(error).__name__}: {error}"
@@ -559,7 +566,8 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
         row.budget_bytes = int(static + fraction * (unplanned - static))
         rows.append(row)
         try:
-            plan = _solve(profiled, row.budget_bytes, time_limit_s, row, enforce_time_limit)
+            plan = _solve(profiled, row.budget_bytes, time_limit_s, row, enforce_time_limit,
+                          offload)
         except InfeasibleBudgetError as error:
             row.named_minimum_bytes = error.min_budget_bytes
             row.note = f"minimum {format_bytes(error.min_budget_bytes)}"
@@ -570,7 +578,7 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
             row = minimum
             try:
                 plan = _solve(profiled, error.min_budget_bytes, time_limit_s, row,
-                              enforce_time_limit)
+                              enforce_time_limit, offload)
             except InfeasibleBudgetError as again:
                 row.failures.append(f"the named minimum is infeasible too: {again}")
                 row.outcome = "minimum refused"
@@ -596,10 +604,11 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
 
 
 def _solve(profiled: ProfiledStep, budget: int, time_limit_s: float, row: Row,
-           enforce_time_limit: bool = True) -> Plan:
+           enforce_time_limit: bool = True, offload: bool = False) -> Plan:
     started = time.perf_counter()
     try:
-        return solve(profiled, budget_bytes=budget, time_limit_s=time_limit_s)
+        return solve(profiled, budget_bytes=budget, time_limit_s=time_limit_s,
+                     offload=offload)
     finally:
         row.solve_s = time.perf_counter() - started
         if enforce_time_limit and row.solve_s > time_limit_s:

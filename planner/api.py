@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import numbers
+import os
 import statistics
 import time
 import warnings
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 import profiles
 from planner.emit import RegionSpec, checkpointed_modules, install_checkpoints, remove_checkpoints
+from planner.offload import install_offload, offloaded_modules, remove_offload, suspended_offload
 from planner.plan import (
     GIB,
     InfeasibleBudgetError,
@@ -44,6 +46,7 @@ from solvers import (
     Status,
     simulate,
 )
+from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
 from solvers.from_profile import block_calls, problem_from_profile
 from solvers.simulate import optimizer_step_peak
@@ -282,9 +285,11 @@ def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
 
 def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
           budget_bytes: int | None = None, solver: str = "auto",
-          time_limit_s: float = 60.0) -> Plan:
+          time_limit_s: float = 60.0, offload: bool = False,
+          host_budget_gb: float | None = None) -> Plan:
     """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
-    call it as often as you like, each call solves without profiling.
+    call it as often as you like, each call solves without profiling. ``offload`` and
+    ``host_budget_gb`` as in :func:`optimize`.
 
     >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
     >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
@@ -296,7 +301,8 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
     _check_solver_options(solver, time_limit_s)
     plan = plan_for_profile(profiled.profile, budget, profiled.inputs, profiled.structure,
                             solver=solver, time_limit_s=time_limit_s,
-                            sharding=profiled.sharding)
+                            sharding=profiled.sharding,
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb))
     if profiled.notes:
         plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
                                                                       *profiled.notes]))})
@@ -321,6 +327,8 @@ def optimize(
     sharding: str | None = None,
     shard_modules: list[str] | None = None,
     progress: bool = True,
+    offload: bool = False,
+    host_budget_gb: float | None = None,
 ) -> Plan:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
@@ -348,18 +356,58 @@ def optimize(
     and the recipe is apply the plan, ``fully_shard`` each unit, then the model
     (:mod:`planner.sharding` says what a rank holds).
 
+    Offload: ``offload=True`` lets the plan send the saved activations of some module calls
+    to host memory during the forward and prefetch them back for the backward
+    (:mod:`planner.offload`, saved-tensor hooks), choosing keep, recompute and offload
+    together; ``host_budget_gb`` bounds the host memory that takes (default: half the
+    machine's physical memory, ``default_host_budget_bytes``, as pinned memory cannot be
+    swapped out). The plan says which calls, how many bytes, and the predicted copy time
+    and stall (``plan.offloads``, ``plan.stall_ms``).
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
     """
     budget = _budget_bytes(budget_gb)
     _check_solver_options(solver, time_limit_s)
+    host_budget = host_budget_arg(offload, host_budget_gb)
     profiled = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                              autocast=autocast, grad_accumulation=grad_accumulation,
                              timing=timing, device=device, execution=execution,
                              world_size=world_size, sharding=sharding,
                              shard_modules=shard_modules, progress=progress)
-    return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s)
+    return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
+                 offload=host_budget is not None,
+                 host_budget_gb=None if host_budget is None else host_budget / GIB)
+
+
+def default_host_budget_bytes() -> int:
+    """Host memory offload may take by default: half the machine's physical memory (pinned
+    pages cannot be swapped out; the rest stays for the OS, data loading and the host-side
+    optimizer)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * GIB
+    return total // 2
+
+
+def host_budget_arg(offload: bool, host_budget_gb: float | None) -> int | None:
+    """The host budget in bytes when offloading (None: no offload), checked."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be True or False, got {offload!r}")
+    if host_budget_gb is not None and not offload:
+        raise ValueError("host_budget_gb is given but offload is False; pass offload=True to "
+                         "let the plan use host memory")
+    if not offload:
+        return None
+    if host_budget_gb is None:
+        return default_host_budget_bytes()
+    if isinstance(host_budget_gb, bool) or not isinstance(host_budget_gb, numbers.Real) or \
+            not math.isfinite(host_budget_gb) or host_budget_gb < 0:
+        raise ValueError(f"host_budget_gb must be a number of GiB (2**30 bytes), 0 or more, "
+                         f"got {host_budget_gb!r}")
+    return int(host_budget_gb * GIB)
 
 
 def _check_solver_options(solver: str, time_limit_s: float) -> None:
@@ -384,24 +432,31 @@ def _budget_arg(budget_gb: float | None, budget_bytes: int | None) -> int:
 
 @contextlib.contextmanager
 def _plan_suspended(model: nn.Module) -> Iterator[bool]:
-    """Take a plan already applied off ``model`` (its checkpoints and guard) and put the
-    same objects back after: profiling sees the model as it runs without a plan, and the
-    old plan stays installed until ``apply`` replaces it. Yields whether there was one."""
+    """Take a plan already applied off ``model`` (its checkpoints, offload hooks and guard)
+    and put the same objects back after: profiling sees the model as it runs without a
+    plan, and the old plan stays installed until ``apply`` replaces it. Yields whether
+    there was one."""
     wrappers = checkpointed_modules(model)
     guards = [model._forward_pre_hooks[key] for key in _guards(model)]
-    if not wrappers and not guards:
+    if not wrappers and not guards and not offloaded_modules(model):
         yield False
         return
-    remove(model)
-    try:
-        yield True
-    finally:
-        for wrapper in wrappers.values():
-            wrapper.module.forward = wrapper
-        for guard in guards:
-            model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
-            for config in guard.restore_use_cache:
-                config.use_cache = False
+    with suspended_offload(model):
+        remove(model)
+        try:
+            yield True
+        finally:
+            _put_back(model, wrappers, guards)
+
+
+def _put_back(model: nn.Module, wrappers: dict[str, Any], guards: list[PlanGuard]) -> None:
+    """The checkpoints and guard `_plan_suspended` took off."""
+    for wrapper in wrappers.values():
+        wrapper.module.forward = wrapper
+    for guard in guards:
+        model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+        for config in guard.restore_use_cache:
+            config.use_cache = False
 
 
 @contextlib.contextmanager
@@ -438,8 +493,10 @@ def _report(solution: Solution) -> SolverReport:
 
 def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
                      structure: str, *, solver: str = "auto", time_limit_s: float = 60.0,
-                     sharding: Sharding | None = None) -> Plan:
-    """The solving half of :func:`optimize`, for a profile already taken."""
+                     sharding: Sharding | None = None,
+                     host_budget_bytes: int | None = None) -> Plan:
+    """The solving half of :func:`optimize`, for a profile already taken;
+    ``host_budget_bytes``: offload within it (None: no offload)."""
     started = time.perf_counter()
     problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
@@ -463,7 +520,7 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
     # the optimizer step after the backward peaks the same under every schedule: a budget
     # below it is infeasible whatever the solvers find for forward and backward
     if optimizer_step_peak(problem) <= budget_bytes:
-        solution = SOLVERS[solver](problem, budget_bytes, left)
+        solution = _solve(problem, budget_bytes, left, solver, host_budget_bytes)
     else:
         solution = Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
                             budget_bytes=budget_bytes, objective_ms=None)
@@ -476,22 +533,44 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
             at_minimum = _make_plan(prof, lowest.schedule, lowest.peak_bytes,
                                     _report(lowest), inputs, structure, sharding=sharding,
                                     problem=problem)
-            raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum)
+            raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum,
+                              host_budget_bytes)
         solution = lowest  # the solver missed a schedule that fits
     return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
                       structure, sharding=sharding, problem=problem)
 
 
+def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str,
+           host_budget_bytes: int | None) -> Solution:
+    """The named solver, or with offload the joint one (`solvers.joint`, the DP beneath);
+    an offload plan is taken only where it adds less time than the named solver's."""
+    if host_budget_bytes is None or problem.host_link is None:
+        if host_budget_bytes is not None:
+            log.warning("%s: no host link is known for this device (profiles.devices): "
+                        "planning without offload", problem.name)
+        return SOLVERS[solver](problem, budget_bytes, time_limit_s)
+    started = time.perf_counter()
+    plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
+    left = max(0.05, time_limit_s - (time.perf_counter() - started))
+    joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes)
+    if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
+        return plain
+    return joint
+
+
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-           solver: str = "auto", time_limit_s: float = 60.0) -> Plan:
-    """A plan for the same model, inputs and precision at another budget (no profiling).
+           solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
+           host_budget_gb: float | None = None) -> Plan:
+    """A plan for the same model, inputs and precision at another budget (no profiling);
+    ``offload`` and ``host_budget_gb`` as in :func:`optimize`.
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
     budget = _budget_arg(budget_gb, budget_bytes)
     _check_solver_options(solver, time_limit_s)
     return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
-                            solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding)
+                            solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding,
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb))
 
 
 def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],
@@ -510,7 +589,8 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
 
 
 def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest: Solution,
-                at_minimum: Plan) -> InfeasibleBudgetError:
+                at_minimum: Plan, host_budget_bytes: int | None = None
+                ) -> InfeasibleBudgetError:
     """The error for a budget no schedule met: the lowest peak of any schedule found (a
     budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
     goes below."""
@@ -538,10 +618,31 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
         "budget_gb=error.min_budget_gb) returns it."
         f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
         f"state{', per rank' if at_minimum.sharding else ''}) is "
-        f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}. Raise the "
+        f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}."
+        f"{_offload_hint(problem, host_budget_bytes)} Raise the "
         "budget, shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
         "optimizer state.",
         peak, bound if bound is not None and bound <= peak else None, at_minimum)
+
+
+def _offload_hint(problem: Problem, host_budget_bytes: int | None) -> str:
+    """What offload could and could not do for an infeasible budget."""
+    if problem.host_link is None:
+        return ""
+    if host_budget_bytes is None:  # on a CPU, "host" is the same memory: nothing to say
+        return ("" if problem.host_link.synchronous else " offload=True may reach lower, "
+                "moving saved activations to host memory.")
+    chain = solvers_joint.offload_chain(problem)
+    if not chain:
+        return " Offload found no module call to move here."
+    everything = solvers_joint.moved_bytes(problem, chain)
+    if everything > host_budget_bytes:
+        return (f" Offload was held back by the host budget ({format_bytes(host_budget_bytes)}"
+                f"): offloading every candidate call would take "
+                f"{format_bytes(everything, round_up=True)} of host memory; raise "
+                "host_budget_gb.")
+    return (f" Offloading every candidate call ({format_bytes(everything, round_up=True)} to "
+            "host memory) does not reach it either.")
 
 
 def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall]:
@@ -560,7 +661,8 @@ def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
     """The plan of ``schedule``; each checkpoint's target is the module call of its span.
     ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
     targets = _module_call_targets(profile)
-    missing = [r for r in schedule.recompute_regions() if (r.start, r.stop) not in targets]
+    missing = [r for r in [*schedule.recompute_regions(), *schedule.offloads]
+               if (r.start, r.stop) not in targets]
     if missing:
         raise ValueError(f"the schedule checkpoints nodes [{missing[0].start}, "
                          f"{missing[0].stop}), which no module call of the profile ran")
@@ -698,14 +800,19 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             "module tree, parameter or buffer shapes or dtypes differ. Run planner.optimize() "
             "on this model (apply the plan before sharding it with FSDP2).")
     _check_world_size(plan)
-    if checkpointed_modules(model) or _guards(model):
+    if checkpointed_modules(model) or _guards(model) or offloaded_modules(model):
         remove(model)
-    missing = [spec.path for spec in region_specs(plan)
-               if not _has_submodule(model, spec.path)]
+    offloaded = [o.target.path for o in plan.schedule.offloads]
+    prefetch = [o.prefetch_target.path if o.prefetch_target else None
+                for o in plan.schedule.offloads]
+    missing = [path for path in [spec.path for spec in region_specs(plan)] + offloaded
+               + [p for p in prefetch if p is not None] if not _has_submodule(model, path)]
     if missing:
-        raise PlanMismatchError(f"the plan checkpoints modules {missing[:3]} that "
+        raise PlanMismatchError(f"the plan checkpoints or offloads modules {missing[:3]} that "
                                 f"{type(model).__name__} does not have")
     install_checkpoints(model, region_specs(plan, strict))
+    if offloaded:
+        install_offload(model, offloaded, prefetch)
     configs = _cached_configs(model)
     if configs:
         log.warning("%s: setting config.use_cache=False for training with checkpoints (a "
@@ -744,13 +851,14 @@ def _has_submodule(model: nn.Module, path: str) -> bool:
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Take a plan off ``model`` (checkpoints and guard); returns ``model``."""
+    """Take a plan off ``model`` (checkpoints, offload hooks and guard); returns ``model``."""
     for key in _guards(model):
         guard = model._forward_pre_hooks.pop(key)
         model._forward_pre_hooks_with_kwargs.pop(key, None)
         for config in guard.restore_use_cache:
             config.use_cache = True
     remove_checkpoints(model)
+    remove_offload(model)
     return model
 
 
@@ -898,7 +1006,7 @@ def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
     """
     args, kwargs = normalize_inputs(model, example_inputs)
     loss_fn = loss_fn or profiles.default_loss
-    was_planned = bool(checkpointed_modules(model) or _guards(model))
+    was_planned = bool(checkpointed_modules(model) or _guards(model) or offloaded_modules(model))
     dtype = plan.autocast_dtype
     accumulate = plan.profile.static.grads_at_start
     with _state_kept(model) as restore, _grads_kept(model), warnings.catch_warnings():

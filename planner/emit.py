@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.offload import offload_paused
 from profiles.kernels import attention_kernels
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ class Checkpointed:
             for k, tensor in zip(where, tensors, strict=True):
                 filled[k] = tensor
             call_args, call_kwargs = tree_unflatten(filled, structure)
-            return body(*call_args, **call_kwargs)
+            with offload_paused():  # the forward and its rerun: the checkpoint's saves
+                return body(*call_args, **call_kwargs)
 
         tensors = [leaves[k] for k in where]
         for k in where:
@@ -172,10 +174,12 @@ class Checkpointed:
         check = bool(self.spec.expected_ops) and self._planned_step(tensors) and (
             bool(self.spec.keep_ops) or not self.checked)
         if not check and not self.spec.keep_ops:
-            return checkpoint(run, *tensors, use_reentrant=False)
+            with offload_paused():  # the checkpoint saves its inputs as a plain save
+                return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
-        out = checkpoint(run, *tensors, use_reentrant=False,
-                         context_fn=lambda: create_selective_checkpoint_contexts(policy))
+        with offload_paused():
+            out = checkpoint(run, *tensors, use_reentrant=False,
+                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True

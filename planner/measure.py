@@ -20,16 +20,31 @@ without any mode (training on a GPU) holds at most that much.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTracker"]
+__all__ = ["PeakTracker", "host_memory"]
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Tensors made inside are host memory (offload's buffers): a `PeakTracker` counts them
+    in ``host_bytes``, not in the device's ``live_bytes``."""
+    _host.depth = getattr(_host, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _host.depth -= 1
 
 
 class PeakTracker(TorchDispatchMode):
@@ -59,6 +74,10 @@ class PeakTracker(TorchDispatchMode):
         # tensor using it
         self.follow_resizes = follow_resizes
         self._holders: dict[StorageWeakRef, weakref.ref] = {}
+        # host memory (``host_memory()``): offloaded copies, counted apart
+        self._host: dict[StorageWeakRef, int] = {}
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
 
     def __enter__(self) -> PeakTracker:
         if self.follow_resizes:
@@ -101,9 +120,24 @@ class PeakTracker(TorchDispatchMode):
         dead = [ref for ref in self._live if ref.expired()]
         for ref in dead:
             self.live_bytes -= self._live.pop(ref)
+        for ref in [ref for ref in self._host if ref.expired()]:
+            self.host_bytes -= self._host.pop(ref)
+
+    def _track_host(self, out: object) -> None:
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in self._host:
+                    self._host[ref] = tensor.untyped_storage().nbytes()
+                    self.host_bytes += self._host[ref]
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._forget_dead()
+        if getattr(_host, "depth", 0):
+            out = func(*args, **(kwargs or {}))
+            self._track_host(out)
+            return out
         if self.follow_resizes:
             self._refresh_sizes()
         for tensor in tree_leaves((args, kwargs)):
@@ -114,7 +148,7 @@ class PeakTracker(TorchDispatchMode):
                     tensor, torch.Tensor):
                 continue
             ref = StorageWeakRef(tensor.untyped_storage())
-            if ref in self._static:
+            if ref in self._static or ref in self._host:
                 continue
             if self.follow_resizes:
                 self._track(tensor)
@@ -125,8 +159,10 @@ class PeakTracker(TorchDispatchMode):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and StorageWeakRef(
-                    tensor.untyped_storage()) not in self._static:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            ref = StorageWeakRef(tensor.untyped_storage())
+            if ref not in self._static and ref not in self._host:
                 self._track(tensor)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out

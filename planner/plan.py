@@ -115,6 +115,18 @@ class SolverReport(_Strict):
     space: str = Field("", description="the schedules the status and gap are proven over")
 
 
+class PlanOffload(NamedTuple):
+    """One offloaded module call as people read it: what it moves each way, and the
+    module whose output's gradient fetches it back (None: when first needed)."""
+
+    start: int
+    stop: int
+    module: str | None
+    nbytes: int
+    saved_nodes: list[str]
+    prefetch_module: str | None
+
+
 class _Replay(NamedTuple):
     """What ``simulate`` says of a plan's schedule on its profile (and of no checkpointing)."""
 
@@ -124,6 +136,9 @@ class _Replay(NamedTuple):
     recompute_ms: float
     unplanned_peak_bytes: int
     baseline_step_ms: float
+    stall_ms: float
+    transfer_ms: float
+    offloaded_bytes: int
 
 
 class Plan(_Strict):
@@ -180,9 +195,12 @@ class Plan(_Strict):
         return _Replay(timeline.peak_bytes,
                        {"static": b.static_bytes, "kept_activations": b.kept_activation_bytes,
                         "recomputed_activations": b.recomputed_activation_bytes,
+                        "prefetched_activations": b.prefetched_activation_bytes,
                         "gradients": b.gradient_bytes, "temporaries": b.temp_bytes},
                        timeline.peak_label, timeline.recompute_time_ms,
-                       unplanned.peak_bytes, unplanned.total_time_ms)
+                       unplanned.peak_bytes, unplanned.total_time_ms,
+                       timeline.stall_time_ms, timeline.transfer_time_ms,
+                       timeline.offloaded_bytes)
 
     @property
     def model_name(self) -> str:
@@ -215,6 +233,33 @@ class Plan(_Strict):
         return self._replay.recompute_ms
 
     @property
+    def stall_ms(self) -> float:
+        """Predicted time compute waits for offload copies (0 without offload)."""
+        return self._replay.stall_ms
+
+    @property
+    def transfer_ms(self) -> float:
+        """Predicted time the copy queues (to the host and back) are busy."""
+        return self._replay.transfer_ms
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes that go to host memory and come back each step: the host memory it needs."""
+        return self._replay.offloaded_bytes
+
+    @property
+    def offloads(self) -> list[PlanOffload]:
+        """The offloaded module calls as people read them."""
+        from solvers.offload import offload_groups
+
+        problem, names = self.problem(), [n.name for n in self.profile.nodes]
+        return [PlanOffload(o.start, o.stop, o.target.path if o.target else None,
+                            g.nbytes(problem), [names[i] for i in sorted(set(g.moved.values()))],
+                            o.prefetch_target.path if o.prefetch_target else None)
+                for o, g in zip(self.schedule.offloads, offload_groups(problem, self.schedule),
+                                strict=True)]
+
+    @property
     def unplanned_peak_bytes(self) -> int:
         return self._replay.unplanned_peak_bytes
 
@@ -234,8 +279,10 @@ class Plan(_Strict):
 
     @property
     def predicted_overhead(self) -> float:
-        """Predicted extra step time over no checkpointing, as a fraction."""
-        return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms else 0.0
+        """Predicted extra step time over no checkpointing (recompute and stalls on offload
+        copies), as a fraction."""
+        added = self.recompute_ms + self.stall_ms
+        return added / self.baseline_step_ms if self.baseline_step_ms else 0.0
 
     def problem(self) -> Problem:
         """The step the plan's numbers replay: its profile, as one rank runs it."""
@@ -262,6 +309,15 @@ class Plan(_Strict):
             if (region.start, region.stop, region.target.path) not in calls:
                 raise ValueError(f"{where}: its target, module {region.target.path!r}, did "
                                  "not run these nodes in the profile")
+        for k, off in enumerate(self.schedule.offloads):
+            spans = [((off.start, off.stop), off.target, "target")]
+            if off.prefetch is not None:
+                spans.append((off.prefetch, off.prefetch_target, "prefetch_target"))
+            for (a, b), target, name in spans:
+                if target is None or (a, b, target.path) not in calls:
+                    raise ValueError(f"schedule: offload {k} [{off.start}, {off.stop}): its "
+                                     f"{name} is not a module call that ran nodes [{a}, {b}) "
+                                     "in the profile")
         try:
             self._replay  # noqa: B018 (simulates the schedule: the numbers it derives)
         except ValueError as error:
@@ -295,8 +351,10 @@ class Plan(_Strict):
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",
             f"  predicted step overhead {100 * self.predicted_overhead:.1f} % "
-            f"({self.recompute_ms:.2f} ms recompute on {self.baseline_step_ms:.2f} ms, "
-            f"{self.profile.timing} on {self.profile.device})",
+            f"({self.recompute_ms:.2f} ms recompute"
+            f"{f', {self.stall_ms:.2f} ms waiting for copies' if self.offloads else ''} on "
+            f"{self.baseline_step_ms:.2f} ms, {self.profile.timing} on {self.profile.device})",
+            *self._offload_lines(),
             f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
             f"  {self.step_description()}",
         ]
@@ -319,13 +377,33 @@ class Plan(_Strict):
                              f"{len(child.kept)}  {_module_label(child.module)}")
         return "\n".join(lines)
 
+    def _offload_lines(self) -> list[str]:
+        offloads = self.offloads
+        if not offloads:
+            return []
+        link = self.problem().host_link
+        lines = [f"  offload: {len(offloads)} module calls' saved activations, "
+                 f"{format_bytes(self.offloaded_bytes)} to host memory and back "
+                 f"(copies busy {self.transfer_ms:.2f} ms, compute waits {self.stall_ms:.2f} "
+                 f"ms; {link.d2h_gbps:g} GB/s each way"
+                 f"{', synchronous' if link.synchronous else ''})"]
+        for o in offloads:
+            lines.append(f"    [{o.start:>4}, {o.stop:>4}) offload    "
+                         f"{_module_label(o.module)}: {format_bytes(o.nbytes)} saved by "
+                         f"{len(o.saved_nodes)} ops, back {_fetch_label(o)}")
+        return lines
+
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>[{r.start}, {r.stop})</td><td>{r.mode}</td>"
             f"<td>{html.escape(_module_label(r.module)) if r.mode == 'recompute' else ''}</td>"
             f"<td>{len(r.nodes)}</td>"
             f"<td>{html.escape(', '.join(r.kept[:6]))}{' …' if len(r.kept) > 6 else ''}</td>"
-            f"</tr>" for r in self.regions)
+            f"</tr>" for r in self.regions) + "".join(
+            f"<tr><td>[{o.start}, {o.stop})</td><td>offload</td>"
+            f"<td>{html.escape(_module_label(o.module))}</td><td>{len(o.saved_nodes)}</td>"
+            f"<td>{format_bytes(o.nbytes)} to host, back {html.escape(_fetch_label(o))}"
+            f"</td></tr>" for o in self.offloads)
         return (
             f"<div><b>Plan for {html.escape(self.model_name)}</b>: predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)} "
@@ -357,6 +435,13 @@ def _kept_ops(kept: list[str]) -> str:
     ops = Counter(re.sub(r"_\d+$", "", name.rsplit("/", 1)[-1]) for name in kept)
     return (", keeps " + ", ".join(op if n == 1 else f"{op} x{n}" for op, n in ops.items())
             if ops else "")
+
+
+def _fetch_label(offload: PlanOffload) -> str:
+    """When an offloaded call's copies come back."""
+    if offload.prefetch_module is None:
+        return "when first needed"
+    return f"at {_module_label(offload.prefetch_module)}'s output gradient"
 
 
 def _module_label(module: str | None) -> str:

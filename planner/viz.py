@@ -56,9 +56,10 @@ DEFAULT_BASELINES = ("none", "every_block", "every_2", "every_4", "chen_sqrt", "
 STORED = "stored"
 RECOMPUTED = "recomputed"
 SAVED = "saved (SAC)"
+OFFLOADED = "offloaded to host"
 MIXED = "mixed"
 STATUS_COLORS = {STORED: "#56B4E9", RECOMPUTED: "#E69F00", SAVED: "#009E73",
-                 MIXED: "#CC79A7"}
+                 OFFLOADED: "#0072B2", MIXED: "#CC79A7"}
 PHASE_COLORS = {"forward": "#56B4E9", "backward": "#009E73", "recompute": "#E69F00"}
 BUDGET_COLOR = "#D55E00"
 FONT = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 10,
@@ -116,9 +117,12 @@ def _problem(source: Plan | GraphProfile) -> tuple[Problem, GraphProfile]:
 
 
 def node_status(n_nodes: int, schedule: Schedule) -> list[str]:
-    """Per node: ``"stored"``, ``"recomputed"`` or ``"saved (SAC)"`` (kept inside a
-    recompute region by a selective-checkpoint policy)."""
+    """Per node: ``"stored"``, ``"recomputed"``, ``"saved (SAC)"`` (kept inside a
+    recompute region by a selective-checkpoint policy) or ``"offloaded to host"`` (what it
+    saves goes to host memory: a stored node of an offloaded call)."""
     status = [STORED] * n_nodes
+    for offload in schedule.offloads:
+        status[offload.start:offload.stop] = [OFFLOADED] * (offload.stop - offload.start)
 
     def visit(region: Region) -> None:
         if region.mode != "recompute":
@@ -304,9 +308,9 @@ def module_groups(profile: GraphProfile) -> list[ModuleGroup]:
 
 def _group_status(statuses: list[str]) -> str:
     kinds = set(statuses)
-    if kinds == {STORED}:
-        return STORED
-    if STORED not in kinds:
+    if len(kinds) == 1 and kinds <= {STORED, OFFLOADED}:
+        return kinds.pop()
+    if STORED not in kinds and OFFLOADED not in kinds:
         return SAVED if SAVED in kinds else RECOMPUTED
     return MIXED
 
@@ -377,7 +381,7 @@ def _legend(fig: Figure, kinds: Iterable[str], extra: Sequence[Any] = ()) -> Non
     from matplotlib.patches import Patch
 
     handles = [Patch(fc=STATUS_COLORS[k], ec="0.25", label=_KIND_LABELS[k])
-               for k in (STORED, RECOMPUTED, SAVED, MIXED) if k in set(kinds)]
+               for k in (STORED, RECOMPUTED, SAVED, OFFLOADED, MIXED) if k in set(kinds)]
     entries = [*handles, *extra]
     per_row = max(1, min(len(entries), int(fig.get_size_inches()[0] // 3.7)))
     fig.legend(handles=entries, loc="outside lower center", ncol=per_row, frameon=False)
@@ -386,11 +390,12 @@ def _legend(fig: Figure, kinds: Iterable[str], extra: Sequence[Any] = ()) -> Non
 _KIND_LABELS = {STORED: "stored (autograd keeps its activations)",
                 RECOMPUTED: "recomputed in backward",
                 SAVED: "selectively saved (SAC keeps the output)",
+                OFFLOADED: "offloaded (its saves go to host memory and back)",
                 MIXED: "mixed (stored and recomputed nodes)"}
 
 
 def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> Figure:
-    """The graph with stored, recomputed and selectively saved nodes coloured.
+    """The graph with stored, recomputed, selectively saved and offloaded nodes coloured.
 
     Graphs with more than ``max_nodes`` nodes are collapsed to one box per top-level module
     (one per repeated block, e.g. ``blocks.3``), labelled with its node counts; ``block=``
@@ -419,7 +424,8 @@ def plot_graph(plan: Plan, block: str | None = None, *, max_nodes: int = 60) -> 
     graph = nx.DiGraph()
     owner = {i: k for k, g in enumerate(groups) for i in g.nodes}
     for k, g in enumerate(groups):
-        counts = {s: sum(status[i] == s for i in g.nodes) for s in (STORED, RECOMPUTED, SAVED)}
+        counts = {s: sum(status[i] == s for i in g.nodes)
+                  for s in (STORED, RECOMPUTED, SAVED, OFFLOADED)}
         parts = [f"{c} {s.split()[0]}" for s, c in counts.items() if c]
         kind = _group_status([status[i] for i in g.nodes])
         graph.add_node(k, label=f"{g.label}\n{len(g.nodes)} op{'s' * (len(g.nodes) > 1)}: "

@@ -212,6 +212,10 @@ class DeviceSpec:
     checkpoint_region_us: float = 50.0
     checkpoint_pack_us: float = 2.0
     checkpoint_sac_op_us: float = 5.0
+    # offload: GB/s each way between device and pinned host memory; synchronous: the copy
+    # holds up compute (a CPU, where "host" and "device" are one memory)
+    host_link_gbps: float | None = None
+    host_link_synchronous: bool = False
 
     def estimate_ms(self, func: Any, inputs: Sequence[Any], outputs: Sequence[Any],
                     flops: int) -> float:
@@ -275,33 +279,47 @@ _FA2_A100 = ("FlashAttention-2 reaches 50-73 % of A100 peak forward, less backwa
              "arXiv:2307.08691): the low end, 0.5")
 
 
+# PCIe per direction, from the link's generation (x16): what pinned copies reach
+_PCIE_GBPS = {4: 32.0, 5: 64.0}
+_PCIE_EFFICIENCY = 0.8
+
+
 def _gpu(name: str, fp32: float, half: float, bandwidth: float, datasheet: str,
-         attention: tuple[float, str] | None = None) -> DeviceSpec:
+         attention: tuple[float, str] | None = None, pcie: int = 5) -> DeviceSpec:
     """A data-center GPU: datasheet peaks (dense) and bandwidth, the shared efficiencies
     (``attention``: this GPU's own efficiency and source for that class)."""
     efficiency, sources = dict(_GPU_EFFICIENCY), {
         **_GPU_SOURCES,
         "peak_tflops": f"{datasheet}: FP32 {fp32} TFLOPS, BF16/FP16 Tensor Core {half} TFLOPS "
                        "dense (half the sparsity figure)",
-        "memory_bandwidth_gbs": f"{datasheet}: memory bandwidth {bandwidth:g} GB/s"}
+        "memory_bandwidth_gbs": f"{datasheet}: memory bandwidth {bandwidth:g} GB/s",
+        "host_link_gbps": f"{datasheet}: PCIe Gen{pcie} x16, {2 * _PCIE_GBPS[pcie]:g} GB/s "
+                          f"both ways ({_PCIE_GBPS[pcie]:g} per direction); assumption: "
+                          f"pinned copies reach {_PCIE_EFFICIENCY:.0%} of it, each direction "
+                          "on its own copy engine beside compute"}
     if attention is not None:
         efficiency["attention"], sources["attention"] = attention
     return DeviceSpec(name, {"float32": fp32, "bfloat16": half, "float16": half},
                       memory_bandwidth_gbs=bandwidth, launch_overhead_us=5.0,
-                      efficiency=efficiency, sources=sources)
+                      efficiency=efficiency, sources=sources,
+                      host_link_gbps=_PCIE_GBPS[pcie] * _PCIE_EFFICIENCY)
 
 
 DEVICES: dict[str, DeviceSpec] = {
     "H100": _gpu("H100", 67.0, 989.0, 3350.0, "NVIDIA H100 Tensor Core GPU datasheet, SXM5"),
     "H200": _gpu("H200", 67.0, 989.0, 4800.0, "NVIDIA H200 Tensor Core GPU datasheet, SXM"),
     "A100": _gpu("A100", 19.5, 312.0, 2039.0, "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM",
-                 attention=(0.5, _FA2_A100)),
+                 attention=(0.5, _FA2_A100), pcie=4),
     "cpu": DeviceSpec("cpu", {"float32": 0.1, "bfloat16": 0.05, "float16": 0.05},
                       memory_bandwidth_gbs=20.0, launch_overhead_us=10.0,
                       efficiency={**DEFAULT_EFFICIENCY},
-                      sources={"all": "assumption: a rough host roofline, not sourced"},
+                      sources={"all": "assumption: a rough host roofline, not sourced",
+                               "host_link_gbps": "assumption: a copy within host memory, "
+                                                 "half the memory bandwidth (it reads and "
+                                                 "writes), holding up compute"},
                       checkpoint_region_us=CPU_REGION_US, checkpoint_pack_us=CPU_PACK_US,
-                      checkpoint_sac_op_us=CPU_SAC_OP_US),
+                      checkpoint_sac_op_us=CPU_SAC_OP_US, host_link_gbps=10.0,
+                      host_link_synchronous=True),
 }
 
 

@@ -133,6 +133,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _device_name(device_type: str) -> str:
+    """The device a measured profile ran on: "cpu", or "cuda (NVIDIA H100 80GB HBM3)" (the
+    model's name finds the device's copy path to the host, `profiles.devices`)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return device_type
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -1413,7 +1421,7 @@ def profile(
         model_name=type(model).__name__,
         execution="real" if rec.real else "fake",
         timing=timing,
-        device=device_type if measured else spec.name,
+        device=_device_name(device_type) if measured else spec.name,
         torch_version=torch.__version__,
         fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
                                       autocast, step.grads_at_start),

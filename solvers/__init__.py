@@ -6,7 +6,7 @@ solvers (`cpsat`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline
 
 from collections.abc import Callable
 
-from solvers import auto, baselines, bruteforce, cpsat, dp
+from solvers import auto, baselines, bruteforce, cpsat, dp, joint
 from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
 from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
@@ -15,6 +15,7 @@ from solvers.schedule import (
     RECOMPUTE,
     STORE,
     ModuleCall,
+    Offload,
     Region,
     Save,
     Schedule,
@@ -39,6 +40,7 @@ __all__ = [
     "Event",
     "ModuleCall",
     "ModuleSpan",
+    "Offload",
     "PeakBreakdown",
     "Problem",
     "ProblemError",
@@ -55,6 +57,7 @@ __all__ = [
     "bruteforce",
     "cpsat",
     "dp",
+    "joint",
     "memory_lower_bound",
     "min_feasible_budget",
     "recompute_time_lower_bound",

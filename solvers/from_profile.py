@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 
+from profiles.devices import DEVICES
 from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
-from solvers.problem import MATMUL_KINDS, ModuleSpan, ObservedBackward, Problem
+from solvers.problem import MATMUL_KINDS, HostLink, ModuleSpan, ObservedBackward, Problem
 
 __all__ = ["block_calls", "detect_block_prefix", "op_kind", "problem_from_profile",
            "unemittable_calls"]
@@ -202,7 +203,20 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         storage_release=_releases(profile, activation, new_id),
         module_spans=_module_spans(profile, new_id) if module_spans else None,
         observed_backward=observed,
+        host_link=host_link(profile.device),
     )
+
+
+def host_link(device: str) -> HostLink | None:
+    """The copy path to host memory of a device named in `profiles.devices` (a recorded GPU
+    profile's name contains it, e.g. "NVIDIA H100 80GB HBM3"); None for an unknown device."""
+    for key in sorted(DEVICES, key=len, reverse=True):
+        spec = DEVICES[key]
+        if key.lower() in device.lower() and spec.host_link_gbps:
+            return HostLink(d2h_gbps=spec.host_link_gbps, h2d_gbps=spec.host_link_gbps,
+                            synchronous=spec.host_link_synchronous,
+                            source=spec.sources.get("host_link_gbps", ""))
+    return None
 
 
 def _activation_grad_bytes(profile: GraphProfile, new_id: dict[int, int]) -> list[int]:

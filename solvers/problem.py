@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACCUMULATION_COPIES", "LINEAR_KINDS", "MATMUL_KINDS", "GradientEvents", "ModuleSpan",
+__all__ = ["ACCUMULATION_COPIES", "LINEAR_KINDS", "MATMUL_KINDS", "GradientEvents", "HostLink",
+           "ModuleSpan",
            "ObservedBackward", "Problem", "ProblemError"]
 
 MATMUL_KINDS = frozenset({
@@ -91,6 +92,26 @@ class ModuleSpan(BaseModel):
     inputs: tuple[int, ...] = ()
 
 
+class HostLink(BaseModel):
+    """The copy path between device and host memory that offloaded activations take.
+
+    ``synchronous``: a copy holds up the compute stream for its whole duration (a CPU, where
+    host and device are one memory); otherwise each direction has its own copy queue that
+    runs beside compute (a GPU's copy engines over PCIe). ``source`` says where the
+    bandwidths come from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    d2h_gbps: float = Field(gt=0)
+    h2d_gbps: float = Field(gt=0)
+    synchronous: bool = False
+    source: str = ""
+
+    def copy_ms(self, nbytes: int, to_host: bool) -> float:
+        """Time of one copy of ``nbytes`` in one direction (1 GB/s = 1e9 bytes/s)."""
+        return nbytes / ((self.d2h_gbps if to_host else self.h2d_gbps) * 1e6)
+
+
 class Problem(BaseModel):
     """One training step as a graph of nodes over activation storages.
 
@@ -136,6 +157,9 @@ class Problem(BaseModel):
     Optional `optimizer_step_bytes`: what an optimizer step after the backward allocates
     beyond its state (in `static_bytes`); the step's last event, the same under every
     schedule (`simulate.optimizer_step_peak`). Default 0: the budget covers forward and backward.
+
+    Optional `host_link`: how fast saved activations move to host memory and back; a
+    schedule may offload only on a problem that has one.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -170,6 +194,7 @@ class Problem(BaseModel):
     storage_release: list[int] | None = None
     module_spans: list[ModuleSpan] | None = None
     observed_backward: ObservedBackward | None = None
+    host_link: HostLink | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:

@@ -29,8 +29,9 @@ class Status(str, Enum):
 class Solution(BaseModel):
     """A solver's answer; memory and time numbers come from `simulate`, never the solver.
 
-    `objective_ms` is the recompute time of `schedule`; `bound_ms` a proven lower bound on the
-    recompute time of any schedule of `space` within the budget; `gap` is (objective - bound)
+    `objective_ms` is the time `schedule` adds to the step (recompute, and stalls on offload
+    copies); `bound_ms` a proven lower bound on the
+    added time of any schedule of `space` within the budget; `gap` is (objective - bound)
     / objective (0 when both are 0). OPTIMAL, the bound and the gap hold over `space` only
     (None: nothing is proven but the trivial bound 0). When INFEASIBLE, `schedule` is the
     lowest-peak schedule the solver found (or None) and `min_feasible_budget_bytes` the
@@ -83,7 +84,7 @@ class Solution(BaseModel):
         """
         tl = simulate(problem, schedule)
         fits = tl.peak_bytes <= budget_bytes
-        objective = tl.recompute_time_ms
+        objective = tl.added_time_ms
         if fits:
             status = Status.OPTIMAL if proven_optimal else Status.FEASIBLE
             if proven_optimal:

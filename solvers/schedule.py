@@ -5,6 +5,11 @@ on its `target` (today a module call). Its decisions are data: `saves` maps some
 nodes (nodes not inside a child; a child has its own `saves`) to what happens to their
 outputs, `Save.KEEP` (`CheckpointPolicy.MUST_SAVE`, selective checkpointing); a node it does
 not name is recomputed. `children` are checkpoints nested inside it.
+
+`Schedule.offloads` name module calls whose saved activations go to host memory: every
+tensor saved for backward while the call runs outside a checkpoint (`solvers.offload` says
+which storages that is) is copied to the host during the forward and prefetched back when
+the backward reaches the output of the call named by its `prefetch`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Region", "Save", "Schedule",
+__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "Region", "Save", "Schedule",
            "ScheduleError"]
 
 Mode = Literal["store", "recompute"]
@@ -145,12 +150,56 @@ class Region(BaseModel):
         return "".join(parts) + "]"
 
 
+class Offload(BaseModel):
+    """One module call (nodes `start..stop-1`) whose saved activations go to host memory.
+
+    `prefetch` is the span of the call whose output's gradient issues their copy back (the
+    backward of its last node; a later call than this one); None: when first needed.
+
+    >>> Offload(start=0, stop=4, target=ModuleCall(path="h.0"), prefetch=(8, 12)).describe()
+    'O[0:4 h.0 <-8:12]'
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int
+    stop: int
+    target: ModuleCall | None = None
+    prefetch: tuple[int, int] | None = None
+    prefetch_target: ModuleCall | None = None
+
+    @model_validator(mode="after")
+    def _validate(self) -> Offload:
+        if not 0 <= self.start < self.stop:
+            raise ScheduleError(f"offload [{self.start}, {self.stop}) is empty or negative.")
+        if self.prefetch is not None and not self.start < self.prefetch[1] - 1:
+            raise ScheduleError(
+                f"offload [{self.start}, {self.stop}) is prefetched at the output of "
+                f"{list(self.prefetch)}, which ends before it: a prefetch is issued by a "
+                "call that the backward reaches first, one that ends later in the forward.")
+        return self
+
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Offload:
+        """The same offload, its call and its prefetch's call looked up by their spans."""
+        return self.model_copy(update={
+            "target": target_of.get((self.start, self.stop)),
+            "prefetch_target": None if self.prefetch is None else target_of.get(self.prefetch)})
+
+    def describe(self) -> str:
+        """Compact text, e.g. `O[0:4 h.0 <-8:12]` (prefetched at 8:12's output)."""
+        name = f" {self.target.path or '<model>'}" if self.target is not None else ""
+        fetch = f" <-{self.prefetch[0]}:{self.prefetch[1]}" if self.prefetch else ""
+        return f"O[{self.start}:{self.stop}{name}{fetch}]"
+
+
 class Schedule(BaseModel):
-    """Consecutive top-level regions covering nodes 0..n-1 in order."""
+    """Consecutive top-level regions covering nodes 0..n-1 in order, and the module calls
+    whose saved activations are offloaded (disjoint, in node order)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     regions: tuple[Region, ...]
+    offloads: tuple[Offload, ...] = ()
 
     @model_validator(mode="after")
     def _validate(self) -> Schedule:
@@ -164,7 +213,17 @@ class Schedule(BaseModel):
                     f"must be consecutive and cover every node from 0."
                 )
             pos = r.stop
+        self._validate_offloads()
         return self
+
+    def _validate_offloads(self) -> None:
+        pos = 0
+        for o in self.offloads:
+            if o.start < pos or max(o.stop, *(o.prefetch or (0,))) > self.n_nodes:
+                raise ScheduleError(
+                    f"offload [{o.start}, {o.stop}) overlaps the one before it or ends past "
+                    f"node {self.n_nodes}: offloaded calls are disjoint, in node order.")
+            pos = o.stop
 
     @property
     def n_nodes(self) -> int:
@@ -232,8 +291,23 @@ class Schedule(BaseModel):
         return cls(regions=tuple(regions))
 
     def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Schedule:
-        """The same schedule, each RECOMPUTE region's target looked up by its span."""
-        return Schedule(regions=tuple(r.with_targets(target_of) for r in self.regions))
+        """The same schedule, each RECOMPUTE region's and offload's target looked up by its
+        span."""
+        return self.model_copy(update={
+            "regions": tuple(r.with_targets(target_of) for r in self.regions),
+            "offloads": tuple(o.with_targets(target_of) for o in self.offloads)})
+
+    def with_offloads(self, offloads: Iterable[Offload | tuple[int, int]]) -> Schedule:
+        """The same regions, offloading the given calls (Offloads or `(start, stop)` spans,
+        prefetched when first needed).
+
+        >>> Schedule.store_all(6).with_offloads([(0, 2), Offload(start=2, stop=4,
+        ...                                      prefetch=(4, 6))]).describe()
+        'S[0:6] O[0:2] O[2:4 <-4:6]'
+        """
+        spans = [o if isinstance(o, Offload) else Offload(start=o[0], stop=o[1])
+                 for o in offloads]
+        return Schedule(regions=self.regions, offloads=tuple(spans))
 
     def walk(self) -> Iterator[Region]:
         """All regions, pre-order."""
@@ -253,5 +327,6 @@ class Schedule(BaseModel):
         return frozenset(k for r in self.regions if r.is_recompute for k in range(r.start, r.stop))
 
     def describe(self) -> str:
-        """Compact text, e.g. `R[0:2] S[2:5]`."""
-        return " ".join(r.describe() for r in self.regions)
+        """Compact text, e.g. `R[0:2] S[2:5]` (offloads after the regions)."""
+        return " ".join([r.describe() for r in self.regions]
+                        + [o.describe() for o in self.offloads])

@@ -49,12 +49,25 @@ order, a later one) makes a fresh gradient that autograd adds into the existing 
 transient of that gradient's size during its backward. Parameter gradients appear at the
 backward of `param_grad_bytes`' node and stay.
 
+Offload (`Schedule.offloads`, moved storages and fetch times from `solvers.offload`): a
+moved storage's saves hold nothing on the device; its first save copies it to the host (from
+the end of that node on the device-to-host queue), and the device storage is freed once the
+copy has ended (at the first event that starts after it) and nothing else holds it. In the
+backward a call's copies come back all at once when its prefetch is issued: each allocated
+from that event on, held until its savers' backward has run, and copied on the
+host-to-device queue (after its own copy out). The backward node that needs them waits for
+the last (a stall). Each direction is one queue, copies in issue order, beside compute; on a
+`synchronous` link every copy stalls compute for its whole duration instead, and a copy out
+frees the device storage at once. The host holds every moved storage from its copy out to
+the end of the backward.
+
 Optimizer step (`Problem.optimizer_step_bytes` > 0): one last event after the backward,
 live bytes plus the step's temporaries.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -63,6 +76,7 @@ from itertools import count
 from typing import NamedTuple
 
 from solvers.frame import frame_rules, own_packs
+from solvers.offload import OffloadGroup, offload_groups
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
@@ -104,17 +118,24 @@ class PeakBreakdown:
     recomputed_activation_bytes: int = 0
     gradient_bytes: int = 0
     temp_bytes: int = 0
+    prefetched_activation_bytes: int = 0  # offloaded activations back on the device
 
     @property
     def total_bytes(self) -> int:
         """Sum of the parts, equal to the peak."""
         return (self.static_bytes + self.kept_activation_bytes
-                + self.recomputed_activation_bytes + self.gradient_bytes + self.temp_bytes)
+                + self.recomputed_activation_bytes + self.gradient_bytes + self.temp_bytes
+                + self.prefetched_activation_bytes)
 
 
 @dataclass(frozen=True, slots=True)
 class Timeline:
-    """Result of `simulate`: events, peak memory and step time."""
+    """Result of `simulate`: events, peak memory and step time.
+
+    Offload: `stall_time_ms` is the time compute waits for copies (on a synchronous link,
+    every copy), `transfer_time_ms` the time both copy queues are busy, `offloaded_bytes` what
+    goes to the host and comes back (the host's peak: all of it is there when the forward
+    ends)."""
 
     events: tuple[Event, ...]
     peak_bytes: int
@@ -123,11 +144,20 @@ class Timeline:
     backward_time_ms: float
     recompute_time_ms: float
     breakdown: PeakBreakdown = field(default_factory=PeakBreakdown)
+    stall_time_ms: float = 0.0
+    transfer_time_ms: float = 0.0
+    offloaded_bytes: int = 0
 
     @property
     def total_time_ms(self) -> float:
-        """Forward + recompute + backward time of the step."""
-        return self.forward_time_ms + self.recompute_time_ms + self.backward_time_ms
+        """Forward + recompute + backward time of the step, and the stalls on copies."""
+        return (self.forward_time_ms + self.recompute_time_ms + self.backward_time_ms
+                + self.stall_time_ms)
+
+    @property
+    def added_time_ms(self) -> float:
+        """What the schedule adds to the unplanned step: recompute and copy stalls."""
+        return self.recompute_time_ms + self.stall_time_ms
 
     @property
     def peak_label(self) -> str:
@@ -164,6 +194,7 @@ class Hold(IntEnum):
     CHILD_INPUT = 5  # a nested frame's input, saved into its parent's rerun (key: child)
     BACKWARD = 6  # autograd saved it for a node's backward (key: node)
     CALLER = 7  # the caller holds it all step: the loss, what the program keeps
+    COPY = 8  # an offload copy to the host reads it (key: storage)
 
 
 class Token(NamedTuple):
@@ -171,6 +202,91 @@ class Token(NamedTuple):
 
     why: Hold
     key: int = 0
+
+
+def _bucket(inst: Inst) -> int:
+    """Where an instance's bytes count: 0 the original forward's, 1 a rerun's (generation
+    k > 0), 2 brought back from the host (generation -1)."""
+    return 0 if inst[1] == 0 else 1 if inst[1] > 0 else 2
+
+
+class _Copies:
+    """The offload copies of one replay on the step's clock (compute time and stalls): one
+    queue per direction, each copy in issue order."""
+
+    def __init__(self, p: Problem, groups: list[OffloadGroup]) -> None:
+        self.p, self.link = p, p.host_link
+        self.clock = 0.0
+        self.free = {True: 0.0, False: 0.0}  # when the queue to the host (True) is idle
+        self.stall_ms = self.transfer_ms = 0.0
+        self.moved_bytes = sum(g.nbytes(p) for g in groups)
+        self.out_of: dict[int, int] = {}  # storage -> the node whose save copies it out
+        self.out_at: dict[int, list[int]] = defaultdict(list)
+        self.to_host: dict[int, set[int]] = defaultdict(set)  # node -> its saves on the host
+        self.need_at: dict[int, list[OffloadGroup]] = defaultdict(list)
+        self.fetch_at: dict[int, list[OffloadGroup]] = defaultdict(list)
+        self.out_end: dict[int, float] = {}
+        self.in_flight: list[tuple[float, int]] = []
+        self.ready: dict[int, float] = {}
+        for g in sorted((g for g in groups if g.moved), key=lambda g: (-g.need, g.index)):
+            for s, i in g.moved.items():
+                self.out_of[s] = i
+                self.out_at[i].append(s)
+            for s, savers in g.savers.items():
+                for k in savers:
+                    self.to_host[k].add(s)
+            self.need_at[g.need].append(g)
+            if g.fetch != g.need:
+                self.fetch_at[g.fetch].append(g)
+
+    def _copy_ms(self, s: int, to_host: bool) -> float:
+        ms = self.link.copy_ms(self.p.storage_bytes[s], to_host)
+        self.transfer_ms += ms
+        return ms
+
+    def start_out(self, s: int, node_ms: float) -> bool:
+        """Copy s to the host after the running node's `node_ms`; True if already done (a
+        synchronous link: compute stalls for the copy)."""
+        ms = self._copy_ms(s, True)
+        if self.link.synchronous:
+            self.clock += ms
+            self.stall_ms += ms
+            self.out_end[s] = self.clock + node_ms
+            return True
+        start = max(self.clock + node_ms, self.free[True])
+        self.out_end[s] = self.free[True] = start + ms
+        heapq.heappush(self.in_flight, (start + ms, s))
+        return False
+
+    def landed(self) -> list[int]:
+        """Storages whose copy to the host has ended by now."""
+        done = []
+        while self.in_flight and self.in_flight[0][0] <= self.clock:
+            done.append(heapq.heappop(self.in_flight)[1])
+        return done
+
+    def start_in(self, g: OffloadGroup) -> bool:
+        """Issue the copies of `g` back to the device; False if they were issued already."""
+        if g.index in self.ready:
+            return False
+        end = self.clock
+        for s in g.moved:
+            ms = self._copy_ms(s, False)
+            if self.link.synchronous:
+                self.clock += ms
+                self.stall_ms += ms
+                end = self.clock
+            else:
+                end = self.free[False] = max(self.clock, self.free[False], self.out_end[s]) + ms
+        self.ready[g.index] = end
+        return True
+
+    def wait_for(self, g: OffloadGroup) -> None:
+        """Compute waits until `g`'s copies are back."""
+        wait = self.ready[g.index] - self.clock
+        if wait > 0:
+            self.clock += wait
+            self.stall_ms += wait
 
 
 @dataclass(slots=True)
@@ -197,7 +313,7 @@ class _Replay:
         self.n = p.n_nodes
         self.holds: dict[Inst, set[Token]] = {}
         self.by_token: dict[Token, set[Inst]] = defaultdict(set)
-        self.live_act = [0, 0]  # [original, recomputed] activation bytes
+        self.live_act = [0, 0, 0]  # [original, recomputed, prefetched] activation bytes
         self.live_grad = 0
         self.events: list[Event] = []
         self.peak = -1
@@ -218,6 +334,7 @@ class _Replay:
                 self.end_of_forward[f.region.stop - 1].append(f)
             else:
                 self.deaths[f.death].append(f)
+        self.copies = _Copies(p, offload_groups(p, schedule))
 
     # ------------------------------------------------------------ structure
 
@@ -240,7 +357,7 @@ class _Replay:
 
     def _alloc(self, inst: Inst) -> None:
         self.holds[inst] = set()
-        self.live_act[inst[1] > 0] += self.p.storage_bytes[inst[0]]
+        self.live_act[_bucket(inst)] += self.p.storage_bytes[inst[0]]
 
     def _hold(self, inst: Inst, tok: Token) -> None:
         self.holds[inst].add(tok)
@@ -249,7 +366,7 @@ class _Replay:
     def _free_if_unheld(self, inst: Inst) -> None:
         if inst in self.holds and not self.holds[inst]:
             del self.holds[inst]
-            self.live_act[inst[1] > 0] -= self.p.storage_bytes[inst[0]]
+            self.live_act[_bucket(inst)] -= self.p.storage_bytes[inst[0]]
 
     def _release(self, tok: Token) -> None:
         for inst in self.by_token.pop(tok, ()):
@@ -263,7 +380,11 @@ class _Replay:
             self._free_if_unheld(inst)
 
     def _live(self) -> int:
-        return self.p.static_bytes + self.live_act[0] + self.live_act[1] + self.live_grad
+        return self.p.static_bytes + sum(self.live_act) + self.live_grad
+
+    def _parts(self, grad: int, temp: int) -> PeakBreakdown:
+        return PeakBreakdown(self.p.static_bytes, self.live_act[0], self.live_act[1], grad, temp,
+                             self.live_act[2])
 
     def _record(self, label: str, phase: str, node: int, time_ms: float, peak: int,
                 parts: PeakBreakdown, cached: bool = False) -> None:
@@ -271,6 +392,29 @@ class _Replay:
             self.peak, self.peak_event, self.breakdown = peak, len(self.events), parts
         self.events.append(Event(label, phase, node, time_ms, self._live(), peak, cached))
         self.times[phase] += time_ms
+        self.copies.clock += time_ms
+
+    # ------------------------------------------------------------ offload
+
+    def _land_copies(self) -> None:
+        """Free the device side of every copy to the host that has ended by now."""
+        for s in self.copies.landed():
+            self._release_one((s, 0), Token(Hold.COPY, s))
+
+    def _copy_out(self, i: int, env: dict[int, Inst], time_ms: float) -> None:
+        """Node i's saves that start a copy to the host (after node i has run)."""
+        for s in self.copies.out_at.get(i, ()):
+            if self.copies.start_out(s, time_ms):  # synchronous: done already
+                self._release_one(env[s], Token(Hold.COPY, s))
+
+    def _bring_back(self, groups: list[OffloadGroup]) -> None:
+        """Issue the copies back of `groups` (those not issued yet)."""
+        for g in groups:
+            if self.copies.start_in(g):
+                for s, savers in g.savers.items():
+                    self._alloc((s, -1))
+                    for k in savers:
+                        self._hold((s, -1), Token(Hold.BACKWARD, k))
 
     # ------------------------------------------------------------ passes
 
@@ -309,6 +453,7 @@ class _Replay:
         `not_run`: it packs its inputs only; its outputs (a kept one's too) stay unmade."""
         p, root, env = self.p, run.root, run.env
         inner = self.innermost[i]
+        self._land_copies()
         # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
         if root is None:
             for f in self.top_entries.get(i, ()):
@@ -329,8 +474,7 @@ class _Replay:
                 new.append((s, run.gen))
         alloc = sum(p.storage_bytes[s] for s, _ in new)
         temp = 0 if cached or not_run else p.fwd_temp_bytes[i]
-        parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
-                              self.live_grad, temp)
+        parts = self._parts(self.live_grad, temp)
         self._hold_made(run, i, inner, not_run)
         # frees after this node
         if cached and not not_run:
@@ -348,6 +492,8 @@ class _Replay:
         if not_run:
             label += " (stops in its pack)"
         time = (0.0 if cached or not_run else p.fwd_time_ms[i]) + overhead_ms
+        if root is None:
+            self._copy_out(i, env, time)
         self._record(label, "forward" if root is None else "recompute", i, time,
                      before + alloc + temp, parts, cached or not_run)
 
@@ -368,8 +514,12 @@ class _Replay:
                 if s in p.caller_held:  # its backward) and what the caller keeps
                     self._hold(env[s], Token(Hold.CALLER))
             if inner is None:
+                to_host = self.copies.to_host.get(i, ())
                 for s in p.saved[i]:
-                    self._hold(env[s], Token(Hold.BACKWARD, i))
+                    if s not in to_host:
+                        self._hold(env[s], Token(Hold.BACKWARD, i))
+                    elif self.copies.out_of.get(s) == i:
+                        self._hold(env[s], Token(Hold.COPY, s))
             elif i in inner.region.keep:
                 for s in p.outputs[i]:
                     self._hold(env[s], Token(Hold.SAC, inner.uid))
@@ -422,14 +572,21 @@ class _Replay:
         p = self.p
         for j in range(self.n - 1, -1, -1):
             f = self.innermost[j]
+            self._land_copies()
+            # the gradient hook on a call's output prefetches before the node unpacks (which
+            # reruns its checkpoint, or fetches the offloaded calls it needs and waits)
+            self._bring_back(self.copies.fetch_at.get(j, []))
             if f is not None and p.packs[j]:
                 self._ensure_recomputed(f)
+            needed = self.copies.need_at.get(j, [])
+            self._bring_back(needed)
+            for g in needed:
+                self.copies.wait_for(g)
             grads = p.gradient_events
             self.live_grad = grads.before[j]
             add, accumulate = grads.added[j], grads.accumulated[j]
             before = self._live()
-            parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
-                                  self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
+            parts = self._parts(self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
             self.live_grad = grads.after[j]
             self._release(Token(Hold.BACKWARD, j))
             for fr in self.deaths.get(j, ()):
@@ -444,8 +601,7 @@ class _Replay:
         p = self.p
         if not p.optimizer_step_bytes:
             return
-        parts = PeakBreakdown(p.static_bytes, self.live_act[0], self.live_act[1],
-                              self.live_grad, p.optimizer_step_bytes)
+        parts = self._parts(self.live_grad, p.optimizer_step_bytes)
         self._record(OPTIMIZER_STEP, "backward", 0, 0.0,
                      self._live() + p.optimizer_step_bytes, parts)
 
@@ -471,14 +627,32 @@ def check_schedule(problem: Problem, schedule: Schedule) -> None:
                     f"BatchNorm in training) but lies in RECOMPUTE region "
                     f"[{r.start}, {r.stop}); put it in a STORE region."
                 )
-        for k in sorted(r.keep):
-            if not problem.can_keep(k):
-                raise SimulationError(
-                    f"node {k} ({problem.node_names[k]}) is kept in RECOMPUTE region "
-                    f"[{r.start}, {r.stop}) but keepable[{k}] is False (its output cannot be "
-                    f"saved by selective checkpointing, e.g. an in-place op finishes it); "
-                    f"remove it from the region's keep."
-                )
+        _check_keeps(problem, r)
+    _check_offloads(problem, schedule)
+
+
+def _check_keeps(problem: Problem, r: Region) -> None:
+    for k in sorted(r.keep):
+        if not problem.can_keep(k):
+            raise SimulationError(
+                f"node {k} ({problem.node_names[k]}) is kept in RECOMPUTE region "
+                f"[{r.start}, {r.stop}) but keepable[{k}] is False (its output cannot be "
+                f"saved by selective checkpointing, e.g. an in-place op finishes it); "
+                f"remove it from the region's keep."
+            )
+
+
+def _check_offloads(problem: Problem, schedule: Schedule) -> None:
+    if schedule.offloads and problem.host_link is None:
+        raise SimulationError(
+            f"the schedule offloads but problem {problem.name!r} has no host_link (how fast "
+            "the device copies to host memory); build the problem from a profile of a "
+            "device with one, or set Problem.host_link.")
+    for o in schedule.offloads:
+        if o.stop > problem.n_nodes or not problem.emittable(o.start, o.stop):
+            raise SimulationError(
+                f"offload [{o.start}, {o.stop}) is not one of problem {problem.name!r}'s "
+                "module spans: only a call of one of the model's modules can be offloaded.")
 
 
 def simulate(problem: Problem, schedule: Schedule) -> Timeline:
@@ -502,6 +676,9 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
         backward_time_ms=replay.times["backward"],
         recompute_time_ms=replay.times["recompute"],
         breakdown=replay.breakdown,
+        stall_time_ms=replay.copies.stall_ms,
+        transfer_time_ms=replay.copies.transfer_ms,
+        offloaded_bytes=replay.copies.moved_bytes,
     )
 
 

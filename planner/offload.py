@@ -1,0 +1,343 @@
+"""Offload a plan's chosen activations to host memory with saved-tensor hooks.
+
+Follows `solvers.offload`, the rule `simulate` replays: while an offloaded module call runs
+(a forward pre-hook enters `torch.autograd.graph.saved_tensors_hooks`, a forward hook
+leaves), each tensor autograd saves outside a checkpoint is packed into a handle. The first
+pack of a storage copies the whole storage to host memory (pinned, on a side stream, on a
+GPU) and later packs of it, through any view, reuse that copy; parameters, buffers and the
+model's inputs stay where they are. Its device memory is free once the copy has ended and the
+forward no longer reads it. In the backward an offloaded call's copies come back all at once:
+when the gradient of the output of the call named by the plan's prefetch arrives (a tensor
+hook registered by a forward hook on that module), or when first unpacked; the compute
+stream waits on an event, never on the device. A checkpoint (`planner.emit.Checkpointed`)
+pauses the hooks: its own hooks take what is saved inside it, and its input save stays a
+plain save.
+
+On a machine without a GPU the same hooks run, with host and device one memory: copies are
+synchronous, and host buffers are made inside `measure.host_memory()`, so `PeakTracker`
+counts them as host memory, not as the device's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from planner.measure import host_memory
+
+__all__ = ["OffloadHooks", "install_offload", "offload_paused", "offloaded_modules",
+           "remove_offload", "suspended_offload"]
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def offload_paused() -> Iterator[None]:
+    """Saves made inside stay plain saves (a checkpoint's input save)."""
+    _state.paused = getattr(_state, "paused", 0) + 1
+    try:
+        yield
+    finally:
+        _state.paused -= 1
+
+
+@dataclass(eq=False)
+class _Copy:
+    """One storage on the host, and on the device again once fetched."""
+
+    host: torch.Tensor
+    device: torch.device
+    group: tuple[int, int]  # (step, offloaded call)
+    on_device: torch.Tensor | None = None
+    source: torch.Tensor | None = None  # the device bytes until the copy out has ended
+    copied: Any = None  # CUDA event: the copy (out, then back) has ended
+    __weakref__: Any = field(default=None, init=False, repr=False)
+
+
+@dataclass(eq=False)
+class _Handle:
+    """What autograd holds for one save: the copy and the view of its storage."""
+
+    copy: _Copy
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class OffloadHooks:
+    """The offload of one applied plan: `calls[k]` is the k-th offloaded module's path and
+    `prefetch[k]` the path whose output's gradient fetches it back (None: when needed)."""
+
+    def __init__(self, calls: list[str], prefetch: list[str | None]) -> None:
+        self.calls = calls
+        self.prefetch = prefetch
+        self._reset()
+
+    def _reset(self) -> None:
+        self.step = 0
+        self.static: set[StorageWeakRef] = set()
+        # weak: a copy lives as long as the saves that hold its handles, not a step longer
+        self.copies: dict[StorageWeakRef, weakref.ref[_Copy]] = {}
+        self.groups: dict[tuple[int, int], list[weakref.ref]] = {}
+        self.fetched: set[tuple[int, int]] = set()
+        self.active: list[Any] = []
+        self.streams: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"calls": self.calls, "prefetch": self.prefetch}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    # ------------------------------------------------------------ forward
+
+    def new_step(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Root pre-hook: parameters, buffers and inputs are never moved."""
+        if not torch.is_grad_enabled():
+            return
+        self.step += 1
+        self.copies = {ref: c for ref, c in self.copies.items()
+                       if not ref.expired() and c() is not None}
+        self.fetched = {key for key in self.fetched if key[0] == self.step - 1}
+        tensors = [*model.parameters(), *model.buffers(),
+                   *(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+        self.static = {StorageWeakRef(t.untyped_storage()) for t in tensors
+                       if t.layout == torch.strided and t.device.type != "meta"}
+
+    def enter(self, k: int) -> None:
+        """Pre-hook of the k-th offloaded call (inside a checkpoint, forward or rerun,
+        nothing: the checkpoint's hooks take the saves)."""
+        hooks = None
+        if not getattr(_state, "paused", 0):
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self.pack(t, (self.step, k)), self.unpack)
+            hooks.__enter__()
+        self.active.append(hooks)
+
+    def leave(self) -> None:
+        """Forward hook (always called) of an offloaded call."""
+        hooks = self.active.pop() if self.active else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def _movable(self, t: torch.Tensor) -> bool:
+        return (not getattr(_state, "paused", 0) and type(t) is torch.Tensor
+                and t.layout == torch.strided and t.device.type != "meta"
+                and StorageWeakRef(t.untyped_storage()) not in self.static)
+
+    def pack(self, t: torch.Tensor, group: tuple[int, int]) -> Any:
+        if not self._movable(t):
+            return t
+        storage = t.untyped_storage()
+        ref = StorageWeakRef(storage)
+        known = self.copies.get(ref)
+        copy = known() if known is not None else None
+        if copy is None:
+            copy = self._copy_out(storage, t.device, group)
+            self.copies[ref] = weakref.ref(copy)
+            self.groups.setdefault(group, []).append(weakref.ref(copy))
+        return _Handle(copy, t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+    def _copy_out(self, storage: torch.UntypedStorage, device: torch.device,
+                  group: tuple[int, int]) -> _Copy:
+        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        with host_memory():
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                               pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            host.copy_(source)
+            return _Copy(host, device, group)
+        stream = self._stream("out", device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._release_sources()
+        return _Copy(host, device, group, source=source, copied=event)
+
+    def _release_sources(self) -> None:
+        """Drop the device bytes of every copy out that has ended (a GPU)."""
+        for known in self.copies.values():
+            copy = known()
+            if copy is not None and copy.source is not None and copy.copied.query():
+                copy.source = None
+
+    def _stream(self, name: str, device: torch.device) -> Any:
+        if name not in self.streams:
+            self.streams[name] = torch.cuda.Stream(device)
+        return self.streams[name]
+
+    # ------------------------------------------------------------ backward
+
+    def output_hook(self, k: int) -> Any:
+        """For the forward hook of a prefetching module: a gradient hook on its output."""
+        group = (self.step, k)
+
+        def fetch(grad: torch.Tensor) -> None:
+            self.fetch(group)
+
+        return fetch
+
+    def fetch(self, group: tuple[int, int]) -> None:
+        """Bring one offloaded call's copies back (once)."""
+        if group in self.fetched:
+            return
+        self.fetched.add(group)
+        for ref in self.groups.pop(group, ()):
+            copy = ref()
+            if copy is not None and copy.on_device is None:
+                self._copy_in(copy)
+
+    def _copy_in(self, copy: _Copy) -> None:
+        back = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
+        if copy.device.type != "cuda":
+            back.copy_(copy.host)
+            copy.on_device = back
+            return
+        stream = self._stream("in", copy.device)
+        stream.wait_stream(torch.cuda.current_stream(copy.device))
+        with torch.cuda.stream(stream):
+            back.copy_(copy.host, non_blocking=True)
+            copy.copied = torch.cuda.Event()
+            copy.copied.record(stream)
+        back.record_stream(stream)
+        copy.on_device = back
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        copy = packed.copy
+        if copy.on_device is None:
+            self.fetch(copy.group)
+            if copy.on_device is None:  # not in its call's list any more (fetched before)
+                self._copy_in(copy)
+        if copy.device.type == "cuda":
+            torch.cuda.current_stream(copy.device).wait_event(copy.copied)
+        return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
+            copy.on_device.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+
+class _Enter:
+    """Forward pre-hook of an offloaded call (a class: the model still pickles)."""
+
+    def __init__(self, hooks: OffloadHooks, k: int) -> None:
+        self.hooks, self.k = hooks, k
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.hooks.enter(self.k)
+
+
+class _Leave:
+    def __init__(self, hooks: OffloadHooks) -> None:
+        self.hooks = hooks
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.hooks.leave()
+
+
+class _Prefetch:
+    """Forward hook of a module whose output's gradient fetches offloaded calls back."""
+
+    def __init__(self, hooks: OffloadHooks, ks: list[int]) -> None:
+        self.hooks, self.ks = hooks, ks
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                for k in self.ks:
+                    t.register_hook(self.hooks.output_hook(k))
+
+
+class _NewStep:
+    def __init__(self, hooks: OffloadHooks) -> None:
+        self.hooks = hooks
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.compiler.is_compiling():
+            self.hooks.new_step(module, args, kwargs)
+
+
+_HOOK_TYPES = (_Enter, _Leave, _Prefetch, _NewStep)
+
+
+def install_offload(model: nn.Module, calls: list[str], prefetch: list[str | None]
+                    ) -> OffloadHooks:
+    """Install the hooks on ``model``'s modules (paths relative to it; '' the model)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("offload hooks cannot be installed while compiling")
+    hooks = OffloadHooks(calls, prefetch)
+    model.register_forward_pre_hook(_NewStep(hooks), with_kwargs=True, prepend=True)
+    for k, path in enumerate(calls):
+        module = model.get_submodule(path)
+        module.register_forward_pre_hook(_Enter(hooks, k))
+        module.register_forward_hook(_Leave(hooks), always_call=True)
+    by_module: dict[str, list[int]] = {}
+    for k, path in enumerate(prefetch):
+        if path is not None:
+            by_module.setdefault(path, []).append(k)
+    for path, ks in by_module.items():
+        model.get_submodule(path).register_forward_hook(_Prefetch(hooks, ks))
+    return hooks
+
+
+def offloaded_modules(model: nn.Module) -> list[str]:
+    """Paths of the modules that carry a plan's offload hooks."""
+    return [path for path, module in model.named_modules()
+            if any(isinstance(h, _HOOK_TYPES) for d in (module._forward_pre_hooks,
+                                                       module._forward_hooks)
+                   for h in d.values())]
+
+
+_Taken = list[tuple[nn.Module, str, int, Any, bool]]
+
+
+def remove_offload(model: nn.Module) -> list[str]:
+    """Take every offload hook off ``model``; returns the paths that had one."""
+    removed = offloaded_modules(model)
+    _take_hooks(model)
+    return removed
+
+
+def _take_hooks(model: nn.Module) -> _Taken:
+    """Remove the offload hooks; what was taken, to put back (`suspended_offload`)."""
+    taken: _Taken = []
+    for module in model.modules():
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(module, name)
+            for key in [key for key, h in hooks.items() if isinstance(h, _HOOK_TYPES)]:
+                flag = (module._forward_pre_hooks_with_kwargs.pop(key, False)
+                        or module._forward_hooks_always_called.pop(key, False))
+                taken.append((module, name, key, hooks.pop(key), flag))
+    return taken
+
+
+@contextlib.contextmanager
+def suspended_offload(model: nn.Module) -> Iterator[None]:
+    """``model`` without its offload hooks inside, the same hooks after (profiling a
+    planned model sees it as it runs unplanned)."""
+    taken = _take_hooks(model)
+    try:
+        yield
+    finally:
+        for module, name, key, hook, flag in taken:
+            getattr(module, name)[key] = hook
+            if flag:
+                flags = (module._forward_pre_hooks_with_kwargs if name == "_forward_pre_hooks"
+                         else module._forward_hooks_always_called)
+                flags[key] = True
