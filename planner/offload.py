@@ -21,6 +21,8 @@ counts them as host memory, not as the device's.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -229,6 +231,13 @@ class OffloadHooks:
             copy.on_device.untyped_storage(), packed.offset, packed.size, packed.stride)
 
 
+COMPILE_REFUSED = (
+    "this model's plan offloads activations with saved-tensor hooks, which torch.compile "
+    "does not trace (it breaks the graph there), so the compiled step would not save and "
+    "move what the plan predicts. Compile a plan without offload (optimize(..., "
+    "offload=False)), or run this one eagerly.")
+
+
 class _Enter:
     """Forward pre-hook of an offloaded call (a class: the model still pickles)."""
 
@@ -236,8 +245,27 @@ class _Enter:
         self.hooks, self.k = hooks, k
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self.hooks.enter(self.k)
+        if not torch.is_grad_enabled():
+            return
+        if _under_compile():
+            raise RuntimeError(COMPILE_REFUSED)
+        self.hooks.enter(self.k)
+
+
+def _under_compile() -> bool:
+    """Inside torch.compile: tracing, or running eagerly after a graph break (a
+    compiled module's frame is still on the stack)."""
+    if torch.compiler.is_compiling():
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_EVAL_FRAME):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
 
 
 class _Leave:
@@ -245,7 +273,7 @@ class _Leave:
         self.hooks = hooks
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
             self.hooks.leave()
 
 

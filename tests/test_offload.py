@@ -291,3 +291,17 @@ def test_a_prefetch_at_a_checkpointed_calls_output_comes_before_its_rerun() -> N
 
     at_need = rerun_live(None)  # fetched at node 1's backward, after the rerun
     assert at_need and rerun_live((3, 5)) == [live + 10 for live in at_need]
+
+
+def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
+    model, step = gpt
+    plan = plan_for_schedule(step.profile, _schedule(step, "alone"), step.inputs,
+                             step.structure)
+    apply(model.model, plan)
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    try:
+        with pytest.raises(RuntimeError, match="torch.compile does not trace"):
+            torch.compile(model.model, backend="eager")(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+        remove(model.model)
