@@ -134,7 +134,10 @@ class OffloadHooks:
             hooks.__exit__(None, None, None)
 
     def _movable(self, t: torch.Tensor) -> bool:
+        """An activation: not a parameter or a view of one (FSDP2's all-gathered weights
+        are parameters while they are unsharded), a buffer or an input."""
         return (not getattr(_state, "paused", 0) and type(t) is torch.Tensor
+                and not isinstance(t._base, nn.Parameter)
                 and t.layout == torch.strided and t.device.type != "meta"
                 and StorageWeakRef(t.untyped_storage()) not in self.static)
 
