@@ -4,7 +4,8 @@ and per-op CUDA profiles, in parts meant to fit in 10 minutes each on an H100.
     python benchmarks/gpu_suite.py --part record   # profiles/recorded/<model>.<gpu>.json
     python benchmarks/gpu_suite.py --part fp32     # benchmarks/results/frontier-<gpu>-fp32.*
     python benchmarks/gpu_suite.py --part bf16     # benchmarks/results/frontier-<gpu>-bf16.*
-    python benchmarks/gpu_suite.py --part all      # the three in one process
+    python benchmarks/gpu_suite.py --part offload  # benchmarks/results/offload-<gpu>.*
+    python benchmarks/gpu_suite.py --part all      # every part in one process
     python benchmarks/gpu_suite.py --tiny --out DIR  # CPU, tiny GPT, every part: the smoke test
 
 ``<gpu>`` is a short name of ``torch.cuda.get_device_name()`` (``h100``). A frontier part is
@@ -21,6 +22,10 @@ longest single step, must still end within 10 minutes); what is left is recorded
 run", and its files are written all the same. 3 timed steps: a GPT-2-medium fp32 step is about
 0.6 s, and a part measures some 30 strategies, each 1 + 2 x (2 warm-up + 3 timed) steps, plus
 two compiles and torch's estimators (budgeted, not yet timed on a GPU).
+
+The offload part (``benchmarks/offload_measured.py``) measures our plans with
+``offload=True`` at the H100 anchors against offloading every block (torchtune-style) and
+``torch.autograd.graph.save_on_cpu``.
 
 With ``--tiny`` the same code runs on the CPU at zoo size "tiny", with fewer peers, one
 compile budget on ``aot_eager_decomp_partition`` (the min-cut partitioner honouring
@@ -46,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 WHEELS = ("ortools==9.15.6755 protobuf==6.33.6 immutabledict==4.3.1 pydantic==2.14.3 "
           "pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 "
           "typing-extensions==4.16.0 pulp==3.3.2 pwlf==2.7.0")
-PARTS = ("record", "fp32", "bf16")
+PARTS = ("record", "fp32", "bf16", "offload")
 _DEVICE_RUN = ("python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
                "PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py "
                "--part {part} --out $OUT --profiles-dir $OUT 2>&1 | tee $OUT/{part}.log")
@@ -162,8 +167,21 @@ def frontier_part(opts: argparse.Namespace, slug: str, precision: str,
     return result
 
 
+def offload_part(opts: argparse.Namespace, slug: str, deadline: float) -> dict[str, Any]:
+    """Offload plans against offloading everything, written to ``--out/offload-<slug>.*``."""
+    offload = _load("offload_measured")
+    device = "cpu" if opts.tiny else "cuda"
+    result = offload.bench(_load("frontier"), device, opts.tiny, opts.steps,
+                           opts.timing or "estimate", deadline)
+    result.update(when=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                  device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    offload.write(result, opts.out, f"offload-{slug}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the selected parts; returns {"record": paths, "fp32": result, "bf16": result}."""
+    """Run the selected parts; returns {"record": paths, "fp32": result, "bf16": result,
+    "offload": result}."""
     print(setup_text(), flush=True)
     opts = parse(argv)
     slug = "cpu" if opts.tiny else _load("record_profiles").gpu_slug(
@@ -176,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         deadline = time.perf_counter() + opts.time_limit
         if part == "record":
             done[part] = record_part(opts, slug, deadline)
+        elif part == "offload":
+            done[part] = offload_part(opts, f"{slug}-tiny" if opts.tiny else slug, deadline)
         else:
             done[part] = frontier_part(opts, f"{slug}-tiny" if opts.tiny else slug, part,
                                        deadline)

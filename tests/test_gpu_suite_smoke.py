@@ -104,3 +104,17 @@ def test_bf16_ran_under_autocast(suite_run: tuple[Path, dict[str, Any]]) -> None
     peak = {name: next(r["peak_bytes"] for r in rows if r["strategy"] == "none")
             for name, rows in (("fp32", fp32_rows), ("bf16", bf16_rows))}
     assert peak["bf16"] < peak["fp32"]
+
+
+def test_offload_part_measures_our_offload_plans(suite_run: tuple[Path, dict[str, Any]]
+                                                 ) -> None:
+    out, done = suite_run
+    rows = done["offload"]["rows"]
+    assert (out / "offload-cpu-tiny.md").read_text().startswith("# Offload, measured")
+    measured = [r for r in rows if r.get("status", "ok") == "ok"]
+    assert all(r["grads_equal"] for r in measured)
+    ours = [r for r in measured if r["label"].startswith("ours") and r["offloaded_bytes"]]
+    assert ours, "an offload plan was measured"
+    # on the CPU the hooks copy synchronously, as the plan (timed for the CPU) predicts
+    assert all(r["peak_bytes"] == r["predicted_peak_bytes"] <= r["budget_bytes"] for r in ours)
+    assert any(r["label"].startswith("save_on_cpu") for r in measured)

@@ -1,0 +1,138 @@
+"""Measured offload: our keep / recompute / offload plans against offloading everything.
+
+The ``offload`` part of ``benchmarks/gpu_suite.py`` (a GPU: zoo ``gpt`` at ``gpt2-medium``,
+batch 8, fp32; ``--tiny``: the tiny GPT on the CPU, the smoke test). Every strategy runs
+through ``frontier.Runner`` (peak of one step: ``torch.cuda.max_memory_allocated``, on the
+CPU ``PeakTracker``; median step time interleaved with the unplanned step; gradients against
+the unplanned model's):
+
+- every block's saved activations offloaded, the next block prefetched (torchtune's
+  ``OffloadActivations`` recipe, run by our hooks: ``plan_for_schedule``);
+- ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the step (every saved
+  tensor to the host, back when needed);
+- ours with ``offload=True`` at DESIGN.md's H100 anchors (on the CPU: at + 50 / 30 % of the
+  activations), planned with estimated H100 times (``--timing``), with its predicted peak.
+
+Nothing of this has run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner import zoo
+from planner.api import optimize, plan_for_schedule, profile_model, replan
+from planner.plan import InfeasibleBudgetError, Plan
+from solvers import Schedule, joint
+from solvers.from_profile import problem_from_profile
+
+GIB = 2**30
+ANCHORS_GIB = (8.37, 17.37, 27.87)
+
+
+def _torchtune_style(zm: zoo.ZooModel, timing: str, device: str) -> Plan:
+    """Every block offloaded, each prefetched at the next block's output (our hooks)."""
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing=timing,
+                         device=device, progress=False)
+    problem = problem_from_profile(step.profile)
+    blocks = [b for b in problem.blocks() if problem.emittable(*b)]
+    schedule = Schedule.store_all(problem.n_nodes).with_offloads(
+        joint.offloads(problem, blocks, blocks, 1))
+    return plan_for_schedule(step.profile, schedule, step.inputs, step.structure)
+
+
+def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
+          deadline: float) -> dict[str, Any]:
+    """Rows of the offload comparison (see the module doc)."""
+    zm = zoo.get("gpt", size="tiny" if tiny else "gpt2-medium", batch=4 if tiny else 8,
+                 dropout=0.0, device=device)
+    runner = frontier.Runner(zm, device, steps, deadline=deadline, warmup=0 if tiny else 2)
+    rows: list[dict[str, Any]] = []
+    peak0, ms0, _, reference = runner.run(zm.model)
+    rows.append(dict(label="unplanned", peak_bytes=peak0, step_ms=ms0, base_step_ms=ms0,
+                     grads_equal=True))
+    est = "cpu" if tiny else "H100"
+    probe = replan(_profiled_plan(zm, timing, est), budget_bytes=10**15)
+    static = probe.profile.static.total_bytes
+    budgets = ([int(static + f * (probe.unplanned_peak_bytes - static)) for f in (0.5, 0.3)]
+               if tiny else [int(g * GIB) for g in ANCHORS_GIB])
+    peers = [("offload every block, prefetch the next (torchtune-style, our hooks)",
+              _torchtune_style(zm, timing, est), contextlib.nullcontext),
+             ("save_on_cpu (every saved tensor)", None,
+              functools.partial(torch.autograd.graph.save_on_cpu,
+                                pin_memory=device == "cuda"))]
+    for label, plan, context in peers:
+        rows.append(_measure(frontier, runner, zm, label, plan, context, reference))
+    for budget in budgets:
+        label = f"ours, offload=True, at {budget / GIB:.4g} GiB"
+        if runner.out_of_time():
+            rows.append(dict(label=label, status="not run: time is up"))
+            continue
+        try:
+            plan = replan(probe, budget_bytes=budget, offload=True, time_limit_s=60)
+        except InfeasibleBudgetError as error:
+            rows.append(dict(label=label, status=f"infeasible: {error.args[0][:160]}"))
+            continue
+        rows.append(_measure(frontier, runner, zm, label, plan, contextlib.nullcontext,
+                             reference))
+    return dict(device=device, steps=steps, timing=timing, rows=rows)
+
+
+def _profiled_plan(zm: zoo.ZooModel, timing: str, device: str) -> Plan:
+    return optimize(zm.model, zm.example_inputs, budget_gb=1e6, loss_fn=zm.loss_fn,
+                    timing=timing, device=device, progress=False)
+
+
+def _measure(frontier: Any, runner: Any, zm: zoo.ZooModel, label: str, plan: Plan | None,
+             context: Any, reference: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if runner.out_of_time():
+        return dict(label=label, status="not run: time is up")
+    if plan is not None:
+        context = functools.partial(frontier._planned, zm.model, plan)
+    started = time.perf_counter()
+    peak, ms, base, grads = runner.run(zm.model, context)
+    equal, diff = frontier.grads_match(reference, grads)
+    row = dict(label=label, status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
+               grads_equal=equal, grad_max_abs_diff=diff,
+               seconds=time.perf_counter() - started)
+    if plan is not None:
+        row.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+                   predicted_overhead=plan.predicted_overhead,
+                   offloaded_bytes=plan.offloaded_bytes, stall_ms=plan.stall_ms,
+                   schedule=plan.schedule.describe()[:400])
+    return row
+
+
+def markdown(result: dict[str, Any]) -> str:
+    out = ["# Offload, measured", "",
+           f"{result['when']}, {result['device_name']}, {result['steps']} timed steps, plans "
+           f"timed by `{result['timing']}`.", "",
+           "| strategy | peak GiB | predicted GiB | step vs unplanned | predicted overhead | "
+           "moved GiB | grads |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r.get("status", "ok") != "ok":
+            out.append(f"| {r['label']} | {r['status']} | | | | | |")
+            continue
+        over = r["step_ms"] / r["base_step_ms"] - 1
+        predicted = r.get("predicted_peak_bytes")
+        predicted_text = "-" if predicted is None else f"{predicted / GIB:.4g}"
+        overhead = r.get("predicted_overhead")
+        overhead_text = "-" if overhead is None else f"{overhead:.1%}"
+        out.append(f"| {r['label']} | {r['peak_bytes'] / GIB:.4g} | {predicted_text} | "
+                   f"{over:+.1%} | {overhead_text} | {r.get('offloaded_bytes', 0) / GIB:.3g} | "
+                   f"{'=' if r['grads_equal'] else 'DIFFER'} |")
+    return "\n".join(out) + "\n"
+
+
+def write(result: dict[str, Any], out: Path, stem: str) -> None:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown(result))
