@@ -173,13 +173,13 @@ class Checkpointed:
         # plain checkpoint and pay nothing
         check = bool(self.spec.expected_ops) and self._planned_step(tensors) and (
             bool(self.spec.keep_ops) or not self.checked)
+        # the checkpoint's input save goes through offload hooks when a call it runs in is
+        # offloaded (offloaded checkpointing); its forward and rerun (`run`) pause them
         if not check and not self.spec.keep_ops:
-            with offload_paused():  # the checkpoint saves its inputs as a plain save
-                return checkpoint(run, *tensors, use_reentrant=False)
+            return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
-        with offload_paused():
-            out = checkpoint(run, *tensors, use_reentrant=False,
-                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
+        out = checkpoint(run, *tensors, use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts(policy))
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True

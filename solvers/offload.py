@@ -2,14 +2,17 @@
 `simulate` and the planner's saved-tensor hooks (`planner.offload`) follow.
 
 While an offloaded call runs, every tensor an op saves for backward outside a checkpoint
-goes through the offload hooks (a checkpoint's own hooks take what is saved inside it, and
-the checkpoint's input save is not offloaded). The first such save of a storage copies it to
-host memory (one copy per storage, whatever views or ops save it); later saves of that
-storage inside any offloaded call reuse the copy. A save outside every offloaded call is a
-plain save: it keeps the device storage alive as without offload.
+goes through the offload hooks, and so does the input save of a top-level checkpoint that
+starts in it (its call's tensor arguments, `ModuleSpan.inputs`, saved before its first node
+runs: "offloaded checkpointing"); a checkpoint's own hooks take what is saved inside it. The
+first such save of a storage copies it to host memory (one copy per storage, whatever views
+or ops save it); later saves of that storage inside any offloaded call reuse the copy. A
+save outside every offloaded call is a plain save: it keeps the device storage alive as
+without offload.
 
 Backward: an offloaded call is *needed* at the first backward node that unpacks any of its
-copies. All of a call's copies come back at once: when the backward reaches the output of
+copies (for a checkpoint's inputs: the node whose backward first reruns it). All of a call's
+copies come back at once: when the backward reaches the output of
 the call its `prefetch` names (the start of the backward of that call's last node, where a
 hook on the output's gradient runs), or when needed if that comes first or it names none.
 """
@@ -26,14 +29,18 @@ __all__ = ["OffloadGroup", "offload_groups"]
 
 @dataclass
 class OffloadGroup:
-    """One offloaded call's copies: `moved[s]` is the node whose save copies storage s;
-    `savers[s]` the nodes whose saves of s read the host copy back (their backward holds
-    the returned storage); `need` and `fetch` the backward nodes at whose start the call is
-    needed and its prefetch is issued."""
+    """One offloaded call's copies: `moved[s]` is the node whose save copies storage s (at
+    its checkpoint's entry, before it runs, when s is in `at_entry`); `savers[s]` the nodes
+    whose saves of s read the host copy back (their backward holds the returned storage),
+    `frames[s]` the first nodes of the checkpoints that saved s as an input (held until the
+    frame dies); `need` and `fetch` the backward nodes at whose start the call is needed
+    and its prefetch is issued."""
 
     index: int
     moved: dict[int, int] = field(default_factory=dict)
     savers: dict[int, list[int]] = field(default_factory=dict)
+    frames: dict[int, list[int]] = field(default_factory=dict)
+    at_entry: set[int] = field(default_factory=set)
     need: int = -1
     fetch: int = -1
 
@@ -55,15 +62,33 @@ def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
     recomputed = schedule.recomputed_nodes()
     group_of = {i: g for o, g in zip(schedule.offloads, groups, strict=True)
                 for i in range(o.start, o.stop)}
+    entries = {r.start: r for r in schedule.regions if r.is_recompute}
     mover: dict[int, OffloadGroup] = {}
+
+    def save(s: int, g: OffloadGroup, i: int) -> OffloadGroup:
+        owner = mover.setdefault(s, g)
+        if s not in owner.moved:
+            owner.moved[s] = i
+        return owner
+
     for i in range(problem.n_nodes):
         g = group_of.get(i)
-        if g is None or i in recomputed:
+        if g is None:
+            continue
+        region = entries.get(i)
+        span = problem.span(i, region.stop) if region is not None else None
+        if span is not None and group_of.get(region.stop - 1) is g:
+            rerun = max((j for j in range(i, region.stop) if problem.packs[j]), default=-1)
+            for s in span.inputs:
+                owner = save(s, g, i)
+                if owner.moved[s] == i:
+                    owner.at_entry.add(s)
+                owner.frames.setdefault(s, []).append(i)
+                owner.need = max(owner.need, rerun)
+        if i in recomputed:
             continue
         for s in problem.saved[i]:
-            owner = mover.setdefault(s, g)
-            if s not in owner.moved:
-                owner.moved[s] = i
+            owner = save(s, g, i)
             owner.savers.setdefault(s, []).append(i)
             owner.need = max(owner.need, i)
     for o, g in zip(schedule.offloads, groups, strict=True):

@@ -222,7 +222,10 @@ class _Copies:
         self.moved_bytes = sum(g.nbytes(p) for g in groups)
         self.out_of: dict[int, int] = {}  # storage -> the node whose save copies it out
         self.out_at: dict[int, list[int]] = defaultdict(list)
+        self.entry_out_at: dict[int, list[int]] = defaultdict(list)  # at a checkpoint's entry
         self.to_host: dict[int, set[int]] = defaultdict(set)  # node -> its saves on the host
+        self.frame_inputs: dict[int, set[int]] = defaultdict(set)  # checkpoint start -> same
+        self.rerun_need: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.need_at: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.fetch_at: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.out_end: dict[int, float] = {}
@@ -231,10 +234,15 @@ class _Copies:
         for g in sorted((g for g in groups if g.moved), key=lambda g: (-g.need, g.index)):
             for s, i in g.moved.items():
                 self.out_of[s] = i
-                self.out_at[i].append(s)
+                (self.entry_out_at if s in g.at_entry else self.out_at)[i].append(s)
             for s, savers in g.savers.items():
                 for k in savers:
                     self.to_host[k].add(s)
+            for s, starts in g.frames.items():
+                for start in starts:
+                    self.frame_inputs[start].add(s)
+            for start in {start for starts in g.frames.values() for start in starts}:
+                self.rerun_need[start].append(g)
             self.need_at[g.need].append(g)
             if g.fetch != g.need:
                 self.fetch_at[g.fetch].append(g)
@@ -411,10 +419,14 @@ class _Replay:
         """Issue the copies back of `groups` (those not issued yet)."""
         for g in groups:
             if self.copies.start_in(g):
-                for s, savers in g.savers.items():
+                for s in g.moved:
                     self._alloc((s, -1))
-                    for k in savers:
+                    for k in g.savers.get(s, ()):
                         self._hold((s, -1), Token(Hold.BACKWARD, k))
+                    for start in g.frames.get(s, ()):
+                        for f in self.top_entries[start]:
+                            self._hold((s, -1), Token(Hold.FRAME, f.uid))
+                    self._free_if_unheld((s, -1))
 
     # ------------------------------------------------------------ passes
 
@@ -457,8 +469,14 @@ class _Replay:
         # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
         if root is None:
             for f in self.top_entries.get(i, ()):
+                to_host = self.copies.frame_inputs.get(i, ())
                 for s in f.inputs:
-                    self._hold(env[s], Token(Hold.FRAME, f.uid))
+                    if s not in to_host:
+                        self._hold(env[s], Token(Hold.FRAME, f.uid))
+            for s in self.copies.entry_out_at.get(i, ()):  # saved before node i runs
+                self._hold(env[s], Token(Hold.COPY, s))
+                if self.copies.start_out(s, 0.0):
+                    self._release_one(env[s], Token(Hold.COPY, s))
         else:
             self._enter_children(root, i, env, run.end_tok)
         cached = root is not None and inner is root and i in root.region.keep
@@ -551,8 +569,13 @@ class _Replay:
             return
         if f.parent is not None and f.inputs:
             self._ensure_recomputed(f.parent)
-        if f.parent is None:
-            env = {s: (s, 0) for s in f.inputs}
+        if f.parent is None:  # its inputs, or the copies of those it saved to the host
+            needed = self.copies.rerun_need.get(f.region.start, [])
+            self._bring_back(needed)
+            for g in needed:
+                self.copies.wait_for(g)
+            moved = self.copies.frame_inputs.get(f.region.start, set())
+            env = {s: (s, -1) if s in moved else (s, 0) for s in f.inputs}
         else:
             env = dict(f.child_inputs)
         f.recomputed = True

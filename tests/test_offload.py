@@ -150,19 +150,27 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
         return Schedule.from_segments(n, [b[2], b[3]]).with_offloads(
             [Offload(start=b[0][0], stop=b[0][1], prefetch=b[2]),
              Offload(start=b[1][0], stop=b[1][1], prefetch=b[3])])
+    if how == "offloaded checkpointing":  # every block checkpointed, its inputs offloaded
+        return Schedule.from_segments(n, b).with_offloads(
+            [Offload(start=a, stop=z, prefetch=b[k + 1] if k + 1 < len(b) else None)
+             for k, (a, z) in enumerate(b)])
     # nested: block 0 offloaded, its attention checkpointed inside it
     return Schedule.from_segments(n, [attn]).with_offloads(
         [Offload(start=b[0][0], stop=b[0][1], prefetch=b[1])])
 
 
-@pytest.mark.parametrize("how", ["alone", "beside checkpoints", "nested"])
+@pytest.mark.parametrize("how", ["alone", "beside checkpoints", "nested",
+                                 "offloaded checkpointing"])
 def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: str) -> None:
     model, step = gpt
     plan = plan_for_schedule(step.profile, _schedule(step, how), step.inputs, step.structure)
     assert plan.offloaded_bytes > 0 and len(plan.offloads) >= 1
-    assert plan.predicted_peak_bytes < plan_for_schedule(
-        step.profile, Schedule(regions=plan.schedule.regions), step.inputs,
-        step.structure).predicted_peak_bytes
+    without = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
+                                step.inputs, step.structure)
+    # offloaded checkpointing moves only the blocks' inputs: the peak (at the loss) stays
+    assert plan.predicted_peak_bytes < without.predicted_peak_bytes or (
+        how == "offloaded checkpointing"
+        and plan.predicted_peak_bytes == without.predicted_peak_bytes)
     _measured(model, plan)
 
 
@@ -300,7 +308,7 @@ def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
     apply(model.model, plan)
     args, kwargs = normalize_inputs(model.model, model.example_inputs)
     try:
-        with pytest.raises(RuntimeError, match="torch.compile does not trace"):
+        with pytest.raises(RuntimeError, match=r"torch\.compile does not trace"):
             torch.compile(model.model, backend="eager")(*args, **kwargs)
     finally:
         torch._dynamo.reset()
