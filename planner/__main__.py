@@ -100,7 +100,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
                     loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
                     timing=args.timing, device=args.device, progress=not args.quiet,
-                    grad_accumulation=args.grad_accumulation)
+                    grad_accumulation=args.grad_accumulation, offload=args.offload,
+                    host_budget_gb=args.host_budget_gb)
     return _print_and_save(plan, args.out)
 
 
@@ -231,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--grad-accumulation", action="store_true",
                      help="steps start with every .grad allocated (micro-batches of gradient "
                      "accumulation, zero_grad(set_to_none=False)); default: without .grad")
+    opt.add_argument("--offload", action="store_true",
+                     help="let the plan send module calls' saved activations to host memory "
+                     "and back")
+    opt.add_argument("--host-budget-gb", type=_budget_gb, default=None,
+                     help="host memory offload may take (with --offload; default: half the "
+                     "machine's physical memory)")
     timing_options(opt, "plan.json")
     solver_options(opt)
     opt.set_defaults(func=cmd_optimize)

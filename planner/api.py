@@ -356,13 +356,10 @@ def optimize(
     and the recipe is apply the plan, ``fully_shard`` each unit, then the model
     (:mod:`planner.sharding` says what a rank holds).
 
-    Offload: ``offload=True`` lets the plan send the saved activations of some module calls
-    to host memory during the forward and prefetch them back for the backward
-    (:mod:`planner.offload`, saved-tensor hooks), choosing keep, recompute and offload
-    together; ``host_budget_gb`` bounds the host memory that takes (default: half the
-    machine's physical memory, ``default_host_budget_bytes``, as pinned memory cannot be
-    swapped out). The plan says which calls, how many bytes, and the predicted copy time
-    and stall (``plan.offloads``, ``plan.stall_ms``).
+    ``offload=True`` also lets the plan send module calls' saved activations to host memory
+    and back (:mod:`planner.offload`), within ``host_budget_gb`` (default
+    ``default_host_budget_bytes``); ``plan.offloads`` and ``plan.stall_ms`` say what and
+    at what cost.
 
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
