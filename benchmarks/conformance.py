@@ -49,12 +49,15 @@ OFFLOAD_MODELS = ("torchvision resnet18", "torchvision convnext_tiny", "torchvis
                   "in-place add_/relu_")
 
 
-def render_markdown(result: dict) -> str:
+def render_markdown(result: dict, offload: bool = False) -> str:
     """The results file: the summary, one line per model, then every planned budget."""
     rows = [Row(**r) for r in result["rows"]]
     s = result["summary"]
+    title = ("Conformance with offload=True (CPU: host and device are one memory; the "
+             "tracker counts the hooks' host copies apart)" if offload
+             else "Conformance on real models (CPU)")
     return (
-        f"# Conformance on real models (CPU)\n\n{result['date']}, {result['machine']}, "
+        f"# {title}\n\n{result['date']}, {result['machine']}, "
         f"{result['seconds']} s. {s['models']} models, {s['rows']} planned budgets, "
         f"{s['ok']} fully conformant. Worst prediction error {s['worst_error_pct']:+.3f} %"
         f" ({s['worst_error_model']}); longest solve {s['max_solve_s']:.1f} s.\n\n"
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = "conformance-offload-cpu" if args.offload else "conformance-cpu"
     if args.render:
         result = json.loads((args.out / f"{stem}.json").read_text())
-        (args.out / f"{stem}.md").write_text(render_markdown(result))
+        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload))
         return result
     torch.set_num_threads(2)
     wanted = args.models or (OFFLOAD_MODELS if args.offload else None)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.models:  # a subset does not overwrite the full record
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        (args.out / f"{stem}.md").write_text(render_markdown(result))
+        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload))
     return result
 
 

@@ -617,10 +617,13 @@ def _solve(profiled: ProfiledStep, budget: int, time_limit_s: float, row: Row,
 
 
 def markdown_table(rows: list[Row]) -> str:
-    """One line per (model, budget)."""
+    """One line per (model, budget); an "offloaded" column when some plan offloads."""
+    offloading = any(r.offloads for r in rows)
     lines = ["| model | precision | budget | outcome | budget | predicted | measured | error | "
-             "grads | buffers | solver | regions | profile s | solve s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "grads | buffers | solver | regions | "
+             + ("offloaded | " if offloading else "") + "profile s | solve s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+             + ("---|" if offloading else "")]
 
     def same(ran: bool, equal: bool) -> str:
         return "-" if not ran else "=" if equal else "DIFF"
@@ -636,7 +639,9 @@ def markdown_table(rows: list[Row]) -> str:
             f"{f'{r.error_pct:+.3f} %' if ran else '-'} | "
             f"{same(ran, r.losses_equal and r.grads_equal)} | "
             f"{same(ran, r.buffers_equal)} | {r.solver} | {r.regions} | "
-            f"{r.profile_s:.1f} | {r.solve_s:.1f} |")
+            + (f"{r.offloads} calls, {format_bytes(r.offloaded_bytes)} | " if offloading
+               else "")
+            + f"{r.profile_s:.1f} | {r.solve_s:.1f} |")
     return "\n".join(lines)
 
 
