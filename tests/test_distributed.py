@@ -86,8 +86,12 @@ def _rank(rank: int, kind: str, plan_path: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
-def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "offload"), [("fsdp2", False), ("ddp", False),
+                                               ("fsdp2", True), ("ddp", True)])
+def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, offload: bool,
+                                                 tmp_path: Path) -> None:
+    """With ``offload``, the plan also moves blocks' saved activations to the host (never
+    FSDP2's all-gathered weights)."""
     zm = zoo.get("gpt", size="small", dropout=0.0)
     first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
                      timing="estimate", world_size=WORLD, sharding=kind, progress=False)
@@ -96,10 +100,12 @@ def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, tmp_path: Path) -> N
         assert first.sharding.units == [f"blocks.{i}" for i in range(4)]
     static = first.problem().static_bytes
     try:
-        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
+        plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2,
+                      offload=offload)
     except InfeasibleBudgetError as error:
         plan = error.plan
-    assert plan.checkpointing and plan.sharding == first.sharding
+    assert (plan.checkpointing or offload) and plan.sharding == first.sharding
+    assert bool(plan.offloads) == offload
     assert "per rank of 2" in plan.summary()
     plan_path = str(tmp_path / "plan.json")
     plan.save(plan_path)
