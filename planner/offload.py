@@ -61,7 +61,8 @@ class _Copy:
     group: tuple[int, int]  # (step, offloaded call)
     on_device: torch.Tensor | None = None
     source: torch.Tensor | None = None  # the device bytes until the copy out has ended
-    copied: Any = None  # CUDA event: the copy (out, then back) has ended
+    copied_out: Any = None  # CUDA events: the copy to the host, and back, has ended
+    copied_in: Any = None
     __weakref__: Any = field(default=None, init=False, repr=False)
 
 
@@ -94,6 +95,7 @@ class OffloadHooks:
         self.fetched: set[tuple[int, int]] = set()
         self.active: list[Any] = []
         self.streams: dict[str, Any] = {}
+        self.pending: list[_Copy] = []  # copies out that still hold their device bytes
 
     def __getstate__(self) -> dict[str, Any]:
         return {"calls": self.calls, "prefetch": self.prefetch}
@@ -132,6 +134,7 @@ class OffloadHooks:
         hooks = self.active.pop() if self.active else None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+        self._release_sources()
 
     def _movable(self, t: torch.Tensor) -> bool:
         """An activation: not a parameter or a view of one (FSDP2's all-gathered weights
@@ -170,14 +173,20 @@ class OffloadHooks:
             event = torch.cuda.Event()
             event.record(stream)
         self._release_sources()
-        return _Copy(host, device, group, source=source, copied=event)
+        copy = _Copy(host, device, group, source=source, copied_out=event)
+        self.pending.append(copy)
+        return copy
 
     def _release_sources(self) -> None:
-        """Drop the device bytes of every copy out that has ended (a GPU)."""
-        for known in self.copies.values():
-            copy = known()
-            if copy is not None and copy.source is not None and copy.copied.query():
+        """Drop the device bytes of every copy out that has ended (a GPU): polled at each
+        pack, at the end of each offloaded call and at each fetch."""
+        still = []
+        for copy in self.pending:
+            if copy.copied_out.query():
                 copy.source = None
+            else:
+                still.append(copy)
+        self.pending = still
 
     def _stream(self, name: str, device: torch.device) -> Any:
         if name not in self.streams:
@@ -197,6 +206,7 @@ class OffloadHooks:
 
     def fetch(self, group: tuple[int, int]) -> None:
         """Bring one offloaded call's copies back (once)."""
+        self._release_sources()
         if group in self.fetched:
             return
         self.fetched.add(group)
@@ -212,11 +222,12 @@ class OffloadHooks:
             copy.on_device = back
             return
         stream = self._stream("in", copy.device)
-        stream.wait_stream(torch.cuda.current_stream(copy.device))
+        stream.wait_stream(torch.cuda.current_stream(copy.device))  # `back` is allocated
+        stream.wait_event(copy.copied_out)  # the host bytes are written
         with torch.cuda.stream(stream):
             back.copy_(copy.host, non_blocking=True)
-            copy.copied = torch.cuda.Event()
-            copy.copied.record(stream)
+            copy.copied_in = torch.cuda.Event()
+            copy.copied_in.record(stream)
         back.record_stream(stream)
         copy.on_device = back
 
@@ -229,7 +240,7 @@ class OffloadHooks:
             if copy.on_device is None:  # not in its call's list any more (fetched before)
                 self._copy_in(copy)
         if copy.device.type == "cuda":
-            torch.cuda.current_stream(copy.device).wait_event(copy.copied)
+            torch.cuda.current_stream(copy.device).wait_event(copy.copied_in)
         return torch.empty(0, dtype=packed.dtype, device=copy.device).set_(
             copy.on_device.untyped_storage(), packed.offset, packed.size, packed.stride)
 
