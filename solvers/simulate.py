@@ -51,12 +51,15 @@ backward of `param_grad_bytes`' node and stay.
 
 Offload (`Schedule.offloads`, moved storages and fetch times from `solvers.offload`): a
 moved storage's saves hold nothing on the device; its first save copies it to the host (from
-the end of that node on the device-to-host queue), and the device storage is freed once the
-copy has ended (at the first event that starts after it) and nothing else holds it. In the
-backward a call's copies come back all at once when its prefetch is issued: each allocated
-from that event on, held until its savers' backward has run, and copied on the
-host-to-device queue (after its own copy out). The backward node that needs them waits for
-the last (a stall). Each direction is one queue, copies in issue order, beside compute; on a
+the end of that node on the device-to-host queue; a checkpoint's input save, before its
+first node runs), and the device storage is freed once the copy has ended (at the first
+event that starts after it) and nothing else holds it. In the backward a call's copies come
+back all at once when its prefetch is issued: each allocated from that event on, held until
+its savers' backward has run (a checkpoint's inputs: until its frame dies; its rerun reads
+them), and copied on the host-to-device queue (after its own copy out). A prefetch issued
+at a node comes before that node reruns its checkpoint (the gradient hook runs first). The
+backward node that needs them waits for the last (a stall). Each direction is one queue,
+copies in issue order, beside compute; on a
 `synchronous` link every copy stalls compute for its whole duration instead, and a copy out
 frees the device storage at once. The host holds every moved storage from its copy out to
 the end of the backward.
