@@ -27,24 +27,23 @@ from typing import Any
 import torch
 
 from planner import zoo
-from planner.api import optimize, plan_for_schedule, profile_model, replan
+from planner.api import optimize, plan_for_schedule, replan
 from planner.plan import InfeasibleBudgetError, Plan
 from solvers import Schedule, joint
-from solvers.from_profile import problem_from_profile
 
 GIB = 2**30
 ANCHORS_GIB = (8.37, 17.37, 27.87)
 
 
-def _torchtune_style(zm: zoo.ZooModel, timing: str, device: str) -> Plan:
-    """Every block offloaded, each prefetched at the next block's output (our hooks)."""
-    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing=timing,
-                         device=device, progress=False)
-    problem = problem_from_profile(step.profile)
+def _torchtune_style(probe: Plan) -> Plan:
+    """Every block offloaded, each prefetched at the next block's output (our hooks), on
+    the profile of `probe`."""
+    problem = probe.problem()
     blocks = [b for b in problem.blocks() if problem.emittable(*b)]
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(
         joint.offloads(problem, blocks, blocks, 1))
-    return plan_for_schedule(step.profile, schedule, step.inputs, step.structure)
+    return plan_for_schedule(probe.profile, schedule, probe.inputs,
+                             probe.structure_fingerprint)
 
 
 def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
@@ -58,12 +57,14 @@ def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
     rows.append(dict(label="unplanned", peak_bytes=peak0, step_ms=ms0, base_step_ms=ms0,
                      grads_equal=True))
     est = "cpu" if tiny else "H100"
-    probe = replan(_profiled_plan(zm, timing, est), budget_bytes=10**15)
+    # profiled once: a budget above the unplanned peak plans nothing
+    probe = optimize(zm.model, zm.example_inputs, budget_gb=1e6, loss_fn=zm.loss_fn,
+                     timing=timing, device=est, progress=False)
     static = probe.profile.static.total_bytes
     budgets = ([int(static + f * (probe.unplanned_peak_bytes - static)) for f in (0.5, 0.3)]
                if tiny else [int(g * GIB) for g in ANCHORS_GIB])
     peers = [("offload every block, prefetch the next (torchtune-style, our hooks)",
-              _torchtune_style(zm, timing, est), contextlib.nullcontext),
+              _torchtune_style(probe), contextlib.nullcontext),
              ("save_on_cpu (every saved tensor)", None,
               functools.partial(torch.autograd.graph.save_on_cpu,
                                 pin_memory=device == "cuda"))]
@@ -82,11 +83,6 @@ def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
         rows.append(_measure(frontier, runner, zm, label, plan, contextlib.nullcontext,
                              reference))
     return dict(device=device, steps=steps, timing=timing, rows=rows)
-
-
-def _profiled_plan(zm: zoo.ZooModel, timing: str, device: str) -> Plan:
-    return optimize(zm.model, zm.example_inputs, budget_gb=1e6, loss_fn=zm.loss_fn,
-                    timing=timing, device=device, progress=False)
 
 
 def _measure(frontier: Any, runner: Any, zm: zoo.ZooModel, label: str, plan: Plan | None,

@@ -133,6 +133,11 @@ def _measured(model: zoo.ZooModel, plan: Plan) -> None:
     assert all(torch.equal(base_grads[k], grads[k]) for k in grads)
 
 
+def _plan(step: ProfiledStep, how: str) -> Plan:
+    """The plan of `_schedule(step, how)` on the profiled step."""
+    return plan_for_schedule(step.profile, _schedule(step, how), step.inputs, step.structure)
+
+
 def _blocks(step: ProfiledStep) -> list[tuple[int, int]]:
     return [(c.start, c.stop) for c in step.profile.module_calls
             if c.path.count(".") == 1 and c.path.startswith("blocks.")]
@@ -163,7 +168,7 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
                                  "offloaded checkpointing"])
 def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: str) -> None:
     model, step = gpt
-    plan = plan_for_schedule(step.profile, _schedule(step, how), step.inputs, step.structure)
+    plan = _plan(step, how)
     assert plan.offloaded_bytes > 0 and len(plan.offloads) >= 1
     without = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
                                 step.inputs, step.structure)
@@ -179,8 +184,7 @@ def test_offload_under_autocast_measures_as_predicted() -> None:
     step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
                          timing="estimate", device="cpu", autocast=torch.bfloat16,
                          progress=False)
-    plan = plan_for_schedule(step.profile, _schedule(step, "beside checkpoints"), step.inputs,
-                             step.structure)
+    plan = _plan(step, "beside checkpoints")
     assert plan.autocast_dtype == "bfloat16" and plan.offloaded_bytes > 0
     _measured(model, plan)
 
@@ -216,8 +220,7 @@ def test_a_host_budget_too_small_is_a_clear_error(gpt) -> None:
 
 def test_remove_takes_the_hooks_off_and_a_planned_model_round_trips(gpt, tmp_path) -> None:
     model, step = gpt
-    plan = plan_for_schedule(step.profile, _schedule(step, "beside checkpoints"), step.inputs,
-                             step.structure)
+    plan = _plan(step, "beside checkpoints")
     apply(model.model, plan)
     try:
         assert set(offloaded_modules(model.model)) == {"", "blocks.0", "blocks.1", "blocks.2",
@@ -251,8 +254,7 @@ def test_remove_takes_the_hooks_off_and_a_planned_model_round_trips(gpt, tmp_pat
 
 def test_planning_again_on_an_offloaded_model_profiles_it_unplanned(gpt) -> None:
     model, step = gpt
-    plan = plan_for_schedule(step.profile, _schedule(step, "alone"), step.inputs,
-                             step.structure)
+    plan = _plan(step, "alone")
     apply(model.model, plan)
     try:
         again = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
@@ -272,8 +274,7 @@ def test_regions_without_offload_keep_their_numbers() -> None:
 
 def test_copies_back_are_freed_once_their_saves_are_used(gpt) -> None:
     model, step = gpt
-    plan = plan_for_schedule(step.profile, _schedule(step, "alone"), step.inputs,
-                             step.structure)
+    plan = _plan(step, "alone")
     apply(model.model, plan)
     try:
         hooks = next(h.hooks for h in model.model.get_submodule("blocks.0")
@@ -303,8 +304,7 @@ def test_a_prefetch_at_a_checkpointed_calls_output_comes_before_its_rerun() -> N
 
 def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
     model, step = gpt
-    plan = plan_for_schedule(step.profile, _schedule(step, "alone"), step.inputs,
-                             step.structure)
+    plan = _plan(step, "alone")
     apply(model.model, plan)
     args, kwargs = normalize_inputs(model.model, model.example_inputs)
     try:
