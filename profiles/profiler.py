@@ -59,6 +59,7 @@ from profiles.fake import KnownValues, MetaAsDevice, fake_converter, library_val
 from profiles.inputs import normalize_inputs
 from profiles.kernels import FusedKernels
 from profiles.schema import (
+    MAX_SCALE,
     GraphProfile,
     ModuleCall,
     NodeProfile,
@@ -834,7 +835,19 @@ def _measure_op(func: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float
 
     forward_ms = timer.median_ms(lambda: _fresh_args(func, args, kwargs), forward)
     backward_ms = timer.median_ms(setup_backward, _isolated_backward)
-    return forward_ms, max(0.0, backward_ms - timer.engine_overhead_ms)
+    return forward_ms, _net_of_engine(backward_ms, timer)
+
+
+ENGINE_FLOOR_SHARE = 0.1  # a backward keeps at least this share of its raw time
+
+
+def _net_of_engine(raw_ms: float, timer: _Timer) -> float:
+    """A backward's time less the engine's per-call cost, never below a share of the raw time.
+
+    On a noisy host the calibrated cost can exceed a small op's whole backward; a floor of
+    zero would then erase every op's share, and scaling zeros to the step's total explodes.
+    """
+    return max(raw_ms - timer.engine_overhead_ms, ENGINE_FLOOR_SHARE * raw_ms)
 
 
 class _ArgRecorder(TorchDispatchMode):
@@ -1184,8 +1197,8 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                 times.append((record.estimated_ms, 2 * record.estimated_ms))
         del recorder
         step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
-    fwd_scale = step_fwd_ms / max(sum(f for f, _ in times), 1e-9)
-    bwd_scale = step_bwd_ms / max(sum(b for _, b in times), 1e-9)
+    fwd_scale = _scale(step_fwd_ms, sum(f for f, _ in times))
+    bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
     return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
                           step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
 
@@ -1204,7 +1217,14 @@ def _measure_step(step: _Step, timer: _Timer) -> tuple[float, float]:
         return torch.autograd.grad(loss, params, allow_unused=True) if params else ()
 
     return (timer.median_ms(lambda: None, forward),
-            max(0.0, timer.median_ms(forward, backward) - timer.engine_overhead_ms))
+            _net_of_engine(timer.median_ms(forward, backward), timer))
+
+
+def _scale(step_ms: float, isolated_ms: float) -> float:
+    """Whole-step time over the sum of isolated op times, 1 where either is not measurable."""
+    if step_ms <= 0 or isolated_ms <= 0:
+        return 1.0
+    return min(step_ms / isolated_ms, MAX_SCALE)
 
 
 # ----------------------------------------------------------------------------- assembly
