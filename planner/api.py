@@ -22,7 +22,13 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 import profiles
 from planner.emit import RegionSpec, checkpointed_modules, install_checkpoints, remove_checkpoints
-from planner.offload import install_offload, offloaded_modules, remove_offload, suspended_offload
+from planner.offload import (
+    KEEPS_THROUGH_HOOKS,
+    install_offload,
+    offloaded_modules,
+    remove_offload,
+    suspended_offload,
+)
 from planner.plan import (
     GIB,
     InfeasibleBudgetError,
@@ -537,6 +543,12 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                       structure, sharding=sharding, problem=problem)
 
 
+def _offloads_keeps(schedule: Schedule) -> bool:
+    """Whether a checkpoint that keeps outputs runs inside an offloaded call."""
+    return any(o.start <= r.start and r.stop <= o.stop for o in schedule.offloads
+               for r in schedule.regions if r.is_recompute and r.keep)
+
+
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str,
            host_budget_bytes: int | None) -> Solution:
     """The named solver, or with offload the joint one (`solvers.joint`, the DP beneath);
@@ -549,7 +561,10 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str
     started = time.perf_counter()
     plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
     left = max(0.05, time_limit_s - (time.perf_counter() - started))
-    joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes)
+    # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
+    shares = solvers_joint.STORED_SHARES if KEEPS_THROUGH_HOOKS else (1.0,)
+    joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes,
+                                stored_shares=shares)
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
     return joint
@@ -807,6 +822,12 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
     if missing:
         raise PlanMismatchError(f"the plan checkpoints or offloads modules {missing[:3]} that "
                                 f"{type(model).__name__} does not have")
+    if not KEEPS_THROUGH_HOOKS and _offloads_keeps(plan.schedule):
+        raise PlanMismatchError(
+            f"the plan moves outputs its checkpoints keep to host memory, which needs torch "
+            f">= 2.14 (checkpoint's respect_saved_tensors_hooks); this is torch "
+            f"{torch.__version__}. Upgrade torch, or plan again here (optimize(..., "
+            "offload=True) plans without it on this torch).")
     install_checkpoints(model, region_specs(plan, strict))
     if offloaded:
         install_offload(model, offloaded, prefetch)

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from planner.offload import offload_paused
+from planner.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
 from profiles.kernels import attention_kernels
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,10 @@ class _Policy:
         name = str(func)
         occurrence = counter[name]
         counter[name] += 1
-        if (name, occurrence) in self.keep_ops:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        keep = (name, occurrence) in self.keep_ops
+        # SAC packs a kept output right after this call: an offloaded call's hooks move it
+        keeps_next(keep and not ctx.is_recompute)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Checkpointed:
@@ -178,7 +179,7 @@ class Checkpointed:
         if not check and not self.spec.keep_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.keep_ops)
-        out = checkpoint(run, *tensors, use_reentrant=False,
+        out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call

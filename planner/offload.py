@@ -10,8 +10,10 @@ forward no longer reads it. In the backward an offloaded call's copies come back
 when the gradient of the output of the call named by the plan's prefetch arrives (a tensor
 hook registered by a forward hook on that module), or when first unpacked; the compute
 stream waits on an event, never on the device. A checkpoint (`planner.emit.Checkpointed`)
-pauses the hooks: its own hooks take what is saved inside it, and its input save stays a
-plain save.
+pauses the hooks inside its forward and rerun: its own hooks take what is saved there. Its
+input save comes before the pause, so a checkpoint inside an offloaded call moves its inputs
+("offloaded checkpointing"); and on torch >= 2.14 the outputs a top-level checkpoint keeps
+(SAC's cache, packed through the hooks around the checkpoint) move too.
 
 On a machine without a GPU the same hooks run, with host and device one memory: copies are
 synchronous, and host buffers are made inside `measure.host_memory()`, so `PeakTracker`
@@ -21,6 +23,7 @@ counts them as host memory, not as the device's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import threading
@@ -33,23 +36,46 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
 from planner.measure import host_memory
 
-__all__ = ["OffloadHooks", "install_offload", "offload_paused", "offloaded_modules",
+__all__ = ["KEEPS_THROUGH_HOOKS", "OffloadHooks", "install_offload", "keeps_next",
+           "offload_paused", "offloaded_modules",
            "remove_offload", "suspended_offload"]
 
 _state = threading.local()
 
+# Torch >= 2.14 routes the tensors selective checkpointing keeps through the saved-tensor
+# hooks around the checkpoint when asked (`respect_saved_tensors_hooks`): an offloaded
+# call's keeps can go to the host. Older torch keeps them on the device, unhooked.
+KEEPS_THROUGH_HOOKS: dict[str, bool] = (
+    {"respect_saved_tensors_hooks": True}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
 
 @contextlib.contextmanager
 def offload_paused() -> Iterator[None]:
-    """Saves made inside stay plain saves (a checkpoint's input save)."""
+    """Inside a checkpoint's forward and rerun (`emit.Checkpointed`): its own hooks take
+    the saves, offloaded calls it runs move nothing; only the outputs a top-level checkpoint
+    keeps (`keeps_next`) still reach the hooks of the offloaded call around it."""
     _state.paused = getattr(_state, "paused", 0) + 1
     try:
         yield
     finally:
         _state.paused -= 1
+        _state.keep = False
+
+
+def keeps_next(keep: bool) -> None:
+    """Called by a SAC policy on each op: whether the tensors packed next are the outputs
+    the checkpoint keeps (in its forward, not its rerun). A nested checkpoint's keeps stay
+    on the device, as `solvers.offload` says."""
+    _state.keep = keep and getattr(_state, "paused", 0) == 1
+
+
+def _paused() -> bool:
+    return bool(getattr(_state, "paused", 0)) and not getattr(_state, "keep", False)
 
 
 @dataclass(eq=False)
@@ -139,7 +165,7 @@ class OffloadHooks:
     def _movable(self, t: torch.Tensor) -> bool:
         """An activation: not a parameter or a view of one (FSDP2's all-gathered weights
         are parameters while they are unsharded), a buffer or an input."""
-        return (not getattr(_state, "paused", 0) and type(t) is torch.Tensor
+        return (not _paused() and type(t) is torch.Tensor
                 and not isinstance(t._base, nn.Parameter)
                 and t.layout == torch.strided and t.device.type != "meta"
                 and StorageWeakRef(t.untyped_storage()) not in self.static)

@@ -125,6 +125,7 @@ class PlanOffload(NamedTuple):
     nbytes: int
     saved_nodes: list[str]
     prefetch_module: str | None
+    kept_nodes: tuple[str, ...] = ()  # of saved_nodes, those whose outputs a checkpoint keeps
 
 
 class _Replay(NamedTuple):
@@ -255,7 +256,8 @@ class Plan(_Strict):
         problem, names = self.problem(), [n.name for n in self.profile.nodes]
         return [PlanOffload(o.start, o.stop, o.target.path if o.target else None,
                             g.nbytes(problem), [names[i] for i in sorted(set(g.moved.values()))],
-                            o.prefetch_target.path if o.prefetch_target else None)
+                            o.prefetch_target.path if o.prefetch_target else None,
+                            tuple(names[i] for i in sorted({g.moved[s] for s in g.cached})))
                 for o, g in zip(self.schedule.offloads, offload_groups(problem, self.schedule),
                                 strict=True)]
 
@@ -390,7 +392,9 @@ class Plan(_Strict):
         for o in offloads:
             lines.append(f"    [{o.start:>4}, {o.stop:>4}) offload    "
                          f"{_module_label(o.module)}: {format_bytes(o.nbytes)} saved by "
-                         f"{len(o.saved_nodes)} ops, back {_fetch_label(o)}")
+                         f"{len(o.saved_nodes)} ops"
+                         + (f" (the outputs of {len(o.kept_nodes)} its checkpoint keeps)"
+                            if o.kept_nodes else "") + f", back {_fetch_label(o)}")
         return lines
 
     def _repr_html_(self) -> str:

@@ -119,21 +119,24 @@ def _problem(source: Plan | GraphProfile) -> tuple[Problem, GraphProfile]:
 def node_status(n_nodes: int, schedule: Schedule) -> list[str]:
     """Per node: ``"stored"``, ``"recomputed"``, ``"saved (SAC)"`` (kept inside a
     recompute region by a selective-checkpoint policy) or ``"offloaded to host"`` (what it
-    saves goes to host memory: a stored node of an offloaded call)."""
+    saves goes to host memory: a stored node of an offloaded call, or one a top-level
+    checkpoint inside it keeps, as `solvers.offload` says)."""
     status = [STORED] * n_nodes
     for offload in schedule.offloads:
         status[offload.start:offload.stop] = [OFFLOADED] * (offload.stop - offload.start)
 
-    def visit(region: Region) -> None:
+    def visit(region: Region, kept_status: str) -> None:
         if region.mode != "recompute":
             return
         for i in range(region.start, region.stop):
-            status[i] = SAVED if i in region.keep else RECOMPUTED
+            status[i] = kept_status if i in region.keep else RECOMPUTED
         for child in region.children:
-            visit(child)
+            visit(child, SAVED)
 
     for region in schedule.regions:
-        visit(region)
+        moved = any(o.start <= region.start and region.stop <= o.stop
+                    for o in schedule.offloads)
+        visit(region, OFFLOADED if moved else SAVED)
     return status
 
 

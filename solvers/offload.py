@@ -4,25 +4,27 @@
 While an offloaded call runs, every tensor an op saves for backward outside a checkpoint
 goes through the offload hooks, and so does the input save of a top-level checkpoint that
 starts in it (its call's tensor arguments, `ModuleSpan.inputs`, saved before its first node
-runs: "offloaded checkpointing"); a checkpoint's own hooks take what is saved inside it. The
-first such save of a storage copies it to host memory (one copy per storage, whatever views
-or ops save it); later saves of that storage inside any offloaded call reuse the copy. A
-save outside every offloaded call is a plain save: it keeps the device storage alive as
-without offload.
-
+runs: "offloaded checkpointing"), and so do the outputs its selective checkpointing keeps
+(the SAC cache packs them through the hooks around the checkpoint: offloaded keeps); a
+checkpoint's own hooks take what else is saved inside it, and a nested checkpoint's keeps
+stay on the device. The first such save of a storage copies it to host memory (one copy per
+storage, whatever views or ops save it); later saves of that storage inside any offloaded
+call reuse the copy. A save outside every offloaded call is a plain save: it keeps the
+device storage alive as without offload.
 Backward: an offloaded call is *needed* at the first backward node that unpacks any of its
-copies (for a checkpoint's inputs: the node whose backward first reruns it). All of a call's
-copies come back at once: when the backward reaches the output of
-the call its `prefetch` names (the start of the backward of that call's last node, where a
-hook on the output's gradient runs), or when needed if that comes first or it names none.
+copies (for a checkpoint's inputs and keeps: the node whose backward first reruns it). All
+of a call's copies come back at once: when the backward reaches the output of the call its
+`prefetch` names (the start of the backward of that call's last node, where a hook on the
+output's gradient runs), or when needed if that comes first or it names none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from solvers.problem import Problem
-from solvers.schedule import Schedule
+from solvers.schedule import Region, Schedule
 
 __all__ = ["OffloadGroup", "offload_groups"]
 
@@ -33,13 +35,15 @@ class OffloadGroup:
     its checkpoint's entry, before it runs, when s is in `at_entry`); `savers[s]` the nodes
     whose saves of s read the host copy back (their backward holds the returned storage),
     `frames[s]` the first nodes of the checkpoints that saved s as an input (held until the
-    frame dies); `need` and `fetch` the backward nodes at whose start the call is needed
+    frame dies), `cached[s]` those whose SAC cache keeps s (held until its rerun consumes it
+    or the frame dies); `need` and `fetch` the backward nodes at whose start the call is needed
     and its prefetch is issued."""
 
     index: int
     moved: dict[int, int] = field(default_factory=dict)
     savers: dict[int, list[int]] = field(default_factory=dict)
     frames: dict[int, list[int]] = field(default_factory=dict)
+    cached: dict[int, list[int]] = field(default_factory=dict)
     at_entry: set[int] = field(default_factory=set)
     need: int = -1
     fetch: int = -1
@@ -47,6 +51,27 @@ class OffloadGroup:
     def nbytes(self, problem: Problem) -> int:
         """Bytes this call moves each way."""
         return sum(problem.storage_bytes[s] for s in self.moved)
+
+
+def _offloaded_checkpoint(problem: Problem, region: Region, inputs: list[int],
+                          g: OffloadGroup, save: Callable[[int, OffloadGroup, int],
+                                                          OffloadGroup]) -> None:
+    """A top-level checkpoint inside offloaded call `g`: its input save (before its first
+    node) and its kept outputs (after each kept node) go to the host; all come back by its
+    rerun (the backward of its last node that packs)."""
+    start = region.start
+    rerun = max((j for j in range(start, region.stop) if problem.packs[j]), default=-1)
+    for s in inputs:
+        owner = save(s, g, start)
+        if owner.moved[s] == start:
+            owner.at_entry.add(s)
+        owner.frames.setdefault(s, []).append(start)
+        owner.need = max(owner.need, rerun)
+    for k in sorted(region.keep):
+        for s in problem.outputs[k]:
+            owner = save(s, g, k)
+            owner.cached.setdefault(s, []).append(start)
+            owner.need = max(owner.need, rerun)
 
 
 def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
@@ -78,13 +103,7 @@ def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
         region = entries.get(i)
         span = problem.span(i, region.stop) if region is not None else None
         if span is not None and group_of.get(region.stop - 1) is g:
-            rerun = max((j for j in range(i, region.stop) if problem.packs[j]), default=-1)
-            for s in span.inputs:
-                owner = save(s, g, i)
-                if owner.moved[s] == i:
-                    owner.at_entry.add(s)
-                owner.frames.setdefault(s, []).append(i)
-                owner.need = max(owner.need, rerun)
+            _offloaded_checkpoint(problem, region, span.inputs, g, save)
         if i in recomputed:
             continue
         for s in problem.saved[i]:

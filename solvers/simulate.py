@@ -56,13 +56,13 @@ first node runs), and the device storage is freed once the copy has ended (at th
 event that starts after it) and nothing else holds it. In the backward a call's copies come
 back all at once when its prefetch is issued: each allocated from that event on, held until
 its savers' backward has run (a checkpoint's inputs: until its frame dies; its rerun reads
-them), and copied on the host-to-device queue (after its own copy out). A prefetch issued
-at a node comes before that node reruns its checkpoint (the gradient hook runs first). The
-backward node that needs them waits for the last (a stall). Each direction is one queue,
-copies in issue order, beside compute; on a
-`synchronous` link every copy stalls compute for its whole duration instead, and a copy out
-frees the device storage at once. The host holds every moved storage from its copy out to
-the end of the backward.
+them; a top-level checkpoint's kept outputs: until its rerun takes them from the SAC cache,
+or the frame dies), and copied on the host-to-device queue (after its own copy out). A
+prefetch issued at a node comes before that node reruns its checkpoint (the gradient hook
+runs first). The backward node that needs them waits for the last (a stall). Each direction
+is one queue, copies in issue order, beside compute; on a `synchronous` link every copy
+stalls compute for its whole duration instead, and a copy out frees the device storage at
+once. The host holds every moved storage from its copy out to the end of the backward.
 
 Optimizer step (`Problem.optimizer_step_bytes` > 0): one last event after the backward,
 live bytes plus the step's temporaries.
@@ -228,6 +228,7 @@ class _Copies:
         self.entry_out_at: dict[int, list[int]] = defaultdict(list)  # at a checkpoint's entry
         self.to_host: dict[int, set[int]] = defaultdict(set)  # node -> its saves on the host
         self.frame_inputs: dict[int, set[int]] = defaultdict(set)  # checkpoint start -> same
+        self.frame_keeps: dict[int, set[int]] = defaultdict(set)  # its kept outputs, same
         self.rerun_need: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.need_at: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.fetch_at: dict[int, list[OffloadGroup]] = defaultdict(list)
@@ -244,7 +245,11 @@ class _Copies:
             for s, starts in g.frames.items():
                 for start in starts:
                     self.frame_inputs[start].add(s)
-            for start in {start for starts in g.frames.values() for start in starts}:
+            for s, starts in g.cached.items():
+                for start in starts:
+                    self.frame_keeps[start].add(s)
+            for start in {start for held in (g.frames, g.cached)
+                          for starts in held.values() for start in starts}:
                 self.rerun_need[start].append(g)
             self.need_at[g.need].append(g)
             if g.fetch != g.need:
@@ -426,9 +431,10 @@ class _Replay:
                     self._alloc((s, -1))
                     for k in g.savers.get(s, ()):
                         self._hold((s, -1), Token(Hold.BACKWARD, k))
-                    for start in g.frames.get(s, ()):
-                        for f in self.top_entries[start]:
-                            self._hold((s, -1), Token(Hold.FRAME, f.uid))
+                    for why, held in ((Hold.FRAME, g.frames), (Hold.SAC, g.cached)):
+                        for start in held.get(s, ()):
+                            for f in self.top_entries[start]:
+                                self._hold((s, -1), Token(why, f.uid))
                     self._free_if_unheld((s, -1))
 
     # ------------------------------------------------------------ passes
@@ -486,8 +492,10 @@ class _Replay:
         before = self._live()
         new: list[Inst] = []
         if cached and not not_run:
+            on_host = self.copies.frame_keeps.get(root.region.start, ()) if root.parent is None \
+                else ()
             for s in p.outputs[i]:
-                env[s] = (s, 0)
+                env[s] = (s, -1) if s in on_host else (s, 0)
         elif not not_run:
             for s in p.outputs[i]:
                 env[s] = (s, run.gen)
@@ -500,7 +508,7 @@ class _Replay:
         # frees after this node
         if cached and not not_run:
             for s in p.outputs[i]:
-                self._release_one((s, 0), Token(Hold.SAC, root.uid))
+                self._release_one(env[s], Token(Hold.SAC, root.uid))
         for s in p.uses[i]:
             if run.last_read.get(s) == i and s in env:
                 self._release_one(env[s], run.read_tok)
@@ -542,8 +550,13 @@ class _Replay:
                     elif self.copies.out_of.get(s) == i:
                         self._hold(env[s], Token(Hold.COPY, s))
             elif i in inner.region.keep:
+                on_host = self.copies.frame_keeps.get(inner.region.start, ()) \
+                    if inner.parent is None else ()
                 for s in p.outputs[i]:
-                    self._hold(env[s], Token(Hold.SAC, inner.uid))
+                    if s not in on_host:
+                        self._hold(env[s], Token(Hold.SAC, inner.uid))
+                    elif self.copies.out_of.get(s) == i:
+                        self._hold(env[s], Token(Hold.COPY, s))
         elif inner is root:
             if p.packs[i]:
                 for s in p.saved[i]:

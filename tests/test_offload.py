@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import profiles
-from planner import zoo
+from planner import viz, zoo
 from planner.api import (
     ProfiledStep,
     apply,
@@ -26,11 +26,11 @@ from planner.api import (
     solve,
 )
 from planner.offload import offloaded_modules
-from planner.plan import InfeasibleBudgetError, Plan
+from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
 from profiles.inputs import normalize_inputs
 from solvers import Offload, Problem, Region, Schedule, SimulationError, simulate
 from solvers.offload import offload_groups
-from solvers.problem import HostLink
+from solvers.problem import LINEAR_KINDS, HostLink
 
 SYNC = HostLink(d2h_gbps=1e-6, h2d_gbps=1e-6, synchronous=True)  # 1 ms per byte... per kB
 ASYNC = HostLink(d2h_gbps=1e-5, h2d_gbps=1e-5)  # 10 bytes take 1 ms
@@ -159,13 +159,20 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
         return Schedule.from_segments(n, b).with_offloads(
             [Offload(start=a, stop=z, prefetch=b[k + 1] if k + 1 < len(b) else None)
              for k, (a, z) in enumerate(b)])
+    if how == "offloaded keeps":  # the same, each keeping its linear outputs, on the host
+        linear = [i for i, node in enumerate(step.profile.nodes)
+                  if node.target.split(".")[-2:][0] in LINEAR_KINDS
+                  and any(a <= i < z for a, z in b)]
+        return Schedule.from_segments(n, b, keep=linear).with_offloads(
+            [Offload(start=a, stop=z, prefetch=b[k + 1] if k + 1 < len(b) else None)
+             for k, (a, z) in enumerate(b)])
     # nested: block 0 offloaded, its attention checkpointed inside it
     return Schedule.from_segments(n, [attn]).with_offloads(
         [Offload(start=b[0][0], stop=b[0][1], prefetch=b[1])])
 
 
 @pytest.mark.parametrize("how", ["alone", "beside checkpoints", "nested",
-                                 "offloaded checkpointing"])
+                                 "offloaded checkpointing", "offloaded keeps"])
 def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: str) -> None:
     model, step = gpt
     plan = _plan(step, how)
@@ -177,6 +184,17 @@ def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: s
         how == "offloaded checkpointing"
         and plan.predicted_peak_bytes == without.predicted_peak_bytes)
     _measured(model, plan)
+    if how == "offloaded keeps":  # the kept linear outputs moved too, and lowered the peak
+        inputs_only = _plan(step, "offloaded checkpointing")
+        assert plan.offloaded_bytes > inputs_only.offloaded_bytes
+        kept = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
+                                 step.inputs, step.structure)
+        assert plan.predicted_peak_bytes < kept.predicted_peak_bytes
+        assert all(o.kept_nodes for o in plan.offloads) and "its checkpoint keeps" in (
+            plan.summary())
+        status = viz.node_status(len(step.profile.nodes), plan.schedule)
+        kept = [k for r in plan.schedule.regions for k in r.keep]
+        assert kept and all(status[k] == viz.OFFLOADED for k in kept)
 
 
 def test_offload_under_autocast_measures_as_predicted() -> None:
@@ -313,3 +331,35 @@ def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
     finally:
         torch._dynamo.reset()
         remove(model.model)
+
+
+def test_offloaded_keeps_on_a_torch_that_cannot_move_them_are_refused(gpt, monkeypatch) -> None:
+    import planner.api
+
+    model, step = gpt
+    plan = _plan(step, "offloaded keeps")
+    monkeypatch.setattr(planner.api, "KEEPS_THROUGH_HOOKS", {})
+    with pytest.raises(PlanMismatchError, match=r"2\.14"):
+        apply(model.model, plan)
+    assert not offloaded_modules(model.model)  # nothing half-installed
+
+
+def test_the_joint_solver_offloads_what_a_checkpoint_keeps_where_that_costs_less() -> None:
+    """On an H100's link, a block checkpointed with its matmuls kept, those moved to the host,
+    costs less than moving whole stored blocks: the joint solver finds it, within budget."""
+    from solvers import joint
+    from solvers.from_profile import problem_from_profile
+
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=4, vocab_size=2048)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)
+    p = problem_from_profile(step.profile)
+    budget = int(p.static_bytes + 0.4 * (step.unplanned_peak_bytes - p.static_bytes))
+    stored = joint.solve(p, budget, 60, stored_shares=(1.0,))
+    both = joint.solve(p, budget, 60)
+    assert both.objective_ms < stored.objective_ms
+    assert both.bound_ms is not None and both.bound_ms <= both.objective_ms
+    schedule = both.schedule
+    assert any(o.start <= r.start and r.stop <= o.stop and r.keep
+               for o in schedule.offloads for r in schedule.regions if r.is_recompute)
+    assert simulate(p, schedule).peak_bytes <= budget

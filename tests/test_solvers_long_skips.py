@@ -42,8 +42,8 @@ def _segment_holds_a_far_pair(p, lay: dp._Layout, sched: Schedule) -> bool:
     return False
 
 
-# three cases (two more, (9, 7) and (11, 3), took 35 s of the suite's 10 minutes)
-@pytest.mark.parametrize(("n", "seed"), [(9, 3), (10, 2), (10, 4)])
+# two cases (three more, (9, 7), (11, 3) and (10, 4), took 49 s of the suite's 10 minutes)
+@pytest.mark.parametrize(("n", "seed"), [(9, 3), (10, 2)])
 def test_long_skip_bound_holds_over_the_space_it_names(n: int, seed: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dp, "LONG_SKIP_NODES", 2)
