@@ -113,8 +113,8 @@ def offload_keeps(problem: Problem, call: tuple[int, int]) -> frozenset[int] | N
 
 
 def checkpointed(schedule: Schedule, keeps: dict[tuple[int, int], frozenset[int]]) -> Schedule:
-    """`schedule` with each call of `keeps` (inside its stored stretches) a checkpoint
-    keeping those nodes; None-free: calls a recompute region covers are left alone."""
+    """`schedule` with each call of `keeps` that lies in a stored stretch made a checkpoint
+    keeping those nodes (a call inside a recompute region is left as it is)."""
     merged: list[Region] = []
     for r in schedule.regions:  # stored stretches merged: a call may straddle two
         if merged and merged[-1].mode == STORE and r.mode == STORE:

@@ -45,7 +45,8 @@ def test_plans_on_real_models_run_and_hold(name: str) -> None:
     assert all(r.grads_equal and r.buffers_equal for r in measured)
 
 
-@pytest.mark.parametrize("name", ["torchvision resnet18", "HF LlamaForCausalLM (GQA)",
+# ResNet-18 under bf16 (15 s of the suite's 10 minutes) is in benchmarks/conformance.py
+@pytest.mark.parametrize("name", ["HF LlamaForCausalLM (GQA)",
                                   "U-Net (BatchNorm, concatenated skips)"])
 def test_bf16_autocast_plans_on_real_models_hold(name: str) -> None:
     """Profiled, planned and run under bf16 autocast: within budget, gradients equal to

@@ -350,7 +350,8 @@ def test_the_joint_solver_offloads_what_a_checkpoint_keeps_where_that_costs_less
     from solvers import joint
     from solvers.from_profile import problem_from_profile
 
-    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=4, vocab_size=2048)
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=4,
+                    vocab_size=2048)
     step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
                          timing="estimate", device="H100", progress=False)
     p = problem_from_profile(step.profile)

@@ -46,12 +46,12 @@ def test_plans_honour_budgets_measured_on_cpu(zoo_model: zoo.ZooModel, fraction:
     static = prof.static.total_bytes
     budget = int(static + fraction * (unplanned - static))
     try:
-        plan = plan_for_profile(prof, budget, inputs, structure, time_limit_s=20)
+        plan = plan_for_profile(prof, budget, inputs, structure, time_limit_s=5)
     except InfeasibleBudgetError as error:
         # the named minimum is a budget that yields a plan, which then holds (below)
         assert error.min_budget_bytes > budget
         plan = plan_for_profile(prof, error.min_budget_bytes, inputs, structure,
-                                time_limit_s=20)
+                                time_limit_s=5)
         assert plan.predicted_peak_bytes <= error.min_budget_bytes
     report = verify(zoo_model.model, plan, zoo_model.example_inputs, zoo_model.loss_fn,
                     repeats=1)
