@@ -393,7 +393,7 @@ class Plan(_Strict):
             lines.append(f"    [{o.start:>4}, {o.stop:>4}) offload    "
                          f"{_module_label(o.module)}: {format_bytes(o.nbytes)} saved by "
                          f"{len(o.saved_nodes)} ops"
-                         + (f" (the outputs of {len(o.kept_nodes)} its checkpoint keeps)"
+                         + (f" ({len(o.kept_nodes)} of them kept by its checkpoint)"
                             if o.kept_nodes else "") + f", back {_fetch_label(o)}")
         return lines
 

@@ -190,7 +190,7 @@ def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: s
         kept = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
                                  step.inputs, step.structure)
         assert plan.predicted_peak_bytes < kept.predicted_peak_bytes
-        assert all(o.kept_nodes for o in plan.offloads) and "its checkpoint keeps" in (
+        assert all(o.kept_nodes for o in plan.offloads) and "kept by its checkpoint" in (
             plan.summary())
         status = viz.node_status(len(step.profile.nodes), plan.schedule)
         kept = [k for r in plan.schedule.regions for k in r.keep]
