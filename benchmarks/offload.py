@@ -77,7 +77,7 @@ def ours(problem: Problem, budget: int, step_ms: float, time_limit_s: float) -> 
 def peers(problem: Problem, step_ms: float) -> dict[str, dict[str, Any]]:
     """Offload every block, prefetching the next (torchtune), or fetching at need
     (save_on_cpu); nothing recomputed."""
-    chain = [b for b in problem.blocks() if problem.emittable(*b)]
+    chain = [b for b in problem.blocks() if problem.is_call(*b)]
     store = Schedule.store_all(problem.n_nodes)
     return {"offload every block, prefetch the next (torchtune-style)":
             _row(problem, store.with_offloads(joint.offloads(problem, chain, chain, 1)),

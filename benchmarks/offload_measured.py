@@ -39,7 +39,7 @@ def _torchtune_style(probe: Plan) -> Plan:
     """Every block offloaded, each prefetched at the next block's output (our hooks), on
     the profile of `probe`."""
     problem = probe.problem()
-    blocks = [b for b in problem.blocks() if problem.emittable(*b)]
+    blocks = [b for b in problem.blocks() if problem.is_call(*b)]
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(
         joint.offloads(problem, blocks, blocks, 1))
     return plan_for_schedule(probe.profile, schedule, probe.inputs,

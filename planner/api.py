@@ -45,7 +45,9 @@ from profiles.schema import GraphProfile, fingerprint
 from solvers import (
     SOLVERS,
     ModuleCall,
+    OpRange,
     Problem,
+    Region,
     Save,
     Schedule,
     Solution,
@@ -54,7 +56,7 @@ from solvers import (
 )
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
-from solvers.from_profile import block_calls, problem_from_profile
+from solvers.from_profile import block_calls, op_range_targets, problem_from_profile
 from solvers.simulate import optimizer_step_peak
 
 log = logging.getLogger(__name__)
@@ -259,6 +261,7 @@ def profile_model(
         notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
                      "apply() turns it off.")
     notes.extend(_cpu_kernels_for_a_gpu(prof))
+    notes.extend(_untraced_note(prof))
     layout = None
     if sharding is not None:
         if shard_modules is None and sharding == "fsdp2":
@@ -266,6 +269,25 @@ def profile_model(
         layout = sharding_for(model, sharding, world_size, shard_modules)
     return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), layout,
                         tuple(notes))
+
+
+UNTRACED_LINES = 6  # module types the note names one by one; the rest are counted
+
+
+def _untraced_note(prof: GraphProfile) -> list[str]:
+    """Which modules offer module-call regions only (their forward is not traced, or not
+    as it ran), one line per module type and reason; nothing when every one traced."""
+    reasons: Counter[tuple[str, str]] = Counter(
+        (call.module_type, call.untraced) for call in prof.module_calls if call.untraced)
+    if not reasons:
+        return []
+    traced = sum(1 for call in prof.module_calls if call.traced)
+    lines = [f"{kind} ({count} call{'s' * (count > 1)}): {why}."
+             for (kind, why), count in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    more = len(lines) - UNTRACED_LINES
+    shown = lines[:UNTRACED_LINES] + ([f"and {more} more module types."] if more > 0 else [])
+    return [f"Op ranges inside a forward (torch.fx): {traced} module calls traced; these "
+            "offer module-call regions only: " + " ".join(shown)]
 
 
 def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
@@ -657,12 +679,15 @@ def _offload_hint(problem: Problem, host_budget_bytes: int | None) -> str:
             "host memory) does not reach it either.")
 
 
-def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall]:
-    """The module call each span of the profile checkpoints: the first (outermost) one
-    where several modules ran the same nodes (a wrapper and the module it wraps)."""
-    targets: dict[tuple[int, int], ModuleCall] = {}
+def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall | OpRange]:
+    """What each span of the profile checkpoints: the first (outermost) module call where
+    several modules ran the same nodes (a wrapper and the module it wraps), else the op
+    range of a traced forward."""
+    targets: dict[tuple[int, int], ModuleCall | OpRange] = {}
     for call in profile.module_calls:
         targets.setdefault((call.start, call.stop), ModuleCall(path=call.path))
+    for span, target in op_range_targets(profile).items():
+        targets.setdefault(span, target)
     return targets
 
 
@@ -677,7 +702,8 @@ def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                if (r.start, r.stop) not in targets]
     if missing:
         raise ValueError(f"the schedule checkpoints nodes [{missing[0].start}, "
-                         f"{missing[0].stop}), which no module call of the profile ran")
+                         f"{missing[0].stop}), which no module call or traced op range of "
+                         "the profile ran")
     plan = Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
                 solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
                 profile=profile, sharding=sharding)
@@ -691,11 +717,10 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
     """What to install on each checkpointed module: kept ops by (op, occurrence in the
     module's forward), the ops the forward is expected to run, buffers to restore."""
     nodes = plan.profile.nodes
-    calls = {(c.start, c.stop, c.path): c for c in plan.profile.module_calls}
     out = []
     for region in plan.schedule.recompute_regions():  # pre-order: outer before nested
-        path = region.target.path
-        call = calls[(region.start, region.stop, path)]
+        target = region.target
+        path = target.path
         counter: Counter[str] = Counter()
         keep_ops = set()
         for k in range(region.start, region.stop):
@@ -706,11 +731,28 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
                 keep_ops.add((node.target, counter[node.target]))
             counter[node.target] += 1
         prefix = f"{path}." if path else ""
+        ranged = isinstance(target, OpRange)
         out.append(RegionSpec(path, frozenset(keep_ops),
-                              tuple(b.removeprefix(prefix) for b in call.mutated_buffers),
+                              tuple(b.removeprefix(prefix)
+                                    for b in _mutated_buffers(plan.profile, region)),
                               tuple(sorted(counter.items())), strict,
-                              autocast_dtype=plan.autocast_dtype))
+                              autocast_dtype=plan.autocast_dtype,
+                              first=target.first if ranged else "",
+                              last=target.last if ranged else ""))
     return out
+
+
+def _mutated_buffers(profile: GraphProfile, region: Region) -> list[str]:
+    """Buffers a region's rerun would update again: its module call's, or for an op range
+    those of every call inside it and of its own ops."""
+    a, b, target = region.start, region.stop, region.target
+    if isinstance(target, ModuleCall):
+        return next(c.mutated_buffers for c in profile.module_calls
+                    if (c.start, c.stop, c.path) == (a, b, target.path))
+    found = {name for c in profile.module_calls if a <= c.start and c.stop <= b
+             for name in c.mutated_buffers}
+    found |= {name for node in profile.nodes[a:b] for name in node.mutated_buffers}
+    return sorted(found)
 
 
 _SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)

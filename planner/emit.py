@@ -18,14 +18,17 @@ put back after a rerun, so recomputing changes no state.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -37,10 +40,11 @@ from torch.utils.checkpoint import (
 
 from planner.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
 from profiles.kernels import attention_kernels
+from profiles.traced import trace_forward
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANY_PRECISION", "Checkpointed", "OpStreamWarning", "RegionSpec",
+__all__ = ["ANY_PRECISION", "Checkpointed", "OpStreamWarning", "RegionSpec", "TracedForward",
            "checkpointed_modules", "install_checkpoints", "remove_checkpoints"]
 
 
@@ -71,6 +75,19 @@ class RegionSpec:
     expected_ops: tuple[tuple[str, int], ...] = ()
     strict: bool = False
     autocast_dtype: str | None = ANY_PRECISION
+    # an op range of the module's traced forward, fx nodes first..last ('': the whole call)
+    first: str = ""
+    last: str = ""
+
+    @property
+    def is_range(self) -> bool:
+        return bool(self.first)
+
+    @property
+    def label(self) -> str:
+        """How messages name the region."""
+        name = repr(self.path) if self.path else "<model>"
+        return f"{name} ops {self.first}..{self.last}" if self.is_range else name
 
 
 def _precision(tensors: list[torch.Tensor]) -> str | None:
@@ -104,40 +121,34 @@ class _Policy:
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class Checkpointed:
-    """A module's ``forward``, run under non-reentrant checkpoint (set on the instance)."""
+class _Checkpoint:
+    """Runs a function of a module under non-reentrant checkpoint as ``spec`` says: the
+    SAC policy of its keeps, the op-stream check, buffers restored after a rerun."""
 
     checked = False  # the op stream of a training step was compared with the plan's
 
     def __init__(self, module: nn.Module, spec: RegionSpec) -> None:
         self.module = module
         self.spec = spec
-        # a forward already set on the instance (another library's hook) is kept and wrapped
-        self.inner = module.__dict__.get("forward")
 
-    def original(self, *args: Any, **kwargs: Any) -> Any:
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def _body(self) -> Any:
-        """The function checkpoint calls: the forward, but on a rerun the buffers it updates
-        are put back, so recomputing changes no state."""
+    def _body(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """What checkpoint calls: ``fn``, but on a rerun the buffers it updates are put
+        back, so recomputing changes no state."""
         if not self.spec.restore_buffers:
-            return self.original
+            return fn
         calls = 0
 
         def run(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls == 1:
-                return self.original(*args, **kwargs)
+                return fn(*args, **kwargs)
             buffers = [self.module.get_buffer(name) for name in self.spec.restore_buffers]
             # outside the dispatch modes: SAC's replay must see only the module's own ops
             with _disable_current_modes(), torch.no_grad():
                 before = [b.clone() for b in buffers]
             try:
-                return self.original(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:  # also when early stop interrupts the rerun
                 with _disable_current_modes(), torch.no_grad():
                     for buffer, value in zip(buffers, before, strict=True):
@@ -145,9 +156,8 @@ class Checkpointed:
 
         return run
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)
+    def checkpointed(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` under the checkpoint of this region."""
         # Every tensor argument goes to checkpoint positionally: checkpoint saves positional
         # tensors as saved tensors (nested in another checkpoint: packed into it, nothing
         # held) but holds keyword arguments and containers as plain objects until its frame
@@ -156,7 +166,7 @@ class Checkpointed:
         # (DenseNet's layers take the growing list of features).
         leaves, structure = tree_flatten((args, kwargs))
         where = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        body = self._body()
+        body = self._body(fn)
 
         def run(*tensors: torch.Tensor) -> Any:
             filled = list(leaves)
@@ -201,57 +211,257 @@ class Checkpointed:
         changed = sorted(set(ran) ^ set(expected) | {op for op in ran
                                                      if ran[op] != expected.get(op)})
         planned, running = attention_kernels(list(expected)), attention_kernels(list(ran))
+        where = f"module {self.spec.label}"
         if set(planned) != set(running):
-            message = (f"module {self.spec.path!r} runs attention kernel "
-                       f"{', '.join(running) or 'none'} where the plan assumed "
-                       f"{', '.join(planned) or 'none'}: it saves other tensors, so the "
-                       "plan's memory is not this step's. Plan for this device and dtype "
-                       "(optimize(..., device=...)), or pin the kernel with "
+            message = (f"{where} runs attention kernel {', '.join(running) or 'none'} where "
+                       f"the plan assumed {', '.join(planned) or 'none'}: it saves other "
+                       "tensors, so the plan's memory is not this step's. Plan for this "
+                       "device and dtype (optimize(..., device=...)), or pin the kernel with "
                        "torch.nn.attention.sdpa_kernel while profiling and training.")
         else:
-            message = (f"module {self.spec.path!r} ran other ops than the call the plan "
-                       f"checkpoints ({', '.join(changed[:4])} ...): the plan's memory and "
-                       "the ops its checkpoint keeps are not this module's (changed code, "
-                       "another branch, or a plan file edited to name another module). Run "
+            message = (f"{where} ran other ops than the call the plan checkpoints "
+                       f"({', '.join(changed[:4])} ...): the plan's memory and the ops its "
+                       "checkpoint keeps are not this module's (changed code, another branch, "
+                       "or a plan file edited to name another module). Run "
                        "planner.optimize() again on this model and these inputs.")
         if self.spec.strict:
             from planner.plan import PlanMismatchError
 
             raise PlanMismatchError(message)
-        warnings.warn(message, OpStreamWarning, stacklevel=3)
+        warnings.warn(message, OpStreamWarning, stacklevel=4)
+
+
+class Checkpointed(_Checkpoint):
+    """A module's ``forward``, run under non-reentrant checkpoint (set on the instance)."""
+
+    def __init__(self, module: nn.Module, spec: RegionSpec) -> None:
+        super().__init__(module, spec)
+        # a forward already set on the instance (another library's hook, or a traced
+        # forward of this plan) is kept and wrapped
+        self.inner = module.__dict__.get("forward")
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        return self.checkpointed(self.original, args, kwargs)
 
     def __repr__(self) -> str:
         return (f"Checkpointed({self.spec.path or type(self.module).__name__}, keep "
                 f"{len(self.spec.keep_ops)} ops)")
 
 
+class _Range:
+    """One op range of a traced forward: its fx nodes, what flows in and what flows out."""
+
+    def __init__(self, graph: fx.Graph, spec: RegionSpec) -> None:
+        names = [n.name for n in graph.nodes]
+        if spec.first not in names or spec.last not in names or \
+                names.index(spec.first) > names.index(spec.last):
+            from planner.plan import PlanMismatchError
+
+            raise PlanMismatchError(
+                f"module {spec.label}: its traced forward has no nodes {spec.first}.."
+                f"{spec.last} (its code changed since it was planned). Run planner.optimize() "
+                "again on this model.")
+        order = list(graph.nodes)
+        self.nodes = order[names.index(spec.first):names.index(spec.last) + 1]
+        inside = set(self.nodes)
+        flowing = list(dict.fromkeys(a for n in self.nodes for a in n.all_input_nodes
+                                     if a not in inside))
+        # parameters and buffers are read inside (looked up again on a rerun), not passed in
+        self.attrs = [a for a in flowing if a.op == "get_attr"]
+        self.inputs = [a for a in flowing if a.op != "get_attr"]
+        self.outputs = [n for n in self.nodes if any(u not in inside for u in n.users)]
+        self.frees = _last_uses(self.nodes, keep=set(self.outputs))
+
+    def run(self, module: nn.Module, *values: Any) -> tuple:
+        env = dict(zip(self.inputs, values, strict=True))
+        env.update((a, _run_node(module, a, env)) for a in self.attrs)
+        for node in self.nodes:
+            env[node] = _run_node(module, node, env)
+            for dead in self.frees.get(node, ()):
+                env.pop(dead, None)
+        return tuple(env[n] for n in self.outputs)
+
+
+def _last_uses(nodes: list[fx.Node], keep: set[fx.Node],
+               uses: Callable[[fx.Node], list[fx.Node]] | None = None
+               ) -> dict[fx.Node, list[fx.Node]]:
+    """Per node, the values (inputs and earlier nodes) whose last use among ``nodes`` it is,
+    except those in ``keep``: freed once it has run, as fx's generated code does.
+    ``uses``: what a node reads (default: its input nodes)."""
+    last: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        for arg in (uses or _inputs)(node):
+            last[arg] = node
+        last.setdefault(node, node)  # unused: freed at once
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, node in last.items():
+        if value not in keep:
+            frees.setdefault(node, []).append(value)
+    return frees
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A traced forward cut into its ranges: the nodes run outside them (a range stands
+    at its first node), the ranges by first node, and when each value dies."""
+
+    outer: list[fx.Node]
+    ranges: dict[fx.Node, _Range]
+    frees: dict[fx.Node, list[fx.Node]]
+
+    @classmethod
+    def cut(cls, graph: fx.Graph, specs: list[RegionSpec]) -> _Program:
+        ranges = {r.nodes[0]: r for r in (_Range(graph, spec) for spec in specs)}
+        inside = {n for r in ranges.values() for n in r.nodes[1:]}
+        outer = [n for n in graph.nodes if n not in inside]
+        frees = _last_uses(outer, keep=set(), uses=lambda n: ranges[n].inputs
+                           if n in ranges else _inputs(n))
+        return cls(outer, ranges, frees)
+
+
+def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """Evaluate one fx node of ``module``'s traced forward (as ``fx.Interpreter`` does),
+    its attributes and children looked up on ``module`` now (FSDP2 may have replaced them)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+    if node.op == "get_attr":
+        return functools.reduce(getattr, str(node.target).split("."), module)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        this, *rest = args
+        return getattr(this, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return module.get_submodule(str(node.target))(*args, **kwargs)
+    raise RuntimeError(f"unexpected fx node {node.format_node()}")
+
+
+class _RangeCheckpoint(_Checkpoint):
+    def __call__(self, rng: _Range, values: list[Any]) -> tuple:
+        return self.checkpointed(functools.partial(rng.run, self.module), tuple(values), {})
+
+
+class TracedForward:
+    """A module's forward as its fx trace (children as leaves), with planned op ranges run
+    under checkpoint (set on the instance, like `Checkpointed`). Every other node runs as
+    in the traced graph; outside a training step (no grad, eval mode) the module's own
+    forward runs. Picklable: the graph is traced again when first needed."""
+
+    def __init__(self, module: nn.Module, specs: list[RegionSpec]) -> None:
+        self.module = module
+        self.specs = specs
+        self.inner = module.__dict__.get("forward")
+        self.checkpoints = {spec.first: _RangeCheckpoint(module, spec) for spec in specs}
+        self._program: _Program | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_program": None}
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def program(self) -> _Program:
+        """The traced forward cut into its ranges (traced on first use)."""
+        if self._program is None:
+            graph = trace_forward(self.module)
+            if isinstance(graph, str):
+                from planner.plan import PlanMismatchError
+
+                raise PlanMismatchError(
+                    f"module {self.specs[0].label}: the plan checkpoints op ranges of its "
+                    f"traced forward, but {graph}. Run planner.optimize() again.")
+            self._program = _Program.cut(graph, self.specs)
+        return self._program
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or not self.module.training:
+            return self.original(*args, **kwargs)
+        program = self.program()
+        bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
+        inputs = iter(list(bound.args)[1:])
+        env: dict[fx.Node, Any] = {}
+        for node in program.outer:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                return fx.node.map_arg(node.args[0], lambda a: env[a])
+            elif node in program.ranges:
+                rng = program.ranges[node]
+                values = self.checkpoints[node.name](rng, [env[a] for a in rng.inputs])
+                env.update(zip(rng.outputs, values, strict=True))
+            else:
+                env[node] = _run_node(self.module, node, env)
+            for dead in program.frees.get(node, ()):
+                env.pop(dead, None)
+        raise RuntimeError("traced forward has no output node")
+
+    def __repr__(self) -> str:
+        return f"TracedForward({self.specs[0].path or '<model>'}, {len(self.specs)} ranges)"
+
+
 def install_checkpoints(model: nn.Module, specs: Iterable[RegionSpec]) -> list[str]:
-    """Wrap the forward of each module named in ``specs``; returns their paths."""
-    installed = []
+    """Wrap the forward of each module named in ``specs`` (op ranges: one traced forward
+    per module, under its call's checkpoint if it has one); returns their paths."""
+    specs = list(specs)
+    ranges: dict[str, list[RegionSpec]] = {}
     for spec in specs:
-        module = model.get_submodule(spec.path)
-        if isinstance(module.__dict__.get("forward"), Checkpointed):
-            raise ValueError(f"module {spec.path!r} is already checkpointed by a plan; call "
-                             "planner.remove(model) first")
-        module.forward = Checkpointed(module, spec)
-        installed.append(spec.path)
+        if spec.is_range:
+            ranges.setdefault(spec.path, []).append(spec)
+    # traced and checked before anything is installed: a stale plan changes nothing
+    traced = [TracedForward(_unplanned(model, path), group) for path, group in ranges.items()]
+    for forward in traced:
+        forward.program()
+    installed = []
+    for forward in traced:
+        forward.module.forward = forward
+        installed.append(forward.specs[0].path)
+    for spec in specs:
+        if not spec.is_range:
+            module = model.get_submodule(spec.path)
+            if isinstance(module.__dict__.get("forward"), Checkpointed):
+                _unplanned(model, spec.path)  # raises
+            module.forward = Checkpointed(module, spec)
+            installed.append(spec.path)
     return installed
 
 
-def checkpointed_modules(model: nn.Module) -> dict[str, Checkpointed]:
-    """The modules of ``model`` that run under a plan's checkpoint, by path."""
+def _unplanned(model: nn.Module, path: str) -> nn.Module:
+    module = model.get_submodule(path)
+    if isinstance(module.__dict__.get("forward"), Checkpointed | TracedForward):
+        raise ValueError(f"module {path!r} is already checkpointed by a plan; call "
+                         "planner.remove(model) first")
+    return module
+
+
+def checkpointed_modules(model: nn.Module) -> dict[str, Checkpointed | TracedForward]:
+    """The modules of ``model`` that run under a plan's checkpoint (or a traced forward
+    with checkpointed op ranges), by path: the outermost wrapper of each."""
     return {path: module.__dict__["forward"] for path, module in model.named_modules()
-            if isinstance(module.__dict__.get("forward"), Checkpointed)}
+            if isinstance(module.__dict__.get("forward"), Checkpointed | TracedForward)}
 
 
 def remove_checkpoints(model: nn.Module) -> list[str]:
-    """Take every plan checkpoint off ``model``; returns the paths that had one."""
+    """Take every plan checkpoint and traced forward off ``model``; returns their paths."""
     removed = []
     for path, wrapper in checkpointed_modules(model).items():
         module = wrapper.module
-        if wrapper.inner is not None:
-            module.forward = wrapper.inner
-        else:
-            del module.__dict__["forward"]
+        while isinstance(wrapper, Checkpointed | TracedForward):
+            if wrapper.inner is not None:
+                module.forward = wrapper.inner
+            else:
+                del module.__dict__["forward"]
+            wrapper = wrapper.inner
         removed.append(path)
     return removed

@@ -29,8 +29,9 @@ from profiles.schema import (
     SignedMs,
     format_bytes,
 )
+from solvers.from_profile import op_range_name, op_range_targets
 from solvers.problem import Problem
-from solvers.schedule import Mode, Region, Schedule
+from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
 PLAN_SCHEMA_VERSION = 3
 GIB = 2**30
@@ -94,7 +95,8 @@ class InputSpec(_Strict):
 class PlanRegion(NamedTuple):
     """One region of a plan as people read it (derived from the plan's schedule): profile
     node names instead of indices, the module whose call a RECOMPUTE region checkpoints
-    ('' is the model itself), the nodes it keeps and the checkpoints nested in it."""
+    ('' is the model itself; ``path[first..last]`` for an op range of its traced forward),
+    the nodes it keeps and the checkpoints nested in it."""
 
     start: int
     stop: int
@@ -304,12 +306,19 @@ class Plan(_Strict):
             raise ValueError(f"schedule: covers {self.schedule.n_nodes} nodes but the "
                              f"profile has {len(self.profile.nodes)}")
         calls = {(c.start, c.stop, c.path) for c in self.profile.module_calls}
+        ranges = op_range_targets(self.profile)
         for k, region in enumerate(self.schedule.recompute_regions()):
             where = f"schedule: checkpoint {k} [{region.start}, {region.stop})"
-            if region.target is None:
+            target = region.target
+            if target is None:
                 raise ValueError(f"{where} has no target module call")
-            if (region.start, region.stop, region.target.path) not in calls:
-                raise ValueError(f"{where}: its target, module {region.target.path!r}, did "
+            if isinstance(target, OpRange):
+                if ranges.get((region.start, region.stop)) != target:
+                    raise ValueError(f"{where}: its target, ops {target.first}..{target.last} "
+                                     f"of module {target.path!r}, is not an op range of a "
+                                     "traced forward that ran these nodes in the profile")
+            elif (region.start, region.stop, target.path) not in calls:
+                raise ValueError(f"{where}: its target, module {target.path!r}, did "
                                  "not run these nodes in the profile")
         for k, off in enumerate(self.schedule.offloads):
             spans = [((off.start, off.stop), off.target, "target")]
@@ -452,8 +461,15 @@ def _module_label(module: str | None) -> str:
     return "<the model>" if module == "" else (module or "?")
 
 
+def _target_label(target: ModuleCall | OpRange | None) -> str | None:
+    """A region's module path, or for an op range ``path[first..last]`` (fx node names)."""
+    if isinstance(target, OpRange):
+        return op_range_name(target.path, target.first, target.last)
+    return target.path if target else None
+
+
 def _plan_regions(names: list[str], regions: Iterable[Region]) -> list[PlanRegion]:
-    return [PlanRegion(r.start, r.stop, r.mode, r.target.path if r.target else None,
+    return [PlanRegion(r.start, r.stop, r.mode, _target_label(r.target),
                        names[r.start:r.stop], [names[i] for i in sorted(r.keep)],
                        _plan_regions(names, r.children)) for r in regions]
 

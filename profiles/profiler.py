@@ -69,6 +69,7 @@ from profiles.schema import (
     TensorMeta,
     fingerprint,
 )
+from profiles.traced import traced_calls
 
 log = logging.getLogger(__name__)
 
@@ -1437,6 +1438,7 @@ def profile(
         # the same program as recorded: a real recording ran the real device's kernels
         observed = _observe_backward(step, [r.name for r in records], rec.real,
                                      None if rec.real else spec)
+    nodes = _with_observed_backward(_node_profiles(rec, measured), observed)
     return GraphProfile(
         model_name=type(model).__name__,
         execution="real" if rec.real else "fake",
@@ -1446,9 +1448,9 @@ def profile(
         fingerprint=trace_fingerprint(model, records, rec.recorder.calls, input_tensors,
                                       autocast, step.grads_at_start),
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
-        nodes=_with_observed_backward(_node_profiles(rec, measured), observed),
+        nodes=nodes,
         storages=[StorageInfo(**info) for info in rec.storages.infos],
-        module_calls=_module_calls(rec),
+        module_calls=traced_calls(model, _module_calls(rec), nodes),
         static=rec.static,
         step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
                         fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)

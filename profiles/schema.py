@@ -152,6 +152,18 @@ class NodeProfile(_Strict):
                                              "holds once this node's backward is done")
 
 
+class TracedSegment(_Strict):
+    """A piece of a module's own forward, traced with torch.fx (children as leaves): one
+    child-module call, or the module's own ops between two of them. Consecutive segments
+    form the op-range regions a plan may checkpoint inside the module's forward."""
+
+    first: str = Field(description="name of the segment's first fx node")
+    last: str = Field(description="name of the segment's last fx node")
+    start: Count = Field(description="first profile node the segment ran")
+    stop: Count = Field(description="one past its last profile node (start: runs no op)")
+    child: bool = Field(False, description="the segment is one call of a child module")
+
+
 class ModuleCall(_Strict):
     """One call of one of the model's modules: nodes ``[start, stop)`` ran inside it."""
 
@@ -168,6 +180,10 @@ class ModuleCall(_Strict):
         "kwargs): what a checkpoint of this call holds until its backward")
     mutated_buffers: list[str] = Field(default_factory=list,
                                        description="buffers updated in place during the call")
+    traced: list[TracedSegment] = Field(
+        default_factory=list, description="its forward traced with torch.fx, in order (empty: "
+        "not traced, `untraced` says why)")
+    untraced: str = Field("", description="why its forward offers no op ranges")
 
 
 class StaticMemory(_Strict):

@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 
 from profiles.devices import DEVICES
 from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
 from solvers.problem import MATMUL_KINDS, HostLink, ModuleSpan, ObservedBackward, Problem
+from solvers.schedule import OpRange
 
-__all__ = ["block_calls", "detect_block_prefix", "op_kind", "problem_from_profile",
-           "unemittable_calls"]
+__all__ = [
+    "block_calls",
+    "detect_block_prefix",
+    "op_kind",
+    "op_range_name",
+    "problem_from_profile",
+    "unemittable_calls",
+]
 
 _NEVER_RECOMPUTED = frozenset({"placeholder", "output", "loss"})
 _INDEXED = re.compile(r"^(?P<prefix>.+?)\.(?P<index>\d+)(?:\.|$)")
@@ -90,39 +98,52 @@ def op_kind(ops: list[str], fx_op: str) -> str:
     return names[-1] if names else fx_op
 
 
+class _Writes:
+    """What the step writes in place, for the rules of `unemittable_calls`."""
+
+    def __init__(self, profile: GraphProfile) -> None:
+        nodes, storages = profile.nodes, profile.storages
+        self.profile = profile
+        self.last_write: dict[int, int] = {}
+        for node in nodes:
+            for sid in node.written_storages:
+                self.last_write[sid] = node.index
+        param_names = {s.name for s in storages if s.kind == "param"}
+        self.state_writes = {node.index for node in nodes
+                             if any(storages[s].kind in ("input", "constant")
+                                    for s in node.written_storages)
+                             or set(node.mutated_buffers) & param_names}
+
+    def reason(self, a: int, b: int, inputs: Iterable[int], calls: int = 1) -> str:
+        """Why nodes ``[a, b)`` holding ``inputs`` cannot be a checkpoint ('' when they can)."""
+        nodes, storages = self.profile.nodes, self.profile.storages
+        if b <= a:
+            return "runs no op"
+        if calls > 1:
+            return f"called {calls} times per step"
+        if any(self.last_write.get(s, -1) >= a for s in inputs):
+            return "an input is written in place after the call starts"
+        if any(storages[s].producer is not None and storages[s].producer < a
+               and storages[s].kind not in STATIC_KINDS
+               for i in range(a, b) for s in nodes[i].written_storages):
+            return "writes in place a tensor made before it"
+        if any(i in self.state_writes for i in range(a, b)):
+            return "writes a parameter or an input in place"
+        return ""
+
+
 def unemittable_calls(profile: GraphProfile) -> dict[int, str]:
     """Module calls a plan cannot checkpoint, with the reason (see the module docstring)."""
-    nodes = profile.nodes
-    storages = profile.storages
-    last_write: dict[int, int] = {}
-    for node in nodes:
-        for sid in node.written_storages:
-            last_write[sid] = node.index
-    param_names = {s.name for s in storages if s.kind == "param"}
-    state_writes = {node.index for node in nodes
-                    if any(storages[s].kind in ("input", "constant")
-                           for s in node.written_storages)
-                    or set(node.mutated_buffers) & param_names}
-    reasons: dict[int, str] = {}
-    for call in profile.module_calls:
-        a, b = call.start, call.stop
-        if b <= a:
-            reasons[call.index] = "runs no op"
-        elif call.calls > 1:
-            reasons[call.index] = f"called {call.calls} times per step"
-        elif any(last_write.get(s, -1) >= a for s in call.input_storages):
-            reasons[call.index] = "an input is written in place after the call starts"
-        elif any(storages[s].producer is not None and storages[s].producer < a
-                 and storages[s].kind not in STATIC_KINDS
-                 for i in range(a, b) for s in nodes[i].written_storages):
-            reasons[call.index] = "writes in place a tensor made before it"
-        elif any(i in state_writes for i in range(a, b)):
-            reasons[call.index] = "writes a parameter or an input in place"
-    return reasons
+    writes = _Writes(profile)
+    reasons = {call.index: writes.reason(call.start, call.stop, call.input_storages,
+                                         call.calls) for call in profile.module_calls}
+    return {index: why for index, why in reasons.items() if why}
 
 
-def _module_spans(profile: GraphProfile, new_id: dict[int, int]) -> list[ModuleSpan]:
-    """One span per emittable call (the outermost when several share one span)."""
+def _module_spans(profile: GraphProfile, new_id: dict[int, int],
+                  op_ranges: bool = True) -> list[ModuleSpan]:
+    """One span per emittable call (the outermost when several share one span), then with
+    ``op_ranges`` one per emittable op range of a traced forward not already a call's."""
     reasons = unemittable_calls(profile)
     spans: dict[tuple[int, int], ModuleSpan] = {}
     for call in profile.module_calls:
@@ -132,11 +153,52 @@ def _module_spans(profile: GraphProfile, new_id: dict[int, int]) -> list[ModuleS
         spans[key] = ModuleSpan(start=call.start, stop=call.stop, name=call.path,
                                 inputs=tuple(sorted({new_id[s] for s in call.input_storages
                                                      if s in new_id})))
+    if op_ranges:
+        for _, span in _op_ranges(profile, new_id):
+            spans.setdefault((span.start, span.stop), span)
     return list(spans.values())
 
 
+def op_range_name(path: str, first: str, last: str) -> str:
+    """How an op range of a traced forward is named in spans, plans and reports."""
+    return f"{path or '<model>'}[{first}..{last}]"
+
+
+def op_range_targets(profile: GraphProfile) -> dict[tuple[int, int], OpRange]:
+    """The op range each ops span of ``profile`` checkpoints (`Problem.module_spans`)."""
+    return {(span.start, span.stop): target for target, span in _op_ranges(profile, {})}
+
+
+def _op_ranges(profile: GraphProfile, new_id: dict[int, int]
+               ) -> Iterator[tuple[OpRange, ModuleSpan]]:
+    """Every run of consecutive segments of a traced forward that may be a checkpoint: it
+    starts and ends with a segment that runs ops and passes `_Writes.reason`."""
+    writes = _Writes(profile)
+    nodes, storages = profile.nodes, profile.storages
+    for call in profile.module_calls:
+        segments = [seg for seg in call.traced if seg.stop > seg.start]
+        children = [c for c in profile.module_calls if c.parent == call.index] \
+            if segments else []
+        for i, first in enumerate(segments):
+            for last in segments[i:]:
+                a, b = first.start, last.stop
+                read = {s for k in range(a, b) for s in nodes[k].read_storages}
+                read |= {s for c in children if a <= c.start and c.stop <= b
+                         for s in c.input_storages}
+                inputs = sorted(s for s in read if storages[s].producer is None
+                                or storages[s].producer < a)
+                if writes.reason(a, b, inputs):
+                    continue
+                target = OpRange(path=call.path, first=first.first, last=last.last)
+                yield target, ModuleSpan(
+                    start=a, stop=b, name=op_range_name(call.path, first.first, last.last),
+                    inputs=tuple(sorted(new_id[s] for s in inputs if s in new_id)),
+                    kind="ops")
+
+
 def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
-                         *, detect_blocks: bool = True, module_spans: bool = True) -> Problem:
+                         *, detect_blocks: bool = True, module_spans: bool = True,
+                         op_ranges: bool = True) -> Problem:
     """The solver's view of one training step of ``profile``.
 
     Args:
@@ -145,6 +207,8 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         detect_blocks: set False to leave ``block_of_node`` empty.
         module_spans: restrict regions to what `planner.apply` can emit (the default); False
             lets solvers cut the op order anywhere (to measure what the restriction costs).
+        op_ranges: with module spans, also offer runs of a traced forward's segments
+            (`profiles.traced`); False: module calls only.
     """
     storages = profile.storages
     nodes = profile.nodes
@@ -201,7 +265,7 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_ops=[len(nd.ops) for nd in nodes],
         node_packed=None if None in saved else saved,
         storage_release=_releases(profile, activation, new_id),
-        module_spans=_module_spans(profile, new_id) if module_spans else None,
+        module_spans=_module_spans(profile, new_id, op_ranges) if module_spans else None,
         observed_backward=observed,
         host_link=host_link(profile.device),
     )

@@ -57,10 +57,11 @@ def offload_chain(problem: Problem) -> list[tuple[int, int]]:
     """The calls that may be offloaded, in forward order: the outermost module calls (the
     root's children, their children where no single call spans them) before the first
     repeated block, then the blocks."""
-    blocks = [b for b in problem.blocks() if problem.emittable(*b)]
+    blocks = [b for b in problem.blocks() if problem.is_call(*b)]
     first = blocks[0][0] if blocks else problem.n_nodes
     spans = sorted(((s.start, s.stop) for s in problem.module_spans or ()
-                    if s.name and s.stop <= first), key=lambda ab: (ab[0], -ab[1]))
+                    if s.name and s.kind == "call" and s.stop <= first),
+                   key=lambda ab: (ab[0], -ab[1]))
     lead: list[tuple[int, int]] = []
     for a, b in spans:
         if not lead or a >= lead[-1][1]:

@@ -11,7 +11,7 @@ import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -82,7 +82,12 @@ class ObservedBackward(BaseModel):
 class ModuleSpan(BaseModel):
     """Nodes ``[start, stop)`` that one call of a module ran: a region the planner can emit
     as a checkpoint of that module. ``inputs`` are the activation storages passed to the
-    call, which the checkpoint holds (even those the call never reads)."""
+    call, which the checkpoint holds (even those the call never reads).
+
+    ``kind="ops"``: a run of consecutive segments of one module's traced forward (its own
+    ops and child calls, `profiles.traced`), emitted as a checkpoint inside a generated
+    forward; ``inputs`` are what flows into the run. Such spans are top-level regions only
+    (`spans_within` lists calls), never offloaded, and hold nothing in an unplanned step."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -90,6 +95,7 @@ class ModuleSpan(BaseModel):
     stop: int
     name: str = ""
     inputs: tuple[int, ...] = ()
+    kind: Literal["call", "ops"] = "call"  # "ops": a run of a traced forward's segments
 
 
 class HostLink(BaseModel):
@@ -363,7 +369,8 @@ class Problem(BaseModel):
             return self.inputs
         held: list[list[int]] = [list(x) for x in self.inputs]
         ends = [(s, node) for s, node in enumerate(self.storage_release or ())]
-        ends += [(s, span.stop - 1) for span in self.module_spans or () for s in span.inputs]
+        ends += [(s, span.stop - 1) for span in self.module_spans or () for s in span.inputs
+                 if span.kind == "call"]
         for s, node in ends:
             if self.storage_producer[s] < node < self.n_nodes and s not in held[node]:
                 held[node].append(s)
@@ -457,11 +464,20 @@ class Problem(BaseModel):
         """The largest module spans strictly inside `[start, stop)`, in order: the module
         calls one level below it (or the top ones of a stretch of nodes)."""
         out: list[ModuleSpan] = []
-        for span in sorted(self.module_spans or (), key=lambda sp: (sp.start, -sp.stop)):
+        calls = (sp for sp in self.module_spans or () if sp.kind == "call")
+        for span in sorted(calls, key=lambda sp: (sp.start, -sp.stop)):
             if start <= span.start and span.stop <= stop and (span.start, span.stop) != (
                     start, stop) and not (out and span.stop <= out[-1].stop):
                 out.append(span)
         return out
+
+    def is_call(self, start: int, stop: int) -> bool:
+        """Whether `[start, stop)` is one module call (what offload hooks attach to; any
+        region without module spans)."""
+        if self.module_spans is None:
+            return True
+        span = self._spans.get((start, stop))
+        return span is not None and span.kind == "call"
 
     def span(self, start: int, stop: int) -> ModuleSpan | None:
         """The module span `[start, stop)`, if there is one."""

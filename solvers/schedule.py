@@ -1,10 +1,11 @@
 """Schedules: the node order cut into consecutive STORE / RECOMPUTE regions.
 
 A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call
-on its `target` (today a module call). Its decisions are data: `saves` maps some of its own
-nodes (nodes not inside a child; a child has its own `saves`) to what happens to their
-outputs, `Save.KEEP` (`CheckpointPolicy.MUST_SAVE`, selective checkpointing); a node it does
-not name is recomputed. `children` are checkpoints nested inside it.
+on its `target`: a module call, or an op range of a module's traced forward. Its decisions
+are data: `saves` maps some of its own nodes (nodes not inside a child; a child has its own
+`saves`) to what happens to their outputs, `Save.KEEP` (`CheckpointPolicy.MUST_SAVE`,
+selective checkpointing); a node it does not name is recomputed. `children` are
+checkpoints nested inside it.
 
 `Schedule.offloads` name module calls whose saved activations go to host memory: every
 tensor saved for backward while the call runs outside a checkpoint (`solvers.offload` says
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "Region", "Save", "Schedule",
-           "ScheduleError"]
+__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "OpRange", "Region", "Save",
+           "Schedule", "ScheduleError"]
 
 Mode = Literal["store", "recompute"]
 STORE: Mode = "store"
@@ -48,6 +49,21 @@ class ModuleCall(BaseModel):
     path: str
 
 
+class OpRange(BaseModel):
+    """A region's target: consecutive segments of the traced forward of the module at
+    `path` (`profiles.traced`), from fx node `first` through fx node `last`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["ops"] = "ops"
+    path: str
+    first: str
+    last: str
+
+
+Target = Annotated[ModuleCall | OpRange, Field(discriminator="kind")]
+
+
 class Region(BaseModel):
     """Nodes `start..stop-1`, stored or recomputed.
 
@@ -68,7 +84,7 @@ class Region(BaseModel):
     stop: int
     mode: Mode = STORE
     saves: dict[int, Save] = {}
-    target: ModuleCall | None = None
+    target: Target | None = None
     children: tuple[Region, ...] = ()
 
     def __init__(self, start: int | None = None, stop: int | None = None,
@@ -121,7 +137,8 @@ class Region(BaseModel):
         """The nodes whose outputs this region keeps (`Save.KEEP`)."""
         return frozenset(k for k, save in self.saves.items() if save is Save.KEEP)
 
-    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Region:
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
+                     ) -> Region:
         """This region with every RECOMPUTE region's target looked up by its span."""
         children = tuple(c.with_targets(target_of) for c in self.children)
         target = target_of.get((self.start, self.stop)) if self.is_recompute else None
@@ -179,11 +196,15 @@ class Offload(BaseModel):
                 "call that the backward reaches first, one that ends later in the forward.")
         return self
 
-    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Offload:
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
+                     ) -> Offload:
         """The same offload, its call and its prefetch's call looked up by their spans."""
-        return self.model_copy(update={
-            "target": target_of.get((self.start, self.stop)),
-            "prefetch_target": None if self.prefetch is None else target_of.get(self.prefetch)})
+        def call(span: tuple[int, int] | None) -> ModuleCall | None:
+            target = None if span is None else target_of.get(span)
+            return target if isinstance(target, ModuleCall) else None
+
+        return self.model_copy(update={"target": call((self.start, self.stop)),
+                                       "prefetch_target": call(self.prefetch)})
 
     def describe(self) -> str:
         """Compact text, e.g. `O[0:4 h.0 <-8:12]` (prefetched at 8:12's output)."""
@@ -290,7 +311,8 @@ class Schedule(BaseModel):
                 start = i
         return cls(regions=tuple(regions))
 
-    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall]) -> Schedule:
+    def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
+                     ) -> Schedule:
         """The same schedule, each RECOMPUTE region's and offload's target looked up by its
         span."""
         return self.model_copy(update={

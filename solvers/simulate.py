@@ -688,7 +688,8 @@ def _check_offloads(problem: Problem, schedule: Schedule) -> None:
             "the device copies to host memory); build the problem from a profile of a "
             "device with one, or set Problem.host_link.")
     for o in schedule.offloads:
-        if o.stop > problem.n_nodes or not problem.emittable(o.start, o.stop):
+        if o.stop > problem.n_nodes or (problem.module_spans is not None
+                                        and not problem.is_call(o.start, o.stop)):
             raise SimulationError(
                 f"offload [{o.start}, {o.stop}) is not one of problem {problem.name!r}'s "
                 "module spans: only a call of one of the model's modules can be offloaded.")

@@ -79,7 +79,11 @@ def matmul_keep(problem: Problem, a: int, b: int) -> frozenset[int]:
 
 
 def _regions_word(problem: Problem) -> str:
-    return "module calls" if problem.module_spans is not None else "regions"
+    if problem.module_spans is None:
+        return "regions"
+    if any(span.kind == "ops" for span in problem.module_spans):
+        return "module calls or op ranges of traced forwards"
+    return "module calls"
 
 
 def every_schedule() -> SearchSpace:

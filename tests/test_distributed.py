@@ -118,6 +118,37 @@ def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, offload: bool,
         assert "is for one process, but this process group has 2 ranks" in result["refused"]
 
 
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_traced_op_ranges_inside_blocks_hold_under_fsdp2_and_ddp(kind: str,
+                                                                 tmp_path: Path) -> None:
+    """Each block checkpoints an op range of its own traced forward (a generated forward on
+    the block FSDP2 shards), not the block's call."""
+    from planner.api import plan_for_schedule
+    from solvers import OpRange, Schedule
+
+    zm = zoo.get("gpt", size="small", dropout=0.0)
+    first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                     timing="estimate", world_size=WORLD, sharding=kind, progress=False)
+    problem = first.problem()
+    ranges = [max((s for s in problem.module_spans if s.kind == "ops"
+                   and s.name.startswith(f"blocks.{i}[")), key=lambda s: s.stop - s.start)
+              for i in range(4)]
+    plan = plan_for_schedule(first.profile, Schedule.from_segments(
+        problem.n_nodes, [(s.start, s.stop) for s in ranges]), first.inputs,
+        first.structure_fingerprint, sharding=first.sharding)
+    assert all(isinstance(r.target, OpRange) and r.target.path.startswith("blocks.")
+               for r in plan.schedule.recompute_regions())
+    assert plan.predicted_peak_bytes < first.unplanned_peak_bytes
+    plan_path = str(tmp_path / "plan.json")
+    plan.save(plan_path)
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(kind, plan_path, _free_port(), out), nprocs=WORLD)
+    for rank in range(WORLD):
+        result = torch.load(f"{out}.{rank}")
+        assert result["peak"] <= plan.budget_bytes, (rank, result["peak"], plan.budget_bytes)
+        assert result["loss"] == result["base_loss"] and result["grads_equal"], rank
+
+
 def test_sharding_needs_a_kind_and_valid_units() -> None:
     zm = zoo.get("gpt", size="tiny")
     with pytest.raises(ValueError, match="needs sharding='ddp' or 'fsdp2'"):

@@ -1,0 +1,164 @@
+"""A second view of a module call: its own forward traced with torch.fx, children as leaves.
+
+The eager profile sees a module call as a span of aten ops with its child calls inside. The
+ops a forward runs *between* its children (a ResNet stem's pooling, a U-Net's
+concatenations) and runs of consecutive child calls that no single module wraps can only
+be regions when the forward itself is cut. `trace_segments` cuts it: the forward's fx graph
+with every submodule a leaf is a list of segments, each one child call or the own ops
+between two, and each segment is matched to the profile nodes it ran. Any doubt about the
+match leaves the module with module-call regions only, with the reason.
+
+What is traced: a module called once per step, with at least one child call, whose
+``forward`` takes positional tensors only (an optional argument would be traced down one of
+its branches, a ``None`` as a proxy that is "not None"). Tracing runs the forward on
+proxies, never on tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import warnings
+from collections.abc import Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from profiles.schema import ModuleCall, NodeProfile, TracedSegment
+
+__all__ = ["ChildrenAsLeaves", "trace_forward", "trace_segments", "traced_calls"]
+
+_COMPUTE = frozenset({"call_function", "call_method", "call_module"})
+
+
+class ChildrenAsLeaves(fx.Tracer):
+    """Traces one module's own forward: every submodule it calls is one ``call_module``."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _signature_problem(module: nn.Module) -> str:
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return "its forward has no Python signature"
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return f"its forward takes *{p.name} or keyword-only arguments"
+        if p.default is not p.empty:
+            return (f"its forward's argument {p.name!r} is optional (a trace follows one of "
+                    "its branches)")
+    return ""
+
+
+def trace_forward(module: nn.Module) -> fx.Graph | str:
+    """The fx graph of ``module``'s own forward in a training step (children as leaves), or
+    why there is none. The same code traces to the same node names."""
+    problem = _signature_problem(module)
+    if problem:
+        return problem
+    training = module.training
+    module.training = True  # the forward of a training step (its own flag only)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ChildrenAsLeaves().trace(module)
+    except Exception as error:  # any failure to trace means: module calls only
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"torch.fx cannot trace it ({type(error).__name__}: {first[:120]})"
+    finally:
+        module.training = training
+
+
+def _pieces(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The graph's compute nodes cut at each child call: [own ops, call, own ops, call, ...,
+    own ops] (own-op pieces may be empty)."""
+    pieces: list[list[fx.Node]] = [[]]
+    for node in graph.nodes:
+        if node.op == "call_module":
+            pieces += [[node], []]
+        elif node.op in _COMPUTE:
+            pieces[-1].append(node)
+    return pieces
+
+
+_IN_PLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul,
+                                 operator.itruediv, operator.iand, operator.ior})
+
+
+def _in_place(node: fx.Node) -> bool:
+    """Whether an fx node updates a tensor in place (``x.add_(y)``, ``torch.relu_(x)``,
+    ``inplace=True``, an augmented assignment fx kept as one)."""
+    name = str(node.target) if node.op == "call_method" else \
+        getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or \
+        node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+
+
+def trace_segments(graph: fx.Graph, call: ModuleCall, children: Sequence[ModuleCall],
+                   nodes: Sequence[NodeProfile]) -> list[TracedSegment] | str:
+    """Each segment of ``graph`` (the traced forward of ``call``'s module) with the profile
+    nodes it ran, or why the trace does not match the profiled call. ``children``: the
+    call's direct child calls, in order; ``nodes``: the profile's.
+
+    A trace can differ from the forward where tracing changes an op: ``out += identity``
+    on a tensor traces as an out-of-place add (fx proxies have no ``__iadd__``), which
+    holds one more tensor. Own ops are matched by their in-place updates: as many in the
+    trace as the profile saw, per segment."""
+    pieces = _pieces(graph)
+    called = [piece[0] for piece in pieces[1::2]]
+    prefix = f"{call.path}." if call.path else ""
+    traced_paths = [prefix + str(node.target) for node in called]
+    ran_paths = [c.path for c in children]
+    if traced_paths != ran_paths:
+        return (f"its traced forward calls {len(traced_paths)} children where the profiled "
+                f"call ran {len(ran_paths)} (or in another order)")
+    bounds = [call.start] + [x for c in children for x in (c.start, c.stop)] + [call.stop]
+    out: list[TracedSegment] = []
+    for k, piece in enumerate(pieces):
+        start, stop = bounds[k], bounds[k + 1]
+        if stop < start:
+            return "its child calls overlap in the profile"
+        if not piece:
+            if stop > start:
+                return ("it ran ops the traced graph does not show (hooks, or code outside "
+                        "its forward)")
+            continue
+        if k % 2 == 0 and sum(map(_in_place, piece)) != sum(
+                bool(nd.written_storages) for nd in nodes[start:stop]):
+            return (f"its trace updates tensors in place elsewhere than its forward (near "
+                    f"fx node {piece[0].name!r}; `x += y` on a tensor traces as `x + y`)")
+        out.append(TracedSegment(first=piece[0].name, last=piece[-1].name, start=start,
+                                 stop=stop, child=k % 2 == 1))
+    return out
+
+
+def traced_calls(model: nn.Module, calls: list[ModuleCall], nodes: Sequence[NodeProfile]
+                 ) -> list[ModuleCall]:
+    """``calls`` with `traced` segments (or the reason in `untraced`) for every call of a
+    module that runs at least one child call; other calls are returned unchanged."""
+    children: dict[int, list[ModuleCall]] = {}
+    for c in calls:
+        if c.parent is not None:
+            children.setdefault(c.parent, []).append(c)
+    out = []
+    for call in calls:
+        kids = sorted(children.get(call.index, []), key=lambda c: (c.start, c.stop))
+        if not kids:
+            out.append(call)
+            continue
+        found = _segments_of(model, call, kids, nodes)
+        update = {"traced": found} if isinstance(found, list) else {"untraced": found}
+        out.append(call.model_copy(update=update))
+    return out
+
+
+def _segments_of(model: nn.Module, call: ModuleCall, kids: list[ModuleCall],
+                 nodes: Sequence[NodeProfile]) -> list[TracedSegment] | str:
+    if call.calls > 1:
+        return f"it runs {call.calls} times per step (one forward serves every call)"
+    graph = trace_forward(model.get_submodule(call.path))
+    if isinstance(graph, str):
+        return graph
+    return trace_segments(graph, call, kids, nodes)

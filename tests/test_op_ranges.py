@@ -1,0 +1,209 @@
+"""Op ranges of a traced forward as regions: traced, planned, emitted and measured.
+
+A U-Net's forward runs pooling and concatenations between its children, and runs of its
+children that no module wraps: with module calls only, those can never be one checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import profiles
+from planner import PlanMismatchError, apply, optimize, remove
+from planner.api import _input_specs, measure_step, plan_for_schedule, structure_fingerprint
+from planner.emit import TracedForward, checkpointed_modules
+from profiles.inputs import normalize_inputs
+from solvers import OpRange, Schedule, auto, simulate
+from solvers.from_profile import problem_from_profile
+
+TOLERANCE = 0.005
+
+
+def _block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout),
+                         nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, padding=1),
+                         nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class UNet(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.down1, self.down2 = _block(3, width), _block(width, 2 * width)
+        self.bottom = _block(2 * width, 4 * width)
+        self.up2 = nn.ConvTranspose2d(4 * width, 2 * width, 2, stride=2)
+        self.dec2 = _block(4 * width, 2 * width)
+        self.up1 = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.dec1 = _block(2 * width, width)
+        self.head = nn.Conv2d(width, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d1 = self.down1(x)
+        d2 = self.down2(F.max_pool2d(d1, 2))
+        b = self.bottom(F.max_pool2d(d2, 2))
+        u2 = self.dec2(torch.cat([self.up2(b), d2], dim=1))
+        u1 = self.dec1(torch.cat([self.up1(u2), d1], dim=1))
+        return self.head(u1)
+
+
+class Residual(nn.Module):
+    """``out += x``: fx traces the augmented assignment as an out-of-place add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        out += x
+        return out
+
+
+class Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x) if mask is None else self.fc(x * mask)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def _unet() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return UNet(), torch.randn(2, 3, 16, 16)
+
+
+def _profile(model: nn.Module, x: torch.Tensor) -> profiles.GraphProfile:
+    return profiles.profile(model, (x,), loss_fn=_loss, timing="estimate", progress=False)
+
+
+def test_a_forward_is_cut_at_its_child_calls_as_it_ran() -> None:
+    model, x = _unet()
+    root = next(c for c in _profile(model, x).module_calls if c.path == "")
+    names = [(s.first, s.child) for s in root.traced]
+    assert names[:3] == [("down1", True), ("max_pool2d", False), ("down2", True)]
+    assert [s.first for s in root.traced if not s.child] == [
+        "max_pool2d", "max_pool2d_1", "cat", "cat_1"]
+    assert all(a.stop == b.start for a, b in zip(root.traced, root.traced[1:], strict=False))
+    assert (root.traced[0].start, root.traced[-1].stop) == (root.start, root.stop)
+
+
+@pytest.mark.parametrize(("module", "reason"), [
+    (Residual(), "updates tensors in place elsewhere than its forward"),
+    (Optional(), "argument 'mask' is optional"),
+])
+def test_a_forward_traced_otherwise_than_it_ran_offers_no_op_ranges(module: nn.Module,
+                                                                    reason: str) -> None:
+    model = nn.Sequential(module, nn.Linear(8, 8))
+    prof = _profile(model, torch.randn(4, 8))
+    call = next(c for c in prof.module_calls if c.path == "0")
+    assert not call.traced and reason in call.untraced
+    note = optimize(model, torch.randn(4, 8), budget_gb=1, loss_fn=_loss, timing="estimate",
+                    progress=False).note
+    assert "offer module-call regions only" in note and reason in note
+
+
+def test_op_ranges_reach_below_module_calls_and_run_as_predicted() -> None:
+    model, x = _unet()
+    prof = _profile(model, x)
+    calls_only = auto.lowest_peak(problem_from_profile(prof, op_ranges=False), 20)
+    problem = problem_from_profile(prof)
+    lowest = auto.lowest_peak(problem, 20)
+    assert lowest.peak_bytes < calls_only.peak_bytes
+    assert "op ranges of traced forwards" in str(lowest.least_peak_space)
+    plan = _check(model, x, prof, lowest.schedule)
+    assert any(isinstance(r.target, OpRange) for r in plan.schedule.recompute_regions())
+
+
+def _check(model: nn.Module, x: torch.Tensor, prof: profiles.GraphProfile,
+           schedule: Schedule) -> object:
+    args, kwargs = normalize_inputs(model, (x,))
+    plan = plan_for_schedule(prof, schedule, _input_specs(args, kwargs),
+                             structure_fingerprint(model))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _, base_loss, base_grads = measure_step(model, args, kwargs, _loss)
+    after_plain = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    apply(model, plan)
+    assert any(isinstance(w, TracedForward) for w in checkpointed_modules(model).values())
+    measured, loss, grads = measure_step(model, args, kwargs, _loss)
+    # BatchNorm statistics move once per step: reruns put them back
+    assert all(torch.equal(after_plain[k], v) for k, v in model.state_dict().items())
+    model.load_state_dict(state)
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    error = (plan.predicted_peak_bytes - measured) / measured
+    assert 0 <= error <= TOLERANCE, (plan.predicted_peak_bytes, measured)
+    return plan
+
+
+def test_a_traced_forward_pickles_leaves_eval_alone_and_is_removed() -> None:
+    model, x = _unet()
+    prof = _profile(model, x)
+    problem = problem_from_profile(prof)
+    ranges = [s for s in problem.module_spans if s.kind == "ops" and s.name.startswith("<")]
+    widest = max(ranges, key=lambda s: s.stop - s.start)
+    schedule = Schedule.from_segments(problem.n_nodes, [(widest.start, widest.stop)])
+    args, kwargs = normalize_inputs(model, (x,))
+    plan = plan_for_schedule(prof, schedule, _input_specs(args, kwargs),
+                             structure_fingerprint(model))
+    _, base_loss, base_grads = measure_step(model, args, kwargs, _loss)
+    apply(model, plan)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert isinstance(clone.__dict__["forward"], TracedForward)
+        _, loss, grads = measure_step(clone, args, kwargs, _loss)
+        assert torch.equal(loss, base_loss)
+        assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    model.eval()
+    with torch.no_grad():
+        planned_out = model(x)
+    remove(model)
+    assert "forward" not in model.__dict__ and not checkpointed_modules(model)
+    with torch.no_grad():
+        assert torch.equal(planned_out, model(x))
+
+
+def test_a_plan_whose_traced_forward_changed_is_refused_before_anything_is_installed() -> None:
+    model, x = _unet()
+    prof = _profile(model, x)
+    problem = problem_from_profile(prof)
+    span = next(s for s in problem.module_spans if s.kind == "ops")
+    args, kwargs = normalize_inputs(model, (x,))
+    plan = plan_for_schedule(prof, Schedule.from_segments(problem.n_nodes,
+                                                         [(span.start, span.stop)]),
+                             _input_specs(args, kwargs), structure_fingerprint(model))
+    region = plan.schedule.regions[[r.is_recompute for r in plan.schedule.regions].index(True)]
+    stale = region.model_copy(update={"target": region.target.model_copy(
+        update={"first": "gone"})})
+    regions = tuple(stale if r is region else r for r in plan.schedule.regions)
+    edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(
+        update={"regions": regions})})
+    with pytest.raises(PlanMismatchError, match="has no nodes gone"):
+        apply(model, edited)
+    assert not checkpointed_modules(model)
+
+
+def test_optimize_plans_a_budget_only_op_ranges_reach() -> None:
+    model, x = _unet()
+    prof = _profile(model, x)
+    calls_only = auto.lowest_peak(problem_from_profile(prof, op_ranges=False), 20).peak_bytes
+    lowest = auto.lowest_peak(problem_from_profile(prof), 20).peak_bytes
+    budget = (calls_only + lowest) // 2
+    plan = optimize(model, x, budget_gb=budget / 2**30, loss_fn=_loss, timing="estimate",
+                    progress=False)
+    assert plan.predicted_peak_bytes <= budget
+    assert simulate(plan.problem(), plan.schedule).peak_bytes == plan.predicted_peak_bytes
+    assert "ops" in plan.summary() or any(isinstance(r.target, OpRange)
+                                          for r in plan.schedule.recompute_regions())
