@@ -314,10 +314,10 @@ def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
 def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
           budget_bytes: int | None = None, solver: str = "auto",
           time_limit_s: float = 60.0, offload: bool = False,
-          host_budget_gb: float | None = None) -> Plan:
+          host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
     """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
-    call it as often as you like, each call solves without profiling. ``offload`` and
-    ``host_budget_gb`` as in :func:`optimize`.
+    call it as often as you like, each call solves without profiling. ``offload``,
+    ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
 
     >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
     >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
@@ -330,7 +330,8 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
     plan = plan_for_profile(profiled.profile, budget, profiled.inputs, profiled.structure,
                             solver=solver, time_limit_s=time_limit_s,
                             sharding=profiled.sharding,
-                            host_budget_bytes=host_budget_arg(offload, host_budget_gb))
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
+                            op_ranges=op_ranges)
     if profiled.notes:
         plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
                                                                       *profiled.notes]))})
@@ -357,6 +358,7 @@ def optimize(
     progress: bool = True,
     offload: bool = False,
     host_budget_gb: float | None = None,
+    op_ranges: bool = True,
 ) -> Plan:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
@@ -389,6 +391,9 @@ def optimize(
     ``default_host_budget_bytes``); ``plan.offloads`` and ``plan.stall_ms`` say what and
     at what cost.
 
+    ``op_ranges=False`` checkpoints module calls only: no op range inside a forward
+    (:mod:`profiles.traced`), so no module's forward is replaced by its fx trace.
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
@@ -403,7 +408,8 @@ def optimize(
                              shard_modules=shard_modules, progress=progress)
     return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
                  offload=host_budget is not None,
-                 host_budget_gb=None if host_budget is None else host_budget / GIB)
+                 host_budget_gb=None if host_budget is None else host_budget / GIB,
+                 op_ranges=op_ranges)
 
 
 def default_host_budget_bytes() -> int:
@@ -519,11 +525,13 @@ def _report(solution: Solution) -> SolverReport:
 def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
                      structure: str, *, solver: str = "auto", time_limit_s: float = 60.0,
                      sharding: Sharding | None = None,
-                     host_budget_bytes: int | None = None) -> Plan:
+                     host_budget_bytes: int | None = None, op_ranges: bool = True) -> Plan:
     """The solving half of :func:`optimize`, for a profile already taken;
-    ``host_budget_bytes``: offload within it (None: no offload)."""
+    ``host_budget_bytes``: offload within it (None: no offload); ``op_ranges``: as in
+    :func:`optimize`."""
     started = time.perf_counter()
-    problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
+    problem = rank_problem(problem_from_profile(prof, op_ranges=op_ranges), prof.static,
+                           sharding)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     if unplanned.peak_bytes <= budget_bytes:
         report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
@@ -594,9 +602,9 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str
 
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
            solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
-           host_budget_gb: float | None = None) -> Plan:
+           host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
     """A plan for the same model, inputs and precision at another budget (no profiling);
-    ``offload`` and ``host_budget_gb`` as in :func:`optimize`.
+    ``offload``, ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
@@ -604,7 +612,8 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
     _check_solver_options(solver, time_limit_s)
     return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
                             solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding,
-                            host_budget_bytes=host_budget_arg(offload, host_budget_gb))
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
+                            op_ranges=op_ranges)
 
 
 def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],

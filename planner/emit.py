@@ -367,6 +367,11 @@ class TracedForward:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_program": None}
 
+    @property
+    def checked(self) -> bool:
+        """Every range's op stream was compared with the plan's (as `Checkpointed.checked`)."""
+        return all(c.checked for c in self.checkpoints.values())
+
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)

@@ -16,11 +16,13 @@ proxies, never on tensors.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -61,14 +63,41 @@ def trace_forward(module: nn.Module) -> fx.Graph | str:
     training = module.training
     module.training = True  # the forward of a training step (its own flag only)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _state_kept(module) as changed:
             warnings.simplefilter("ignore")
-            return ChildrenAsLeaves().trace(module)
+            graph = ChildrenAsLeaves().trace(module)
     except Exception as error:  # any failure to trace means: module calls only
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"torch.fx cannot trace it ({type(error).__name__}: {first[:120]})"
     finally:
         module.training = training
+    if changed:
+        return ("tracing ran some of its forward on real tensors ("
+                f"{', '.join(changed[:2])} updated, put back): its trace would skip that")
+    return graph
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module) -> Iterator[list[str]]:
+    """Tracing runs Python on proxies, but an op on a real tensor (``self.steps.add_(1)``
+    on a buffer, ``torch.rand`` of a constant shape) runs for real: buffers and the RNG
+    are put back after, and what changed is listed (the trace lacks those ops)."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()
+               if b.device.type != "meta"}  # meta tensors hold no values to change
+    versions = {name: p._version for name, p in module.named_parameters()}
+    rng = torch.get_rng_state()
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers and not torch.equal(b, buffers[name]):
+                    b.copy_(buffers[name])
+                    changed.append(name)
+        changed += [name for name, p in module.named_parameters()
+                    if versions.get(name, p._version) != p._version]
 
 
 def _pieces(graph: fx.Graph) -> list[list[fx.Node]]:

@@ -23,7 +23,14 @@ from collections.abc import Iterable, Iterator
 
 from profiles.devices import DEVICES
 from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
-from solvers.problem import MATMUL_KINDS, HostLink, ModuleSpan, ObservedBackward, Problem
+from solvers.problem import (
+    MATMUL_KINDS,
+    HostLink,
+    ModuleSpan,
+    ObservedBackward,
+    Problem,
+    TracedCall,
+)
 from solvers.schedule import OpRange
 
 __all__ = [
@@ -193,7 +200,7 @@ def _op_ranges(profile: GraphProfile, new_id: dict[int, int]
                 yield target, ModuleSpan(
                     start=a, stop=b, name=op_range_name(call.path, first.first, last.last),
                     inputs=tuple(sorted(new_id[s] for s in inputs if s in new_id)),
-                    kind="ops")
+                    kind="ops", owner=(call.start, call.stop))
 
 
 def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
@@ -266,6 +273,9 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_packed=None if None in saved else saved,
         storage_release=_releases(profile, activation, new_id),
         module_spans=_module_spans(profile, new_id, op_ranges) if module_spans else None,
+        traced_calls=[TracedCall(start=c.start, stop=c.stop, children=tuple(
+            (seg.start, seg.stop) for seg in c.traced if seg.child))
+            for c in profile.module_calls if c.traced] if module_spans and op_ranges else None,
         observed_backward=observed,
         host_link=host_link(profile.device),
     )

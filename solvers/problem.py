@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 logger = logging.getLogger(__name__)
 
 __all__ = ["ACCUMULATION_COPIES", "LINEAR_KINDS", "MATMUL_KINDS", "GradientEvents", "HostLink",
-           "ModuleSpan",
-           "ObservedBackward", "Problem", "ProblemError"]
+           "ModuleSpan", "ObservedBackward", "Problem", "ProblemError", "TracedCall"]
 
 MATMUL_KINDS = frozenset({
     "mm", "matmul", "bmm", "addmm", "baddbmm", "linear", "conv", "conv1d", "conv2d",
@@ -96,6 +95,18 @@ class ModuleSpan(BaseModel):
     name: str = ""
     inputs: tuple[int, ...] = ()
     kind: Literal["call", "ops"] = "call"  # "ops": a run of a traced forward's segments
+    owner: tuple[int, int] | None = None  # "ops": the span of the call whose forward it cuts
+
+
+class TracedCall(BaseModel):
+    """A module call whose forward can run as its fx trace (`ModuleSpan.kind == "ops"`
+    spans cut it): its span and its direct child calls' spans, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int
+    stop: int
+    children: tuple[tuple[int, int], ...] = ()
 
 
 class HostLink(BaseModel):
@@ -199,6 +210,7 @@ class Problem(BaseModel):
     node_packed: list[int] | None = None
     storage_release: list[int] | None = None
     module_spans: list[ModuleSpan] | None = None
+    traced_calls: list[TracedCall] | None = None
     observed_backward: ObservedBackward | None = None
     host_link: HostLink | None = None
 
@@ -357,7 +369,7 @@ class Problem(BaseModel):
     @cached_property
     def consumers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes reading it in forward, ascending."""
-        return self._invert(self.inputs)
+        return self.invert(self.inputs)
 
     @cached_property
     def uses(self) -> tuple[tuple[int, ...], ...]:
@@ -365,10 +377,41 @@ class Problem(BaseModel):
         holds until it (`storage_release`), and the arguments of a module call it ends (the
         caller holds them while the call runs). Lifetimes follow these; what a node computes
         from, and what a checkpoint saves, follow `inputs`."""
+        return self._uses(frozenset())
+
+    def uses_traced(self, owners: Iterable[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+        """`uses` when the calls spanning ``owners`` run as their fx traces (a plan
+        checkpoints op ranges of them): a traced forward drops each of its values at its
+        last use, as fx's generated code does, where the forward's Python locals lived
+        until it returned. So a storage the call itself made (by its own ops, or returned
+        to it by a child call) and the program held to no later than the call's end is
+        held by its readers only."""
+        owners = set(owners)
+        if not owners:
+            return self.uses
+        dropped: set[int] = set()
+        release = self.storage_release or []
+        for call in self.traced_calls or ():
+            if (call.start, call.stop) not in owners:
+                continue
+            for s in self.storages_made(call.start, call.stop):
+                inside = next((c for c in call.children if c[0] <= self.storage_producer[s]
+                               < c[1]), None)
+                if release[s] < call.stop and (inside is None or release[s] >= inside[1]):
+                    dropped.add(s)
+        return self._uses(frozenset(dropped))
+
+    def storages_made(self, start: int, stop: int) -> list[int]:
+        """The storages nodes ``[start, stop)`` make."""
+        return [s for i in range(start, stop) for s in self.outputs[i]]
+
+    def _uses(self, unheld: frozenset[int]) -> tuple[tuple[int, ...], ...]:
+        """`uses`, the program's holds of ``unheld`` storages left out."""
         if self.storage_release is None and not self.module_spans:
             return self.inputs
         held: list[list[int]] = [list(x) for x in self.inputs]
-        ends = [(s, node) for s, node in enumerate(self.storage_release or ())]
+        ends = [(s, node) for s, node in enumerate(self.storage_release or ())
+                if s not in unheld]
         ends += [(s, span.stop - 1) for span in self.module_spans or () for s in span.inputs
                  if span.kind == "call"]
         for s, node in ends:
@@ -379,7 +422,7 @@ class Problem(BaseModel):
     @cached_property
     def readers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes that keep it alive in forward (`uses`), ascending."""
-        return self._invert(self.uses)
+        return self.invert(self.uses)
 
     @cached_property
     def last_read(self) -> tuple[int, ...]:
@@ -503,9 +546,9 @@ class Problem(BaseModel):
     @cached_property
     def grad_consumers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes whose backward makes a gradient for it, ascending."""
-        return self._invert(self.grad_inputs)
+        return self.invert(self.grad_inputs)
 
-    def _invert(self, per_node: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    def invert(self, per_node: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes whose entry in ``per_node`` lists it, ascending."""
         nodes: list[list[int]] = [[] for _ in range(self.n_storages)]
         for i, storages in enumerate(per_node):

@@ -351,6 +351,9 @@ class _Replay:
             else:
                 self.deaths[f.death].append(f)
         self.copies = _Copies(p, offload_groups(p, schedule))
+        # a call with checkpointed op ranges runs as its fx trace: its values' lifetimes
+        self.uses = p.uses_traced(_traced_owners(p, schedule))
+        self.readers = p.invert(self.uses) if self.uses is not p.uses else p.readers
 
     # ------------------------------------------------------------ structure
 
@@ -446,11 +449,10 @@ class _Replay:
         `overhead_ms` (a rerun's checkpoint overhead) is added to the first event's time;
         `last_not_run`: the rerun stops in node stop-1's pack, before running it.
         """
-        p = self.p
         gen = 0 if root is None else next(self.gens)
         last_read: dict[int, int] = {}  # within this pass, what keeps each storage alive
         for i in range(start, stop):
-            for s in p.uses[i]:
+            for s in self.uses[i]:
                 last_read[s] = i
         child_args = set() if root is None else {
             s for c in root.children if c.region.start <= stop for s in c.inputs}
@@ -509,7 +511,7 @@ class _Replay:
         if cached and not not_run:
             for s in p.outputs[i]:
                 self._release_one(env[s], Token(Hold.SAC, root.uid))
-        for s in p.uses[i]:
+        for s in self.uses[i]:
             if run.last_read.get(s) == i and s in env:
                 self._release_one(env[s], run.read_tok)
         for inst in new:
@@ -532,7 +534,7 @@ class _Replay:
         stops the rerun in its pack still saves) and SAC caches."""
         p, root, env = self.p, run.root, run.env
         for s in () if not_run else p.outputs[i]:
-            later = [c for c in p.readers[s] if c > i]
+            later = [c for c in self.readers[s] if c > i]
             if any(c < run.stop for c in later):
                 self._hold(env[s], run.read_tok)
             # a rerun's value needed past its early stop: held until the rerun ends
@@ -643,6 +645,17 @@ class _Replay:
         parts = self._parts(self.live_grad, p.optimizer_step_bytes)
         self._record(OPTIMIZER_STEP, "backward", 0, 0.0,
                      self._live() + p.optimizer_step_bytes, parts)
+
+
+def _traced_owners(problem: Problem, schedule: Schedule) -> set[tuple[int, int]]:
+    """The calls whose forward runs as its fx trace: those an op-range region cuts."""
+    owners = set()
+    for region in schedule.regions:
+        for r in region.walk():
+            span = problem.span(r.start, r.stop) if r.is_recompute else None
+            if span is not None and span.owner is not None:
+                owners.add(span.owner)
+    return owners
 
 
 def check_schedule(problem: Problem, schedule: Schedule) -> None:

@@ -22,6 +22,7 @@ from planner.emit import (
     install_checkpoints,
     remove_checkpoints,
 )
+from solvers import ModuleCall
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,10 @@ def model() -> zoo.ZooModel:
 
 @pytest.fixture(scope="module")
 def plan(model: zoo.ZooModel) -> Plan:
+    # module calls only: the edits below relabel which module a call's checkpoint wraps
     planned = optimize(model.model, model.example_inputs, budget_gb=4.5 / 1024,
-                       loss_fn=model.loss_fn, timing="estimate", progress=False)
+                       loss_fn=model.loss_fn, timing="estimate", progress=False,
+                       op_ranges=False)
     assert planned.checkpointing
     return planned
 
@@ -102,7 +105,9 @@ def test_numbers_out_of_bounds_are_refused_naming_the_field(plan: Plan, tmp_path
 def _checkpoint_another_module(plan: Plan, other: str) -> Callable[[dict[str, Any]], None]:
     """The first checkpointed call relabelled as ``other`` (and ``other``'s call as it):
     the plan stays consistent with itself, but its region now wraps another module."""
-    region = next(r for r in plan.regions if r.mode == "recompute" and not r.kept)
+    region = next(r for r in plan.schedule.recompute_regions()
+                  if isinstance(r.target, ModuleCall) and not r.keep)
+    path = region.target.path
 
     def edit(data: dict[str, Any]) -> None:
         calls = data["profile"]["module_calls"]
@@ -111,7 +116,7 @@ def _checkpoint_another_module(plan: Plan, other: str) -> Callable[[dict[str, An
         mine["path"], theirs["path"] = other, mine["path"]
         def relabel(regions: list[dict[str, Any]]) -> None:
             for r in regions:
-                if r.get("target") and r["target"]["path"] == region.module:
+                if r.get("target") and r["target"] == {"kind": "module", "path": path}:
                     r["target"]["path"] = other
                 relabel(r["children"])
 
