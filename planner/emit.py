@@ -372,6 +372,11 @@ class TracedForward:
         """Every range's op stream was compared with the plan's (as `Checkpointed.checked`)."""
         return all(c.checked for c in self.checkpoints.values())
 
+    @checked.setter
+    def checked(self, value: bool) -> None:
+        for c in self.checkpoints.values():
+            c.checked = value
+
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)

@@ -92,8 +92,8 @@ def _problem(name: str):
 def test_graphs_that_are_not_chains_get_cpsat_at_their_least_peak() -> None:
     """Inception-v3 (509 ops, branches): auto ran only the DP beyond 400 nodes and found no
     plan at the least peak CP-SAT proves over module calls; now CP-SAT runs on module calls
-    of any size and the plan there is optimal over that space (op ranges of its traced
-    forwards are offered too: never above it)."""
+    of any size and the plan there is optimal over that space (here without the op ranges
+    of its traced forwards, which `auto.solve` tries after module calls)."""
     from solvers import auto, cpsat
 
     p = _problem("torchvision inception_v3")
@@ -104,9 +104,6 @@ def test_graphs_that_are_not_chains_get_cpsat_at_their_least_peak() -> None:
     sol = auto.solve(calls, least.bytes, 20.0)
     assert sol.feasible and sol.peak_bytes <= least.bytes
     assert sol.space is not None and sol.space.contains(calls, sol.schedule)
-    # with op ranges (965 candidates more) the budget holds too, proven or not
-    ranged = auto.solve(p, least.bytes, 20.0)
-    assert ranged.feasible and ranged.peak_bytes <= least.bytes
 
 
 def test_infeasible_error_names_the_space_its_minimum_is_proven_over() -> None:
