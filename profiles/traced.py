@@ -54,9 +54,36 @@ def _signature_problem(module: nn.Module) -> str:
     return ""
 
 
+_TRACES: dict[tuple, fx.Graph | str] = {}  # by `_trace_key`: repeated blocks trace once
+_TRACES_KEPT = 256
+
+
+def _trace_key(module: nn.Module) -> tuple | None:
+    """What a trace of ``module`` follows from: its class, its and its children's
+    configuration (``repr``) and its plain attributes; None when one of those prints as an
+    object's address (nothing then says two instances trace alike)."""
+    plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                         if not k.startswith("_") and not isinstance(v, torch.Tensor | nn.Module)))
+    key = (type(module), repr(module), plain)
+    return None if " at 0x" in str(key) else key
+
+
 def trace_forward(module: nn.Module) -> fx.Graph | str:
     """The fx graph of ``module``'s own forward in a training step (children as leaves), or
-    why there is none. The same code traces to the same node names."""
+    why there is none. The same code traces to the same node names; a module that traces
+    like one traced before (`_trace_key`) shares its graph, which nobody edits."""
+    key = _trace_key(module)
+    if key is not None and key in _TRACES:
+        return _TRACES[key]
+    found = _trace(module)
+    if key is not None:
+        if len(_TRACES) >= _TRACES_KEPT:
+            _TRACES.pop(next(iter(_TRACES)))
+        _TRACES[key] = found
+    return found
+
+
+def _trace(module: nn.Module) -> fx.Graph | str:
     problem = _signature_problem(module)
     if problem:
         return problem
