@@ -54,6 +54,7 @@ def _signature_problem(module: nn.Module) -> str:
     return ""
 
 
+_MODULE_STATE = frozenset(vars(nn.Module()))  # parameters, buffers, children, hooks
 _TRACES: dict[tuple, fx.Graph | str] = {}  # by `_trace_key`: repeated blocks trace once
 _TRACES_KEPT = 256
 
@@ -63,7 +64,8 @@ def _trace_key(module: nn.Module) -> tuple | None:
     configuration (``repr``) and its plain attributes; None when one of those prints as an
     object's address (nothing then says two instances trace alike)."""
     plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                         if not k.startswith("_") and not isinstance(v, torch.Tensor | nn.Module)))
+                         if k not in _MODULE_STATE
+                         and not isinstance(v, torch.Tensor | nn.Module)))
     key = (type(module), repr(module), plain)
     return None if " at 0x" in str(key) else key
 

@@ -242,7 +242,8 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         calls = calls_only(problem)
         share = 0.4 * time_limit_s / (2 if calls is not problem else 1)
         for space in [calls, problem] if calls is not problem else [problem]:
-            minimum = cpsat.min_peak(space, share, deterministic=True)
+            wall = 0.4 * time_limit_s - (time.perf_counter() - t0)  # the share, in seconds
+            minimum = cpsat.min_peak(space, share, deterministic=True, wall_s=max(0.1, wall))
             if minimum.schedule is not None:
                 found.append((max(minimum.bytes, floor), "cpsat", minimum.schedule))
                 least = minimum if minimum.optimal_over is not None else least

@@ -390,11 +390,15 @@ class MinPeak(NamedTuple):
 
 
 def min_peak(problem: Problem, time_limit_s: float = 10.0,
-             ctx: Context | None = None, *, deterministic: bool = False) -> MinPeak:
+             ctx: Context | None = None, *, deterministic: bool = False,
+             wall_s: float | None = None) -> MinPeak:
     """Lowest simulated peak over the candidate regions' space (see `MinPeak`); otherwise
-    the best found, an upper bound on the least peak of non-nested schedules."""
+    the best found, an upper bound on the least peak of non-nested schedules. ``wall_s``:
+    seconds the whole call may take (a deterministic limit is CP-SAT's measure of work,
+    which a busy machine turns into more seconds)."""
     ctx = ctx or Context(problem)
-    deadline = time.perf_counter() + time_limit_s
+    started = time.perf_counter()
+    deadline = started + min(time_limit_s, wall_s if wall_s is not None else time_limit_s)
     try:
         cands, space = candidates(ctx, deadline=deadline)
         mdl = _build(ctx, cands, None, deadline)
@@ -403,6 +407,10 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     mdl.model.Minimize(mdl.budget)
     left = time_limit_s if deterministic else deadline - time.perf_counter()
     solver = _solver(left, deterministic=deterministic)
+    if wall_s is not None:
+        solver.parameters.max_time_in_seconds = max(
+            0.05, min(solver.parameters.max_time_in_seconds,
+                      started + wall_s - time.perf_counter()))
     st = solver.Solve(mdl.model)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return MinPeak(0, None, None)
