@@ -958,12 +958,13 @@ def auto_sac_peer(zm: zoo.ZooModel, runner: Runner, device: str, rows: list[dict
 def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quick: bool,
                 timing: str, peers: list[str] | None = None, *,
                 autocast: torch.dtype | None = None, deadline: float | None = None,
-                compile_budgets: tuple[float, ...] = COMPILE_BUDGETS, warmup: int = 2
-                ) -> list[dict[str, Any]]:
+                compile_budgets: tuple[float, ...] = COMPILE_BUDGETS, warmup: int = 2,
+                op_ranges: bool = True) -> list[dict[str, Any]]:
     """Every selected peer, then our plans at their measured peaks, on zoo model ``name``.
     ``autocast``: every step under ``torch.autocast(dtype)``; ``deadline``: a
     ``time.perf_counter()`` value past which what is left is recorded as not run;
-    ``warmup``: untimed steps before the timed ones."""
+    ``warmup``: untimed steps before the timed ones; ``op_ranges``: as in ``optimize``
+    (the smoke runs plan module calls only, for the test suite's time)."""
     zm = zoo.get(name, **kwargs)
     runner = Runner(zm, device, steps, autocast, deadline, warmup)
     rows: list[dict[str, Any]] = []
@@ -995,7 +996,7 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         else:
             grads = eager_peer(peer, zm, runner, reference, row)
             reference = grads if peer == "none" and grads is not None else reference
-    first = our_plans(zm, runner, timing, rows, reference, row)
+    first = our_plans(zm, runner, timing, rows, reference, row, op_ranges)
     if first is not None:
         replay_peers(zm, first, rows)
     return rows
@@ -1092,8 +1093,8 @@ def eager_peer(peer: str, zm: zoo.ZooModel, runner: Runner,
 
 
 def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str, Any]],
-              reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]]
-              ) -> planner.Plan | None:
+              reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]],
+              op_ranges: bool = True) -> planner.Plan | None:
     """Our plans, one per distinct peer peak (torch auto-SAC's and torch.compile's included):
     the first via optimize() (profile + solve, timed), the others reuse its profile (replan,
     timed). Planned under the runner's autocast, and run under it. Returns the first."""
@@ -1112,7 +1113,7 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
                 how = f"optimize(timing={timing!r})"
             else:
                 how = "replan (profile reused)"
-            plan = replan(first, budget_bytes=budget)
+            plan = replan(first, budget_bytes=budget, op_ranges=op_ranges)
         except InfeasibleBudgetError as error:
             row(label, "ours", status=f"infeasible: {error.args[0][:200]}", budget_bytes=budget)
             continue
@@ -1337,7 +1338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         print(f"== {name} {kwargs}", flush=True)
         rows += bench_model(name, kwargs, opts.device, steps, opts.quick, opts.timing,
-                            opts.peers, autocast=autocast)
+                            opts.peers, autocast=autocast, op_ranges=not opts.quick)
     result = make_result(opts.device, "quick" if opts.quick else "full", steps, opts.timing,
                          autocast, started, rows)
     stem = (f"frontier-{opts.device}" + (f"-{opts.autocast}" if opts.autocast else "")

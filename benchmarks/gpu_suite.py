@@ -156,7 +156,7 @@ def frontier_part(opts: argparse.Namespace, slug: str, precision: str,
     rows = frontier.bench_model("gpt", kwargs, device, opts.steps, False, opts.timing,
                                 opts.peers, autocast=autocast, deadline=deadline,
                                 compile_budgets=opts.compile_budgets,
-                                warmup=0 if opts.tiny else 2)
+                                warmup=0 if opts.tiny else 2, op_ranges=not opts.tiny)
     result = frontier.make_result(device, "tiny" if opts.tiny else "gpu-suite", opts.steps,
                                   opts.timing, autocast, started, rows)
     result["suite"] = dict(

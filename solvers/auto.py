@@ -54,11 +54,12 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     no bound.
     """
     calls = calls_only(problem)
-    if calls is problem:
+    if calls is problem or dp.applies(problem):
         return _solve(problem, budget_bytes, time_limit_s)
-    # op ranges multiply CP-SAT's candidates: module calls alone are solved first (in
-    # CALLS_FIRST of the time), and their answer warm-starts the search with op ranges,
-    # so that op ranges never answer worse than module calls
+    # op ranges multiply CP-SAT's candidates: on graphs that are not chains (no DP over
+    # every module-call segmentation to start from) module calls alone are solved first
+    # (in CALLS_FIRST of the time), and their answer warm-starts the search with op
+    # ranges, so that op ranges never answer worse than module calls
     t0 = time.perf_counter()
     first = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s)
     left = max(0.0, time_limit_s - (time.perf_counter() - t0))

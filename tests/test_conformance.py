@@ -20,7 +20,6 @@ from planner import InfeasibleBudgetError, profile_model, solve
 
 FAST = {
     "torchvision resnet18": (0.8,),
-    "timm efficientnet_b0": (0.3,),
     "U-Net (BatchNorm, concatenated skips)": (0.3, 0.5),
     "in-place add_/relu_ in blocks": (0.5,),
     "loss inside forward, (loss, logits)": (0.8,),
@@ -45,7 +44,8 @@ def test_plans_on_real_models_run_and_hold(name: str) -> None:
     assert all(r.grads_equal and r.buffers_equal for r in measured)
 
 
-# ResNet-18 under bf16 (15 s of the suite's 10 minutes) is in benchmarks/conformance.py
+# ResNet-18 under bf16 (15 s of the suite's 10 minutes) and timm EfficientNet-B0 (17 s once
+# op ranges came in) are in benchmarks/conformance.py
 @pytest.mark.parametrize("name", ["HF LlamaForCausalLM (GQA)",
                                   "U-Net (BatchNorm, concatenated skips)"])
 def test_bf16_autocast_plans_on_real_models_hold(name: str) -> None:

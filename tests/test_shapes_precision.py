@@ -19,9 +19,9 @@ def _plan_at(model: zoo.ZooModel, fraction: float, **options: object):
     static = first.profile.static.total_bytes
     budget = int(static + fraction * (first.unplanned_peak_bytes - static))
     try:
-        return replan(first, budget_bytes=budget)
+        return replan(first, budget_bytes=budget, op_ranges=False)
     except InfeasibleBudgetError as error:
-        return replan(first, budget_bytes=error.min_budget_bytes)
+        return replan(first, budget_bytes=error.min_budget_bytes, op_ranges=False)
 
 
 def test_gpt2_planned_at_batch_8_seq_128_runs_smaller_and_guards_larger() -> None:

@@ -27,7 +27,7 @@ def plan() -> Plan:
                      timing="estimate", progress=False)
     static = first.profile.static.total_bytes
     budget = int(static + 0.5 * (first.unplanned_peak_bytes - static))
-    planned = replan(first, budget_bytes=budget, time_limit_s=5.0)
+    planned = replan(first, budget_bytes=budget, time_limit_s=5.0, op_ranges=False)
     assert planned.checkpointing and planned.predicted_peak_bytes <= planned.budget_bytes
     return planned
 
@@ -84,7 +84,7 @@ def test_a_data_parallel_plan_is_drawn_per_rank() -> None:
                      timing="estimate", world_size=2, sharding="ddp", progress=False)
     static = first.problem().static_bytes
     plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) * 3 // 4,
-                  time_limit_s=5.0)
+                  time_limit_s=5.0, op_ranges=False)
     assert plan.checkpointing and plan.sharding is not None
     text = _texts(viz.plot_timeline(plan))
     assert f"peak {format_bytes(plan.predicted_peak_bytes)}" in text, text
