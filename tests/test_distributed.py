@@ -107,15 +107,22 @@ def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, offload: bool,
     assert (plan.checkpointing or offload) and plan.sharding == first.sharding
     assert bool(plan.offloads) == offload
     assert "per rank of 2" in plan.summary()
+    for result in _ranks_held(plan, kind, tmp_path):
+        assert "is for one process, but this process group has 2 ranks" in result["refused"]
+
+
+def _ranks_held(plan: Plan, kind: str, tmp_path: Path) -> list[dict]:
+    """Each rank's step with ``plan`` applied and the model wrapped: within the budget,
+    losses and gradients equal to the unplanned wrapping's. Returns the ranks' results."""
     plan_path = str(tmp_path / "plan.json")
     plan.save(plan_path)
     out = str(tmp_path / "result")
     mp.spawn(_rank, args=(kind, plan_path, _free_port(), out), nprocs=WORLD)
-    for rank in range(WORLD):
-        result = torch.load(f"{out}.{rank}")
+    results = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    for rank, result in enumerate(results):
         assert result["peak"] <= plan.budget_bytes, (rank, result["peak"], plan.budget_bytes)
         assert result["loss"] == result["base_loss"] and result["grads_equal"], rank
-        assert "is for one process, but this process group has 2 ranks" in result["refused"]
+    return results
 
 
 @pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
@@ -139,14 +146,7 @@ def test_traced_op_ranges_inside_blocks_hold_under_fsdp2_and_ddp(kind: str,
     assert all(isinstance(r.target, OpRange) and r.target.path.startswith("blocks.")
                for r in plan.schedule.recompute_regions())
     assert plan.predicted_peak_bytes < first.unplanned_peak_bytes
-    plan_path = str(tmp_path / "plan.json")
-    plan.save(plan_path)
-    out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(kind, plan_path, _free_port(), out), nprocs=WORLD)
-    for rank in range(WORLD):
-        result = torch.load(f"{out}.{rank}")
-        assert result["peak"] <= plan.budget_bytes, (rank, result["peak"], plan.budget_bytes)
-        assert result["loss"] == result["base_loss"] and result["grads_equal"], rank
+    _ranks_held(plan, kind, tmp_path)
 
 
 def test_sharding_needs_a_kind_and_valid_units() -> None:

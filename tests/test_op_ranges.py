@@ -11,7 +11,7 @@ import pickle
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conformance_harness import UNet  # benchmarks/, on the path (conftest.py)
 from torch import nn
 
 import profiles
@@ -23,32 +23,6 @@ from solvers import OpRange, Schedule, auto, simulate
 from solvers.from_profile import problem_from_profile
 
 TOLERANCE = 0.005
-
-
-def _block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout),
-                         nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, padding=1),
-                         nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
-
-
-class UNet(nn.Module):
-    def __init__(self, width: int = 4) -> None:
-        super().__init__()
-        self.down1, self.down2 = _block(3, width), _block(width, 2 * width)
-        self.bottom = _block(2 * width, 4 * width)
-        self.up2 = nn.ConvTranspose2d(4 * width, 2 * width, 2, stride=2)
-        self.dec2 = _block(4 * width, 2 * width)
-        self.up1 = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
-        self.dec1 = _block(2 * width, width)
-        self.head = nn.Conv2d(width, 3, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d1 = self.down1(x)
-        d2 = self.down2(F.max_pool2d(d1, 2))
-        b = self.bottom(F.max_pool2d(d2, 2))
-        u2 = self.dec2(torch.cat([self.up2(b), d2], dim=1))
-        u1 = self.dec1(torch.cat([self.up1(u2), d1], dim=1))
-        return self.head(u1)
 
 
 class Residual(nn.Module):
@@ -79,7 +53,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def _unet() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    return UNet(), torch.randn(2, 3, 16, 16)
+    return UNet(width=4), torch.randn(2, 3, 16, 16)
 
 
 def _profile(model: nn.Module, x: torch.Tensor) -> profiles.GraphProfile:
