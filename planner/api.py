@@ -592,9 +592,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str
     plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
     left = max(0.05, time_limit_s - (time.perf_counter() - started))
     # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
-    shares = solvers_joint.STORED_SHARES if KEEPS_THROUGH_HOOKS else (1.0,)
     joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes,
-                                stored_shares=shares)
+                                keeps_offloaded=KEEPS_THROUGH_HOOKS)
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
     return joint

@@ -90,6 +90,7 @@ from solvers.accounting import (
 )
 from solvers.bounds import memory_lower_bound
 from solvers.frame import worth_checkpointing
+from solvers.inner import inner_options
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
@@ -849,9 +850,17 @@ class _Pass:
         a, b = st[t][0], st[u - 1][1]
         if self.p.module_spans is not None:
             span_flat, span_nested = _span_options(ctx, a, b, u == t + 1, self.subsets)
-            return (span_flat if flat else []) + (span_nested if nested else [])
+            pieces = self._inner(a, b) if flat and u == t + 1 else []
+            return (span_flat + pieces if flat else []) + (span_nested if nested else [])
         out = _options(ctx, a, b, u == t + 1, self.subsets) if flat else []
         return out + (_nested_options(ctx, st[t:u]) if nested else [])
+
+    def _inner(self, a: int, b: int) -> list[tuple]:
+        """Stage `[a, b)`'s sets of inner regions (`solvers.inner`), once per solve."""
+        key = ("inner", a, b)
+        if key not in self.cache:
+            self.cache[key] = inner_options(self.ctx, a, b, self.outside)
+        return self.cache[key]
 
     def _rel(self, s: int, a: int) -> tuple[int, int]:
         prod = self.p.storage_producer[s]

@@ -9,7 +9,9 @@ calls runs stored, every activation it saves moved, or checkpointed, keeping the
 cost the most time per byte to recompute (`offload_keeps`), which move with the checkpoint's
 inputs ("offloaded keeps": a fraction of the bytes for most of the time): the first share s
 of the set stored, the rest checkpointed (s in `STORED_SHARES`; the earliest calls have the
-longest forward to copy in).
+longest forward to copy in). A stored one may also recompute its pieces
+(`offload_pieces`: the regions inside it, module calls or op ranges, that free the most
+bytes per ms of rerun, `solvers.inner`), so it moves only what is dear to recompute.
 Every other decision is the base solver's (the DP by default: keep or recompute per
 activation over module calls), planned on `ideal(calls)`, the problem where those calls hold
 nothing for the backward (re-planned for less when the real copies run over the budget).
@@ -30,9 +32,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from solvers import dp
+from solvers.accounting import Context
+from solvers.inner import inner_front
 from solvers.offload import offload_groups
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -43,11 +48,13 @@ from solvers.spaces import SearchSpace
 logger = logging.getLogger(__name__)
 
 __all__ = ["DISTANCES", "STORED_SHARES", "checkpointed", "copy_back_floor", "ideal", "layout",
-           "moved_bytes", "offload_chain", "offload_keeps", "offloads", "solve"]
+           "moved_bytes", "offload_chain", "offload_keeps", "offload_pieces", "offloads", "solve"]
 
 DISTANCES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 STORED_SHARES = (1.0, 0.0)  # of an offload set, run stored (module doc)
 STRIDES = (1, 4, 2, 3, 6)  # in the order searched (good answers early under a time limit)
+PIECE_RATIO = 2.0  # `offload_pieces`' heavier level: its bytes per ms over the call's
+SHORT_OF_ALL = 3  # `_probes`: sets of all the chain but its last 1..3 calls, tried early
 RETRIES = 3  # re-plans of one k at a lower budget when the real offload runs over it
 
 Base = Callable[[Problem, int, float], Solution]
@@ -113,24 +120,26 @@ def offload_keeps(problem: Problem, call: tuple[int, int]) -> frozenset[int] | N
     return frozenset(keep)
 
 
-def checkpointed(schedule: Schedule, keeps: dict[tuple[int, int], frozenset[int]]) -> Schedule:
-    """`schedule` with each call of `keeps` that lies in a stored stretch made a checkpoint
-    keeping those nodes (a call inside a recompute region is left as it is)."""
+def checkpointed(schedule: Schedule, regions: Iterable[Region]) -> Schedule:
+    """`schedule` with each of `regions` (RECOMPUTE, disjoint) that lies in a stored stretch
+    put there (one inside a recompute region is left out)."""
     merged: list[Region] = []
     for r in schedule.regions:  # stored stretches merged: a call may straddle two
         if merged and merged[-1].mode == STORE and r.mode == STORE:
             merged[-1] = Region(merged[-1].start, r.stop, STORE)
         else:
             merged.append(r)
+    wanted = sorted(regions, key=lambda q: q.start)
     out: list[Region] = []
     for r in merged:
-        inside = sorted(c for c in keeps if r.mode == STORE and r.start <= c[0] and c[1] <= r.stop)
+        inside = [q for q in wanted if r.mode == STORE and r.start <= q.start
+                  and q.stop <= r.stop]
         pos = r.start
-        for a, b in inside:
-            if pos < a:
-                out.append(Region(pos, a, STORE))
-            out.append(Region(a, b, RECOMPUTE, keep=keeps[(a, b)]))
-            pos = b
+        for q in inside:
+            if pos < q.start:
+                out.append(Region(pos, q.start, STORE))
+            out.append(q)
+            pos = q.stop
         if not inside:
             out.append(r)
         elif pos < r.stop:
@@ -138,13 +147,42 @@ def checkpointed(schedule: Schedule, keeps: dict[tuple[int, int], frozenset[int]
     return Schedule(regions=tuple(out), offloads=schedule.offloads)
 
 
-def layout(problem: Problem, calls: list[tuple[int, int]], stored: float = 1.0) -> Schedule:
-    """`calls` offloaded (fetched when needed), the first share `stored` of them stored and
-    the rest checkpointed keeping `offload_keeps` (where they can be), nothing else planned."""
+def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bool = True
+                   ) -> list[dict[tuple[int, int], tuple[Region, ...]]]:
+    """Two levels of regions inside each call to recompute while the rest of it is offloaded
+    (`solvers.inner`: an attention's dropout and the matmul reading it, say): the set that
+    frees the most bytes per ms of rerun, and the one freeing the most bytes at no less than
+    `PIECE_RATIO` times the call's own bytes per ms (it moves less and reruns more). Calls
+    with no such regions are left out. `keeps=False`: regions that keep nothing."""
+    ctx = Context(problem)
+    light: dict[tuple[int, int], tuple[Region, ...]] = {}
+    heavy: dict[tuple[int, int], tuple[Region, ...]] = {}
+    for a, b in calls:
+        front = inner_front(ctx, a, b, keeps=keeps)
+        if not front:
+            continue
+        saved = sum(problem.storage_bytes[s] for s in {s for i in range(a, b)
+                                                       for s in problem.saved[i]})
+        dense = PIECE_RATIO * saved / max(sum(problem.fwd_time_ms[a:b]), 1e-9)
+        best = max(front, key=lambda pt: pt[0] / max(pt[1], 1e-9))
+        most = max((pt for pt in front if pt[0] >= dense * pt[1]), key=lambda pt: pt[0],
+                   default=best)
+        light[(a, b)], heavy[(a, b)] = (tuple(Region(r.a, r.b, RECOMPUTE, keep=r.keep)
+                                              for r in pt[2]) for pt in (best, most))
+    return [light, heavy] if heavy != light else [light]
+
+
+def layout(problem: Problem, calls: list[tuple[int, int]], stored: float = 1.0,
+           pieces: Mapping[tuple[int, int], tuple[Region, ...]] | None = None) -> Schedule:
+    """`calls` offloaded (fetched when needed), the first share `stored` of them stored
+    (recomputing their `pieces`, where given) and the rest checkpointed keeping
+    `offload_keeps` (where they can be), nothing else planned."""
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(calls)
-    keeps = {c: k for c in calls[round(stored * len(calls)):]
-             if (k := offload_keeps(problem, c)) is not None}
-    return checkpointed(schedule, keeps) if keeps else schedule
+    cut = round(stored * len(calls))
+    regions = [q for c in calls[:cut] for q in (pieces or {}).get(c, ())]
+    regions += [Region(*c, RECOMPUTE, keep=k) for c in calls[cut:]
+                if (k := offload_keeps(problem, c)) is not None]
+    return checkpointed(schedule, regions) if regions else schedule
 
 
 def copy_back_floor(problem: Problem, schedule: Schedule) -> float:
@@ -171,20 +209,26 @@ def moved_bytes(problem: Problem, calls: list[tuple[int, int]], stored: float = 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
           host_budget_bytes: int | None = None, base: Base = dp.solve,
-          stored_shares: tuple[float, ...] = STORED_SHARES) -> Solution:
-    """The fastest schedule of the space (module doc) within both budgets; `stored_shares`:
-    (1.0,) where offloaded calls cannot be checkpointed (torch cannot move SAC's keeps)."""
+          keeps_offloaded: bool = True) -> Solution:
+    """The fastest schedule of the space (module doc) within both budgets;
+    `keeps_offloaded=False` where torch cannot move what a checkpoint keeps (SAC's cache)
+    through saved-tensor hooks: offloaded calls are then stored, and their pieces keep
+    nothing."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     chain = [call for call in offload_chain(problem) if moved_bytes(problem, [call])
              ] if problem.host_link is not None else []  # calls that move something
+    shapes = _Shapes(STORED_SHARES if keeps_offloaded else (1.0,),
+                     offload_pieces(problem, chain, keeps=keeps_offloaded))
     search = _Search(problem, budget_bytes, chain, deadline, base)
     complete = search.run([], [])
+    for count in _probes(problem, chain, shapes):  # likely good sets first (time limits)
+        search.run(chain[:count], _layouts(problem, chain[:count], shapes, host_budget_bytes))
     for stride in STRIDES if chain else ():
         picks = chain[::stride]
         for count in range(1, len(picks) + 1):
             calls = picks[:count]
-            layouts = _layouts(problem, calls, stored_shares, host_budget_bytes)
+            layouts = _layouts(problem, calls, shapes, host_budget_bytes)
             if not layouts:
                 break
             complete = search.run(calls, layouts)
@@ -193,7 +237,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
         if not complete:
             break
     return _answer(problem, budget_bytes, search.best, search.bounds if complete else None,
-                   chain, stored_shares, t0)
+                   chain, shapes.shares, t0)
 
 
 class _Search:
@@ -234,16 +278,49 @@ class _Search:
         return time.perf_counter() <= self.deadline
 
 
-def _layouts(problem: Problem, calls: list[tuple[int, int]], stored_shares: tuple[float, ...],
+def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> list[int]:
+    """Counts of the chain's first calls tried before the full search (cheap to plan, and
+    good at tight budgets and loose ones): the whole chain and the `SHORT_OF_ALL` sets just
+    short of it (checkpoints or heavy pieces move little; the last calls, backward first,
+    left to the base solver to use the room that leaves), and per level of pieces the most
+    stored calls whose copies fit in the forward's time, and one more."""
+    link = problem.host_link
+    if not chain or link is None or link.synchronous:
+        return []
+    forward_ms = sum(problem.fwd_time_ms)
+    counts = [len(chain) - k for k in range(SHORT_OF_ALL + 1)]
+    for pieces in shapes.pieces:
+        fits = 0
+        for count in range(1, len(chain) + 1):
+            moved = sum(g.nbytes(problem) for g in offload_groups(
+                problem, layout(problem, chain[:count], 1.0, pieces)))
+            if link.copy_ms(moved, True) > forward_ms:
+                break
+            fits = count
+        counts += [fits, fits + 1]
+    return list(dict.fromkeys(c for c in counts if 0 < c <= len(chain)))
+
+
+class _Shapes(NamedTuple):
+    """How offloaded calls may run: the shares of them stored (`layout`), and per call the
+    levels of pieces a stored one may recompute (`offload_pieces`)."""
+
+    shares: tuple[float, ...]
+    pieces: list[dict[tuple[int, int], tuple[Region, ...]]]
+
+
+def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,
              host_budget_bytes: int | None) -> list[Schedule]:
-    """The distinct layouts of `calls` (`layout`) within the host budget."""
+    """The distinct layouts of `calls` (`layout`: each share, stored ones with and without
+    their pieces) within the host budget."""
     out: list[Schedule] = []
-    for share in stored_shares:
-        schedule = layout(problem, calls, share)
-        moved = sum(g.nbytes(problem) for g in offload_groups(problem, schedule))
-        if schedule not in out and 0 < moved and (host_budget_bytes is None
-                                                  or moved <= host_budget_bytes):
-            out.append(schedule)
+    for share in shapes.shares:
+        for pieces in (None, *shapes.pieces) if share else (None,):
+            schedule = layout(problem, calls, share, pieces)
+            moved = sum(g.nbytes(problem) for g in offload_groups(problem, schedule))
+            if schedule not in out and 0 < moved and (host_budget_bytes is None
+                                                      or moved <= host_budget_bytes):
+                out.append(schedule)
     return out
 
 
@@ -251,52 +328,50 @@ def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
               chain: list[tuple[int, int]], deadline: float, base: Base,
               layouts: list[Schedule]) -> tuple[Solution | None, float]:
     """The best schedule offloading `calls` (any distance, as any of `layouts` runs them)
-    and the bound of `ideal`. Each layout re-plans the rest for less when its real copies
-    run over the budget at every distance (the first plan is shared)."""
+    and the bound of `ideal`. The layouts whose real copies run over the budget at every
+    distance share a re-plan of the rest for less (by the least of their overruns), up to
+    `RETRIES` times."""
     planned = ideal(problem, calls)
-    plans: dict[int, Solution] = {}
-
-    def plan_at(target: int) -> Solution:
-        if target not in plans:
-            plans[target] = base(planned, target, max(0.05, deadline - time.perf_counter()))
-        return plans[target]
-
-    first = plan_at(budget)
+    first = base(planned, budget, max(0.05, deadline - time.perf_counter()))
     bound = (first.bound_ms or 0.0) if first.feasible else math.inf
-    best = None
-    for shape in layouts or [Schedule.store_all(problem.n_nodes)]:
-        if best is not None and time.perf_counter() > deadline:
+    best, sol, target = None, first, budget
+    pending = [[r for r in shape.regions if r.is_recompute]
+               for shape in layouts or [Schedule.store_all(problem.n_nodes)]]
+    for attempt in range(RETRIES + 1):
+        if not sol.feasible or sol.schedule is None:
             break
-        keeps = {(r.start, r.stop): r.keep for r in shape.regions if r.is_recompute}
-        target = budget
-        for _ in range(RETRIES + 1):
-            sol = plan_at(target)
-            if not sol.feasible or sol.schedule is None:
-                break
-            found, over = _score(problem, budget, calls, chain, sol, keeps, deadline)
+        over_by: list[tuple[list[Region], int]] = []
+        for regions in pending:
+            if best is not None and time.perf_counter() > deadline:
+                return best, bound
+            found, over = _score(problem, budget, calls, chain, sol, regions, deadline)
             if found is not None and (best is None or found.objective_ms < best.objective_ms):
                 best = found
-            if found is not None or time.perf_counter() > deadline:
-                break
-            target -= over  # every distance ran over: plan the rest for less
+            if found is None and over < math.inf:
+                over_by.append((regions, over))
+        pending = [regions for regions, _ in over_by]
+        if not pending or attempt == RETRIES or time.perf_counter() > deadline:
+            break
+        target -= min(over for _, over in over_by)  # plan the rest for less
+        sol = base(planned, target, max(0.05, deadline - time.perf_counter()))
     return best, bound
 
 
 def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
            chain: list[tuple[int, int]], sol: Solution,
-           keeps: dict[tuple[int, int], frozenset[int]], deadline: float
+           planned: list[Region], deadline: float
            ) -> tuple[Solution | None, int]:
-    """The best distance for the base plan `sol` with `calls` offloaded (checkpointed
-    keeping `keeps`, where given), and by how little the others ran over the budget; past
-    the deadline, the distances scored so far."""
+    """The best distance for the base plan `sol` with `calls` offloaded (the layout's
+    `planned` regions in them: checkpoints of whole calls, or their pieces), and by how little
+    the others ran over the budget; past the deadline, the distances scored so far."""
     best, over = None, math.inf
     for distance in sorted({min(d, len(chain)) for d in DISTANCES}) if calls else [0]:
         if best is not None and time.perf_counter() > deadline:
             break
         schedule = Schedule(regions=sol.schedule.regions).with_offloads(
             offloads(problem, calls, chain, distance))
-        if keeps:
-            schedule = checkpointed(schedule, keeps)
+        if planned:
+            schedule = checkpointed(schedule, planned)
         scored = Solution.scored(problem, schedule, budget, solver=f"joint+{sol.solver}",
                                  started_s=0.0)
         if not scored.feasible:
@@ -313,10 +388,12 @@ def _answer(problem: Problem, budget: int, best: Solution | None, bounds: list[f
         text=(f"offload the saved activations of the first c of every m-th of {len(chain)} "
               f"module calls (m in {list(STRIDES)}; the outermost calls before the repeated "
               "blocks, then the blocks), prefetched d calls ahead (d in "
-              f"{list(DISTANCES)}; 0: when needed), the first share s of them stored and the "
-              "rest checkpointed with their costliest outputs per byte kept and offloaded (s in "
-              f"{list(stored_shares)}); the rest: the DP's space (keep or recompute per "
-              "activation over module calls)"),
+              f"{list(DISTANCES)}; 0: when needed), the first share s of them stored (with "
+              "or without the pieces inside each that free the most bytes per ms of rerun "
+              "recomputed) and the rest checkpointed with their costliest outputs per byte "
+              f"kept and offloaded (s in {list(stored_shares)}); the rest: the DP's space "
+              "(keep or recompute per activation over module calls, and regions inside a "
+              "layer: module calls or op ranges)"),
         cuts="solver", keep="stage-any")
     if best is None:
         return Solution(solver="joint", status=Status.INFEASIBLE, schedule=None,

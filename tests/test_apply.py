@@ -18,7 +18,7 @@ from planner.api import (
     remove,
     structure_fingerprint,
 )
-from planner.emit import Checkpointed, checkpointed_modules
+from planner.emit import Checkpointed, TracedForward, checkpointed_modules
 from planner.plan import Plan
 from profiles.inputs import normalize_inputs
 from solvers import Region, Schedule, baselines, dp, simulate
@@ -45,6 +45,16 @@ def _step(model: zoo.ZooModel) -> tuple[int, torch.Tensor, dict]:
     return measure_step(model.model, args, kwargs, model.loss_fn or profiles.default_loss)
 
 
+def _installed_regions(model: torch.nn.Module) -> int:
+    """Checkpoints installed on `model`: one per wrapped call, one per traced op range."""
+    count = 0
+    for wrapper in checkpointed_modules(model).values():
+        while isinstance(wrapper, Checkpointed | TracedForward):
+            count += len(wrapper.specs) if isinstance(wrapper, TracedForward) else 1
+            wrapper = wrapper.inner
+    return count
+
+
 def _check(model: zoo.ZooModel, prof: profiles.GraphProfile, schedule: Schedule) -> Plan:
     plan = plan_for_schedule(prof, schedule, _setup(model)[1].inputs,
                              structure_fingerprint(model.model))
@@ -55,7 +65,7 @@ def _check(model: zoo.ZooModel, prof: profiles.GraphProfile, schedule: Schedule)
     params = list(model.model.parameters())
     planned = apply(model.model, plan)
     assert planned is model.model and list(planned.parameters()) == params
-    assert len(checkpointed_modules(planned)) == len(schedule.recompute_regions())
+    assert _installed_regions(planned) == len(schedule.recompute_regions())
     measured, loss, grads = _step(model)
     # BatchNorm statistics move once per step, as without checkpoints
     assert all(torch.equal(after_plain[k], v) for k, v in model.model.state_dict().items())
@@ -229,12 +239,14 @@ def test_nested_attention_call_with_keyword_inputs() -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf-llama"])
-def test_plans_keeping_any_ops_run_with_identical_grads(name: str) -> None:
+def test_plans_keeping_any_ops_run_with_identical_grads(name: str, monkeypatch) -> None:
     """The DP's keep fronts (`solvers.keep`) pick softmaxes, dropouts, norms, masks: applied
     as selective checkpoints they keep the gradients bit for bit and peak as predicted. (On
-    CPU the measured SAC overhead makes keeping rarely pay, so it is switched off here.)"""
+    CPU the measured SAC overhead makes keeping rarely pay, so it is switched off here, and
+    so are regions inside a layer, which free the same bytes for less where they can.)"""
     if name.startswith("hf-") and not zoo.has_transformers():
         pytest.skip("transformers is not installed")
+    monkeypatch.setattr(dp, "inner_options", lambda *args, **kwargs: [])
     model = zoo.get(name, size="tiny")
     prof, _ = _setup(model)
     problem = problem_from_profile(prof).model_copy(update={
@@ -250,3 +262,27 @@ def test_plans_keeping_any_ops_run_with_identical_grads(name: str) -> None:
                        for k in r.keep}
         _check(model, prof, solution.schedule)
     assert kept_kinds - {"mm", "addmm", "bmm", "linear"}, kept_kinds  # not only matmuls
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"])
+def test_regions_inside_layers_run_with_identical_grads(name: str) -> None:
+    """The DP's sets of regions inside a layer (`solvers.inner`: module calls or op ranges of
+    traced forwards, a block's attention dropout and the matmul reading it, say) are chosen
+    where they free bytes for less rerun than the layer's own checkpoint, and run with the
+    gradients bit for bit and the peak as predicted."""
+    if name.startswith("hf-") and not zoo.has_transformers():
+        pytest.skip("transformers is not installed")
+    model = zoo.get(name, size="tiny")
+    prof, _ = _setup(model)
+    problem = problem_from_profile(prof)
+    blocks = problem.blocks()
+    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
+    lowest = baselines.every_block(problem, unplanned).peak_bytes
+    inside = 0  # op ranges inside a layer (a layer's own checkpoint is a module call)
+    for share in (0.3, 0.6, 0.9):
+        solution = dp.solve(problem, int(lowest + share * (unplanned - lowest)), 30.0)
+        regions = solution.schedule.recompute_regions()
+        inside += sum(problem.span(r.start, r.stop).kind == "ops" and any(
+            a <= r.start and r.stop <= b for a, b in blocks) for r in regions)
+        _check(model, prof, solution.schedule)
+    assert inside
