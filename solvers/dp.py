@@ -27,6 +27,14 @@ pairs each front point with the floor no keep set goes below, so its optimum bou
 subset. With keep fronts the answer is proven by that second pass (gap reported), not by the
 upper pass alone.
 
+Regions inside a layer (`solvers.inner`, with module spans): a single stage may also
+recompute a set of disjoint regions strictly inside it, module calls or op ranges of traced
+forwards at any depth, each keeping nothing or its matmuls (an attention's dropout and the
+matmul reading it, an MLP's activation and the projection reading it). The sets offered are
+a front of (bytes freed, rerun time) built from each region's own profile; each is then
+profiled exactly like any other option, in both passes, so the bound holds over the space
+with those sets in it.
+
 Long chains (more than `FULL_SPAN_STAGES` stages): segments are capped at a span of 16 (8
 beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's upper-bound
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to

@@ -278,6 +278,14 @@ class _Search:
         return time.perf_counter() <= self.deadline
 
 
+class _Shapes(NamedTuple):
+    """How offloaded calls may run: the shares of them stored (`layout`), and per call the
+    levels of pieces a stored one may recompute (`offload_pieces`)."""
+
+    shares: tuple[float, ...]
+    pieces: list[dict[tuple[int, int], tuple[Region, ...]]]
+
+
 def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> list[int]:
     """Counts of the chain's first calls tried before the full search (cheap to plan, and
     good at tight budgets and loose ones): the whole chain and the `SHORT_OF_ALL` sets just
@@ -299,14 +307,6 @@ def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> 
             fits = count
         counts += [fits, fits + 1]
     return list(dict.fromkeys(c for c in counts if 0 < c <= len(chain)))
-
-
-class _Shapes(NamedTuple):
-    """How offloaded calls may run: the shares of them stored (`layout`), and per call the
-    levels of pieces a stored one may recompute (`offload_pieces`)."""
-
-    shares: tuple[float, ...]
-    pieces: list[dict[tuple[int, int], tuple[Region, ...]]]
 
 
 def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,

@@ -118,7 +118,8 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
     """The DP's space: segmentations of the chain of stages (membership: its own answers);
     with `long_skips`, no segment holds the producer and a far reader of one of them; with
     `stage_keep`, a stage's outermost region keeps any subset of its ops, others nothing or
-    their matmuls (`dp._tops`)."""
+    their matmuls (`dp._tops`); with module spans, a stage's sets of inner regions
+    (`solvers.inner`)."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = ("any subset of its ops" if any_keep else
             "any subset of its ops when it is a stage's outermost region, else nothing or its "
@@ -128,7 +129,11 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
     apart = (f"; none of the {long_skips} tensors read more than {long_skip_nodes} ops after "
              "they are made is recomputed in one region with its distant readers (two or more "
              "stages on)") if long_skips else ""
+    inner = ("; a single stage may instead recompute a set of disjoint regions inside it "
+             "(module calls or op ranges of traced forwards, each keeping nothing or its "
+             "matmuls), from the sets `solvers.inner` offers"
+             if problem.module_spans is not None else "")
     return SearchSpace(text=f"segmentations of the chain of {unit} into "
-                       f"{_regions_word(problem)} ({shape}), each keeping {kept}{apart}",
+                       f"{_regions_word(problem)} ({shape}), each keeping {kept}{inner}{apart}",
                        cuts="solver", keep="any" if any_keep else "stage-any" if stage_keep
                        else "matmuls", nested=nested)
