@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from model_snapshot import ModelSnapshot
 from torch import nn
 
 import profiles
@@ -535,6 +536,7 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
                               f"{error}"])]
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
     state = model_state(zm.model)
+    snapshot = ModelSnapshot.of(zm.model)
     rng = torch.get_rng_state()
     rows: list[Row] = []
     base = Row(case.name, case.family, "", precision)
@@ -551,6 +553,8 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
         return [base]
     if not (same_state(state, model_state(zm.model)) and torch.equal(rng, torch.get_rng_state())):
         base.failures.append("profiling changed the model's state or the RNG")
+    base.failures += [f"profiling changed the model: {line}"
+                      for line in snapshot.differences(zm.model)[:3]]
     try:
         reference = _reference_step(zm, args, kwargs, state, profiled.profile.autocast_dtype)
     except Exception as error:

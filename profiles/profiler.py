@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -69,6 +68,7 @@ from profiles.schema import (
     TensorMeta,
     fingerprint,
 )
+from profiles.swap import swapped_tensors
 from profiles.traced import traced_calls
 
 log = logging.getLogger(__name__)
@@ -688,7 +688,7 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
                                   model.named_parameters(remove_duplicate=False)],
                                  step.grads_at_start)
                     args, kwargs = tree_map(convert, (step.args, step.kwargs))
-                    with _reparametrize_module(model, state, tie_weights=True, strict=False), \
+                    with swapped_tensors(model, state), \
                             _kernels(spec, real=False):
                         _observe(step, observer, args, kwargs)
         except Exception as error:
@@ -716,7 +716,7 @@ def _observe_real(step: _Step, observer: _BackwardObserver) -> None:
     buffers = {k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)}
     try:
         _start_grads(list(grads), step.grads_at_start)
-        with _reparametrize_module(model, buffers, strict=False):
+        with swapped_tensors(model, buffers):
             _observe(step, observer, step.args, step.kwargs)
     finally:
         for p, grad in grads.items():
@@ -1006,7 +1006,7 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
         args, kwargs = tree_map(convert, (step.args, step.kwargs))
         for position, tensor in enumerate(_tensors((args, kwargs))):
             storages.add(tensor, "input", None, f"input{position}")
-        with (_reparametrize_module(model, state, tie_weights=True, strict=False),
+        with (swapped_tensors(model, state),
               _module_hooks(model, recorder),
               torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack_placeholder)):
             with recorder, _CallMarker(recorder), _kernels(spec, real):
@@ -1172,7 +1172,7 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
     """
     model = step.model
     buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
-    with _reparametrize_module(model, buffers, strict=False):
+    with swapped_tensors(model, buffers):
         recorder = _ArgRecorder()
         with recorder:
             loss = step.forward_loss(step.args, step.kwargs)
