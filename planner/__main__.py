@@ -27,23 +27,96 @@ USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, ProfileErr
 
 
 def _load_model(spec: str, overrides: list[str]) -> Any:
-    """A zoo name (``gpt``) or ``module:attr`` naming a ZooModel factory or an nn.Module."""
+    """A zoo name (``gpt``) or ``module:attr`` naming a ZooModel, an nn.Module, or a
+    function or class that ``--set`` arguments build one with. Whatever goes wrong in
+    importing or building it is a ``ValueError`` naming ``--model`` (and ``--set``)."""
+    from torch import nn
+
     from planner import zoo
 
-    kwargs: dict[str, Any] = {}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    kwargs = _overrides(overrides)
+    where = " ".join([f"--model {spec}", *(f"--set {item}" for item in overrides)])
     if ":" not in spec:
-        return zoo.get(spec, **kwargs)
-    module_name, _, attr = spec.partition(":")
-    target = getattr(importlib.import_module(module_name), attr, None)
-    if target is None:
-        raise ValueError(f"--model {spec}: module {module_name!r} has no attribute {attr!r}")
-    built = target(**kwargs) if callable(target) and not hasattr(target, "forward") else target
-    if isinstance(built, zoo.ZooModel):
-        return built
-    return zoo.ZooModel(spec, built, None, None)
+        built = _build(where, zoo.get, spec, **kwargs)
+    else:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:
+            raise ValueError(f"--model {spec}: cannot import {module_name!r}: "
+                             f"{_one_line(error)}") from error
+        target = getattr(module, attr, None)
+        if target is None:
+            raise ValueError(f"--model {spec}: module {module_name!r} has no attribute "
+                             f"{attr!r}")
+        if isinstance(target, (zoo.ZooModel, nn.Module)):
+            if kwargs:
+                raise ValueError(f"{where}: {attr} is a model already; --set needs a "
+                                 "function or class to build one with")
+            built = target
+        elif callable(target):
+            built = _build(where, target, **kwargs)
+        else:
+            raise ValueError(f"--model {spec} is a {type(target).__name__}; name an "
+                             "nn.Module, a planner.zoo.ZooModel, or a function or class "
+                             "that builds one")
+    if isinstance(built, nn.Module):
+        built = zoo.ZooModel(spec, built, None, None)
+    if not isinstance(built, zoo.ZooModel):
+        raise ValueError(f"{where} built a {type(built).__name__}, not an nn.Module or a "
+                         "planner.zoo.ZooModel")
+    empty = _empty_input(built.example_inputs)
+    if empty:
+        raise ValueError(f"{where}: the example {empty}, with no elements; a training step "
+                         "needs at least one sample (sizes must be positive)")
+    return built
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as keyword arguments; numbers as numbers."""
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, equals, text = item.partition("=")
+        if not equals or not key.isidentifier():
+            raise ValueError(f"--set {item}: expected KEY=VALUE, e.g. --set batch=4")
+        value: Any = text
+        for number in (int, float):
+            try:
+                value = number(text)
+                break
+            except ValueError:
+                pass
+        kwargs[key] = value if not isinstance(value, float) or math.isfinite(value) else text
+    return kwargs
+
+
+def _build(where: str, builder: Any, *args: Any, **kwargs: Any) -> Any:
+    """``builder(*args, **kwargs)``; an error in it is a ``ValueError`` naming ``where``."""
+    try:
+        return builder(*args, **kwargs)
+    except Exception as error:
+        raise ValueError(f"{where}: {_one_line(error)}") from error
+
+
+def _empty_input(inputs: Any, name: str = "input") -> str | None:
+    """``input[0] has shape [0, 64]``: the first tensor of ``inputs`` with no elements."""
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return f"{name} has shape {list(inputs.shape)}" if inputs.numel() == 0 else None
+    items = (inputs.items() if isinstance(inputs, dict) else
+             enumerate(inputs) if isinstance(inputs, (list, tuple)) else ())
+    for key, value in items:
+        found = _empty_input(value, f"{name}[{key!r}]")
+        if found:
+            return found
+    return None
+
+
+def _planned_for(prof: Any, verb: str = "planned") -> str:
+    """The device and timing the CLI planned for: its defaults are not ``optimize``'s."""
+    timing = "estimated" if prof.timing == "estimate" else "measured"
+    return f"{verb} for {prof.device} ({timing} timing; --device/--timing to change)"
 
 
 def _profile(model: Any, args: argparse.Namespace) -> Any:
@@ -82,14 +155,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof = _profile(model, args).profile
     _print_profile(prof, args.top)
     prof.save(args.out)
-    print(f"\nprofile written to {args.out}")
+    print(f"\n{_planned_for(prof, 'profiled')}\nprofile written to {args.out}")
     return 0
 
 
 def _print_and_save(plan: Any, out: Path) -> int:
     print(plan.summary())
     plan.save(out)
-    print(f"\nplan written to {out}")
+    print(f"\n{_planned_for(plan.profile)}\nplan written to {out}")
     return 0
 
 
@@ -202,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def timing_options(p: argparse.ArgumentParser, out: str) -> None:
         p.add_argument("--timing", default="estimate", choices=["auto", "measure", "estimate"],
-                       help="measure on this machine, or estimate from FLOPs (default)")
+                       help="measure on this machine, or estimate from FLOPs and the device's "
+                       "roofline (default: estimate; optimize() in Python defaults to auto)")
         p.add_argument("--device", default="H100",
-                       help="roofline for estimates: H100, H200, A100, cpu (default H100)")
+                       help="the device to plan for: H100, H200, A100, cpu (default: H100; "
+                       "optimize() in Python plans for the model's device)")
         p.add_argument("--top", type=_count, default=10, help="rows in the table")
         p.add_argument("--out", type=Path, default=Path(out),
                        help=f"write the JSON here (default {out})")
@@ -304,11 +379,19 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split()) or type(error).__name__
 
 
+def _check_out(args: argparse.Namespace) -> None:
+    """An ``--out`` that cannot be written is refused before profiling, not after."""
+    out = getattr(args, "out", None)
+    if out is not None and not out.parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: the directory {out.parent} does not exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose, args.quiet)
     try:
+        _check_out(args)
         return args.func(args)
     except USER_ERRORS as error:
         if args.verbose:

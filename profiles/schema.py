@@ -20,10 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import secrets
+import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 SCHEMA_VERSION = 2
 
@@ -349,11 +360,121 @@ class GraphProfile(_Strict):
         return cls.model_validate_json(text)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(indent=1))
+        """Write the profile as JSON, atomically (``write_atomic``)."""
+        write_atomic(path, self.to_json(indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> GraphProfile:
-        return cls.from_json(Path(path).read_text())
+        """Read a profile; a file that is not one raises ``FileFormatError`` naming the file
+        and the field."""
+        return read_model(cls, path, "profile")
+
+
+class FileFormatError(ValueError):
+    """A plan or profile file that cannot be read as one (not text, not JSON, truncated,
+    another kind of file, a field out of bounds): the message names the file and the field."""
+
+
+Model = TypeVar("Model", bound=BaseModel)
+ERRORS_NAMED = 5  # a file with more invalid fields names these and counts the rest
+
+
+def read_model(cls: type[Model], path: str | Path, what: str) -> Model:
+    """``cls`` read from the JSON file at ``path`` (a ``what``: "plan", "profile"). A missing
+    or unreadable file raises ``OSError`` (naming it); any content that is not a valid
+    ``what`` raises ``FileFormatError`` naming the file and each invalid field."""
+    raw = Path(path).read_bytes()
+    if not raw.strip():
+        raise FileFormatError(f"{path}: not a {what} file: the file is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FileFormatError(f"{path}: not a {what} file: byte {error.start} is not UTF-8 "
+                              "text (a binary file?)") from None
+    try:
+        return cls.model_validate_json(text)
+    except ValidationError as error:
+        raise FileFormatError(f"{path}: {_describe(error, cls, what)}") from error
+
+
+def _describe(error: ValidationError, cls: type[BaseModel], what: str) -> str:
+    """A pydantic ``ValidationError`` of a ``what`` file on one line, field by field."""
+    errors = error.errors()
+    broken = [e for e in errors if e["type"] == "json_invalid"]
+    if broken:
+        return (f"not a {what} file: {broken[0]['msg']} (the file is truncated or is not "
+                "JSON)")
+    if any(e["loc"] == () and e["type"] == "model_type" for e in errors):
+        return f"not a {what} file: the JSON is not an object"
+    missing = [str(e["loc"][0]) for e in errors if e["type"] == "missing" and len(e["loc"]) == 1]
+    extra = [str(e["loc"][0]) for e in errors
+             if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    required = sum(field.is_required() for field in cls.model_fields.values())
+    if missing and (extra or 2 * len(missing) >= required):  # another kind of file
+        return (f"not a {what} file: it lacks the fields {', '.join(missing)} of a {what}"
+                + (f" and has fields a {what} does not: {', '.join(extra[:ERRORS_NAMED])}"
+                   if extra else "")
+                + (" (it looks like a profile: `python -m planner profile` writes those)"
+                   if what != "profile" and {"nodes", "storages"} <= set(extra) else ""))
+    version = [e for e in errors if e["loc"] == ("schema_version",)]
+    errors = version or errors  # another version's file: its other errors follow from it
+    named = "; ".join(_field_error(e) for e in errors[:ERRORS_NAMED])
+    more = len(errors) - ERRORS_NAMED
+    return (f"{len(errors)} invalid field{'s' if len(errors) > 1 else ''} of a {what}: "
+            f"{named}{f' (and {more} more)' if more > 0 else ''}")
+
+
+def _field_error(error: Any) -> str:
+    """`field.path: problem (got value)`; a value only where it is short."""
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    value = error.get("input")
+    short = (isinstance(value, (float, bool)) or (isinstance(value, str) and len(value) < 40)
+             or (isinstance(value, int) and value.bit_length() < 128))
+    got = repr(value) if short else ""
+    where = ".".join(map(str, error["loc"]))
+    return (f"{where + ': ' if where else ''}{msg}"
+            f"{f' (got {got})' if got and len(got) <= 40 else ''}")
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash or an error part-way leaves the old file
+    whole: a temporary file beside it, flushed to disk, renamed onto it (``os.replace``); the
+    temporary file is removed on an error. A symbolic link is followed; a path that is not a
+    regular file (``/dev/null``, a pipe) is written in place. ``OSError`` names ``path``."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(target, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        return
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+    except OSError as error:
+        raise _naming(error, path) from error
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            if mode is not None:
+                os.chmod(temporary, stat.S_IMODE(mode))  # the file keeps its permissions
+            stream.write(text.encode("utf-8"))
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise _naming(error, path) from error
+        raise
+
+
+def _naming(error: OSError, path: str | Path) -> OSError:
+    """``error`` naming ``path`` (not the temporary file beside it)."""
+    if error.errno is None:
+        return error
+    return type(error)(error.errno, error.strerror, str(path))
 
 
 def format_bytes(nbytes: float, *, round_up: bool = False) -> str:

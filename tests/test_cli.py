@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from planner import Plan
 from planner.__main__ import main
 from planner.plan import format_bytes
 from profiles import GraphProfile
@@ -109,3 +110,67 @@ def test_optimize_plans_gradient_accumulation_and_says_things_once(tmp_path: Pat
     assert json.loads(out.read_text())["profile"]["static"]["grads_at_start"] is True
     said = done.stdout + done.stderr
     assert said.count("No checkpointing needed") == 1, said
+
+
+# (the model's arguments, what the one line says)
+BAD_MODELS = [
+    (["--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
+    (["--model", "math:pi"], "--model math:pi is a float"),
+    (["--model", "os:getcwd"], "--model os:getcwd built a str"),
+    (["--model", "torch.nn:Linear"], "--model torch.nn:Linear: Linear.__init__() missing"),
+    (["--model", "mlp", "--set", "batch=0"], "--set batch=0: the example input[0] has shape "
+     "[0, 64], with no elements"),
+    (["--model", "mlp", "--set", "batch=-1"], "--set batch=-1: Trying to create tensor with "
+     "negative dimension"),
+    (["--model", "mlp", "--set", "batch"], "--set batch: expected KEY=VALUE"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_MODELS)), ids=[" ".join(argv[1:]) for argv, _
+                                                               in BAD_MODELS])
+def test_a_model_that_cannot_be_planned_is_one_line(case: int, capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    argv, says = BAD_MODELS[case]
+    out = tmp_path / "plan.json"
+    assert _run(["-q", "optimize", *argv, "--budget-gb", "1", "--out", str(out)]) == 2
+    assert says in _one_line(capsys.readouterr().err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)), b'{"nodes": [], "storages": []}'],
+                         ids=["binary", "a profile"])
+def test_show_names_the_file_that_is_not_a_plan(content: bytes,
+                                                capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_bytes(content)
+    assert _run(["show", str(path)]) == 2
+    assert f"error: {path}: not a plan file" in _one_line(capsys.readouterr().err)
+
+
+def test_an_out_in_no_directory_is_refused_before_profiling(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def profiled(*args: object, **kwargs: object) -> None:
+        raise AssertionError("profiled before checking --out")
+
+    monkeypatch.setattr("planner.optimize", profiled)
+    out = tmp_path / "no-such-dir" / "plan.json"
+    assert _run(["-q", "optimize", "--model", "mlp", "--budget-gb", "1", "--out", str(out)]) == 2
+    assert f"--out {out}: the directory" in _one_line(capsys.readouterr().err)
+
+
+def test_the_cli_says_the_device_and_timing_it_planned_for(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    """Its defaults (estimate, H100) are not optimize()'s (auto, the model's device)."""
+    assert _run(["optimize", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "optimize() in Python defaults to auto" in said, said
+    assert "optimize() in Python plans for the model's device" in said, said
+    assert _run(["-q", "optimize", "--model", "mlp", "--set", "batch=4", "--budget-gb", "1",
+                 "--offload", "--out", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "planned for H100 (estimated timing; --device/--timing to change)" in out, out
+    # offload was allowed and nothing is offloaded: the summary says so, and why
+    assert "offload: allowed, none needed" in out, out
+    assert Plan.load(tmp_path / "plan.json").host_budget_bytes

@@ -4,9 +4,13 @@ region that checkpoints another module than the one profiled is caught when it f
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,8 @@ from planner.emit import (
     install_checkpoints,
     remove_checkpoints,
 )
+from planner.plan import FileFormatError
+from profiles import GraphProfile
 from solvers import ModuleCall
 
 
@@ -174,3 +180,107 @@ def test_the_op_stream_is_compared_in_the_step_planned(model: zoo.ZooModel,
         assert all(w.checked for w in checkpointed_modules(model.model).values())
     finally:
         remove_checkpoints(model.model)
+
+
+@contextmanager
+def _disk_full_after(nbytes: int) -> Iterator[None]:
+    """Writes past ``nbytes`` of any file fail part-way (EFBIG), as on a full disk."""
+    resource = pytest.importorskip("resource")
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("what", ["plan", "profile"])
+def test_a_save_that_fails_part_way_leaves_the_old_file(plan: Plan, tmp_path: Path,
+                                                        what: str) -> None:
+    saved = plan if what == "plan" else plan.profile
+    path = tmp_path / f"{what}.json"
+    saved.save(path)
+    before = path.read_bytes()
+    with _disk_full_after(len(before) // 2), pytest.raises(OSError) as caught:
+        saved.save(path)
+    assert path.read_bytes() == before  # the old file, whole
+    assert os.listdir(tmp_path) == [path.name]  # and no temporary file beside it
+    assert str(path) in str(caught.value)  # the error names the file, not the temporary one
+
+
+def test_saving_follows_links_and_keeps_permissions(plan: Plan, tmp_path: Path) -> None:
+    target, link = tmp_path / "plan.json", tmp_path / "link.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    link.symlink_to(target)
+    plan.save(link)
+    assert link.is_symlink() and Plan.load(link) == plan
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    plan.save(os.devnull)  # not a regular file: written in place, not replaced
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "plan.json"]
+
+
+# (what the file holds, what the error says besides the file's name)
+BAD_FILES: list[tuple[str, Callable[[Plan], bytes], str]] = [
+    ("binary", lambda p: bytes(range(256)), "not UTF-8"),
+    ("truncated", lambda p: p.model_dump_json(indent=1)[:5000].encode(), "truncated"),
+    ("empty", lambda p: b"", "the file is empty"),
+    ("another JSON", lambda p: b'{"hello": 1}', "hello"),
+    ("a list", lambda p: b"[1, 2]", "not an object"),
+    ("a profile", lambda p: p.profile.model_dump_json().encode(), "looks like a profile"),
+    ("an old version", lambda p: json.dumps({**json.loads(p.model_dump_json()),
+                                             "schema_version": 2}).encode(), "schema_version"),
+    ("a field out of bounds", lambda p: json.dumps({**json.loads(p.model_dump_json()),
+                                                    "budget_bytes": -1}).encode(),
+     "budget_bytes: Input should be greater than or equal to 0 (got -1)"),
+    ("a checkpoint the profile did not run", lambda p: _retargeted(p), "schedule: checkpoint"),
+]
+
+
+def _retargeted(plan: Plan) -> bytes:
+    """The plan's first checkpoint aimed at a module the profile never called."""
+    data = json.loads(plan.model_dump_json())
+    region = next(r for r in data["schedule"]["regions"] if r["mode"] == "recompute")
+    region["target"]["path"] = "no.such.module"
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FILES)), ids=[c[0] for c in BAD_FILES])
+def test_a_file_that_is_not_a_plan_is_one_error_naming_the_file_and_field(
+        plan: Plan, tmp_path: Path, case: int) -> None:
+    _, content, says = BAD_FILES[case]
+    path = tmp_path / "plan.json"
+    path.write_bytes(content(plan))
+    with pytest.raises(FileFormatError) as caught:
+        Plan.load(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and says in message, message
+    assert "\n" not in message, message
+
+
+def test_a_profile_file_that_is_not_one_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(FileFormatError, match=re.escape(f"{path}: not a profile file")):
+        GraphProfile.load(path)
+    path.write_text('{"nodes": []}')
+    with pytest.raises(FileFormatError, match=re.escape(f"{path}: not a profile file")):
+        GraphProfile.load(path)
+
+
+def test_a_plan_allowed_to_offload_says_why_it_offloads_nothing(plan: Plan,
+                                                                tmp_path: Path) -> None:
+    assert not plan.offloads and plan.checkpointing
+    assert "offload" not in plan.summary()  # not allowed: nothing to say
+    allowed = plan.model_copy(update={"host_budget_bytes": 2**30})
+    assert ("offload: allowed (host budget 1.000 GiB), but no call is offloaded"
+            in allowed.summary()), allowed.summary()
+    allowed.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == allowed
+    # files from before the field load as plans that were not allowed to offload
+    data = json.loads(plan.model_dump_json())
+    del data["host_budget_bytes"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json") == plan
