@@ -19,11 +19,17 @@ real one in three ways that change what is saved, each handled here:
    64 MiB mask, converted to a float mask per layer and saved by attention, and a kernel
    choice (no flash with a mask). :func:`library_value_branches` makes that check answer
    "not tracing" for tensors whose value is known, so the real branch runs.
+
+A meta kernel that refuses its arguments (``_grouped_mm``'s wants bfloat16, which the CPU
+kernel does not) makes ``FakeTensorMode`` log the error with its traceback at ERROR before
+raising it; the profiler catches it and says in one line what it does instead, so
+:func:`meta_failures_at_debug` sends those tracebacks to this module's DEBUG log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,9 +40,35 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+log = logging.getLogger(__name__)
+
 SMALL_NUMEL = 1 << 16  # tensors up to this many elements get values computed on the CPU
 # modules whose `is_tracing(tensor)` decides a branch on a tensor's value (item 3)
 VALUE_BRANCH_MODULES = ("transformers.masking_utils",)
+
+
+class _MetaFailuresAtDebug(logging.Filter):
+    """Passes ``FakeTensorMode``'s ERROR records of a meta kernel that raised on to this
+    module's DEBUG log (traceback included) instead; the error itself still propagates."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.exc_info:
+            return True
+        log.debug("fake tensors: %s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+@contextlib.contextmanager
+def meta_failures_at_debug() -> Iterator[None]:
+    """Inside: the tracebacks ``FakeTensorMode`` logs for meta kernels that raise go to DEBUG
+    (``profiles.fake``), for code that catches those errors and reports them itself."""
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _MetaFailuresAtDebug()
+    torch_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        torch_log.removeFilter(quiet)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 Inputs = Any  # a tensor, a tuple of positional inputs, or a dict of keyword inputs
 
+# the model's own example batches, where it has one, when no inputs are given
+_OWN_INPUTS = (("dummy_inputs", "HF PreTrainedModel"), ("example_input_array", "Lightning"))
+
+
+class ToyBatchWarning(UserWarning):
+    """The step is planned for the model's own example batch (HF ``dummy_inputs``,
+    Lightning ``example_input_array``), not for a batch it will train on."""
+
 
 def normalize_inputs(model: nn.Module, example_inputs: Inputs) -> tuple[tuple, dict]:
-    """Return ``(args, kwargs)`` for ``example_inputs``; None means the model's own dummies."""
+    """Return ``(args, kwargs)`` for ``example_inputs``; None means the model's own example
+    batch (:class:`ToyBatchWarning` says its shapes and how to pass a real one)."""
     if example_inputs is None:
-        example_inputs = getattr(model, "dummy_inputs", None)  # HF PreTrainedModel
-        if example_inputs is None:
-            example_inputs = getattr(model, "example_input_array", None)  # Lightning
-        if example_inputs is None:
-            raise ValueError(
-                f"{type(model).__name__} has no `dummy_inputs` or `example_input_array`; pass "
-                "example_inputs (a tensor, a tuple of positional inputs or a dict of keyword "
-                "inputs) shaped like one real training batch."
-            )
+        example_inputs = _own_inputs(model)
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, tuple | list):
@@ -31,3 +36,49 @@ def normalize_inputs(model: nn.Module, example_inputs: Inputs) -> tuple[tuple, d
     raise TypeError(
         f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}"
     )
+
+
+def _own_inputs(model: nn.Module) -> Inputs:
+    """The model's own example batch; warns that a plan for it holds for that batch only."""
+    name = type(model).__name__
+    for attribute, library in _OWN_INPUTS:
+        inputs = getattr(model, attribute, None)
+        if inputs is None:
+            continue
+        warnings.warn(
+            f"No example_inputs given: {name} is planned for its `{attribute}` "
+            f"({library}), a toy batch ({_shapes(inputs)}), so its plan and any "
+            "'No checkpointing needed' hold for batches that small only. Pass one real "
+            "training batch: optimize(model, example_inputs=batch, budget_gb=...) (a tensor, "
+            "a tuple of positional inputs or a dict of keyword inputs).",
+            ToyBatchWarning, stacklevel=_caller_stacklevel())
+        return inputs
+    raise ValueError(
+        f"{name} has no `dummy_inputs` or `example_input_array`; pass example_inputs (a "
+        "tensor, a tuple of positional inputs or a dict of keyword inputs) shaped like one "
+        "real training batch."
+    )
+
+
+def _shapes(inputs: Inputs) -> str:
+    """``input_ids [3, 5], attention_mask [3, 5]`` for the tensors of an example batch."""
+    if isinstance(inputs, dict) or hasattr(inputs, "keys"):
+        named = [(f"{key} ", value) for key, value in dict(inputs).items()]
+    else:
+        named = [("", value) for value in tree_leaves(inputs)]
+    shown = [f"{key}{list(value.shape)}" for key, value in named
+             if isinstance(value, torch.Tensor)]
+    return ", ".join(shown) or "no tensors"
+
+
+_PACKAGES = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + name
+                  + os.sep for name in ("profiles", "planner"))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this library: the user's call of
+    ``optimize``, ``profile`` or ``verify``, where the warning points."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGES):
+        frame, level = frame.f_back, level + 1
+    return level

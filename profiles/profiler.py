@@ -54,7 +54,13 @@ from tqdm.auto import tqdm as _tqdm
 from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import ProfileError
-from profiles.fake import KnownValues, MetaAsDevice, fake_converter, library_value_branches
+from profiles.fake import (
+    KnownValues,
+    MetaAsDevice,
+    fake_converter,
+    library_value_branches,
+    meta_failures_at_debug,
+)
 from profiles.inputs import normalize_inputs
 from profiles.kernels import FusedKernels
 from profiles.schema import (
@@ -677,20 +683,9 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
     for on_real in attempts:
         observer = _BackwardObserver()
         try:
-            if on_real:
-                _observe_real(step, observer)
-            else:
-                with _fake_step(step, spec) as convert:
-                    state = {k: convert(v) for k, v in [
-                        *model.named_parameters(remove_duplicate=False),
-                        *model.named_buffers(remove_duplicate=False)]}
-                    _start_grads([state[k] for k, _ in
-                                  model.named_parameters(remove_duplicate=False)],
-                                 step.grads_at_start)
-                    args, kwargs = tree_map(convert, (step.args, step.kwargs))
-                    with swapped_tensors(model, state), \
-                            _kernels(spec, real=False):
-                        _observe(step, observer, args, kwargs)
+            with _real_state(step) if on_real else _fake_state(step, spec) as state:
+                _start_grads(state.params, step)
+                _observe(step, observer, state.args, state.kwargs)
         except Exception as error:
             log.info("could not observe the backward of %s on %s tensors (%s)",
                      type(model).__name__, "real" if on_real else "fake", _first_line(error))
@@ -709,26 +704,139 @@ def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict
         loss.backward()
 
 
-def _observe_real(step: _Step, observer: _BackwardObserver) -> None:
+@dataclass
+class _StepState:
+    """The tensors a step runs on: the model's parameters by name (its own, or their fake
+    twins, as swapped in) and the inputs."""
+
+    params: dict[str, torch.Tensor]
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def _fake_state(step: _Step, spec: DeviceSpec | None) -> Iterator[_StepState]:
+    """Inside a fake step (:func:`_fake_step`) run with ``spec``'s kernels: the model's
+    parameters and buffers swapped for fake twins."""
+    model = step.model
+    with _fake_step(step, spec) as convert:
+        state = {k: convert(v) for k, v in [*model.named_parameters(remove_duplicate=False),
+                                            *model.named_buffers(remove_duplicate=False)]}
+        args, kwargs = tree_map(convert, (step.args, step.kwargs))
+        params = {k: state[k] for k, _ in model.named_parameters(remove_duplicate=False)}
+        with swapped_tensors(model, state), _kernels(spec, real=False):
+            yield _StepState(params, args, kwargs)
+
+
+@contextlib.contextmanager
+def _real_state(step: _Step) -> Iterator[_StepState]:
     """On the model's own tensors (copies of its buffers), its gradients put back after."""
     model = step.model
     grads = {p: p.grad for p in model.parameters()}
     buffers = {k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)}
     try:
-        _start_grads(list(grads), step.grads_at_start)
         with swapped_tensors(model, buffers):
-            _observe(step, observer, step.args, step.kwargs)
+            yield _StepState(dict(model.named_parameters(remove_duplicate=False)),
+                             step.args, step.kwargs)
     finally:
         for p, grad in grads.items():
             p.grad = grad
 
 
-def _start_grads(params: list[torch.Tensor], allocated: bool) -> None:
-    """Give ``params`` the gradients a step starts with: none (``zero_grad()``), or zeros
-    that the backward accumulates into (gradient accumulation). The model's own ``.grad``
-    (left by a step before planning) never leak into the profile."""
-    for p in params:
-        p.grad = torch.zeros_like(p) if allocated and p.requires_grad else None
+# ----------------------------------------------------------------------------- gradients
+
+
+@dataclass(frozen=True)
+class _GradView:
+    storage: int  # index into _GradLayout.storages
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class _GradLayout:
+    """Where a backward from no gradients leaves each parameter's ``.grad``.
+
+    AccumulateGrad keeps an incoming gradient as ``.grad`` when nothing else holds it and
+    its strides are the parameter's, also when it is a view of a larger storage: the
+    backward of ``cat`` passes slices of one gradient, so ``cat([a.t(), b])`` leaves
+    ``b.grad`` holding the storage of both. Later micro-batches of gradient accumulation
+    start from these (``+=`` keeps them), so the storages, each once, are what they hold.
+    """
+
+    storages: tuple[tuple[int, torch.dtype], ...]  # (nbytes, dtype)
+    views: dict[str, _GradView]  # parameter name -> its gradient; none: no gradient
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self.storages)
+
+    @classmethod
+    def of(cls, params: dict[str, torch.Tensor]) -> _GradLayout:
+        """The layout of the ``.grad`` that ``params`` hold now."""
+        index: dict[StorageWeakRef, int] = {}
+        storages: list[tuple[int, torch.dtype]] = []
+        views = {}
+        for name, p in params.items():
+            grad = p.grad
+            if grad is None:
+                continue
+            ref = StorageWeakRef(grad.untyped_storage())
+            if ref not in index:
+                index[ref] = len(storages)
+                storages.append((grad.untyped_storage().nbytes(), grad.dtype))
+            views[name] = _GradView(index[ref], tuple(grad.shape), tuple(grad.stride()),
+                                    grad.storage_offset())
+        return cls(tuple(storages), views)
+
+    def allocate(self, params: dict[str, torch.Tensor]) -> None:
+        """Give ``params`` zeroed gradients laid out like this, on their own device and
+        tensor mode (fake twins get fake gradients)."""
+        bases: dict[int, torch.Tensor] = {}
+        for name, p in params.items():
+            view = self.views.get(name)
+            if view is None or not p.requires_grad:
+                p.grad = None
+                continue
+            if view.storage not in bases:
+                nbytes, dtype = self.storages[view.storage]
+                bases[view.storage] = torch.zeros(-(-nbytes // dtype.itemsize), dtype=dtype,
+                                                  device=p.device)
+            p.grad = bases[view.storage].as_strided(view.shape, view.stride, view.offset)
+
+
+def _grad_layout(step: _Step, real: bool, spec: DeviceSpec | None) -> _GradLayout | None:
+    """Where one backward from no gradients leaves the gradients, on a fake step, or on a
+    real one when the forward ran on real tensors and fake ones cannot run the backward;
+    None when neither can (each ``.grad`` is then taken as a tensor of its own)."""
+    for on_real in [False, True] if real else [False]:
+        try:
+            with _real_state(step) if on_real else _fake_state(step, spec) as state:
+                for p in state.params.values():
+                    p.grad = None
+                step.forward_loss(state.args, state.kwargs).backward()
+                return _GradLayout.of(state.params)
+        except Exception as error:
+            log.info("could not run the backward of %s on %s tensors to lay out its "
+                     "gradients (%s)", type(step.model).__name__,
+                     "real" if on_real else "fake", _first_line(error))
+    log.warning("could not run the backward of %s to see how it lays out its gradients; "
+                "counting each parameter's .grad as a tensor of its own size",
+                type(step.model).__name__)
+    return None
+
+
+def _start_grads(params: dict[str, torch.Tensor], step: _Step) -> None:
+    """Give ``params`` the gradients the step starts with: none (``zero_grad()``), or, with
+    ``grads_at_start``, zeros laid out as a backward leaves them (``step.grad_layout``) that
+    this one accumulates into. The model's own ``.grad`` (left by a step before planning)
+    never leak into the profile."""
+    if step.grads_at_start and step.grad_layout is not None:
+        step.grad_layout.allocate(params)
+        return
+    for p in params.values():
+        p.grad = torch.zeros_like(p) if step.grads_at_start and p.requires_grad else None
 
 
 def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, int, int]]:
@@ -892,6 +1000,7 @@ class _Step:
     autocast_dtype: torch.dtype | None
     device_type: str
     grads_at_start: bool = False  # every .grad allocated when the step starts
+    grad_layout: _GradLayout | None = None  # how, with grads_at_start (`_grad_layout`)
     meta_as: str = "cpu"  # a fake step runs meta tensors as fake tensors of this device
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -970,7 +1079,7 @@ def _fake_step(step: _Step, spec: DeviceSpec | None) -> Iterator[Callable[[Any],
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     known = KnownValues()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with meta_failures_at_debug(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         convert = fake_converter(mode, step.meta_as, known)
         with MetaAsDevice(convert), known, library_value_branches(known):
             yield convert
@@ -1044,6 +1153,15 @@ def _record(step: _Step, real: bool, spec: DeviceSpec | None,
     return rec
 
 
+def _laid_out_grads(static: StaticMemory, layout: _GradLayout | None) -> StaticMemory:
+    """Static memory whose gradients are the storages ``layout`` holds, each once (more
+    than the parameters where a gradient is a view of a larger one, less where a parameter
+    gets none); as it was without a layout."""
+    if layout is None:
+        return static
+    return static.model_copy(update={"grad_bytes": layout.nbytes})
+
+
 def observe_forward(model: nn.Module, args: tuple, kwargs: dict,
                     loss_fn: Callable[[Any], torch.Tensor] | None = None,
                     autocast: torch.dtype | None = None) -> str:
@@ -1061,7 +1179,7 @@ def _backward_pass(records: list[_OpRecord], spec: DeviceSpec | None,
     """Each op's backward alone, on fake stand-ins shaped like its arguments."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with meta_failures_at_debug(), FakeTensorMode():
         return _backward_of(records, spec, progress)
 
 
@@ -1069,6 +1187,7 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
                  progress: bool) -> list[_Backward]:
     tracker = _WindowTracker(spec)
     out = []
+    failed: dict[str, list[str]] = {}  # op -> the error of each call that could not run
     for record in _bar(records, "profiling backward", progress):
         specs = _tensors_specs(record.arg_specs)
         if not record.grad_enabled or not any(s.requires_grad for s in specs):
@@ -1080,12 +1199,14 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
             out.append(_profile_backward(record.func, args, kwargs,
                                          [s.storage for s in specs], tracker))
         except Exception as error:  # an op that cannot run on stand-ins: no backward data
-            log.warning("could not profile the backward of %s alone (%s: %s); counting no "
-                        "backward temporaries for it", record.name, type(error).__name__,
-                        str(error).splitlines()[0] if str(error) else "")
+            failed.setdefault(record.name, []).append(_first_line(error))
             out.append(_Backward(grad_storages=[s.storage for s in specs if s.requires_grad
                                                 and s.storage is not None],
                                  output_requires_grad=[True] * len(record.outputs)))
+    for name, errors in failed.items():  # one line per op, not per call
+        calls = f"{len(errors)} calls; " if len(errors) > 1 else ""
+        log.warning("could not profile the backward of %s alone (%s%s); counting no "
+                    "backward temporaries for it", name, calls, errors[0])
     return out
 
 
@@ -1123,7 +1244,7 @@ def _optimizer_memory(optimizer: torch.optim.Optimizer | None) -> tuple[int, int
         return 0, 0
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with meta_failures_at_debug(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         groups = []
         for group in optimizer.param_groups:
             twins = [mode.from_tensor(p).detach().requires_grad_(p.requires_grad)
@@ -1404,9 +1525,11 @@ def profile(
             value-dependent forward is redone on real tensors. ``"auto"`` (default): real
             unless the model is on the meta device.
         grad_accumulation: the step starts with every ``.grad`` allocated and adds into it
-            (micro-batches of gradient accumulation, ``zero_grad(set_to_none=False)``);
-            default: it starts with none, as ``zero_grad()`` leaves them. The ``.grad`` the
-            model holds now never matter.
+            (micro-batches of gradient accumulation, ``zero_grad(set_to_none=False)``),
+            laid out as one backward leaves them (``_GradLayout``: a gradient that is a
+            slice of a larger one keeps all of it), found by running that backward once,
+            fake or real as the profile runs; default: it starts with none, as
+            ``zero_grad()`` leaves them. The ``.grad`` the model holds now never matter.
         progress: show a progress bar (on a terminal or in a notebook).
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
@@ -1436,8 +1559,11 @@ def profile(
     records = rec.recorder.records
     with _rng_state_preserved():
         # the same program as recorded: a real recording ran the real device's kernels
-        observed = _observe_backward(step, [r.name for r in records], rec.real,
-                                     None if rec.real else spec)
+        kernels = None if rec.real else spec
+        if step.grads_at_start:
+            step.grad_layout = _grad_layout(step, rec.real, kernels)
+            rec.static = _laid_out_grads(rec.static, step.grad_layout)
+        observed = _observe_backward(step, [r.name for r in records], rec.real, kernels)
     nodes = _with_observed_backward(_node_profiles(rec, measured), observed)
     return GraphProfile(
         model_name=type(model).__name__,

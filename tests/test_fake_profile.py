@@ -198,3 +198,33 @@ def test_a_real_cpu_profile_for_a_gpu_says_its_kernels_are_the_cpus() -> None:
     meta = zoo.get("hf-gpt2", device="meta")
     assert not any("real CPU tensors" in n for n in profile_model(
         meta.model, meta.example_inputs, device="H100", progress=False).notes)
+
+
+def test_meta_kernels_that_refuse_their_arguments_print_no_tracebacks(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen3-MoE's experts run ``_grouped_mm``, whose meta kernel refuses float32: fake
+    mode logs each refusal with its traceback at ERROR; the profile says once per op what
+    it counts instead and keeps the tracebacks at DEBUG (``profiles.fake``)."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        pytest.skip("transformers has no Qwen3-MoE")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    caplog.set_level("DEBUG", logger="profiles.fake")
+    profiles.profile(model, {"input_ids": ids, "labels": ids}, timing="estimate",
+                     progress=False)
+    shown = capfd.readouterr()
+    assert "Traceback" not in shown.err + shown.out
+    assert not [r for r in caplog.records if r.levelno >= 40]
+    told = [r.getMessage() for r in caplog.records if r.name == "profiles.profiler"
+            and r.getMessage().startswith("could not profile the backward")]
+    assert len(told) == len({message.split(" alone")[0] for message in told})
+    if any("_grouped_mm" in message for message in told):
+        assert any(r.name == "profiles.fake" and r.levelno == 10 and r.exc_info
+                   for r in caplog.records)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pydantic
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 import profiles
 from planner import zoo
-from profiles.inputs import normalize_inputs
+from profiles.inputs import ToyBatchWarning, normalize_inputs
 from solvers.from_profile import block_calls, problem_from_profile
 
 
@@ -297,14 +299,39 @@ def test_input_forms_and_defaults() -> None:
     scaled = profiles.profile(KeywordModel(), {"x": x, "scale": torch.ones(1)},
                               progress=False)
     assert any(n.target == "aten.mul.Tensor" for n in scaled.nodes)
-    assert profiles.profile(LightningLike(), None, progress=False).static.input_bytes == 48
+    with pytest.warns(ToyBatchWarning, match="example_input_array"):
+        prof = profiles.profile(LightningLike(), None, progress=False)
+    assert prof.static.input_bytes == 48
     if "hf-gpt2" in zoo.names():
         hf = zoo.get("hf-gpt2").model
-        prof = profiles.profile(hf, None, loss_fn=lambda out: out.logits.mean(),
-                                progress=False)
+        with pytest.warns(ToyBatchWarning, match=r"dummy_inputs.*input_ids \["):
+            prof = profiles.profile(hf, None, loss_fn=lambda out: out.logits.mean(),
+                                    progress=False)
         assert prof.static.input_bytes > 0
     with pytest.raises(ValueError, match="example_inputs"):
         profiles.profile(nn.Linear(2, 2), None, progress=False)
+
+
+class DummyInputsModel(KeywordModel):
+    """Like a Hugging Face model: its own toy batch as ``dummy_inputs``."""
+
+    @property
+    def dummy_inputs(self) -> dict[str, torch.Tensor]:
+        return {"x": torch.ones(3, 4)}
+
+
+def test_planning_a_models_own_toy_batch_warns_where_it_is_called() -> None:
+    from planner import optimize
+
+    with pytest.warns(ToyBatchWarning, match=r"`dummy_inputs` \(HF PreTrainedModel\), a toy "
+                      r"batch \(x \[3, 4\]\).*optimize\(model, example_inputs=") as told:
+        plan = optimize(DummyInputsModel(), budget_gb=1, progress=False, timing="estimate")
+    assert not plan.checkpointing
+    assert [w.filename for w in told if w.category is ToyBatchWarning] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ToyBatchWarning)
+        optimize(DummyInputsModel(), {"x": torch.ones(8, 4)}, budget_gb=1, progress=False,
+                 timing="estimate")
 
 
 def test_corrupt_profile_json_names_the_field() -> None:
