@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 import profiles
-from planner.emit import RegionSpec, checkpointed_modules, install_checkpoints, remove_checkpoints
+from planner.emit import RegionSpec, checkpointed_modules, prepare_checkpoints, remove_checkpoints
+from planner.guard import PlanGuard
 from planner.offload import (
     KEEPS_THROUGH_HOOKS,
     install_offload,
@@ -35,6 +36,7 @@ from planner.plan import (
     InputSpec,
     Plan,
     PlanMismatchError,
+    PlanMismatchWarning,
     SolverReport,
     format_bytes,
 )
@@ -64,10 +66,6 @@ log = logging.getLogger(__name__)
 __all__ = ["PlanGuard", "PlanMismatchWarning", "ProfiledStep", "VerifyReport", "apply",
            "measure_step", "optimize", "plan_for_profile", "plan_for_schedule",
            "profile_model", "remove", "replan", "solve", "structure_fingerprint", "verify"]
-
-
-class PlanMismatchWarning(UserWarning):
-    """A planned model runs outside what its plan guarantees (larger inputs, precision)."""
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -438,6 +436,9 @@ def host_budget_arg(offload: bool, host_budget_gb: float | None) -> int | None:
             not math.isfinite(host_budget_gb) or host_budget_gb < 0:
         raise ValueError(f"host_budget_gb must be a number of GiB (2**30 bytes), 0 or more, "
                          f"got {host_budget_gb!r}")
+    if host_budget_gb * GIB > MAX_BUDGET_BYTES:
+        raise ValueError(f"host_budget_gb={host_budget_gb!r} is more than 2**60 bytes (1 EiB); "
+                         "give a budget a host could have")
     return int(host_budget_gb * GIB)
 
 
@@ -541,7 +542,8 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
         log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
         return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
-                          inputs, structure, note, sharding, problem)
+                          inputs, structure, note, sharding, problem,
+                          host_budget_bytes)
     log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
              len(problem.module_spans or ()), format_bytes(budget_bytes))
     # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
@@ -570,7 +572,8 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
                               host_budget_bytes)
         solution = lowest  # the solver missed a schedule that fits
     return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
-                      structure, sharding=sharding, problem=problem)
+                      structure, sharding=sharding, problem=problem,
+                      host_budget_bytes=host_budget_bytes)
 
 
 def _offloads_keeps(schedule: Schedule) -> bool:
@@ -702,7 +705,7 @@ def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleC
 def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                report: SolverReport, inputs: list[InputSpec], structure: str,
                note: str = "", sharding: Sharding | None = None,
-               problem: Problem | None = None) -> Plan:
+               problem: Problem | None = None, host_budget_bytes: int | None = None) -> Plan:
     """The plan of ``schedule``; each checkpoint's target is the module call of its span.
     ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
     targets = _module_call_targets(profile)
@@ -714,7 +717,7 @@ def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                          "the profile ran")
     plan = Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
                 solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
-                profile=profile, sharding=sharding)
+                profile=profile, sharding=sharding, host_budget_bytes=host_budget_bytes)
     return plan.reusing(problem) if problem is not None else plan
 
 
@@ -755,8 +758,14 @@ def _mutated_buffers(profile: GraphProfile, region: Region) -> list[str]:
     those of every call inside it and of its own ops."""
     a, b, target = region.start, region.stop, region.target
     if isinstance(target, ModuleCall):
-        return next(c.mutated_buffers for c in profile.module_calls
-                    if (c.start, c.stop, c.path) == (a, b, target.path))
+        call = next((c for c in profile.module_calls
+                     if (c.start, c.stop, c.path) == (a, b, target.path)), None)
+        if call is None:
+            raise PlanMismatchError(
+                f"the plan checkpoints module {target.path!r} over nodes [{a}, {b}), which its "
+                "profile never ran as one call of that module (an edited plan?). Run "
+                "planner.optimize() again.")
+        return call.mutated_buffers
     found = {name for c in profile.module_calls if a <= c.start and c.stop <= b
              for name in c.mutated_buffers}
     found |= {name for node in profile.nodes[a:b] for name in node.mutated_buffers}
@@ -764,76 +773,6 @@ def _mutated_buffers(profile: GraphProfile, region: Region) -> list[str]:
 
 
 _SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)
-
-
-class PlanGuard:
-    """Forward pre-hook on a planned model: warns (or raises, ``strict``) when a training
-    step runs with inputs larger than planned, under another precision than planned, or
-    starts with gradients allocated that the plan did not count."""
-
-    def __init__(self, plan: Plan, device_type: str, strict: bool,
-                 restore_use_cache: list[Any]) -> None:
-        self.inputs = [(spec.name, spec.keyword, tuple(spec.shape))
-                       for spec in plan.inputs if spec.shape is not None]
-        self.autocast_dtype = plan.autocast_dtype
-        self.grads_at_start = plan.profile.static.grads_at_start
-        self.device_type = device_type
-        self.strict = strict
-        self.restore_use_cache = restore_use_cache
-        self.model_name = plan.model_name
-        self.budget = format_bytes(plan.budget_bytes)
-        self._told: set[str] = set()
-
-    def _complain(self, message: str) -> None:
-        if self.strict:
-            raise PlanMismatchError(message)
-        if message not in self._told:
-            self._told.add(message)
-            warnings.warn(message, PlanMismatchWarning, stacklevel=4)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return  # inference is not planned; compiled graphs were checked when traced
-        self._check_shapes(args, kwargs)
-        self._check_precision()
-        self._check_grads(module)
-
-    def _check_grads(self, module: nn.Module) -> None:
-        if getattr(self, "grads_at_start", True):  # planned with them (or pickled before)
-            return
-        if any(p.grad is not None for p in module.parameters() if p.requires_grad):
-            self._complain(
-                f"{self.model_name} starts a training step with .grad allocated (gradient "
-                "accumulation, or zero_grad(set_to_none=False)), but its plan counted "
-                f"gradients from the backward on: the {self.budget} budget does not hold. "
-                "Plan with optimize(..., grad_accumulation=True), or call "
-                "zero_grad() (set_to_none=True) before each step.")
-
-    def _check_shapes(self, args: tuple, kwargs: dict) -> None:
-        for name, keyword, shape in self.inputs:
-            value = kwargs.get(name) if keyword else (
-                args[int(name)] if int(name) < len(args) else None)
-            if isinstance(value, torch.Tensor) and (
-                    value.dim() != len(shape)
-                    or any(a > b for a, b in zip(value.shape, shape, strict=True))):
-                self._complain(
-                    f"{self.model_name} was planned for input {name!r} of shape "
-                    f"{list(shape)} but runs with {list(value.shape)}: the {self.budget} "
-                    "budget holds only for inputs no larger than planned. Plan again "
-                    "with the larger shape (planner.optimize).")
-
-    def _check_precision(self) -> None:
-        enabled = self.device_type != "meta" and torch.amp.is_autocast_available(
-            self.device_type) and torch.is_autocast_enabled(self.device_type)
-        dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") \
-            if enabled else None
-        if dtype != self.autocast_dtype:
-            planned = f"autocast {self.autocast_dtype}" if self.autocast_dtype else "no autocast"
-            running = f"autocast {dtype}" if dtype else "no autocast"
-            self._complain(
-                f"{self.model_name} was planned under {planned} but runs under {running}: "
-                f"activations change size, so the {self.budget} budget does not hold. "
-                "Plan with optimize(..., autocast=...) matching how you train.")
 
 
 def _guards(model: nn.Module) -> list[int]:
@@ -846,12 +785,17 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
 
     The model keeps its class, module tree, parameters and ``state_dict``; compose it with
     autocast, FSDP2 (``fully_shard`` its blocks after this), DDP and ``torch.compile`` as
-    usual. A guard warns (``strict``: raises ``PlanMismatchError``) when a training step runs
-    with inputs larger than planned or another autocast dtype. :func:`remove` undoes it.
+    usual. A guard (:class:`planner.guard.PlanGuard`) warns (``strict``: raises
+    ``PlanMismatchError``) when a training step is not the one planned: larger inputs,
+    other input dtypes or values, another autocast dtype, a changed model.
+    :func:`remove` undoes it.
+
+    A refused plan changes nothing: every check runs, and every traced forward is traced,
+    before the plan already on the model (if any) is taken off.
 
     Raises:
         PlanMismatchError: the model's module tree or parameter shapes differ from the
-            planned model's.
+            planned model's, or the plan names modules or ranges the model lacks.
     """
     _refuse_existing_checkpointing(model)
     actual = structure_fingerprint(model)
@@ -862,15 +806,13 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             "module tree, parameter or buffer shapes or dtypes differ. Run planner.optimize() "
             "on this model (apply the plan before sharding it with FSDP2).")
     _check_world_size(plan)
-    if checkpointed_modules(model) or _guards(model) or offloaded_modules(model):
-        remove(model)
     offloaded = [o.target.path for o in plan.schedule.offloads]
     prefetch = [o.prefetch_target.path if o.prefetch_target else None
                 for o in plan.schedule.offloads]
-    missing = [path for path in [spec.path for spec in region_specs(plan)] + offloaded
-               + [p for p in prefetch if p is not None] if not _has_submodule(model, path)]
+    missing = [path for path in offloaded + [p for p in prefetch if p is not None]
+               if not _has_submodule(model, path)]
     if missing:
-        raise PlanMismatchError(f"the plan checkpoints or offloads modules {missing[:3]} that "
+        raise PlanMismatchError(f"the plan offloads modules {missing[:3]} that "
                                 f"{type(model).__name__} does not have")
     if not KEEPS_THROUGH_HOOKS and _offloads_keeps(plan.schedule):
         raise PlanMismatchError(
@@ -878,17 +820,21 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             f">= 2.14 (checkpoint's respect_saved_tensors_hooks); this is torch "
             f"{torch.__version__}. Upgrade torch, or plan again here (optimize(..., "
             "offload=True) plans without it on this torch).")
-    install_checkpoints(model, region_specs(plan, strict))
+    installation = prepare_checkpoints(model, region_specs(plan, strict))
+    # nothing has changed so far; from here on the new plan replaces the old
+    remove(model)
+    installation.install()
     if offloaded:
         install_offload(model, offloaded, prefetch)
     configs = _cached_configs(model)
     if configs:
-        log.warning("%s: setting config.use_cache=False for training with checkpoints (a "
-                    "rerun would find the cache already filled); planner.remove() restores "
-                    "it", type(model).__name__)
+        log.info("%s: setting config.use_cache=False for training with checkpoints (a rerun "
+                 "would find the cache already filled); planner.remove() restores it",
+                 type(model).__name__)
         for config in configs:
             config.use_cache = False
-    guard = PlanGuard(plan, _model_device(model).type, strict, configs)
+    guard = PlanGuard(plan, model, _model_device(model).type, strict, configs,
+                      checkpointed_modules(model))
     model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
     return model
 
@@ -982,11 +928,26 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
     :class:`planner.measure.PeakTracker`), the loss and the gradients. The step starts
-    with no ``.grad``, or with zeros to accumulate into (``grads_at_start``); gradients
-    are cleared afterwards."""
+    with no ``.grad``, or (``grads_at_start``) as a later micro-batch of gradient
+    accumulation does: with the gradients one backward before it left, zeroed, laid out
+    as that backward laid them out (AccumulateGrad keeps an incoming gradient, a slice of
+    a larger one included); that backward's random draws and buffer updates are undone.
+    Gradients are cleared afterwards."""
     device = _model_device(module)
-    for p in module.parameters():
-        p.grad = torch.zeros_like(p) if grads_at_start and p.requires_grad else None
+    module.zero_grad(set_to_none=True)
+    if grads_at_start:
+        buffers = [b.detach().clone() for b in module.buffers()]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_fn(module(*args, **kwargs))
+            loss.backward()
+        del loss
+        with torch.no_grad():
+            for buffer, before in zip(module.buffers(), buffers, strict=True):
+                buffer.copy_(before)
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

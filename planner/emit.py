@@ -39,13 +39,15 @@ from torch.utils.checkpoint import (
 )
 
 from planner.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
+from planner.plan import PlanMismatchError, PlanMismatchWarning
 from profiles.kernels import attention_kernels
-from profiles.traced import trace_forward
+from profiles.traced import trace_forward, trace_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANY_PRECISION", "Checkpointed", "OpStreamWarning", "RegionSpec", "TracedForward",
-           "checkpointed_modules", "install_checkpoints", "remove_checkpoints"]
+__all__ = ["ANY_PRECISION", "Checkpointed", "Installation", "OpStreamWarning", "RegionSpec",
+           "TracedForward", "checkpointed_modules", "install_checkpoints",
+           "prepare_checkpoints", "remove_checkpoints"]
 
 
 ANY_PRECISION = "any"  # RegionSpec.autocast_dtype: compare the op stream under any precision
@@ -225,8 +227,6 @@ class _Checkpoint:
                        "or a plan file edited to name another module). Run "
                        "planner.optimize() again on this model and these inputs.")
         if self.spec.strict:
-            from planner.plan import PlanMismatchError
-
             raise PlanMismatchError(message)
         warnings.warn(message, OpStreamWarning, stacklevel=4)
 
@@ -262,8 +262,6 @@ class _Range:
         names = [n.name for n in graph.nodes]
         if spec.first not in names or spec.last not in names or \
                 names.index(spec.first) > names.index(spec.last):
-            from planner.plan import PlanMismatchError
-
             raise PlanMismatchError(
                 f"module {spec.label}: its traced forward has no nodes {spec.first}.."
                 f"{spec.last} (its code changed since it was planned). Run planner.optimize() "
@@ -319,6 +317,7 @@ class _Program:
     outer: list[fx.Node]
     ranges: dict[fx.Node, _Range]
     frees: dict[fx.Node, list[fx.Node]]
+    code: str  # the graph's Python: equal code, equal program
 
     @classmethod
     def cut(cls, graph: fx.Graph, specs: list[RegionSpec]) -> _Program:
@@ -327,7 +326,7 @@ class _Program:
         outer = [n for n in graph.nodes if n not in inside]
         frees = _last_uses(outer, keep=set(), uses=lambda n: ranges[n].inputs
                            if n in ranges else _inputs(n))
-        return cls(outer, ranges, frees)
+        return cls(outer, ranges, frees, graph.python_code("self").src)
 
 
 def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
@@ -354,18 +353,32 @@ class _RangeCheckpoint(_Checkpoint):
 class TracedForward:
     """A module's forward as its fx trace (children as leaves), with planned op ranges run
     under checkpoint (set on the instance, like `Checkpointed`). Every other node runs as
-    in the traced graph; outside a training step (no grad, eval mode) the module's own
-    forward runs. Picklable: the graph is traced again when first needed."""
+    in the traced graph; without grad the module's own forward runs. Picklable: the graph
+    is traced again when first needed.
 
-    def __init__(self, module: nn.Module, specs: list[RegionSpec]) -> None:
+    The trace is the program of the call that was planned, so each training call checks
+    that it still is (`_departure`): what the trace followed from (`trace_inputs`: the
+    module's and its class's attributes, the globals and the function of its forward) is
+    compared, and on a change the forward is traced again, and its op streams compared
+    with the plan's on the next call. Where the trace cannot stand for the call (a forward
+    set on the instance, the module in eval(), a forward that no longer traces to the
+    planned ranges) the module's own forward runs under one checkpoint of the whole call,
+    with a warning (``strict``: an error): results stay the unplanned model's."""
+
+    def __init__(self, module: nn.Module, specs: list[RegionSpec],
+                 program: _Program | None = None) -> None:
         self.module = module
         self.specs = specs
-        self.inner = module.__dict__.get("forward")
+        self.inner: Callable[..., Any] | None = None  # a forward on the instance (install)
         self.checkpoints = {spec.first: _RangeCheckpoint(module, spec) for spec in specs}
-        self._program: _Program | None = None
+        buffers = tuple(name for name, _ in module.named_buffers())
+        self.whole = _Checkpoint(module, RegionSpec(specs[0].path, frozenset(), buffers))
+        self._program = program
+        self._inputs = trace_inputs(module) if program is not None else None
+        self._told: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_program": None}
+        return {**self.__dict__, "_program": None, "_inputs": None}
 
     @property
     def checked(self) -> bool:
@@ -385,20 +398,54 @@ class TracedForward:
     def program(self) -> _Program:
         """The traced forward cut into its ranges (traced on first use)."""
         if self._program is None:
-            graph = trace_forward(self.module)
-            if isinstance(graph, str):
-                from planner.plan import PlanMismatchError
-
-                raise PlanMismatchError(
-                    f"module {self.specs[0].label}: the plan checkpoints op ranges of its "
-                    f"traced forward, but {graph}. Run planner.optimize() again.")
-            self._program = _Program.cut(graph, self.specs)
+            self._inputs = trace_inputs(self.module)
+            self._program = _traced_program(self.module, self.specs)
         return self._program
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or not self.module.training:
-            return self.original(*args, **kwargs)
+    def _departure(self) -> str:
+        """Why this call's program is not the planned trace ('' when it is); traces again
+        when what the trace followed from changed."""
+        if self.inner is not None:
+            return "a forward set on the instance runs instead of the class's traced one"
+        if not self.module.training:
+            return "it is in eval() mode in a training step, and its op ranges were planned " \
+                   "for train()"
         program = self.program()
+        now = trace_inputs(self.module)
+        if now == self._inputs:
+            return ""
+        try:
+            fresh = _traced_program(self.module, self.specs)
+        except PlanMismatchError as error:
+            return f"its forward changed since it was planned ({error})"
+        self._inputs = now
+        if fresh.code != program.code:
+            self._program = fresh
+            self.checked = False  # the next calls compare their op streams with the plan's
+            log.info("%s: traced again after its attributes or code changed", self)
+        return ""
+
+    def _fall_back(self, why: str, args: tuple, kwargs: dict) -> Any:
+        message = (f"module {self.specs[0].label.split(' ops ')[0]}: {why}; its planned op "
+                   "ranges cannot run, so its whole call runs under one checkpoint (results "
+                   "as unplanned; memory and time differ from the plan's). Run "
+                   "planner.optimize() again on the model as it now trains.")
+        if self.specs[0].strict:
+            raise PlanMismatchError(message)
+        if message not in self._told:
+            self._told.add(message)
+            warnings.warn(message, PlanMismatchWarning, stacklevel=3)
+        return self.whole.checkpointed(self.original, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        why = "" if torch.compiler.is_compiling() else self._departure()
+        if why:
+            return self._fall_back(why, args, kwargs)
+        return self._run(self.program(), args, kwargs)
+
+    def _run(self, program: _Program, args: tuple, kwargs: dict) -> Any:
         bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
         inputs = iter(list(bound.args)[1:])
         env: dict[fx.Node, Any] = {}
@@ -421,38 +468,81 @@ class TracedForward:
         return f"TracedForward({self.specs[0].path or '<model>'}, {len(self.specs)} ranges)"
 
 
+def _traced_program(module: nn.Module, specs: list[RegionSpec]) -> _Program:
+    """``module``'s class forward traced and cut into the ranges of ``specs``."""
+    graph = trace_forward(module, instance_forward_runs=False)
+    if isinstance(graph, str):
+        raise PlanMismatchError(
+            f"module {specs[0].label}: the plan checkpoints op ranges of its traced forward, "
+            f"but {graph}. Run planner.optimize() again.")
+    return _Program.cut(graph, specs)
+
+
+class Installation:
+    """A plan's checkpoints, checked and traced against ``model`` but not yet on it
+    (`prepare_checkpoints`): everything that can refuse a plan has run, so `install`
+    changes the model only once nothing can."""
+
+    def __init__(self, model: nn.Module, specs: list[RegionSpec]) -> None:
+        self.model = model
+        self.traced: list[TracedForward] = []
+        self.calls: list[tuple[nn.Module, RegionSpec]] = []
+        ranges: dict[str, list[RegionSpec]] = {}
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.is_range:
+                ranges.setdefault(spec.path, []).append(spec)
+                continue
+            if spec.path in seen:
+                raise PlanMismatchError(
+                    f"the plan checkpoints module {spec.label} twice (two calls of a module "
+                    "run by one forward); a module's forward can carry one checkpoint. Run "
+                    "planner.optimize() again.")
+            seen.add(spec.path)
+            self.calls.append((_submodule(model, spec), spec))
+        for group in ranges.values():
+            module = _submodule(model, group[0])
+            self.traced.append(TracedForward(module, group, _traced_program(module, group)))
+
+    def install(self) -> list[str]:
+        """Set the wrappers on the modules (traced forwards inside their call's checkpoint);
+        returns the paths."""
+        for forward in self.traced:
+            forward.inner = forward.module.__dict__.get("forward")
+            forward.module.forward = forward
+        for module, spec in self.calls:
+            module.forward = Checkpointed(module, spec)
+        return [f.specs[0].path for f in self.traced] + [spec.path for _, spec in self.calls]
+
+
+def _submodule(model: nn.Module, spec: RegionSpec) -> nn.Module:
+    try:
+        return model.get_submodule(spec.path)
+    except AttributeError:
+        raise PlanMismatchError(
+            f"the plan checkpoints module {spec.label}, which {type(model).__name__} does not "
+            "have. Run planner.optimize() on this model.") from None
+
+
+def prepare_checkpoints(model: nn.Module, specs: Iterable[RegionSpec]) -> Installation:
+    """``specs`` checked and traced against ``model`` (a plan already on it stays)."""
+    return Installation(model, list(specs))
+
+
 def install_checkpoints(model: nn.Module, specs: Iterable[RegionSpec]) -> list[str]:
     """Wrap the forward of each module named in ``specs`` (op ranges: one traced forward
-    per module, under its call's checkpoint if it has one); returns their paths."""
-    specs = list(specs)
-    ranges: dict[str, list[RegionSpec]] = {}
-    for spec in specs:
-        if spec.is_range:
-            ranges.setdefault(spec.path, []).append(spec)
-    # traced and checked before anything is installed: a stale plan changes nothing
-    traced = [TracedForward(_unplanned(model, path), group) for path, group in ranges.items()]
-    for forward in traced:
-        forward.program()
-    installed = []
-    for forward in traced:
-        forward.module.forward = forward
-        installed.append(forward.specs[0].path)
-    for spec in specs:
-        if not spec.is_range:
-            module = model.get_submodule(spec.path)
-            if isinstance(module.__dict__.get("forward"), Checkpointed):
-                _unplanned(model, spec.path)  # raises
-            module.forward = Checkpointed(module, spec)
-            installed.append(spec.path)
-    return installed
+    per module, under its call's checkpoint if it has one); returns their paths. Refused,
+    changing nothing, when a module is already checkpointed by a plan."""
+    installation = prepare_checkpoints(model, specs)
+    for module in [f.module for f in installation.traced] + [m for m, _ in installation.calls]:
+        if isinstance(module.__dict__.get("forward"), Checkpointed | TracedForward):
+            raise ValueError(f"module {_path_of(model, module)!r} is already checkpointed by a "
+                             "plan; call planner.remove(model) first")
+    return installation.install()
 
 
-def _unplanned(model: nn.Module, path: str) -> nn.Module:
-    module = model.get_submodule(path)
-    if isinstance(module.__dict__.get("forward"), Checkpointed | TracedForward):
-        raise ValueError(f"module {path!r} is already checkpointed by a plan; call "
-                         "planner.remove(model) first")
-    return module
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    return next(path for path, m in model.named_modules() if m is module)
 
 
 def checkpointed_modules(model: nn.Module) -> dict[str, Checkpointed | TracedForward]:

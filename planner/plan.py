@@ -17,17 +17,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.sharding import Sharding, rank_problem
 from profiles.kernels import attention_kernels
 from profiles.schema import (
     Bytes,
+    FileFormatError,
     GraphProfile,
     Seconds,
     Shape,
     SignedMs,
     format_bytes,
+    read_model,
+    write_atomic,
 )
 from solvers.from_profile import op_range_name, op_range_targets
 from solvers.problem import Problem
@@ -46,6 +49,12 @@ DTYPES = frozenset({
 
 class PlanMismatchError(ValueError):
     """The plan was made for a different model, precision or input shapes."""
+
+
+class PlanMismatchWarning(UserWarning):
+    """A planned model runs outside what its plan guarantees (larger inputs, precision,
+    a changed model or forward); ``apply(..., strict=True)`` raises
+    :class:`PlanMismatchError` instead."""
 
 
 class InfeasibleBudgetError(ValueError):
@@ -164,6 +173,9 @@ class Plan(_Strict):
     profile: GraphProfile
     sharding: Sharding | None = Field(None, description="data-parallel training: the "
                                       "budget and every number are per rank")
+    host_budget_bytes: Bytes | None = Field(None, description="offload was allowed, within "
+                                            "this much host memory; None: not allowed, or "
+                                            "not recorded (files before it was)")
 
     @field_validator("schema_version")
     @classmethod
@@ -391,7 +403,7 @@ class Plan(_Strict):
     def _offload_lines(self) -> list[str]:
         offloads = self.offloads
         if not offloads:
-            return []
+            return self._no_offload_lines()
         link = self.problem().host_link
         lines = [f"  offload: {len(offloads)} module calls' saved activations, "
                  f"{format_bytes(self.offloaded_bytes)} to host memory and back "
@@ -405,6 +417,19 @@ class Plan(_Strict):
                          + (f" ({len(o.kept_nodes)} of them kept by its checkpoint)"
                             if o.kept_nodes else "") + f", back {_fetch_label(o)}")
         return lines
+
+    def _no_offload_lines(self) -> list[str]:
+        """Why a plan that was allowed to offload offloads nothing."""
+        if self.host_budget_bytes is None:
+            return []
+        if not self.checkpointing and self.unplanned_peak_bytes <= self.budget_bytes:
+            return ["  offload: allowed, none needed (the step fits the budget as it is)"]
+        if self.problem().host_link is None:
+            return [f"  offload: allowed, but no host link is known for "
+                    f"{self.profile.device} (profiles.devices): planned without offload"]
+        return [f"  offload: allowed (host budget {format_bytes(self.host_budget_bytes)}), "
+                "but no call is offloaded: no offload that fits was found faster than "
+                "checkpointing alone at this budget"]
 
     def _repr_html_(self) -> str:
         rows = "".join(
@@ -427,19 +452,21 @@ class Plan(_Strict):
             f"</tr>{rows}</table></div>")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.model_dump_json(indent=1))
+        """Write the plan as JSON, atomically: a save that fails or is killed part-way
+        leaves the file that was there whole (``profiles.schema.write_atomic``)."""
+        write_atomic(path, self.model_dump_json(indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan; a truncated or edited file raises ``ValueError`` (pydantic's
-        ``ValidationError`` for malformed fields) naming the field."""
-        plan = cls.model_validate_json(Path(path).read_text())
+        """Read a plan. A file that is not one (binary, not JSON, truncated, another kind
+        of file, an edited field out of bounds, a schedule its profile did not run) raises
+        ``FileFormatError`` (a ``ValueError``) naming the file and the field; a missing
+        file ``OSError``."""
+        plan = read_model(cls, path, "plan")
         try:
             plan.check()
         except ValueError as error:
-            if isinstance(error, ValidationError):
-                raise
-            raise ValueError(f"{path}: {error}") from error
+            raise FileFormatError(f"{path}: {error}") from error
         return plan
 
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from profiles.schema import ModuleCall, NodeProfile, TracedSegment
 
-__all__ = ["ChildrenAsLeaves", "trace_forward", "trace_segments", "traced_calls"]
+__all__ = ["ChildrenAsLeaves", "trace_forward", "trace_inputs", "trace_segments",
+           "traced_calls"]
 
 _COMPUTE = frozenset({"call_function", "call_method", "call_module"})
 
@@ -55,25 +56,51 @@ def _signature_problem(module: nn.Module) -> str:
 
 
 _MODULE_STATE = frozenset(vars(nn.Module()))  # parameters, buffers, children, hooks
+_PLAIN = (bool, int, float, str, bytes, type(None), tuple, frozenset)
 _TRACES: dict[tuple, fx.Graph | str] = {}  # by `_trace_key`: repeated blocks trace once
 _TRACES_KEPT = 256
 
 
+def trace_inputs(module: nn.Module) -> tuple:
+    """What a trace of ``module``'s forward follows from besides its children: the forward
+    function and its code, the module's own attributes (a float becomes a constant of the
+    graph, a flag picks a branch), plain attributes of its class and of its bases up to
+    ``nn.Module``, and the plain globals its forward names. Equal values trace alike; a
+    planned traced forward compares them at each training call (``planner.emit``)."""
+    cls = type(module)
+    forward = cls.forward
+    own = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                       if k not in _MODULE_STATE
+                       and not isinstance(v, torch.Tensor | nn.Module)))
+    bases = cls.__mro__[:cls.__mro__.index(nn.Module)] if nn.Module in cls.__mro__ else ()
+    shared = tuple((base.__qualname__, k, repr(v)) for base in bases
+                   for k, v in vars(base).items()
+                   if isinstance(v, _PLAIN) and not k.startswith("__"))
+    code = getattr(forward, "__code__", None)
+    names = getattr(forward, "__globals__", {})
+    read = tuple((n, repr(names[n])) for n in (code.co_names if code else ())
+                 if n in names and isinstance(names[n], _PLAIN))
+    return (forward, code, own, shared, read)
+
+
 def _trace_key(module: nn.Module) -> tuple | None:
-    """What a trace of ``module`` follows from: its class, its and its children's
-    configuration (``repr``) and its plain attributes; None when one of those prints as an
-    object's address (nothing then says two instances trace alike)."""
-    plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                         if k not in _MODULE_STATE
-                         and not isinstance(v, torch.Tensor | nn.Module)))
-    key = (type(module), repr(module), plain)
-    return None if " at 0x" in str(key) else key
+    """What a trace of ``module`` follows from (`trace_inputs`) and its and its children's
+    configuration (``repr``); None when an attribute prints as an object's address
+    (nothing then says two instances trace alike)."""
+    inputs = trace_inputs(module)
+    key = (type(module), repr(module), inputs)
+    return None if " at 0x" in str((key[1], inputs[2:])) else key
 
 
-def trace_forward(module: nn.Module) -> fx.Graph | str:
+def trace_forward(module: nn.Module, *, instance_forward_runs: bool = True) -> fx.Graph | str:
     """The fx graph of ``module``'s own forward in a training step (children as leaves), or
     why there is none. The same code traces to the same node names; a module that traces
-    like one traced before (`_trace_key`) shares its graph, which nobody edits."""
+    like one traced before (`_trace_key`) shares its graph, which nobody edits.
+    ``instance_forward_runs``: a forward set on the instance is what runs, so the class's
+    trace is not its program (False: the caller, a plan's own wrapper, runs the trace)."""
+    if instance_forward_runs and "forward" in vars(module):
+        return ("an instance-level forward replaces its class's (another library's hook, "
+                "or the user's), and a trace follows the class's")
     key = _trace_key(module)
     if key is not None and key in _TRACES:
         return _TRACES[key]

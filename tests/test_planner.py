@@ -6,7 +6,6 @@ import json
 import math
 import warnings
 
-import pydantic
 import pytest
 import torch
 from torch import nn
@@ -139,13 +138,13 @@ def test_plan_for_another_model_is_refused_and_larger_inputs_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.model(x[:4]).sum().backward()  # smaller: within what is planned
-    with pytest.warns(PlanMismatchWarning, match="planned for input"):
+    with pytest.warns(PlanMismatchWarning, match="larger than the planned"):
         model.model(torch.cat([x, x]))
     with pytest.warns(PlanMismatchWarning, match="autocast"), \
             torch.autocast("cpu", dtype=torch.bfloat16):
         model.model(x)
     apply(model.model, plan, strict=True)
-    with pytest.raises(PlanMismatchError, match="planned for input"):
+    with pytest.raises(PlanMismatchError, match="larger than the planned"):
         model.model(torch.cat([x, x]))
     with torch.no_grad():  # inference is not planned: no complaint
         model.model(torch.cat([x, x]))
@@ -170,7 +169,7 @@ def test_corrupt_or_edited_plan_files_name_the_field(tmp_path: object) -> None:
     plan.save(path)
     text = open(path).read()
     open(path, "w").write(text[: len(text) // 2])
-    with pytest.raises(pydantic.ValidationError):
+    with pytest.raises(ValueError, match=r"plan\.json"):
         Plan.load(path)
     recompute = next(i for i, r in enumerate(plan.schedule.regions) if r.is_recompute)
 

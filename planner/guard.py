@@ -1,0 +1,235 @@
+"""The planned model checks, at the start of each training step, that it is still the step
+its plan was made for: what ``apply`` installs on the root module as a forward pre-hook.
+
+Each check is cheap (one walk of the module tree, no hashing) and names the change it
+finds: inputs larger than planned, of another dtype or another value; another precision;
+gradients the plan did not count; parameters or buffers of another dtype, shape or device;
+modules replaced, added or removed; a plan checkpoint replaced by a forward set on the
+instance. A change warns once (:class:`PlanMismatchWarning`) or, ``strict``, raises
+:class:`PlanMismatchError`; ``planner.replan`` or ``optimize`` plans the model as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.plan import InputSpec, Plan, PlanMismatchError, PlanMismatchWarning, format_bytes
+
+__all__ = ["PlanGuard"]
+
+_Tensors = dict[str, tuple[tuple[int, ...], str, str]]  # name: (shape, dtype, device type)
+
+
+def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    return model.named_modules(remove_duplicate=False)
+
+
+def _tensors(model: nn.Module) -> _Tensors:
+    """Every parameter and buffer by name: shape, dtype and device type."""
+    prefix = {id(m): f"{path}." if path else "" for path, m in _walk(model)}
+    found: _Tensors = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    found[prefix[id(module)] + name] = (tuple(t.shape),
+                                                       str(t.dtype).removeprefix("torch."),
+                                                       t.device.type)
+    return found
+
+
+def _sharded(model: nn.Module) -> bool:
+    """FSDP2 swaps parameters between sharded and (mixed-precision) unsharded ones around
+    each forward: their dtype and device are its own, not the user's change."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _wraps(forward: Any, wrapper: Any, depth: int = 8) -> bool:
+    """Whether ``forward`` is ``wrapper`` or wraps it (``functools.wraps``' ``__wrapped__``,
+    accelerate's ``_old_forward``, a ``functools.partial``)."""
+    for _ in range(depth):
+        if forward is wrapper:
+            return True
+        forward = (getattr(forward, "__wrapped__", None) or getattr(forward, "func", None)
+                   or getattr(getattr(forward, "__self__", None), "_old_forward", None))
+        if forward is None:
+            return False
+    return False
+
+
+class PlanGuard:
+    """Forward pre-hook on a planned model: warns (or raises, ``strict``) when a training
+    step is not the step its plan was made for (module docstring)."""
+
+    def __init__(self, plan: Plan, model: nn.Module, device_type: str, strict: bool,
+                 restore_use_cache: list[Any], installed: dict[str, Any]) -> None:
+        self.inputs = list(plan.inputs)
+        self.autocast_dtype = plan.autocast_dtype
+        self.grads_at_start = plan.profile.static.grads_at_start
+        self.device_type = device_type
+        self.strict = strict
+        self.restore_use_cache = restore_use_cache
+        self.model_name = plan.model_name
+        self.budget = format_bytes(plan.budget_bytes)
+        self.modules = dict(_walk(model))
+        self.tensors = _tensors(model)
+        for_gpu = plan.profile.device.lower() != "cpu"
+        self.devices = {d for _, _, d in self.tensors.values()} | ({"cuda"} if for_gpu else set())
+        self.installed = [(path, model.get_submodule(path), wrapper)
+                          for path, wrapper in installed.items()]
+        self.names = _argument_names(model)
+        self._told: set[str] = set()
+
+    def _complain(self, message: str) -> None:
+        if self.strict:
+            raise PlanMismatchError(message)
+        if message not in self._told:
+            self._told.add(message)
+            warnings.warn(message, PlanMismatchWarning, stacklevel=4)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # inference is not planned; compiled graphs were checked when traced
+        self._check_inputs(args, kwargs)
+        self._check_precision()
+        self._check_grads(module)
+        if hasattr(self, "modules"):  # guards pickled before these checks have none
+            self._check_model(module)
+
+    # ------------------------------------------------------------------ the model
+
+    def _check_model(self, model: nn.Module) -> None:
+        changed = self._module_changes(model) or self._tensor_changes(model) \
+            or self._wrapper_changes()
+        if changed:
+            self._complain(
+                f"{self.model_name} changed after its plan was applied: {changed}. The plan's "
+                f"memory is not this model's, so the {self.budget} budget does not hold. Run "
+                "planner.optimize() on the model as it is now, then apply() that plan.")
+
+    def _module_changes(self, model: nn.Module) -> str:
+        now = dict(_walk(model))
+        if len(now) == len(self.modules) and all(
+                self.modules.get(path) is m for path, m in now.items()):
+            return ""
+        added = [p for p in now if p not in self.modules]
+        removed = [p for p in self.modules if p not in now]
+        replaced = [p for p, m in now.items() if p in self.modules and self.modules[p] is not m]
+        parts = [f"{what} {', '.join(repr(p) for p in paths[:3])}"
+                 + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+                 for what, paths in (("module replaced:", replaced), ("modules added:", added),
+                                     ("modules removed:", removed)) if paths]
+        return "; ".join(parts)
+
+    def _tensor_changes(self, model: nn.Module) -> str:
+        now = _tensors(model)
+        if now == self.tensors:
+            return ""
+        sharded = _sharded(model)
+        for name, (shape, dtype, device) in now.items():
+            was = self.tensors.get(name)
+            if was is None:
+                return f"{name!r} was added"
+            if shape != was[0]:
+                return f"{name!r} has shape {list(shape)}, planned {list(was[0])}"
+            if sharded:
+                continue
+            if dtype != was[1]:
+                return f"{name!r} is {dtype}, planned {was[1]} (e.g. .to(dtype) after apply)"
+            if device != was[2] and device not in self.devices:
+                return f"{name!r} is on {device}, planned on {was[2]}"
+        return ""
+
+    def _wrapper_changes(self) -> str:
+        for path, module, wrapper in self.installed:
+            if not _wraps(module.__dict__.get("forward"), wrapper):
+                return (f"the checkpoint of module {path or '<model>'!r} was replaced by a "
+                        "forward set on the instance")
+        return ""
+
+    # ------------------------------------------------------------------ the step
+
+    def _check_grads(self, module: nn.Module) -> None:
+        if getattr(self, "grads_at_start", True):  # planned with them (or pickled before)
+            return
+        if any(p.grad is not None for p in module.parameters() if p.requires_grad):
+            self._complain(
+                f"{self.model_name} starts a training step with .grad allocated (gradient "
+                "accumulation, or zero_grad(set_to_none=False)), but its plan counted "
+                f"gradients from the backward on: the {self.budget} budget does not hold. "
+                "Plan with optimize(..., grad_accumulation=True), or call "
+                "zero_grad() (set_to_none=True) before each step.")
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        planned = {(spec.keyword, spec.name): spec for spec in self.inputs}
+        names = getattr(self, "names", [])
+        given = [*(((False, str(k)), v) for k, v in enumerate(args)),
+                 *(((True, k), v) for k, v in kwargs.items())]
+        for key, value in given:
+            # planned as x=..., run as model(x), or the other way round
+            other = ((True, names[int(key[1])]) if int(key[1]) < len(names) else None) \
+                if not key[0] else ((False, str(names.index(key[1])))
+                                    if key[1] in names else None)
+            spec = planned.get(key) or planned.get(other)
+            change = _input_change(spec, value) if spec is not None else (
+                "" if value is None else "it was not given when planned")
+            if change:
+                self._complain(
+                    f"{self.model_name} runs with input {key[1]!r} where {change}: the "
+                    f"{self.budget} budget holds only for the inputs planned. Plan with "
+                    "these inputs (planner.optimize).")
+
+    def _check_precision(self) -> None:
+        enabled = self.device_type != "meta" and torch.amp.is_autocast_available(
+            self.device_type) and torch.is_autocast_enabled(self.device_type)
+        dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") \
+            if enabled else None
+        if dtype != self.autocast_dtype:
+            planned = f"autocast {self.autocast_dtype}" if self.autocast_dtype else "no autocast"
+            running = f"autocast {dtype}" if dtype else "no autocast"
+            self._complain(
+                f"{self.model_name} was planned under {planned} but runs under {running}: "
+                f"activations change size, so the {self.budget} budget does not hold. "
+                "Plan with optimize(..., autocast=...) matching how you train.")
+
+
+def _argument_names(model: nn.Module) -> list[str]:
+    """The names of the model's forward arguments, in order (none where it has no Python
+    signature)."""
+    try:
+        params = list(inspect.signature(type(model).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _input_change(spec: InputSpec, value: Any) -> str:
+    """How an input differs from the planned one, in words ('' when it does not)."""
+    if isinstance(value, torch.Tensor):
+        if spec.shape is None:
+            return f"it was {spec.value!r} when planned and is now a tensor"
+        shape = tuple(spec.shape)
+        if value.dim() != len(shape) or any(a > b for a, b in zip(value.shape, shape,
+                                                                  strict=True)):
+            return (f"it has shape {list(value.shape)}, larger than the planned "
+                    f"{list(shape)}")
+        dtype = str(value.dtype).removeprefix("torch.")
+        if spec.dtype is not None and dtype != spec.dtype:
+            return f"it is {dtype}, planned {spec.dtype}"
+        return ""
+    if spec.shape is not None:
+        return f"it was a tensor of shape {list(spec.shape)} when planned and is now {value!r}"
+    plain = value is None or isinstance(value, bool | int | float | str)
+    if plain and value != spec.value:
+        return f"it is {value!r}, planned {spec.value!r}"
+    return ""

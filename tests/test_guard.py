@@ -1,0 +1,247 @@
+"""A planned model runs what was planned, or says why not, at the step where it changes
+(planner.guard and the traced forwards of planner.emit): every change of the issue's list
+either leaves results and memory as planned, or warns naming it; never silent."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import profiles
+from planner import PlanMismatchError, PlanMismatchWarning, apply, remove
+from planner.api import _input_specs, measure_step, plan_for_schedule, structure_fingerprint
+from planner.emit import TracedForward, checkpointed_modules
+from profiles.inputs import normalize_inputs
+from profiles.traced import trace_forward
+from solvers import Schedule
+from solvers.from_profile import problem_from_profile
+
+
+class Scaled(nn.Module):
+    """A forward that reads a float, a flag and a class attribute: all baked into its trace."""
+
+    power = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.scale = 0.5
+        self.gelu = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * self.scale
+        h = F.gelu(h) if self.gelu else torch.tanh(h)
+        return self.b(h ** self.power)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Scaled()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 1, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = self.inner(x)
+        for _ in range(depth - 1):
+            h = self.inner(h)
+        return self.head(h if mask is None else h * mask)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _planned(span_name: str = "inner[mul..b]", **inputs: object) -> tuple[Net, tuple, object]:
+    """A Net planned to checkpoint one span (an op range of ``inner`` by default)."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(32, 16)
+    args, kwargs = normalize_inputs(model, {"x": x, **inputs})
+    prof = profiles.profile(model, kwargs, loss_fn=_loss, timing="estimate", progress=False)
+    problem = problem_from_profile(prof)
+    span = next(s for s in problem.module_spans if s.name == span_name)
+    plan = plan_for_schedule(prof, Schedule.from_segments(problem.n_nodes,
+                                                         [(span.start, span.stop)]),
+                             _input_specs(args, kwargs), structure_fingerprint(model))
+    return model, (x,), plan
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    _, loss, grads = measure_step(model, (x,), {}, _loss)
+    return loss, grads
+
+
+def _same(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> bool:
+    return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
+        torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def _unplanned_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    clone = copy.deepcopy(model)
+    remove(clone)
+    return _step(clone, x)
+
+
+# ----------------------------------------------------------------------------- traced forwards
+
+
+@pytest.mark.parametrize(("change", "value"), [("scale", 0.25), ("gelu", True)])
+def test_an_attribute_the_trace_read_changed_after_apply_is_traced_again(change: str,
+                                                                         value: object) -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    assert isinstance(model.inner.__dict__["forward"], TracedForward)
+    setattr(model.inner, change, value)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        planned = _step(model, x)
+    assert _same(planned, _unplanned_step(model, x))
+
+
+def test_a_class_attribute_changed_is_traced_again_and_not_shared_from_the_cache() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    before = trace_forward(Scaled())
+    try:
+        Scaled.power = 2
+        assert trace_forward(Scaled()) is not before
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            planned = _step(model, x)
+        assert _same(planned, _unplanned_step(model, x))
+    finally:
+        Scaled.power = 1
+
+
+def test_a_traced_module_in_eval_during_training_warns_and_stays_correct() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    model.inner.eval()
+    with pytest.warns(PlanMismatchWarning, match="eval"):
+        planned = _step(model, x)
+    assert _same(planned, _unplanned_step(model, x))
+
+
+def test_an_instance_forward_on_a_traced_module_is_honoured() -> None:
+    model, (x,), plan = _planned()
+    calls = []
+
+    def logged(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return type(model.inner).forward(model.inner, *args)
+
+    model.inner.forward = logged  # a library's hook set before apply
+    unplanned = _step(model, x)
+    apply(model, plan)
+    calls.clear()
+    with pytest.warns(PlanMismatchWarning, match="forward set on the instance"):
+        planned = _step(model, x)
+    assert calls and _same(planned, unplanned)
+
+
+def test_an_instance_forward_set_after_apply_warns() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    model.inner.forward = lambda h: type(model.inner).forward(model.inner, h)
+    with pytest.warns(PlanMismatchWarning, match="replaced by a forward set on the instance"):
+        _step(model, x)
+
+
+def test_a_forward_with_an_instance_forward_offers_no_op_ranges() -> None:
+    module = Scaled()
+    module.forward = module.forward
+    assert "instance-level forward" in trace_forward(module)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _quiet_step(model: nn.Module, x: torch.Tensor) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, x)
+
+
+def test_a_planned_model_that_did_not_change_does_not_warn() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    _quiet_step(model, x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        _quiet_step(clone, x)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda m: m.double(), "float64"),
+    (lambda m: setattr(m.inner, "b", nn.Linear(16, 16)), "module replaced: 'inner.b'"),
+    (lambda m: setattr(m.inner.a, "adapter", nn.Linear(16, 16)),
+     "modules added: 'inner.a.adapter'"),
+    (lambda m: m.head.register_buffer("extra", torch.zeros(4096)), "'head.extra' was added"),
+])
+def test_a_model_changed_after_apply_warns_naming_the_change(change: object, named: str) -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    change(model)
+    with pytest.warns(PlanMismatchWarning, match="changed after its plan") as caught:
+        model(x.to(next(model.parameters()).dtype)).sum().backward()
+    assert any(named in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"depth": 4}, "'depth' where it is 4, planned 1"),
+    ({"mask": torch.ones(32, 16)}, "'mask' where it was None when planned"),
+    ({"x": torch.randn(32, 16, dtype=torch.float64)}, "float64"),
+])
+def test_inputs_of_another_value_or_dtype_warn(kwargs: dict, named: str) -> None:
+    model, (x,), plan = _planned(depth=1, mask=None)
+    apply(model, plan)
+    model.double() if "x" in kwargs else None
+    with pytest.warns(PlanMismatchWarning) as caught:
+        model(**{"x": x, **kwargs}).sum().backward()
+    assert any(named in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_strict_raises_on_a_changed_model() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan, strict=True)
+    model.inner.b = nn.Linear(16, 16)
+    with pytest.raises(PlanMismatchError, match="module replaced"):
+        model(x)
+
+
+# ----------------------------------------------------------------------------- apply
+
+
+def test_a_refused_apply_keeps_the_plan_already_installed() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    installed = checkpointed_modules(model)
+    region = next(r for r in plan.schedule.regions if r.is_recompute)
+    gone = region.model_copy(update={"target": region.target.model_copy(
+        update={"first": "gone"})})
+    edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={
+        "regions": tuple(gone if r is region else r for r in plan.schedule.regions)})})
+    with pytest.raises(PlanMismatchError, match="gone"):
+        apply(model, edited)
+    assert checkpointed_modules(model) == installed
+    _quiet_step(model, x)
+
+
+def test_an_edited_plan_naming_another_module_is_refused_by_name() -> None:
+    model, _, plan = _planned("inner.b")
+    region = next(r for r in plan.schedule.regions if r.is_recompute)
+    moved = region.model_copy(update={"target": region.target.model_copy(
+        update={"path": "head"})})
+    edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={
+        "regions": tuple(moved if r is region else r for r in plan.schedule.regions)})})
+    with pytest.raises(PlanMismatchError, match="'head'"):
+        apply(model, edited)
+    assert not checkpointed_modules(model)
