@@ -15,6 +15,14 @@ input save comes before the pause, so a checkpoint inside an offloaded call move
 ("offloaded checkpointing"); and on torch >= 2.14 the outputs a top-level checkpoint keeps
 (SAC's cache, packed through the hooks around the checkpoint) move too.
 
+The hooks of a call are pushed on the thread's saved-tensor-hook stack by its pre-hook and
+taken off by its forward hook, which torch also calls when the forward raises an
+`Exception`. A `KeyboardInterrupt` (any `BaseException`) skips it: the pushed pack hook then
+finds its call's frame gone from the stack, moves nothing and takes itself off, and the next
+offloaded call or step closes whatever the interrupted forward left open. Bookkeeping lives
+as long as the saves it is for: a step whose backward never runs (a loss computed and
+dropped) leaves nothing behind once its graph is freed.
+
 On a machine without a GPU the same hooks run, with host and device one memory: copies are
 synchronous, and host buffers are made inside `measure.host_memory()`, so `PeakTracker`
 counts them as host memory, not as the device's.
@@ -28,8 +36,9 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -93,6 +102,16 @@ class _Copy:
 
 
 @dataclass(eq=False)
+class _OpenCall:
+    """An offloaded module call between its pre-hook and its forward hook, on one thread:
+    the frame of its `Module._call_impl` (on the stack exactly while the call runs) and the
+    pack hook it pushed (None: nothing pushed, inside a checkpoint)."""
+
+    frame: FrameType | None
+    pack: Callable[[torch.Tensor], Any] | None = None
+
+
+@dataclass(eq=False)
 class _Handle:
     """What autograd holds for one save: the copy and the view of its storage."""
 
@@ -101,6 +120,50 @@ class _Handle:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+
+def _on_stack(frame: FrameType) -> bool:
+    """Whether ``frame`` is running on this thread (an offloaded call's pack hook runs
+    inside the call, a few frames below it)."""
+    current = sys._getframe(2)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
+def _close(call: _OpenCall) -> None:
+    """Take a call's pack hook off this thread's saved-tensor-hook stack: the top, or from
+    under hooks pushed after it (which go back in their order). The frame is dropped: saves
+    hold the pack hook, and must not hold the call's locals."""
+    if call.pack is not None:
+        above = []
+        while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            if top[0] is call.pack:
+                break
+            above.append(top)
+        for pack, unpack in reversed(above):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    call.frame = call.pack = None
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _call_frame() -> FrameType:
+    """The frame of the `Module._call_impl` that called the hook calling this: it holds
+    from the call's pre-hooks to its forward hooks, also those torch calls after the
+    forward raised. (A module class with its own call: the hook's caller.)"""
+    caller = frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            break
+        if frame.f_code is _CALL_IMPL:
+            return frame
+        frame = frame.f_back
+    return caller
 
 
 class OffloadHooks:
@@ -114,12 +177,12 @@ class OffloadHooks:
 
     def _reset(self) -> None:
         self.step = 0
+        self._thread = threading.local()  # `open_calls`, as torch's hook stack: per thread
         self.static: set[StorageWeakRef] = set()
         # weak: a copy lives as long as the saves that hold its handles, not a step longer
         self.copies: dict[StorageWeakRef, weakref.ref[_Copy]] = {}
         self.groups: dict[tuple[int, int], list[weakref.ref]] = {}
         self.fetched: set[tuple[int, int]] = set()
-        self.active: list[Any] = []
         self.streams: dict[str, Any] = {}
         self.pending: list[_Copy] = []  # copies out that still hold their device bytes
 
@@ -133,34 +196,71 @@ class OffloadHooks:
     # ------------------------------------------------------------ forward
 
     def new_step(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Root pre-hook: parameters, buffers and inputs are never moved."""
+        """Root pre-hook: parameters, buffers and inputs are never moved. What an earlier
+        step left is dropped: calls an interrupt left open, and the bookkeeping of copies
+        no graph holds any more (a step without a backward frees them with its graph)."""
+        self._close_stale()
         if not torch.is_grad_enabled():
             return
         self.step += 1
         self.copies = {ref: c for ref, c in self.copies.items()
                        if not ref.expired() and c() is not None}
+        self.groups = {group: live for group, refs in self.groups.items()
+                       if (live := [ref for ref in refs if ref() is not None])}
         self.fetched = {key for key in self.fetched if key[0] == self.step - 1}
         tensors = [*model.parameters(), *model.buffers(),
                    *(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
         self.static = {StorageWeakRef(t.untyped_storage()) for t in tensors
                        if t.layout == torch.strided and t.device.type != "meta"}
 
-    def enter(self, k: int) -> None:
-        """Pre-hook of the k-th offloaded call (inside a checkpoint, forward or rerun,
-        nothing: the checkpoint's hooks take the saves)."""
-        hooks = None
-        if not getattr(_state, "paused", 0):
-            hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self.pack(t, (self.step, k)), self.unpack)
-            hooks.__enter__()
-        self.active.append(hooks)
+    def open_calls(self) -> list[_OpenCall]:
+        """The offloaded calls running on this thread, outermost first."""
+        if not hasattr(self._thread, "calls"):
+            self._thread.calls = []
+        return self._thread.calls
 
-    def leave(self) -> None:
-        """Forward hook (always called) of an offloaded call."""
-        hooks = self.active.pop() if self.active else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+    def enter(self, k: int, frame: FrameType) -> None:
+        """Pre-hook of the k-th offloaded call, whose `Module._call_impl` runs in ``frame``
+        (inside a checkpoint, forward or rerun, nothing is pushed: the checkpoint's hooks
+        take the saves)."""
+        self._close_stale()
+        call = _OpenCall(frame)
+        self.open_calls().append(call)  # before the push: an interrupt finds it
+        if getattr(_state, "paused", 0):
+            return
+        group = (self.step, k)
+
+        def pack(t: torch.Tensor) -> Any:
+            if call.frame is None or not _on_stack(call.frame):  # interrupted: inert
+                self._close_stale()
+                return t
+            return self.pack(t, group)
+
+        call.pack = pack
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, self.unpack)
+
+    def leave(self, frame: FrameType) -> None:
+        """Forward hook (always called, also when the forward raised an `Exception`) of
+        an offloaded call whose `Module._call_impl` runs in ``frame``; a call whose
+        pre-hook pushed nothing (no grad) has nothing open."""
+        self._close_stale()
+        calls = self.open_calls()
+        if calls and calls[-1].frame is frame:
+            _close(calls.pop())
         self._release_sources()
+
+    def _close_stale(self) -> None:
+        """Close this thread's calls whose frame has left the stack: a `BaseException`
+        other than `Exception` skipped their forward hooks."""
+        calls = self.open_calls()
+        if not calls:
+            return
+        frame, running = sys._getframe(1), set()
+        while frame is not None:
+            running.add(id(frame))
+            frame = frame.f_back
+        while calls and id(calls[-1].frame) not in running:
+            _close(calls.pop())
 
     def _movable(self, t: torch.Tensor) -> bool:
         """An activation: not a parameter or a view of one (FSDP2's all-gathered weights
@@ -289,20 +389,34 @@ class _Enter:
             return
         if _under_compile():
             raise RuntimeError(COMPILE_REFUSED)
-        self.hooks.enter(self.k)
+        self.hooks.enter(self.k, _call_frame())
 
 
 def _under_compile() -> bool:
-    """Inside torch.compile: tracing, or running eagerly after a graph break (a
-    compiled module's frame is still on the stack)."""
+    """Inside torch.compile: tracing, or running eagerly after a graph break (a frame of
+    a compiled function or module is still on the stack). torch.compiler.disable, and the
+    checkpoints that disable dynamo around themselves (torch.utils.checkpoint,
+    checkpoint_wrapper), leave frames of the same file that compile nothing."""
     if torch.compiler.is_compiling():
         return True
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.endswith(_EVAL_FRAME):
+        if frame.f_code.co_filename.endswith(_EVAL_FRAME) and _compiles(frame):
             return True
         frame = frame.f_back
     return False
+
+
+def _compiles(frame: FrameType) -> bool:
+    """Whether a frame of dynamo's eval_frame.py runs compiled code: a compile wrapper, or
+    a method of a dynamo context or an `OptimizedModule` whose callback compiles
+    (`DisableContext`'s is None)."""
+    if frame.f_code.co_name == "compile_wrapper":
+        return True
+    names = frame.f_locals
+    owner = names.get("self")
+    context = getattr(owner, "dynamo_ctx", owner)
+    return callable(names.get("callback", getattr(context, "callback", None)))
 
 
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
@@ -313,8 +427,8 @@ class _Leave:
         self.hooks = hooks
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.hooks.leave()
+        if not torch.compiler.is_compiling():
+            self.hooks.leave(_call_frame())
 
 
 class _Prefetch:

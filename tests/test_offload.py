@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -400,3 +401,162 @@ def test_offloaded_calls_recompute_the_pieces_that_are_cheap_to_rerun() -> None:
                                                  for r in schedule.regions),
                                    offloads=schedule.offloads))
     assert without.peak_bytes > budget or without.added_time_ms > timeline.added_time_ms
+
+
+# ------------------------------------------------------------------ robust hooks
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[zoo.ZooModel, ProfiledStep]:
+    model = zoo.get("gpt", size="tiny")
+    return model, profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                                timing="estimate", device="cpu", progress=False)
+
+
+def _loss_and_grads(module: torch.nn.Module, model: zoo.ZooModel) -> tuple[torch.Tensor, dict]:
+    """One training step of ``module`` (``model.model``, or a wrapper of it) on the
+    model's inputs: its loss and gradients (by parameter of ``model.model``)."""
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    names = {p: n for n, p in model.model.named_parameters()}
+    torch.manual_seed(0)
+    loss = model.loss_fn(module(*args, **kwargs))
+    loss.backward()
+    grads = {names[p]: p.grad.clone() for p in model.model.parameters() if p.grad is not None}
+    model.model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _offload_hooks(model: torch.nn.Module):
+    """The `OffloadHooks` an applied plan installed on ``model``."""
+    return next(h.hooks for m in model.modules() for h in m._forward_pre_hooks.values()
+                if hasattr(h, "hooks"))
+
+
+def _top_hooks() -> tuple | None:
+    """The (pack, unpack) pair on top of this thread's saved-tensor-hook stack."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _ok_after_plain_step() -> None:
+    """A plain, unplanned model keeps its saved tensors where they are (none moves to host
+    memory), and no saved-tensor hook is left on the thread afterwards."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    out = plain[1](plain[0](torch.randn(4, 8)))
+    assert out.grad_fn._saved_result.data_ptr() == out.data_ptr()  # not a copy
+    plain[2](out).sum().backward()
+    assert _top_hooks() is None
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_error_inside_an_offloaded_call_leaves_no_hook_and_the_next_step_is_exact(
+        tiny, error: type[BaseException]) -> None:
+    model, step = tiny
+    plan = _plan(step, "alone")
+    state = {k: v.clone() for k, v in model.model.state_dict().items()}
+    _, base_loss, base_grads = _step(model)
+    model.model.load_state_dict(state)
+    assert _top_hooks() is None
+    apply(model.model, plan)
+    attn = model.model.get_submodule("blocks.0.attn")  # inside offloaded blocks.0
+
+    def interrupt(module, args, output) -> None:
+        raise error("stop")
+
+    handle = attn.register_forward_hook(interrupt)
+    try:
+        args, kwargs = normalize_inputs(model.model, model.example_inputs)
+        with pytest.raises(error, match="stop"):
+            model.model(*args, **kwargs)
+        handle.remove()
+        hooks = _offload_hooks(model.model)
+        copies = len(hooks.copies)
+        assert copies  # it was moving blocks.0's saves when interrupted
+        _ok_after_plain_step()
+        assert len(hooks.copies) == copies  # the plain model moved nothing
+        assert not hooks.open_calls()
+        peak, loss, grads = _step(model)  # the next step of the planned model, as planned
+        assert _top_hooks() is None and not hooks.open_calls()
+    finally:
+        handle.remove()
+        remove(model.model)
+        model.model.load_state_dict(state)
+    assert 0 <= plan.predicted_peak_bytes - peak <= 1e-4 * peak
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(base_grads[k], grads[k]) for k in grads)
+
+
+def test_forwards_without_a_backward_leave_bounded_bookkeeping(tiny) -> None:
+    model, step = tiny
+    apply(model.model, _plan(step, "alone"))
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    try:
+        hooks = _offload_hooks(model.model)
+
+        def held() -> int:
+            return (len(hooks.groups) + sum(map(len, hooks.groups.values()))
+                    + len(hooks.copies) + len(hooks.fetched) + len(hooks.pending))
+
+        sizes = []
+        for _ in range(8):  # a loss computed and dropped, as validation with grad on
+            model.loss_fn(model.model(*args, **kwargs))
+            sizes.append(held())
+        assert sizes[1] > 0 and max(sizes[1:]) == sizes[1]
+        model.loss_fn(model.model(*args, **kwargs)).backward()  # and training goes on
+    finally:
+        remove(model.model)
+        model.model.zero_grad(set_to_none=True)
+
+
+class _UnderCheckpoint(torch.nn.Module):
+    """``inner`` under plain non-reentrant `torch.utils.checkpoint.checkpoint`."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False,
+                                                 **kwargs)
+
+
+def _wrapped(how: str, model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """``model`` run another way than torch.compile; and how to undo it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if how == "checkpoint":
+        return _UnderCheckpoint(model), None
+    if how == "checkpoint_wrapper":
+        return checkpoint_wrapper(model), None
+    if how == "compiler.disable":
+        return torch.compiler.disable(model), None
+    assert how == "compiler.disable on its forward"
+    model.forward = torch.compiler.disable(model.forward)
+    return model, lambda: model.__dict__.pop("forward")
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper", "compiler.disable",
+                                 "compiler.disable on its forward"])
+def test_checkpoint_and_compiler_disable_around_an_offload_plan_run_exactly(tiny,
+                                                                           how: str) -> None:
+    model, step = tiny
+    plan = _plan(step, "alone")
+
+    def run() -> tuple[torch.Tensor, dict]:
+        wrapped, undo = _wrapped(how, model.model)
+        try:
+            return _loss_and_grads(wrapped, model)
+        finally:
+            if undo is not None:
+                undo()
+
+    base_loss, base_grads = run()
+    apply(model.model, plan)
+    try:
+        loss, grads = run()
+        hooks = _offload_hooks(model.model)
+        assert hooks.copies and not hooks.open_calls() and _top_hooks() is None
+    finally:
+        remove(model.model)
+    assert torch.equal(loss, base_loss)
+    assert base_grads.keys() == grads.keys()
+    assert all(torch.equal(base_grads[k], grads[k]) for k in grads)
