@@ -319,6 +319,7 @@ class Plan(_Strict):
                              f"profile has {len(self.profile.nodes)}")
         calls = {(c.start, c.stop, c.path) for c in self.profile.module_calls}
         ranges = op_range_targets(self.profile)
+        checkpointed: dict[str, int] = {}
         for k, region in enumerate(self.schedule.recompute_regions()):
             where = f"schedule: checkpoint {k} [{region.start}, {region.stop})"
             target = region.target
@@ -332,6 +333,12 @@ class Plan(_Strict):
             elif (region.start, region.stop, target.path) not in calls:
                 raise ValueError(f"{where}: its target, module {target.path!r}, did "
                                  "not run these nodes in the profile")
+            elif target.path in checkpointed:
+                raise ValueError(f"{where}: module {target.path!r} is checkpointed by "
+                                 f"checkpoint {checkpointed[target.path]} too; one forward runs "
+                                 "both of its calls, so it can carry one checkpoint")
+            else:
+                checkpointed[target.path] = k
         for k, off in enumerate(self.schedule.offloads):
             spans = [((off.start, off.stop), off.target, "target")]
             if off.prefetch is not None:

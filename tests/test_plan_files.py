@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from planner import Plan, PlanMismatchError, apply, optimize, remove, zoo
 from planner.api import region_specs
@@ -284,3 +285,26 @@ def test_a_plan_allowed_to_offload_says_why_it_offloads_nothing(plan: Plan,
     del data["host_budget_bytes"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert Plan.load(tmp_path / "old.json") == plan
+
+
+def test_a_plan_file_checkpointing_both_calls_of_one_module_is_refused_by_name(
+        tmp_path: Path) -> None:
+    """One forward runs both calls of a module used twice: it carries one checkpoint, so a
+    plan (an edited file) that checkpoints both is refused on load, naming the module."""
+    from planner.api import _input_specs, plan_for_schedule, structure_fingerprint
+    from profiles import profile
+    from solvers import Schedule
+
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh())
+    x = torch.randn(64, 32)
+    prof = profile(model, (x,), loss_fn=lambda o: o.square().mean(), timing="estimate",
+                   progress=False)
+    calls = [(c.start, c.stop) for c in prof.module_calls if c.path == "0"]
+    assert len(calls) == 2
+    plan = plan_for_schedule(prof, Schedule.from_segments(len(prof.nodes), calls),
+                             _input_specs((x,), {}), structure_fingerprint(model))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    with pytest.raises(ValueError, match="module '0' is checkpointed by checkpoint 0 too"):
+        Plan.load(path)
