@@ -123,3 +123,16 @@ def test_infeasible_error_names_the_space_its_minimum_is_proven_over() -> None:
         solve(step, budget_bytes=lowest.peak_bytes - 1, time_limit_s=10.0)
     assert "least peak of non-overlapping module calls" in str(caught.value)
     assert caught.value.min_budget_bytes == lowest.peak_bytes
+
+
+def test_changes_after_apply_hold_or_warn_on_a_real_model() -> None:
+    """The change-after-apply dimension (benchmarks/conformance_after_apply.py) on the U-Net:
+    each change either holds (identical to the unplanned model, within budget) or warns."""
+    from conformance_after_apply import CHANGES
+    from conformance_after_apply import check_case as check_changes
+
+    case = next(c for c in CASES if c.name.startswith("U-Net"))
+    rows = check_changes(case, time_limit_s=10.0)
+    assert [r.change for r in rows] == list(CHANGES)
+    assert all(r.ok for r in rows), [(r.change, r.outcome, r.detail) for r in rows]
+    assert {r.outcome for r in rows} - {"n/a"}  # something was changed and judged
