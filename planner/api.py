@@ -7,6 +7,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import statistics
 import time
 import warnings
@@ -238,6 +239,7 @@ def profile_model(
         raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2': how "
                          "each rank holds the model decides its memory")
     _refuse_existing_checkpointing(model)
+    toy_batch = example_inputs is None
     args, kwargs = normalize_inputs(model, example_inputs)
     if autocast is None:
         autocast = _ambient_autocast(_model_device(model).type)
@@ -255,6 +257,10 @@ def profile_model(
                      "was in eval mode; call model.train() before training with it.")
         log.warning("%s is in eval mode; planning its training step (train() mode)",
                     type(model).__name__)
+    if toy_batch:
+        notes.append("Planned for the model's own example batch (a toy batch, "
+                     f"{_batch_shapes(args, kwargs)}), not one it trains on: pass "
+                     "example_inputs shaped like one real training batch.")
     if cache_off:
         notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
                      "apply() turns it off.")
@@ -269,23 +275,46 @@ def profile_model(
                         tuple(notes))
 
 
-UNTRACED_LINES = 6  # module types the note names one by one; the rest are counted
+def _batch_shapes(args: tuple, kwargs: dict) -> str:
+    named = [*enumerate(args), *kwargs.items()]
+    return ", ".join(f"{name} {list(v.shape)}" for name, v in named
+                     if isinstance(v, torch.Tensor)) or "no tensors"
+
+
+_OPTIONAL = r"argument '([^']*)' is optional"
+_OPTIONAL_ANY = "<optional arguments>"
+UNTRACED_LINES = 6  # module types the note names per reason; the rest are counted
 
 
 def _untraced_note(prof: GraphProfile) -> list[str]:
     """Which modules offer module-call regions only (their forward is not traced, or not
-    as it ran), one line per module type and reason; nothing when every one traced."""
-    reasons: Counter[tuple[str, str]] = Counter(
-        (call.module_type, call.untraced) for call in prof.module_calls if call.untraced)
-    if not reasons:
+    as it ran): one sentence per reason, naming the module types it holds for (optional
+    arguments, the usual reason in Hugging Face models, are one reason whatever their
+    names); nothing when every one traced."""
+    by_reason: dict[str, Counter[str]] = {}
+    optional: dict[str, None] = {}  # argument names, in order met
+    for call in prof.module_calls:
+        if call.untraced:
+            found = re.search(_OPTIONAL, call.untraced)
+            if found:
+                optional[found.group(1)] = None
+            reason = re.sub(_OPTIONAL, _OPTIONAL_ANY, call.untraced)
+            by_reason.setdefault(reason, Counter())[call.module_type] += 1
+    if not by_reason:
         return []
     traced = sum(1 for call in prof.module_calls if call.traced)
-    lines = [f"{kind} ({count} call{'s' * (count > 1)}): {why}."
-             for (kind, why), count in sorted(reasons.items(), key=lambda kv: -kv[1])]
-    more = len(lines) - UNTRACED_LINES
-    shown = lines[:UNTRACED_LINES] + ([f"and {more} more module types."] if more > 0 else [])
+    names = ", ".join(repr(name) for name in optional)
+    lines = []
+    for reason, kinds in sorted(by_reason.items(), key=lambda kv: -sum(kv[1].values())):
+        reason = reason.replace(_OPTIONAL_ANY, f"argument {names} is optional"
+                                if len(optional) == 1 else f"arguments {names} are optional")
+        named = [f"{kind} ({count} call{'s' * (count > 1)})"
+                 for kind, count in kinds.most_common(UNTRACED_LINES)]
+        more = len(kinds) - UNTRACED_LINES
+        lines.append(f"{', '.join(named)}{f' and {more} more types' if more > 0 else ''}: "
+                     f"{reason}.")
     return [f"Op ranges inside a forward (torch.fx): {traced} module calls traced; these "
-            "offer module-call regions only: " + " ".join(shown)]
+            "offer module-call regions only: " + " ".join(lines)]
 
 
 def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
