@@ -69,3 +69,20 @@ def test_declared_markers_are_used() -> None:
             for m in re.findall(r"pytest\.mark\.(\w+)", path.read_text())}
     assert set(declared) <= used, f"declared in pyproject.toml, used by no test: " \
         f"{sorted(set(declared) - used)}"
+
+
+def test_every_library_module_has_its_tests_findable() -> None:
+    """A newcomer finds a module's tests by its name: ``test_<module>.py``
+    (``test_solvers_<module>.py``), or the module's line in ``tests/README.md``."""
+    root = TESTS.parent
+    index = (TESTS / "README.md").read_text().replace("\\_", "_")
+    missing = []
+    for package in ("planner", "profiles", "solvers"):
+        for module in sorted((root / package).glob("*.py")):
+            if module.name == "__init__.py":
+                continue
+            stem = f"solvers_{module.stem}" if package == "solvers" else module.stem
+            if not (TESTS / f"test_{stem}.py").exists() and \
+                    f"| {package}/{module.name} |" not in index:
+                missing.append(f"{package}/{module.name}")
+    assert not missing, f"modules whose tests a newcomer cannot find: {missing}"
