@@ -182,7 +182,7 @@ class PlanGuard:
                                     if key[1] in names else None)
             spec = planned.get(key) or planned.get(other)
             change = _input_change(spec, value) if spec is not None else (
-                "" if value is None else "it was not given when planned")
+                "it was not given when planned" if _may_change_the_step(value) else "")
             if change:
                 self._complain(
                     f"{self.model_name} runs with input {key[1]!r} where {change}: the "
@@ -201,6 +201,15 @@ class PlanGuard:
                 f"{self.model_name} was planned under {planned} but runs under {running}: "
                 f"activations change size, so the {self.budget} budget does not hold. "
                 "Plan with optimize(..., autocast=...) matching how you train.")
+
+
+def _may_change_the_step(value: Any) -> bool:
+    """Whether an input not given when planning can change the step's memory: a tensor of
+    more than one element (labels, a mask), or a switch turned on (``output_attentions=
+    True``); a count (the HF Trainer's ``num_items_in_batch``) or a None cannot."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 1
+    return value is True
 
 
 def _argument_names(model: nn.Module) -> list[str]:

@@ -245,3 +245,13 @@ def test_an_edited_plan_naming_another_module_is_refused_by_name() -> None:
     with pytest.raises(PlanMismatchError, match="'head'"):
         apply(model, edited)
     assert not checkpointed_modules(model)
+
+
+def test_inputs_not_given_when_planned_warn_when_they_can_change_the_step() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a count or a None cannot (HF Trainer's extras)
+        model(x, mask=None).sum().backward()
+    with pytest.warns(PlanMismatchWarning, match="'mask' where it was not given"):
+        model(x, mask=torch.ones(32, 16)).sum().backward()
