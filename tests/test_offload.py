@@ -246,6 +246,8 @@ def test_a_host_budget_too_small_is_a_clear_error(gpt) -> None:
     with pytest.raises(ValueError, match="host_budget_gb must be"):
         optimize(model.model, model.example_inputs, budget_gb=1.0, offload=True,
                  host_budget_gb=-1.0)
+    with pytest.raises(ValueError, match="more than 2\\*\\*60 bytes"):  # was OverflowError
+        solve(step, budget_bytes=10**9, offload=True, host_budget_gb=1e300)
 
 
 def test_remove_takes_the_hooks_off_and_a_planned_model_round_trips(gpt, tmp_path) -> None:
