@@ -426,7 +426,8 @@ class TracedForward:
         return ""
 
     def _fall_back(self, why: str, args: tuple, kwargs: dict) -> Any:
-        message = (f"module {self.specs[0].label.split(' ops ')[0]}: {why}; its planned op "
+        path = self.specs[0].path
+        message = (f"module {repr(path) if path else '<model>'}: {why}; its planned op "
                    "ranges cannot run, so its whole call runs under one checkpoint (results "
                    "as unplanned; memory and time differ from the plan's). Run "
                    "planner.optimize() again on the model as it now trains.")
