@@ -148,7 +148,8 @@ class PlanGuard:
                 return f"{name!r} is {dtype}, planned {was[1]} (e.g. .to(dtype) after apply)"
             if device != was[2] and device not in self.devices:
                 return f"{name!r} is on {device}, planned on {was[2]}"
-        return ""
+        gone = [name for name in self.tensors if name not in now]
+        return f"{gone[0]!r} was removed" if gone else ""
 
     def _wrapper_changes(self) -> str:
         for path, module, wrapper in self.installed:
