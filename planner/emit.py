@@ -375,10 +375,11 @@ class TracedForward:
         self.whole = _Checkpoint(module, RegionSpec(specs[0].path, frozenset(), buffers))
         self._program = program
         self._inputs = trace_inputs(module) if program is not None else None
+        self._same_in_eval: bool | None = None  # eval() traces to the program (None: unknown)
         self._told: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_program": None, "_inputs": None}
+        return {**self.__dict__, "_program": None, "_inputs": None, "_same_in_eval": None}
 
     @property
     def checked(self) -> bool:
@@ -407,23 +408,32 @@ class TracedForward:
         when what the trace followed from changed."""
         if self.inner is not None:
             return "a forward set on the instance runs instead of the class's traced one"
-        if not self.module.training:
-            return "it is in eval() mode in a training step, and its op ranges were planned " \
-                   "for train()"
         program = self.program()
         now = trace_inputs(self.module)
-        if now == self._inputs:
-            return ""
-        try:
-            fresh = _traced_program(self.module, self.specs)
-        except PlanMismatchError as error:
-            return f"its forward changed since it was planned ({error})"
-        self._inputs = now
-        if fresh.code != program.code:
-            self._program = fresh
-            self.checked = False  # the next calls compare their op streams with the plan's
-            log.info("%s: traced again after its attributes or code changed", self)
+        if now != self._inputs:
+            try:
+                fresh = _traced_program(self.module, self.specs)
+            except PlanMismatchError as error:
+                return f"its forward changed since it was planned ({error})"
+            self._inputs, self._same_in_eval = now, None
+            if fresh.code != program.code:
+                self._program = program = fresh
+                self.checked = False  # the next calls compare their op streams with the plan's
+                log.info("%s: traced again after its attributes or code changed", self)
+        if not self.module.training and not self._eval_runs(program):
+            return "it is in eval() mode in a training step, where its forward runs other " \
+                   "ops than the train() forward its op ranges were planned in"
         return ""
+
+    def _eval_runs(self, program: _Program) -> bool:
+        """Whether the module's forward in eval() traces to ``program`` (a forward that
+        never reads ``self.training``): its ranges then run as planned. Traced once per
+        set of trace inputs."""
+        if self._same_in_eval is None:
+            graph = trace_forward(self.module, instance_forward_runs=False, training=False)
+            self._same_in_eval = not isinstance(graph, str) and \
+                graph.python_code("self").src == program.code
+        return self._same_in_eval
 
     def _fall_back(self, why: str, args: tuple, kwargs: dict) -> Any:
         path = self.specs[0].path

@@ -70,7 +70,7 @@ def trace_inputs(module: nn.Module) -> tuple:
     cls = type(module)
     forward = cls.forward
     own = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                       if k not in _MODULE_STATE
+                       if k not in _MODULE_STATE and k != "forward"  # a plan's wrapper
                        and not isinstance(v, torch.Tensor | nn.Module)))
     bases = cls.__mro__[:cls.__mro__.index(nn.Module)] if nn.Module in cls.__mro__ else ()
     shared = tuple((base.__qualname__, k, repr(v)) for base in bases
@@ -92,19 +92,22 @@ def _trace_key(module: nn.Module) -> tuple | None:
     return None if " at 0x" in str((key[1], inputs[2:])) else key
 
 
-def trace_forward(module: nn.Module, *, instance_forward_runs: bool = True) -> fx.Graph | str:
+def trace_forward(module: nn.Module, *, instance_forward_runs: bool = True,
+                  training: bool = True) -> fx.Graph | str:
     """The fx graph of ``module``'s own forward in a training step (children as leaves), or
     why there is none. The same code traces to the same node names; a module that traces
     like one traced before (`_trace_key`) shares its graph, which nobody edits.
     ``instance_forward_runs``: a forward set on the instance is what runs, so the class's
-    trace is not its program (False: the caller, a plan's own wrapper, runs the trace)."""
+    trace is not its program (False: the caller, a plan's own wrapper, runs the trace).
+    ``training``: the module's own flag while tracing (False: its forward in eval())."""
     if instance_forward_runs and "forward" in vars(module):
         return ("an instance-level forward replaces its class's (another library's hook, "
                 "or the user's), and a trace follows the class's")
     key = _trace_key(module)
+    key = None if key is None else (*key, training)
     if key is not None and key in _TRACES:
         return _TRACES[key]
-    found = _trace(module)
+    found = _trace(module, training)
     if key is not None:
         if len(_TRACES) >= _TRACES_KEPT:
             _TRACES.pop(next(iter(_TRACES)))
@@ -112,12 +115,12 @@ def trace_forward(module: nn.Module, *, instance_forward_runs: bool = True) -> f
     return found
 
 
-def _trace(module: nn.Module) -> fx.Graph | str:
+def _trace(module: nn.Module, training: bool) -> fx.Graph | str:
     problem = _signature_problem(module)
     if problem:
         return problem
-    training = module.training
-    module.training = True  # the forward of a training step (its own flag only)
+    was_training = module.training
+    module.training = training  # its own flag only (children are leaves)
     try:
         with warnings.catch_warnings(), _state_kept(module) as changed:
             warnings.simplefilter("ignore")
@@ -126,7 +129,7 @@ def _trace(module: nn.Module) -> fx.Graph | str:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"torch.fx cannot trace it ({type(error).__name__}: {first[:120]})"
     finally:
-        module.training = training
+        module.training = was_training
     if changed:
         return ("tracing ran some of its forward on real tensors ("
                 f"{', '.join(changed[:2])} updated, put back): its trace would skip that")

@@ -5,6 +5,7 @@ either leaves results and memory as planned, or warns naming it; never silent.""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import warnings
 
@@ -40,10 +41,18 @@ class Scaled(nn.Module):
         return self.b(h ** self.power)
 
 
+class Dropped(Scaled):
+    """A forward that reads ``self.training``: eval() traces to another program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) * self.scale)
+        return self.b(h * 2 if self.training else h)
+
+
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, inner: type[Scaled] = Scaled) -> None:
         super().__init__()
-        self.inner = Scaled()
+        self.inner = inner()
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, depth: int = 1, mask: torch.Tensor | None = None
@@ -58,10 +67,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
 
 
-def _planned(span_name: str = "inner[mul..b]", **inputs: object) -> tuple[Net, tuple, object]:
+def _planned(span_name: str = "inner[mul..b]", inner: type[Scaled] = Scaled,
+             **inputs: object) -> tuple[Net, tuple, object]:
     """A Net planned to checkpoint one span (an op range of ``inner`` by default)."""
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(32, 16)
+    model, x = Net(inner), torch.randn(32, 16)
     args, kwargs = normalize_inputs(model, {"x": x, **inputs})
     prof = profiles.profile(model, kwargs, loss_fn=_loss, timing="estimate", progress=False)
     problem = problem_from_profile(prof)
@@ -119,8 +129,25 @@ def test_a_class_attribute_changed_is_traced_again_and_not_shared_from_the_cache
         Scaled.power = 1
 
 
-def test_a_traced_module_in_eval_during_training_warns_and_stays_correct() -> None:
+def test_a_traced_module_in_eval_during_training_keeps_its_checkpoints() -> None:
+    """Its forward does not read ``self.training``: the planned ranges run in eval()."""
     model, (x,), plan = _planned()
+    apply(model, plan)
+    model.inner.eval()
+    traced = model.inner.__dict__["forward"]
+    ran = []
+    for checkpoint in [*traced.checkpoints.values(), traced.whole]:
+        checkpoint.checkpointed = functools.partial(
+            lambda c, *a: ran.append(c) or type(c).checkpointed(c, *a), checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned = _step(model, x)
+    assert _same(planned, _unplanned_step(model, x))
+    assert ran and all(c is not traced.whole for c in ran)  # the planned ranges ran
+
+
+def test_a_traced_module_whose_eval_forward_differs_warns_and_stays_correct() -> None:
+    model, (x,), plan = _planned("inner[mul..b]", Dropped)
     apply(model, plan)
     model.inner.eval()
     with pytest.warns(PlanMismatchWarning, match="eval"):
