@@ -49,6 +49,15 @@ class Dropped(Scaled):
         return self.b(h * 2 if self.training else h)
 
 
+SHIFT = 0.0  # a global a forward reads: its value is a constant of the trace
+
+
+class Shifted(Scaled):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) * self.scale)
+        return self.b(h + SHIFT)
+
+
 class Net(nn.Module):
     def __init__(self, inner: type[Scaled] = Scaled) -> None:
         super().__init__()
@@ -112,6 +121,17 @@ def test_an_attribute_the_trace_read_changed_after_apply_is_traced_again(change:
         warnings.simplefilter("always")
         planned = _step(model, x)
     assert _same(planned, _unplanned_step(model, x))
+
+
+def test_a_global_the_forward_reads_changed_after_apply_is_traced_again() -> None:
+    global SHIFT
+    model, (x,), plan = _planned("inner[mul..b]", Shifted)
+    apply(model, plan)
+    try:
+        SHIFT = 1.0
+        assert _same(_step(model, x), _unplanned_step(model, x))
+    finally:
+        SHIFT = 0.0
 
 
 def test_a_class_attribute_changed_is_traced_again_and_not_shared_from_the_cache() -> None:
