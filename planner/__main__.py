@@ -26,6 +26,12 @@ GIB = 2**30
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, ProfileError)
 
 
+MODEL_HELP = ("zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama), or module:attr for your own "
+              "model: a planner.zoo.ZooModel(name, model, example_inputs, loss_fn), or a "
+              "function or class that returns one (--set passes its arguments); an "
+              "nn.Module alone plans its own example batch (HF dummy_inputs)")
+
+
 def _load_model(spec: str, overrides: list[str]) -> Any:
     """A zoo name (``gpt``) or ``module:attr`` naming a ZooModel, an nn.Module, or a
     function or class that ``--set`` arguments build one with. Whatever goes wrong in
@@ -299,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     opt = sub.add_parser("optimize", help="plan a model under a memory budget")
     opt.add_argument("--model", required=True,
-                     help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
+                     help=MODEL_HELP)
     opt.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     opt.add_argument("--budget-gb", type=_budget_gb, required=True,
@@ -325,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="profile a model's training step")
     prof.add_argument("--model", required=True,
-                      help="zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama) or module:attr")
+                      help=MODEL_HELP)
     prof.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     timing_options(prof, "profile.json")
