@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_solvers_properties import problems
+from test_solvers_properties import check_reported_numbers, problems
 
 from solvers import Problem, Schedule, Status, auto, baselines, dp, memory_lower_bound, simulate
 
@@ -22,8 +23,7 @@ def _budget(p: Problem, frac: float) -> int:
 
 
 def _no_worse_than_baselines(p: Problem, budget: int, sol) -> None:
-    if sol.schedule is not None:
-        assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
+    check_reported_numbers(p, sol)
     for name, solve in baselines.BASELINES.items():
         b = solve(p, budget, 1.0)
         if b.feasible:
@@ -82,8 +82,8 @@ def test_dp_pins_long_skips_and_compacts_empty_stages() -> None:
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     hf = baselines.every_block(p, 10**9, 1.0).peak_bytes
     for budget in (hf, (hf + store) // 2, store):
-        sol = dp.solve(p, budget, 10.0)
-        assert sol.feasible and sol.peak_bytes == simulate(p, sol.schedule).peak_bytes
+        sol = dp.solve(p, budget, math.inf)  # no time limit: the verdict is the DP's alone
+        assert sol.feasible and sol.peak_bytes <= budget
         assert sol.status == Status.OPTIMAL  # 8 stages: the dp covers its space
         _no_worse_than_baselines(p, budget, sol)  # block-aligned baselines lie in that space
         _no_worse_than_baselines(p, budget, auto.solve(p, budget, 10.0))
@@ -103,13 +103,17 @@ def test_dp_on_gpt2_medium_proves_both_spaces_and_beats_baselines() -> None:
     p = Problem.model_validate_json((DATA / "gpt2-medium-b8.problem.json").read_text())
     unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(p.static_bytes + 0.3 * (unplanned - p.static_bytes))
-    coarse = dp.solve(p, budget, 30.0, keep_front=False)  # keep nothing or the matmuls
+    # no time limit: the DP ends on its own work, so neither proof below depends on how
+    # fast or busy the machine is
+    coarse = dp.solve(p, budget, math.inf, keep_front=False)  # keep nothing or the matmuls
     assert coarse.status == Status.OPTIMAL and coarse.gap == 0.0
-    sol = dp.solve(p, budget, 30.0)  # any subset kept: a larger space, its gap proven
+    sol = dp.solve(p, budget, math.inf)  # any subset kept: a larger space, its gap proven
     assert sol.objective_ms < 0.7 * coarse.objective_ms
     assert sol.bound_ms <= sol.objective_ms and sol.gap < 0.01
     assert sol.space.keep == "stage-any"
-    assert sol.peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+    check_reported_numbers(p, coarse)
+    check_reported_numbers(p, sol)
+    assert sol.peak_bytes <= budget
     for name, solve in baselines.BASELINES.items():
         b = solve(p, budget, 1.0)
         if b.feasible:
