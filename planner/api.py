@@ -502,20 +502,36 @@ def _plan_suspended(model: nn.Module) -> Iterator[bool]:
     if not wrappers and not guards and not offloaded_modules(model):
         yield False
         return
+    hooks = _hook_tables(model)
     with suspended_offload(model):
         remove(model)
         try:
             yield True
         finally:
-            _put_back(model, wrappers, guards)
+            _put_back(wrappers, guards, hooks)
 
 
-def _put_back(model: nn.Module, wrappers: dict[str, Any], guards: list[PlanGuard]) -> None:
-    """The checkpoints and guard `_plan_suspended` took off."""
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _hook_tables(model: nn.Module) -> list[tuple[dict, list[tuple[Any, Any]]]]:
+    """Every forward-hook table of the model's modules with its entries, in order."""
+    return [(table, list(table.items())) for module in model.modules()
+            for table in (getattr(module, name, None) for name in _HOOK_TABLES)
+            if table is not None]
+
+
+def _put_back(wrappers: dict[str, Any], guards: list[PlanGuard],
+              hooks: list[tuple[dict, list[tuple[Any, Any]]]]) -> None:
+    """The checkpoints and guard `_plan_suspended` took off, each hook under its own key
+    and in its own place (re-registering would give it another key)."""
     for wrapper in wrappers.values():
         wrapper.module.forward = wrapper
+    for table, entries in hooks:
+        table.clear()
+        table.update(entries)
     for guard in guards:
-        model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
         for config in guard.restore_use_cache:
             config.use_cache = False
 

@@ -79,3 +79,19 @@ def test_apply_keeps_shared_parameters(offload: bool) -> None:
     params = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
     apply(model, plan)
     assert params == {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def test_planning_a_planned_model_leaves_its_plan_as_it_was() -> None:
+    """Re-planning takes the plan off while profiling and puts every hook back under its own
+    key and in its own place, offload hooks and guard included."""
+    torch.manual_seed(0)
+    model = SharedTwice()
+    x = torch.randn(64, 32)
+    plan = optimize(model, (x,), budget_gb=1, loss_fn=lambda o: o.square().mean(),
+                    progress=False, offload=True, time_limit_s=5)
+    apply(model, plan)
+    model.register_forward_pre_hook(lambda m, a: None)  # a user's hook after the plan's
+    before = ModelSnapshot.of(model)
+    optimize(model, (x,), budget_gb=1, loss_fn=lambda o: o.square().mean(), progress=False,
+             offload=True, time_limit_s=5)
+    assert before.differences(model) == []
