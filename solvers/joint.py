@@ -253,9 +253,10 @@ class _Search:
         self.tried: set[tuple[tuple[int, int], ...]] = set()
 
     def run(self, calls: list[tuple[int, int]], layouts: list[Schedule]) -> bool:
-        """Try one offload set (once) in each of its `layouts`; False when the time is up."""
+        """Try one offload set (once) in each of its `layouts`; False when the time is up.
+        A set with no layout (none fits the host budget) is not tried."""
         self.pruned = False
-        if tuple(calls) in self.tried:
+        if tuple(calls) in self.tried or (calls and not layouts):
             return True
         if calls and time.perf_counter() > self.deadline:
             return False

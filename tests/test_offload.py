@@ -562,3 +562,17 @@ def test_checkpoint_and_compiler_disable_around_an_offload_plan_run_exactly(tiny
     assert torch.equal(loss, base_loss)
     assert base_grads.keys() == grads.keys()
     assert all(torch.equal(base_grads[k], grads[k]) for k in grads)
+
+
+@pytest.mark.parametrize("host_kib", [0, 1])
+def test_a_plan_moves_no_more_than_the_host_budget(host_kib: int) -> None:
+    """An offload set none of whose layouts fits the host budget is not tried (it was tried
+    as if stored whole, moving everything)."""
+    model = zoo.get("gpt", size="tiny", batch=4)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)  # a host link
+    budget = int(4.5 * 2**20)
+    plan = solve(step, budget_bytes=budget, offload=True, host_budget_gb=host_kib / 2**20,
+                 time_limit_s=20)
+    assert plan.offloaded_bytes <= host_kib * 1024
+    assert plan.predicted_peak_bytes <= budget
