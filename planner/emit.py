@@ -415,11 +415,14 @@ class TracedForward:
                 fresh = _traced_program(self.module, self.specs)
             except PlanMismatchError as error:
                 return f"its forward changed since it was planned ({error})"
-            self._inputs, self._same_in_eval = now, None
+            changed, self._inputs, self._same_in_eval = _changed(self._inputs, now), now, None
             if fresh.code != program.code:
                 self._program = program = fresh
                 self.checked = False  # the next calls compare their op streams with the plan's
-                log.info("%s: traced again after its attributes or code changed", self)
+                self._tell(f"{changed} changed since it was planned, and its forward now "
+                           "traces to another program: it runs that program with the planned "
+                           "ranges (results as unplanned), but the plan's memory was not "
+                           "counted for it")
         if not self.module.training and not self._eval_runs(program):
             return "it is in eval() mode in a training step, where its forward runs other " \
                    "ops than the train() forward its op ranges were planned in"
@@ -436,17 +439,21 @@ class TracedForward:
         return self._same_in_eval
 
     def _fall_back(self, why: str, args: tuple, kwargs: dict) -> Any:
+        self._tell(f"{why}; its planned op ranges cannot run, so its whole call runs under "
+                   "one checkpoint (results as unplanned; memory and time differ from the "
+                   "plan's)")
+        return self.whole.checkpointed(self.original, args, kwargs)
+
+    def _tell(self, what: str) -> None:
+        """Warn once (``strict``: raise) that this module runs outside its plan."""
         path = self.specs[0].path
-        message = (f"module {repr(path) if path else '<model>'}: {why}; its planned op "
-                   "ranges cannot run, so its whole call runs under one checkpoint (results "
-                   "as unplanned; memory and time differ from the plan's). Run "
+        message = (f"module {repr(path) if path else '<model>'}: {what}. Run "
                    "planner.optimize() again on the model as it now trains.")
         if self.specs[0].strict:
             raise PlanMismatchError(message)
         if message not in self._told:
             self._told.add(message)
-            warnings.warn(message, PlanMismatchWarning, stacklevel=3)
-        return self.whole.checkpointed(self.original, args, kwargs)
+            warnings.warn(message, PlanMismatchWarning, stacklevel=4)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -477,6 +484,19 @@ class TracedForward:
 
     def __repr__(self) -> str:
         return f"TracedForward({self.specs[0].path or '<model>'}, {len(self.specs)} ranges)"
+
+
+def _changed(before: tuple | None, after: tuple) -> str:
+    """Which of a trace's inputs (`trace_inputs`) differ, in words."""
+    if before is None:
+        return "what its trace follows from"
+    forward, code, own, shared, read = before
+    names = [f"attribute {k!r}" for k, _ in sorted(set(after[2]) - set(own))]
+    names += [f"class attribute {k!r}" for _, k, _ in sorted(set(after[3]) - set(shared))]
+    names += [f"global {k!r}" for k, _ in sorted(set(after[4]) - set(read))]
+    if after[0] is not forward or after[1] is not code:
+        names.append("its forward function")
+    return ", ".join(dict.fromkeys(names)) or "what its trace follows from"
 
 
 def _traced_program(module: nn.Module, specs: list[RegionSpec]) -> _Program:
