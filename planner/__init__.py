@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from planner.api import (
-        PlanMismatchWarning,
         ProfiledStep,
         VerifyReport,
         apply,
@@ -26,11 +25,20 @@ if TYPE_CHECKING:
         solve,
         verify,
     )
-    from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
+    from planner.plan import (
+        FileFormatError,
+        InfeasibleBudgetError,
+        Plan,
+        PlanMismatchError,
+        PlanMismatchWarning,
+    )
     from profiles.errors import ProfileError
+    from profiles.inputs import ToyBatchWarning
 
 _LAZY = {
-    "PlanMismatchWarning": "planner.api",
+    "PlanMismatchWarning": "planner.plan",
+    "FileFormatError": "planner.plan",
+    "ToyBatchWarning": "profiles.inputs",
     "ProfiledStep": "planner.api",
     "profile_model": "planner.api",
     "solve": "planner.api",
@@ -47,8 +55,8 @@ _LAZY = {
     "ProfileError": "profiles.errors",
 }
 
-__all__ = ["InfeasibleBudgetError", "Plan", "PlanMismatchError", "PlanMismatchWarning",
-           "ProfileError", "ProfiledStep", "VerifyReport", "apply", "measure_step",
+__all__ = ["FileFormatError", "InfeasibleBudgetError", "Plan", "PlanMismatchError",
+           "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning", "VerifyReport", "apply", "measure_step",
            "optimize", "profile_model", "remove", "replan", "solve", "verify"]
 
 
