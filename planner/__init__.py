@@ -56,8 +56,9 @@ _LAZY = {
 }
 
 __all__ = ["FileFormatError", "InfeasibleBudgetError", "Plan", "PlanMismatchError",
-           "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning", "VerifyReport", "apply", "measure_step",
-           "optimize", "profile_model", "remove", "replan", "solve", "verify"]
+           "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning",
+           "VerifyReport", "apply", "measure_step", "optimize", "profile_model", "remove",
+           "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:
