@@ -71,7 +71,9 @@ def _load_model(spec: str, overrides: list[str]) -> Any:
     if not isinstance(built, zoo.ZooModel):
         raise ValueError(f"{where} built a {type(built).__name__}, not an nn.Module or a "
                          "planner.zoo.ZooModel")
-    empty = _empty_input(built.example_inputs)
+    from profiles.inputs import empty_input
+
+    empty = empty_input(built.example_inputs)
     if empty:
         raise ValueError(f"{where}: the example {empty}, with no elements; a training step "
                          "needs at least one sample (sizes must be positive)")
@@ -102,21 +104,6 @@ def _build(where: str, builder: Any, *args: Any, **kwargs: Any) -> Any:
         return builder(*args, **kwargs)
     except Exception as error:
         raise ValueError(f"{where}: {_one_line(error)}") from error
-
-
-def _empty_input(inputs: Any, name: str = "input") -> str | None:
-    """``input[0] has shape [0, 64]``: the first tensor of ``inputs`` with no elements."""
-    import torch
-
-    if isinstance(inputs, torch.Tensor):
-        return f"{name} has shape {list(inputs.shape)}" if inputs.numel() == 0 else None
-    items = (inputs.items() if isinstance(inputs, dict) else
-             enumerate(inputs) if isinstance(inputs, (list, tuple)) else ())
-    for key, value in items:
-        found = _empty_input(value, f"{name}[{key!r}]")
-        if found:
-            return found
-    return None
 
 
 def _planned_for(prof: Any, verb: str = "planned") -> str:

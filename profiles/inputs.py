@@ -27,6 +27,10 @@ def normalize_inputs(model: nn.Module, example_inputs: Inputs) -> tuple[tuple, d
     batch (:class:`ToyBatchWarning` says its shapes and how to pass a real one)."""
     if example_inputs is None:
         example_inputs = _own_inputs(model)
+    empty = empty_input(example_inputs)
+    if empty:
+        raise ValueError(f"example_inputs: {empty}, with no elements; a training step needs "
+                         "at least one sample (sizes must be positive)")
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, tuple | list):
@@ -36,6 +40,19 @@ def normalize_inputs(model: nn.Module, example_inputs: Inputs) -> tuple[tuple, d
     raise TypeError(
         f"example_inputs must be a tensor, a tuple or a dict, not {type(example_inputs).__name__}"
     )
+
+
+def empty_input(inputs: Inputs, name: str = "input") -> str | None:
+    """``input[0] has shape [0, 64]``: the first tensor of ``inputs`` with no elements."""
+    if isinstance(inputs, torch.Tensor):
+        return f"{name} has shape {list(inputs.shape)}" if inputs.numel() == 0 else None
+    items = (dict(inputs).items() if isinstance(inputs, dict) or hasattr(inputs, "keys") else
+             enumerate(inputs) if isinstance(inputs, list | tuple) else ())
+    for key, value in items:
+        found = empty_input(value, f"{name}[{key!r}]")
+        if found:
+            return found
+    return None
 
 
 def _own_inputs(model: nn.Module) -> Inputs:

@@ -197,3 +197,10 @@ def test_missing_loss_is_a_clear_error() -> None:
     model = zoo.get("mlp")
     with pytest.raises(ValueError, match="loss_fn"):
         optimize(model.model, model.example_inputs, budget_gb=1, progress=False)
+
+
+def test_an_empty_batch_is_refused_before_profiling() -> None:
+    model = zoo.get("mlp", batch=8)
+    with pytest.raises(ValueError, match=r"input has shape \[0, 64\], with no elements"):
+        optimize(model.model, torch.zeros(0, 64), budget_gb=1, loss_fn=model.loss_fn,
+                 progress=False)
