@@ -359,11 +359,13 @@ class TracedForward:
     The trace is the program of the call that was planned, so each training call checks
     that it still is (`_departure`): what the trace followed from (`trace_inputs`: the
     module's and its class's attributes, the globals and the function of its forward) is
-    compared, and on a change the forward is traced again, and its op streams compared
-    with the plan's on the next call. Where the trace cannot stand for the call (a forward
-    set on the instance, the module in eval(), a forward that no longer traces to the
-    planned ranges) the module's own forward runs under one checkpoint of the whole call,
-    with a warning (``strict``: an error): results stay the unplanned model's."""
+    compared, and on a change the forward is traced again: the same program runs on; another
+    one runs with the planned ranges, its op streams compared with the plan's, and a warning
+    naming what changed. Where the trace cannot stand for the call (a forward set on the
+    instance, the module in eval() when its eval forward traces otherwise, a forward that
+    no longer has the planned ranges) the module's own forward runs under one checkpoint
+    of the whole call, with a warning. ``strict``: each warning is an error. Results stay
+    the unplanned model's."""
 
     def __init__(self, module: nn.Module, specs: list[RegionSpec],
                  program: _Program | None = None) -> None:
