@@ -40,10 +40,11 @@ def test_gpt2_planned_at_batch_8_seq_128_runs_smaller_and_guards_larger() -> Non
         assert report.losses_equal and report.grads_equal, (batch, seq, report.summary())
     bigger = torch.cat([planned.example_inputs["input_ids"]] * 2)
     apply(planned.model, plan)
-    with pytest.warns(PlanMismatchWarning, match=r"\[8, 128\] but runs with \[16, 128\]"):
+    with pytest.warns(PlanMismatchWarning,
+                      match=r"shape \[16, 128\], larger than the planned \[8, 128\]"):
         planned.model(input_ids=bigger)
     apply(planned.model, plan, strict=True)
-    with pytest.raises(PlanMismatchError, match="Plan again"):
+    with pytest.raises(PlanMismatchError, match="Plan with these inputs"):
         planned.model(input_ids=bigger)
     remove(planned.model)
     assert not planned.model._forward_pre_hooks
