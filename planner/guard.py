@@ -95,7 +95,7 @@ class PlanGuard:
             raise PlanMismatchError(message)
         if message not in self._told:
             self._told.add(message)
-            warnings.warn(message, PlanMismatchWarning, stacklevel=4)
+            warnings.warn(message, PlanMismatchWarning, stacklevel=7)  # the model(...) call
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():

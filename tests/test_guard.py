@@ -302,3 +302,12 @@ def test_inputs_not_given_when_planned_warn_when_they_can_change_the_step() -> N
         model(x, mask=None).sum().backward()
     with pytest.warns(PlanMismatchWarning, match="'mask' where it was not given"):
         model(x, mask=torch.ones(32, 16)).sum().backward()
+
+
+def test_a_guard_warning_points_at_the_line_that_called_the_model() -> None:
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    model.double()
+    with pytest.warns(PlanMismatchWarning) as caught:
+        model(x.double()).sum().backward()
+    assert {w.filename for w in caught} == {__file__}
