@@ -267,30 +267,28 @@ def test_strict_raises_on_a_changed_model() -> None:
 # ----------------------------------------------------------------------------- apply
 
 
+def _retargeted(plan: object, **target: str) -> object:
+    """``plan`` with its first checkpoint's target edited (as a hand-edited plan file)."""
+    region = next(r for r in plan.schedule.regions if r.is_recompute)
+    edited = region.model_copy(update={"target": region.target.model_copy(update=target)})
+    return plan.model_copy(update={"schedule": plan.schedule.model_copy(update={
+        "regions": tuple(edited if r is region else r for r in plan.schedule.regions)})})
+
+
 def test_a_refused_apply_keeps_the_plan_already_installed() -> None:
     model, (x,), plan = _planned()
     apply(model, plan)
     installed = checkpointed_modules(model)
-    region = next(r for r in plan.schedule.regions if r.is_recompute)
-    gone = region.model_copy(update={"target": region.target.model_copy(
-        update={"first": "gone"})})
-    edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={
-        "regions": tuple(gone if r is region else r for r in plan.schedule.regions)})})
     with pytest.raises(PlanMismatchError, match="gone"):
-        apply(model, edited)
+        apply(model, _retargeted(plan, first="gone"))
     assert checkpointed_modules(model) == installed
     _quiet_step(model, x)
 
 
 def test_an_edited_plan_naming_another_module_is_refused_by_name() -> None:
     model, _, plan = _planned("inner.b")
-    region = next(r for r in plan.schedule.regions if r.is_recompute)
-    moved = region.model_copy(update={"target": region.target.model_copy(
-        update={"path": "head"})})
-    edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={
-        "regions": tuple(moved if r is region else r for r in plan.schedule.regions)})})
     with pytest.raises(PlanMismatchError, match="'head'"):
-        apply(model, edited)
+        apply(model, _retargeted(plan, path="head"))
     assert not checkpointed_modules(model)
 
 
