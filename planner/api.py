@@ -41,9 +41,17 @@ from planner.plan import (
     SolverReport,
     format_bytes,
 )
-from planner.sharding import Sharding, rank_problem, sharding_for
+from planner.sharding import (
+    SHARDINGS,
+    Sharding,
+    fsdp2_recipe,
+    rank_problem,
+    repeated_blocks,
+    sharding_for,
+)
 from profiles.inputs import normalize_inputs
 from profiles.kernels import attention_kernels
+from profiles.parallel import Parallelism
 from profiles.schema import GraphProfile, fingerprint
 from solvers import (
     SOLVERS,
@@ -59,7 +67,7 @@ from solvers import (
 )
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
-from solvers.from_profile import block_calls, op_range_targets, problem_from_profile
+from solvers.from_profile import op_range_targets, problem_from_profile
 from solvers.simulate import optimizer_step_peak
 
 log = logging.getLogger(__name__)
@@ -224,6 +232,9 @@ def profile_model(
     world_size: int = 1,
     sharding: str | None = None,
     shard_modules: list[str] | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
     progress: bool = True,
 ) -> ProfiledStep:
     """Profile one training step of ``model`` as it will train, for :func:`solve` to plan
@@ -235,9 +246,8 @@ def profile_model(
     starts as ``grad_accumulation`` says); a model in ``eval()`` is profiled in ``train()``
     mode, each module's mode restored after, and the plan's note says so.
     """
-    if world_size != 1 and sharding is None:
-        raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2': how "
-                         "each rank holds the model decides its memory")
+    parallel, ddp = _parallelism(model, world_size, sharding, shard_modules, parallelize,
+                                 mesh_shape, mesh_dim_names)
     _refuse_existing_checkpointing(model)
     toy_batch = example_inputs is None
     args, kwargs = normalize_inputs(model, example_inputs)
@@ -251,7 +261,8 @@ def profile_model(
         prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
                                 optimizer=optimizer, autocast=autocast, timing=timing,
                                 device=device, execution=execution,
-                                grad_accumulation=grad_accumulation, progress=progress)
+                                grad_accumulation=grad_accumulation, progress=progress,
+                                parallel=parallel)
     if was_eval:
         notes.append("Planned the training step (dropout on, BatchNorm updating): the model "
                      "was in eval mode; call model.train() before training with it.")
@@ -266,13 +277,46 @@ def profile_model(
                      "apply() turns it off.")
     notes.extend(_cpu_kernels_for_a_gpu(prof))
     notes.extend(_untraced_note(prof))
-    layout = None
-    if sharding is not None:
-        if shard_modules is None and sharding == "fsdp2":
-            shard_modules = [call.path for call in block_calls(prof)]
-        layout = sharding_for(model, sharding, world_size, shard_modules)
-    return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), layout,
+    return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), ddp,
                         tuple(notes))
+
+
+def _parallelism(model: nn.Module, world_size: int, sharding: str | None,
+                 shard_modules: list[str] | None,
+                 parallelize: Callable[[nn.Module, Any], Any] | None,
+                 mesh_shape: tuple[int, ...] | None, mesh_dim_names: tuple[str, ...] | None
+                 ) -> tuple[Parallelism | None, Sharding | None]:
+    """How each rank runs the model, from ``optimize``'s arguments: the user's parallelize
+    function over its mesh (``sharding="fsdp2"`` is torchtitan's recipe as one), or DDP's
+    constant, or one process."""
+    if sharding is not None and sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if parallelize is not None:
+        if sharding is not None:
+            raise ValueError("give parallelize= or sharding=, not both: parallelize is the "
+                             "wrapping itself (sharding='fsdp2' is a shorthand for one)")
+        if mesh_shape is None:
+            if world_size == 1:
+                raise ValueError("parallelize= needs mesh_shape=(dp,) or (dp, tp): the mesh "
+                                 "each rank's step runs on")
+            mesh_shape = (world_size,)
+        parallel = Parallelism(parallelize, tuple(mesh_shape), mesh_dim_names)
+        if world_size not in (1, parallel.world_size):
+            raise ValueError(f"world_size={world_size} but mesh_shape {parallel.mesh_shape} "
+                             f"has {parallel.world_size} ranks")
+        return parallel, None
+    if mesh_shape is not None or mesh_dim_names is not None:
+        raise ValueError("mesh_shape= and mesh_dim_names= go with parallelize=(model, mesh), "
+                         "the function that parallelizes the model on that mesh")
+    if world_size != 1 and sharding is None:
+        raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2', or "
+                         "parallelize=: how each rank holds the model decides its memory")
+    if sharding == "fsdp2":
+        units = repeated_blocks(model, shard_modules)
+        return Parallelism(fsdp2_recipe(units), (world_size,)), None
+    if sharding == "ddp":
+        return None, sharding_for(model, world_size)
+    return None, None
 
 
 def _batch_shapes(args: tuple, kwargs: dict) -> str:
@@ -382,6 +426,9 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     shard_modules: list[str] | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
     progress: bool = True,
     offload: bool = False,
     host_budget_gb: float | None = None,
@@ -407,11 +454,16 @@ def optimize(
     (the training step is planned; the note says so). To plan one profile at several
     budgets use :func:`profile_model` and :func:`solve`.
 
-    Data-parallel training: ``sharding="ddp"`` or ``"fsdp2"`` over ``world_size`` ranks
-    makes the budget per rank (``example_inputs``: one rank's batch); FSDP2 units are
-    ``shard_modules`` (default: the model's repeated blocks, as torchtitan shards them),
-    and the recipe is apply the plan, ``fully_shard`` each unit, then the model
-    (:mod:`planner.sharding` says what a rank holds).
+    Parallel training: ``parallelize=`` is the training script's own function
+    ``parallelize(model, mesh)`` (``fully_shard`` with its mixed-precision and reshard
+    policies, ``parallelize_module`` for tensor parallel), ``mesh_shape=(dp,)`` or
+    ``(dp, tp)`` with ``mesh_dim_names``. The budget is per rank and ``example_inputs`` one
+    rank's batch: the function runs on a copy of the model over a fake process group of the
+    mesh's size, and that rank's real step is profiled (:mod:`profiles.parallel`). Train
+    with ``apply(model, plan)`` first, then ``parallelize(model, mesh)``, as torchtitan
+    orders them. ``sharding="fsdp2"`` over ``world_size`` ranks is torchtitan's FSDP2
+    recipe as such a function (units: ``shard_modules``, default the model's repeated
+    blocks); ``sharding="ddp"`` adds DDP's gradient buckets to the single process's step.
 
     ``offload=True`` also lets the plan send module calls' saved activations to host memory
     and back (:mod:`planner.offload`), within ``host_budget_gb`` (default
@@ -432,7 +484,9 @@ def optimize(
                              autocast=autocast, grad_accumulation=grad_accumulation,
                              timing=timing, device=device, execution=execution,
                              world_size=world_size, sharding=sharding,
-                             shard_modules=shard_modules, progress=progress)
+                             shard_modules=shard_modules, parallelize=parallelize,
+                             mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
+                             progress=progress)
     return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
                  offload=host_budget is not None,
                  host_budget_gb=None if host_budget is None else host_budget / GIB,
@@ -892,13 +946,16 @@ def _check_world_size(plan: Plan) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
-    planned = plan.sharding.world_size if plan.sharding else 1
+    parallel = plan.profile.parallel
+    planned = parallel.world_size if parallel else \
+        plan.sharding.world_size if plan.sharding else 1
     if world != planned:
-        how = f"{plan.sharding.kind} over {planned} ranks" if plan.sharding else "one process"
+        how = parallel.describe() if parallel else f"for {plan.sharding.kind} over " \
+            f"{planned} ranks" if plan.sharding else "for one process"
         raise PlanMismatchError(
-            f"This plan of {plan.model_name} is for {how}, but this process group has "
-            f"{world} ranks. Plan with optimize(..., world_size={world}, "
-            "sharding='ddp' or 'fsdp2').")
+            f"This plan of {plan.model_name} is {how}, but this process group has "
+            f"{world} ranks. Plan with optimize(..., parallelize=your_parallelize, "
+            f"mesh_shape=...) for {world} ranks (or world_size={world}, sharding='ddp').")
 
 
 def _has_submodule(model: nn.Module, path: str) -> bool:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from planner.plan import InputSpec, Plan, PlanMismatchError, PlanMismatchWarning, format_bytes
+from profiles.parallel import describe_parallel, layout_changes
 
 __all__ = ["PlanGuard"]
 
@@ -88,6 +89,8 @@ class PlanGuard:
         self.installed = [(path, model.get_submodule(path), wrapper)
                           for path, wrapper in installed.items()]
         self.names = _argument_names(model)
+        self.parallel = plan.profile.parallel
+        self.parallel_checked = False
         self._told: set[str] = set()
 
     def _complain(self, message: str) -> None:
@@ -105,6 +108,28 @@ class PlanGuard:
         self._check_grads(module)
         if hasattr(self, "modules"):  # guards pickled before these checks have none
             self._check_model(module)
+        if not getattr(self, "parallel_checked", True):
+            self._check_parallel(module)
+
+    def _check_parallel(self, model: nn.Module) -> None:
+        """On the first training step: the model runs under the parallelism planned (the
+        user's parallelize runs after apply, so only the step can tell)."""
+        self.parallel_checked = True
+        changed = layout_changes(self.parallel, describe_parallel(model))
+        if not changed:
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+                else 1
+            planned = self.parallel.world_size if self.parallel else 1
+            if self.parallel and world != planned:
+                changed = f"it runs on {world} ranks, planned {planned}"
+        if changed:
+            self._complain(
+                f"{self.model_name} does not run as its plan was made for: {changed}. Each "
+                f"rank's memory is not the plan's, so the {self.budget} budget does not hold. "
+                "Plan with optimize(..., parallelize=your_parallelize, mesh_shape=...) "
+                "exactly as you train.")
 
     # ------------------------------------------------------------------ the model
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -31,7 +30,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from profiles.parallel import local_tensor
+
 __all__ = ["PeakTracker", "host_memory"]
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage a tensor allocates on this process: a DTensor's is its local shard's."""
+    return local_tensor(tensor).untyped_storage()
 
 _host = threading.local()
 
@@ -70,10 +76,10 @@ class PeakTracker(TorchDispatchMode):
         # ``follow_resizes`` every tensor alive in the process when the step starts counts
         # (as the CUDA allocator counts everything allocated: DDP's gradient buckets,
         # FSDP2's shards and its emptied unsharded storages), and every storage is counted
-        # at its current size, refreshed before each op through a weak reference to a
-        # tensor using it
+        # at its current size, read before each op through its weak reference (not through
+        # a tensor on it, which may die while the storage lives on in another view)
         self.follow_resizes = follow_resizes
-        self._holders: dict[StorageWeakRef, weakref.ref] = {}
+        self._bystanders: dict[StorageWeakRef, int] = {}  # from before, never touched
         # host memory (``host_memory()``): offloaded copies, counted apart
         self._host: dict[StorageWeakRef, int] = {}
         self.host_bytes = 0
@@ -86,35 +92,39 @@ class PeakTracker(TorchDispatchMode):
                 kind = type(obj)  # not isinstance: deprecated objects warn on __class__
                 if issubclass(kind, torch.Tensor) and kind.__torch_dispatch__ is \
                         torch.Tensor.__torch_dispatch__ and obj.device.type != "meta" and \
-                        StorageWeakRef(obj.untyped_storage()) not in self._static:
+                        StorageWeakRef(_storage(obj)) not in self._static:
                     self._track(obj)
+            self._bystanders = dict(self._live)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return super().__enter__()
 
+    @property
+    def bystander_bytes(self) -> int:
+        """With ``follow_resizes``: bytes of the tensors alive when the step began that it
+        never read, wrote or resized (a device mesh, another model), which ``peak_bytes``
+        counts all along; ``peak_bytes - bystander_bytes`` is the step's own peak."""
+        return sum(n for ref, n in self._bystanders.items() if not ref.expired())
+
     def _refresh_sizes(self) -> None:
-        for ref, holder in list(self._holders.items()):
-            tensor = holder()
-            if tensor is None or ref not in self._live:
-                del self._holders[ref]
-                continue
-            nbytes = tensor.untyped_storage().nbytes()
-            self.live_bytes += nbytes - self._live[ref]
-            self._live[ref] = nbytes
+        for ref, old in self._live.items():
+            nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            if nbytes != old:
+                self.live_bytes += nbytes - old
+                self._live[ref] = nbytes
+                self._bystanders.pop(ref, None)
 
     def _track(self, tensor: torch.Tensor) -> None:
-        ref = StorageWeakRef(tensor.untyped_storage())
+        ref = StorageWeakRef(_storage(tensor))
         if ref not in self._live:
-            nbytes = tensor.untyped_storage().nbytes()
+            nbytes = _storage(tensor).nbytes()
             self._live[ref] = nbytes
             self.live_bytes += nbytes
-        if self.follow_resizes:
-            self._holders[ref] = weakref.ref(tensor)
 
     def _keep_static(self, tensor: torch.Tensor) -> None:
-        ref = StorageWeakRef(tensor.untyped_storage())
+        ref = StorageWeakRef(_storage(tensor))
         if ref not in self._static:
             self._static.add(ref)
-            self.static_bytes += tensor.untyped_storage().nbytes()
+            self.static_bytes += _storage(tensor).nbytes()
 
     def _forget_dead(self) -> None:
         dead = [ref for ref in self._live if ref.expired()]
@@ -126,9 +136,9 @@ class PeakTracker(TorchDispatchMode):
     def _track_host(self, out: object) -> None:
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                ref = StorageWeakRef(tensor.untyped_storage())
+                ref = StorageWeakRef(_storage(tensor))
                 if ref not in self._host:
-                    self._host[ref] = tensor.untyped_storage().nbytes()
+                    self._host[ref] = _storage(tensor).nbytes()
                     self.host_bytes += self._host[ref]
         self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
 
@@ -147,7 +157,8 @@ class PeakTracker(TorchDispatchMode):
             if func is torch.ops.aten.lift_fresh.default or not isinstance(
                     tensor, torch.Tensor):
                 continue
-            ref = StorageWeakRef(tensor.untyped_storage())
+            ref = StorageWeakRef(_storage(tensor))
+            self._bystanders.pop(ref, None)
             if ref in self._static or ref in self._host:
                 continue
             if self.follow_resizes:
@@ -161,7 +172,8 @@ class PeakTracker(TorchDispatchMode):
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
-            ref = StorageWeakRef(tensor.untyped_storage())
+            ref = StorageWeakRef(_storage(tensor))
+            self._bystanders.pop(ref, None)
             if ref not in self._static and ref not in self._host:
                 self._track(tensor)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)

@@ -377,6 +377,7 @@ class Plan(_Strict):
             f"Plan for {self.model_name} (fingerprint {self.fingerprint}"
             f"{', autocast ' + self.autocast_dtype if self.autocast_dtype else ''})",
             *([f"  {self.sharding.describe()}"] if self.sharding else []),
+            *([f"  {self.profile.parallel.describe()}"] if self.profile.parallel else []),
             f"  budget {format_bytes(self.budget_bytes)}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",

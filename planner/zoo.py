@@ -256,6 +256,11 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
                  num_attention_heads=4, num_key_value_heads=4, vocab_size=1024),
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    # Llama 3: grouped-query attention, a 128k vocabulary
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
 }
 
 

@@ -63,6 +63,15 @@ from profiles.fake import (
 )
 from profiles.inputs import normalize_inputs
 from profiles.kernels import FusedKernels
+from profiles.parallel import (
+    Parallelism,
+    RuntimeMemory,
+    fake_world,
+    is_runtime_op,
+    local_tensor,
+    parallel_layout,
+    parallel_twin,
+)
 from profiles.schema import (
     MAX_SCALE,
     GraphProfile,
@@ -171,7 +180,7 @@ class _Storages:
     watched: dict[int, StorageWeakRef] = field(default_factory=dict)
 
     def lookup(self, tensor: torch.Tensor) -> int | None:
-        ref = StorageWeakRef(tensor.untyped_storage())
+        ref = StorageWeakRef(local_tensor(tensor).untyped_storage())
         sid = self.refs.get(ref)
         if sid is None:
             return None
@@ -186,7 +195,7 @@ class _Storages:
         sid = self.lookup(tensor)
         if sid is not None:
             return sid
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()  # a DTensor's: its shard's
         ref = StorageWeakRef(storage)
         sid = len(self.infos)
         self.refs[ref] = sid
@@ -199,7 +208,7 @@ class _Storages:
     def alias(self, tensor: torch.Tensor, sid: int) -> None:
         """``tensor``'s storage stands for storage ``sid`` (the fake twin of a constant
         that fake mode converted on the fly): later readers of it read ``sid``."""
-        self.refs.setdefault(StorageWeakRef(tensor.untyped_storage()), sid)
+        self.refs.setdefault(StorageWeakRef(local_tensor(tensor).untyped_storage()), sid)
 
     def _forget(self, sid: int, release: int | None) -> None:
         ref = self.watched.pop(sid)
@@ -236,6 +245,7 @@ class _TensorSpec:
     requires_grad: bool
     storage: int | None
     param: bool
+    sharded: bool = False  # a DTensor's shard: shape arguments of its op are global
 
     def make(self, real: bool) -> torch.Tensor:
         """A leaf with this layout: random floats on real devices, zeros for indices and
@@ -269,6 +279,8 @@ class _OpRecord:
     random: bool = False
     flops: int = 0
     estimated_ms: float = 0.0
+    runtime_bytes: int | None = None  # a parallel step: what its runtime holds meanwhile
+    runtime_ops_before: int = 0
 
 
 @dataclass
@@ -320,11 +332,21 @@ class _ForwardRecorder(TorchDispatchMode):
         self.call_counts: Counter[str] = Counter()
         self.pending: list[torch.Tensor] = []  # packed since the last op
         self.marker = 0  # packs before it came before the last torch function call began
+        self.runtime: RuntimeMemory | None = None  # a parallel step's runtime memory
+        self.runtime_peak = 0  # most the runtime held since the last op of the model's
+        self.runtime_ops = 0  # runtime ops since then
 
     # ------------------------------------------------------------ saved tensors
     def pack(self, tensor: torch.Tensor) -> _Placeholder:
         self.pending.append(tensor)
         return _Placeholder()
+
+    def _runtime_storage(self, tensor: torch.Tensor) -> int | None:
+        """The id of ``tensor``'s storage when the parallel runtime made it (FSDP2's gathered
+        parameters and views of them): static for the plan, its bytes the runtime's."""
+        if self.runtime is None or not self.runtime.holds(tensor):
+            return None
+        return self.storages.add(tensor, "runtime", None, "runtime")
 
     def mark(self) -> None:
         """A torch function call begins: what was packed until now belongs to earlier ops."""
@@ -348,6 +370,8 @@ class _ForwardRecorder(TorchDispatchMode):
         for position, tensor in enumerate(self.pending):
             to_last = position < split and last >= 0
             sid = self.storages.lookup(tensor)
+            if sid is None:
+                sid = self._runtime_storage(tensor)
             if sid is None and last >= 0:  # made outside any op we saw (a custom Function)
                 sid = self.storages.add(tensor, "internal", last)
                 self.records[last].new_storages.append(sid)
@@ -390,13 +414,16 @@ class _ForwardRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "prim":
             return func(*args, **kwargs)
+        if self.runtime is not None and is_runtime_op():
+            return self._runtime_op(func, args, kwargs)
         inputs = _tensors((args, kwargs))
         # a tensor no op made: a module attribute or a loss target, there all step; but
         # ``torch.tensor(...)`` in forward enters through lift_fresh: a temporary this op
         # makes (its output is that tensor), made again by every rerun
         if func is not torch.ops.aten.lift_fresh.default:
             for tensor in inputs:
-                if self.storages.lookup(tensor) is None:
+                if self.storages.lookup(tensor) is None and \
+                        self._runtime_storage(tensor) is None:
                     self.storages.add(tensor, "constant", None, "constant")
         upcoming = self._resolve_packs((args, kwargs))
         self.storages.poll(len(self.records) - 1)
@@ -408,6 +435,10 @@ class _ForwardRecorder(TorchDispatchMode):
                                if (sid := self.storages.lookup(t)) is not None})
         record.written, record.mutated_state = self._writes(func, args, kwargs)
         record.random = torch.Tag.nondeterministic_seeded in func.tags
+        if self.runtime is not None:
+            record.runtime_bytes = max(self.runtime_peak, self.runtime.nbytes())
+            record.runtime_ops_before = self.runtime_ops
+            self.runtime_peak = self.runtime_ops = 0
         self.records.append(record)
 
         out = func(*args, **kwargs)
@@ -416,6 +447,8 @@ class _ForwardRecorder(TorchDispatchMode):
         views = [r.alias_info is not None for r in func._schema.returns]
         for k, tensor in enumerate(_tensors(out)):  # new storages, or views of inputs
             sid = self.storages.lookup(tensor)
+            if sid is None:
+                sid = self._runtime_storage(tensor)
             if sid is None and k < len(views) and views[k] and inputs:
                 # a view of a tensor that fake mode converted on the fly (a closure constant
                 # such as a loss target): it shares that tensor's storage
@@ -424,26 +457,41 @@ class _ForwardRecorder(TorchDispatchMode):
                     self.storages.alias(tensor, sid)
             if sid is None:
                 sid = self.storages.add(tensor, "activation", index)
+            local = local_tensor(tensor)  # a DTensor: this rank's shard
             record.outputs.append(TensorMeta(
-                shape=list(tensor.shape), dtype=_dtype_name(tensor.dtype),
-                nbytes=_nbytes(tensor), storage=sid, requires_grad=False))
+                shape=list(local.shape), dtype=_dtype_name(local.dtype),
+                nbytes=_nbytes(local), storage=sid, requires_grad=False))
         record.new_storages = list(range(first, len(self.storages.infos)))
+        # this rank's work: on its shards (a DTensor op runs its op on them)
+        local_args, local_kwargs, local_out = tree_map(local_tensor, (args, kwargs, out))
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             with contextlib.suppress(Exception):
-                record.flops = int(counter(*args, **kwargs, out_val=out))
+                record.flops = int(counter(*local_args, **local_kwargs, out_val=local_out))
         if self.spec is not None:
-            record.estimated_ms = self.spec.estimate_ms(func, inputs, _tensors(out),
-                                                        record.flops)
+            record.estimated_ms = self.spec.estimate_ms(
+                func, _tensors((local_args, local_kwargs)), _tensors(local_out), record.flops)
+        return out
+
+    def _runtime_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op of the parallel runtime: no node; what it makes is runtime memory (a view
+        of the model's tensor, such as FSDP2's backward hook on an output, is not)."""
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            if self.storages.lookup(local_tensor(tensor)) is None:
+                self.runtime.add(tensor)
+        self.runtime_ops += 1
+        self.runtime_peak = max(self.runtime_peak, self.runtime.nbytes())
         return out
 
     def _spec(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        sid = self.storages.lookup(value)
+        local = local_tensor(value)  # an op's backward on this rank runs on its shards
+        sid = self.storages.lookup(local)
         param = sid is not None and self.storages.infos[sid]["kind"] == "param"
-        return _TensorSpec(tuple(value.shape), tuple(value.stride()), value.dtype,
-                           value.device, value.requires_grad, sid, param)
+        return _TensorSpec(tuple(local.shape), tuple(local.stride()), local.dtype,
+                           local.device, value.requires_grad, sid, param, local is not value)
 
     def _writes(self, func: Any, args: tuple, kwargs: dict) -> tuple[list[int], list[int]]:
         targets: list[Any] = []
@@ -600,9 +648,10 @@ class _BackwardObserver(TorchDispatchMode):
     autograd may hold its own lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: RuntimeMemory | None = None) -> None:
         super().__init__()
         self.backward = False
+        self.runtime = runtime  # a parallel step: its runtime's memory counts as held
         self.names: list[str] = []
         self.seqs: list[int] = []  # autograd's next sequence number when each op ran
         self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
@@ -649,26 +698,47 @@ class _BackwardObserver(TorchDispatchMode):
     def live_bytes(self) -> int:
         for ref in [r for r in self._live if r.expired()]:
             del self._live[ref]
-        return sum(self._live.values())
+        return sum(self._live.values()) + self._runtime_bytes()
+
+    def _runtime_bytes(self) -> int:
+        return self.runtime.nbytes() if self.runtime is not None else 0
+
+    def _runtime_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The parallel runtime's op (FSDP2's all-gather, reduce-scatter): what it makes
+        is runtime memory, held in backward like a gradient; in forward it is no node."""
+        before = self.live_bytes() if self.backward else 0
+        inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
+                  for t in _tensors((args, kwargs))}
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            if StorageWeakRef(local_tensor(tensor).untyped_storage()) not in inputs:
+                self.runtime.add(tensor)
+        if self.backward:
+            self.ops.append((None, before, self.live_bytes()))
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "prim":
             return func(*args, **kwargs)
+        if self.runtime is not None and is_runtime_op():
+            return self._runtime_op(func, args, kwargs)
         if not self.backward:
             self.names.append(str(func))
             self.seqs.append(torch._C._autograd._get_sequence_nr())
             return func(*args, **kwargs)
         before = self.live_bytes()
-        inputs = {StorageWeakRef(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
+                  for t in _tensors((args, kwargs))}
         out = func(*args, **kwargs)
         for tensor in _tensors(out):
-            ref = StorageWeakRef(tensor.untyped_storage())
+            storage = local_tensor(tensor).untyped_storage()
+            ref = StorageWeakRef(storage)
             if ref not in inputs and ref not in self._live:
-                self._live[ref] = tensor.untyped_storage().nbytes()
+                self._live[ref] = storage.nbytes()
         node = torch._C._current_autograd_node()
         forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
-        self.ops.append((forward, before, sum(self._live.values())))
+        self.ops.append((forward, before, sum(self._live.values()) + self._runtime_bytes()))
         return out
 
 
@@ -678,12 +748,17 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
     backward, at its peak and after it, observed in a fake step, or in a real one when the
     forward ran on real tensors and fake ones cannot run the backward; None if neither can.
     """
-    model = step.model
     attempts = [False, True] if real else [False]
+    if step.twin is not None:  # as the forward was recorded: the twin's runtime is its own
+        attempts = [real]
     for on_real in attempts:
         observer = _BackwardObserver()
         try:
+            if on_real:
+                observer.runtime = step.renew(None)
+            model = step.model
             with _real_state(step) if on_real else _fake_state(step, spec) as state:
+                observer.runtime = observer.runtime or state.runtime
                 _start_grads(state.params, step)
                 _observe(step, observer, state.args, state.kwargs)
         except Exception as error:
@@ -712,20 +787,23 @@ class _StepState:
     params: dict[str, torch.Tensor]
     args: tuple
     kwargs: dict
+    runtime: RuntimeMemory | None = None  # a parallel twin's
 
 
 @contextlib.contextmanager
 def _fake_state(step: _Step, spec: DeviceSpec | None) -> Iterator[_StepState]:
     """Inside a fake step (:func:`_fake_step`) run with ``spec``'s kernels: the model's
     parameters and buffers swapped for fake twins."""
-    model = step.model
     with _fake_step(step, spec) as convert:
-        state = {k: convert(v) for k, v in [*model.named_parameters(remove_duplicate=False),
-                                            *model.named_buffers(remove_duplicate=False)]}
+        runtime = step.renew(convert)  # a parallel twin: on fake tensors already
+        model = step.model
+        state = {k: convert(v) if runtime is None else v
+                 for k, v in [*model.named_parameters(remove_duplicate=False),
+                              *model.named_buffers(remove_duplicate=False)]}
         args, kwargs = tree_map(convert, (step.args, step.kwargs))
         params = {k: state[k] for k, _ in model.named_parameters(remove_duplicate=False)}
         with swapped_tensors(model, state), _kernels(spec, real=False):
-            yield _StepState(params, args, kwargs)
+            yield _StepState(params, args, kwargs, runtime)
 
 
 @contextlib.contextmanager
@@ -1002,6 +1080,16 @@ class _Step:
     grads_at_start: bool = False  # every .grad allocated when the step starts
     grad_layout: _GradLayout | None = None  # how, with grads_at_start (`_grad_layout`)
     meta_as: str = "cpu"  # a fake step runs meta tensors as fake tensors of this device
+    twin: Callable[[Any], nn.Module] | None = None  # a parallel step: a fresh twin per run
+
+    def renew(self, convert: Callable[[Any], Any] | None) -> RuntimeMemory | None:
+        """Before a run of a parallel step: a fresh parallelized twin (its runtime starts
+        from nothing), on fake tensors made by ``convert`` when given, and the memory
+        record of its runtime; one process: None."""
+        if self.twin is None:
+            return None
+        self.model = self.twin(convert)
+        return RuntimeMemory()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -1096,20 +1184,23 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
               ) -> Iterator[tuple[_Recorded, Callable[[Any], Any]]]:
     """Run the forward + loss once, fake or on real tensors, recording everything; yields
     the record and the converter to the tensors it ran on, inside that tensor mode."""
-    model = step.model
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
     storages = _Storages()
-    recorder = _ForwardRecorder(storages, spec, {id(m): n for n, m in model.named_modules()})
-
     with _fake_step(step, spec) if not real else contextlib.nullcontext(lambda t: t) \
             as convert:
-        # buffers are updated by the forward: it runs on copies (fake ones are copies)
-        state = {k: convert(v) for k, v in params.items()}
+        runtime = step.renew(None if real else convert)
+        model = step.model
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        recorder = _ForwardRecorder(storages, spec,
+                                    {id(m): n for n, m in model.named_modules()})
+        recorder.runtime = runtime
+        # buffers are updated by the forward: it runs on copies (fake ones are copies); a
+        # parallel twin's parameters are its runtime's, fake already when the step is
+        state = {k: convert(v) if runtime is None else v for k, v in params.items()}
         state.update({k: convert(v) if not real else v.detach().clone()
                       for k, v in buffers.items()})
-        for key in params:
-            storages.add(state[key], "param", None, key)
+        for key in params:  # a DTensor parameter: this rank's shard
+            storages.add(local_tensor(state[key]), "param", None, key)
         for key in buffers:
             storages.add(state[key], "buffer", None, key)
         args, kwargs = tree_map(convert, (step.args, step.kwargs))
@@ -1121,6 +1212,8 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
             with recorder, _CallMarker(recorder), _kernels(spec, real):
                 loss = step.forward_loss(args, kwargs)
                 recorder.flush()
+            if runtime is not None:  # the loss pseudo-node's
+                recorder.runtime_peak = max(recorder.runtime_peak, runtime.nbytes())
             n_ops = len(recorder.records)
             if n_ops == 0:
                 raise ProfileError(f"{type(model).__name__}'s forward and loss ran no aten op")
@@ -1199,7 +1292,8 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
             out.append(_profile_backward(record.func, args, kwargs,
                                          [s.storage for s in specs], tracker))
         except Exception as error:  # an op that cannot run on stand-ins: no backward data
-            failed.setdefault(record.name, []).append(_first_line(error))
+            if not any(s.sharded for s in specs):  # a view of a DTensor to its global
+                failed.setdefault(record.name, []).append(_first_line(error))  # shape
             out.append(_Backward(grad_storages=[s.storage for s in specs if s.requires_grad
                                                 and s.storage is not None],
                                  output_requires_grad=[True] * len(record.outputs)))
@@ -1427,7 +1521,8 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
             output_ops=[0] if record.new_storages else [], keepable=keepable,
             saved_tensors=len(record.saved), written_storages=record.written,
             packs_after_running=record.packed_after_running if record.saved else None,
-            grad_storages=bwd.grad_storages))
+            grad_storages=bwd.grad_storages, fwd_runtime_bytes=record.runtime_bytes,
+            runtime_ops_before=record.runtime_ops_before))
     nodes = [n.model_copy(update={"users": users.get(n.name, [])}) for n in nodes]
     loss_reads = [rec.loss_storage] if rec.loss_storage is not None else []
     loss_ms = (0.0, 0.0)
@@ -1435,7 +1530,8 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
         index=len(records), name=LOSS_NODE, op="loss", target="backward()",
         args=[producer_name[s] for s in loss_reads if s in producer_name],
         read_storages=loss_reads, fwd_time_ms=loss_ms[0], bwd_time_ms=loss_ms[1],
-        grad_storages=loss_reads, saved_tensors=0))
+        grad_storages=loss_reads, saved_tensors=0,
+        fwd_runtime_bytes=rec.recorder.runtime_peak if rec.recorder.runtime else None))
     return nodes
 
 
@@ -1496,6 +1592,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = True,
+    parallel: Parallelism | None = None,
 ) -> GraphProfile:
     """Profile one training step (forward, loss, backward) of ``model`` as it runs eagerly.
 
@@ -1531,6 +1628,11 @@ def profile(
             fake or real as the profile runs; default: it starts with none, as
             ``zero_grad()`` leaves them. The ``.grad`` the model holds now never matter.
         progress: show a progress bar (on a terminal or in a notebook).
+        parallel: profile one rank of this parallelism (``profiles.parallel``): the user's
+            ``parallelize`` runs on a copy of the model over a fake process group of the
+            mesh's size, and the step recorded is that copy's on ``example_inputs`` (one
+            rank's batch), with its runtime's memory measured at every node; the optimizer
+            state and step count ``1/world_size`` of the model's. Times are estimated.
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
 
@@ -1551,19 +1653,27 @@ def profile(
     abstract = _abstract(everything)
     execution = _resolve_execution(execution, abstract)
     step = _Step(model, args, kwargs, loss_fn, autocast, device_type, bool(grad_accumulation))
-    with _rng_state_preserved():
+    if parallel is not None:
+        timing = _check_parallel(parallel, execution, step)
+    with _rng_state_preserved(), _parallel_world(step, parallel):
         rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
                                     progress)
         measured, costs, timing = _timings(step, rec, timing, spec, device_type,
                                            (repeats, warmup), progress)
-    records = rec.recorder.records
-    with _rng_state_preserved():
+        records = rec.recorder.records
         # the same program as recorded: a real recording ran the real device's kernels
         kernels = None if rec.real else spec
         if step.grads_at_start:
             step.grad_layout = _grad_layout(step, rec.real, kernels)
             rec.static = _laid_out_grads(rec.static, step.grad_layout)
         observed = _observe_backward(step, [r.name for r in records], rec.real, kernels)
+        # as the planned model will see it in its first step: after FSDP2's lazy init
+        layout = parallel_layout(step.model, parallel) if parallel is not None else None
+    if layout is not None:
+        if observed is None:
+            raise ProfileError(f"could not run the backward of one rank of {type(model).__name__}"
+                               " under its parallelize function (the log says why)")
+        rec.static = _rank_optimizer(rec.static, layout.world_size)
     nodes = _with_observed_backward(_node_profiles(rec, measured), observed)
     return GraphProfile(
         model_name=type(model).__name__,
@@ -1582,7 +1692,42 @@ def profile(
                         fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
         if measured else None,
         checkpoint_costs=costs,
+        parallel=layout,
     )
+
+
+def _check_parallel(parallel: Parallelism, execution: str, step: _Step) -> str:
+    """The options a parallel profile supports; returns its timing (estimated: collectives
+    on a fake process group take no time)."""
+    del execution
+    if step.grads_at_start:
+        raise ValueError("grad_accumulation=True is not planned per rank yet: FSDP2 keeps "
+                         "its sharded gradients; plan the first micro-batch's step")
+    return "estimate"
+
+
+@contextlib.contextmanager
+def _parallel_world(step: _Step, parallel: Parallelism | None) -> Iterator[None]:
+    """For a parallel step: inside a fake process group of its mesh, every run of the step
+    on a fresh twin parallelized by the user's function (``step.twin``). One process:
+    nothing."""
+    if parallel is None:
+        yield
+        return
+    with fake_world(parallel, step.device_type) as mesh:
+        user_model = step.model
+        step.twin = lambda convert: parallel_twin(user_model, parallel, mesh, convert)
+        try:
+            yield
+        finally:
+            step.model, step.twin = user_model, None
+
+
+def _rank_optimizer(static: StaticMemory, world_size: int) -> StaticMemory:
+    """Each rank steps its shards: the optimizer's state and temporaries shrink with them."""
+    return static.model_copy(update={
+        "optimizer_state_bytes": -(-static.optimizer_state_bytes // world_size),
+        "optimizer_step_bytes": -(-static.optimizer_step_bytes // world_size)})
 
 
 def _refuse_active_tools(name: str) -> None:

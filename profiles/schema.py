@@ -78,10 +78,13 @@ SignedMs = Annotated[float, Field(ge=-MAX_MS, le=MAX_MS, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 Scale = Annotated[float, Field(gt=0, le=MAX_SCALE, allow_inf_nan=False)]
 
-StorageKind = Literal["activation", "internal", "param", "buffer", "input", "constant"]
+StorageKind = Literal["activation", "internal", "param", "buffer", "input", "constant",
+                      "runtime"]
 # held for the whole step by the model or the caller; "constant": a tensor the step reads
 # that no op made (a plain module attribute)
-STATIC_KINDS: frozenset[str] = frozenset({"param", "buffer", "input", "constant"})
+# "runtime": held by a parallel runtime (FSDP2's gathered parameters), whose bytes are its
+# nodes' ``fwd_runtime_bytes`` and the observed backward's, not a storage's
+STATIC_KINDS: frozenset[str] = frozenset({"param", "buffer", "input", "constant", "runtime"})
 
 
 class _Strict(BaseModel):
@@ -161,6 +164,12 @@ class NodeProfile(_Strict):
                                        "backward holds during it (temporaries included)")
     bwd_live_after_bytes: Bytes | None = Field(None, description="observed: what it "
                                              "holds once this node's backward is done")
+    fwd_runtime_bytes: Bytes | None = Field(
+        None, description="parallel profiles: what the parallel runtime (FSDP2's gathered "
+        "parameters, collective buffers) holds while this node's forward runs, at most "
+        "since the node before it; None: one process, no runtime")
+    runtime_ops_before: Count = Field(0, description="ops the parallel runtime ran just "
+                                      "before this node (an FSDP2 unit's all-gather)")
 
 
 class TracedSegment(_Strict):
@@ -243,6 +252,46 @@ class CheckpointCosts(_Strict):
     source: str = Field("", description="how they were obtained")
 
 
+class ParallelLayout(_Strict):
+    """The parallelism a profile's step ran under (``profiles.parallel``): the mesh, and
+    what the user's ``parallelize`` made of the model, for the planned model to check."""
+
+    mesh_shape: list[Count]
+    mesh_dim_names: list[str] | None = None
+    fsdp_units: list[str] = Field(default_factory=list, description="modules fully_shard "
+                                  "was called on, '' for the model itself")
+    param_dtype: str | None = Field(None, description="MixedPrecisionPolicy.param_dtype")
+    reduce_dtype: str | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype")
+    reshard_after_forward: list[bool | int] = Field(default_factory=list,
+                                                    description="per FSDP2 unit")
+    cpu_offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy")
+    placements: dict[str, str] = Field(default_factory=dict, description="each DTensor "
+                                       "parameter's placements on the mesh")
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for n in self.mesh_shape:
+            size *= n
+        return size
+
+    def describe(self) -> str:
+        """One line for plan summaries."""
+        mesh = " x ".join(str(n) for n in self.mesh_shape)
+        if len(self.mesh_shape) == 1:
+            mesh += "-rank"
+        if self.mesh_dim_names:
+            mesh += f" ({', '.join(self.mesh_dim_names)})"
+        parts = []
+        if self.fsdp_units:
+            dtype = f", params in {self.param_dtype}" if self.param_dtype else ""
+            parts.append(f"FSDP2 over {len(self.fsdp_units)} units{dtype}")
+        tp = len([p for p in self.placements.values() if "Shard" in p])
+        if tp and not self.fsdp_units:
+            parts.append(f"{tp} sharded parameters")
+        return f"per rank of a {mesh} mesh ({'; '.join(parts) or 'replicated'})"
+
+
 class GraphProfile(_Strict):
     """Per-node memory and time of one training step, with a fingerprint of the graph."""
 
@@ -265,6 +314,8 @@ class GraphProfile(_Strict):
     checkpoint_costs: CheckpointCosts | None = Field(
         None, description="checkpoint overhead on this device; None: not modelled (profiles "
         "recorded before it was)")
+    parallel: ParallelLayout | None = Field(
+        None, description="one rank of this parallel step; None: one process")
 
     @model_validator(mode="after")
     def _check(self) -> GraphProfile:

@@ -674,7 +674,7 @@ class _Slots:
                 in_region[i - a0] = True
             for ri, rr in enumerate(r.reruns):
                 at_trigger.setdefault(rr.trigger, []).append((pi, ri))
-        const: list[int] = [ctx.alloc[i] + p.fwd_temp_bytes[i] for i in range(a0, b0)]
+        const: list[int] = [ctx.alloc[i] + p.fwd_event_bytes[i] for i in range(a0, b0)]
         gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
         bwd_slot = [0] * n_fw
         off: list[list[int]] = [[0] * len(r.reruns) for r in plans]

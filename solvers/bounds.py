@@ -35,7 +35,7 @@ def memory_lower_bound(problem: Problem) -> int:
     act = 0
     for i in range(n):
         act += diff[i]
-        best = max(best, act + p.fwd_temp_bytes[i])
+        best = max(best, act + p.fwd_event_bytes[i])
     for j in range(n - 1, -1, -1):
         saved = sum(p.storage_bytes[s] for s in set(p.saved[j]) - loss)
         best = max(best, saved + g_event[j] + loss_bytes + p.bwd_temp_bytes[j])

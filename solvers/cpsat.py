@@ -208,7 +208,7 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
         if len(lst) > 1:
             md.AddAtMostOne(x[c] for c in lst)
     upper = p.static_bytes + total + max(ctx.g_event) + max(p.bwd_temp_bytes) \
-        + max(p.fwd_temp_bytes) + sum(p.storage_bytes)
+        + max(p.fwd_event_bytes) + sum(p.storage_bytes)
     B: cp_model.IntVar | int = md.NewIntVar(0, upper, "budget") if budget is None else budget
 
     def indicator(h: _Holder) -> cp_model.LinearExprT | _Always:
@@ -350,7 +350,7 @@ def _forward_constraints(md: cp_model.CpModel, ctx: Context, held_after: dict[in
             v = md.NewIntVar(0, total, f"H{i}")
             md.Add(v == hsum + sum(b * e for b, e in enter[i]))
             hsum = v
-        md.Add(p.static_bytes + ctx.alloc[i] + p.fwd_temp_bytes[i] + int(ctx.held_fwd[i])
+        md.Add(p.static_bytes + ctx.alloc[i] + p.fwd_event_bytes[i] + int(ctx.held_fwd[i])
                + live_read + hsum <= B)
 
 

@@ -136,6 +136,9 @@ class _Writes:
             return "writes in place a tensor made before it"
         if any(i in self.state_writes for i in range(a, b)):
             return "writes a parameter or an input in place"
+        if any(nodes[i].runtime_ops_before for i in range(a + 1, b)):
+            return ("the parallel runtime runs inside it (an FSDP2 unit's all-gather): a "
+                    "rerun would run it again")
         return ""
 
 
@@ -278,6 +281,8 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
             for c in profile.module_calls if c.traced] if module_spans and op_ranges else None,
         observed_backward=observed,
         host_link=host_link(profile.device),
+        fwd_runtime_bytes=[nd.fwd_runtime_bytes or 0 for nd in nodes]
+        if profile.parallel is not None else None,
     )
 
 

@@ -177,6 +177,11 @@ class Problem(BaseModel):
 
     Optional `host_link`: how fast saved activations move to host memory and back; a
     schedule may offload only on a problem that has one.
+
+    Optional `fwd_runtime_bytes[i]`: what a parallel runtime holds while node i's forward
+    first runs (FSDP2's gathered parameters and collective buffers, as measured on one
+    rank), the same under every schedule. A rerun of node i happens in the backward, where
+    the runtime's bytes are in the observed backward instead (`fwd_event_bytes`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -213,6 +218,7 @@ class Problem(BaseModel):
     traced_calls: list[TracedCall] | None = None
     observed_backward: ObservedBackward | None = None
     host_link: HostLink | None = None
+    fwd_runtime_bytes: list[int] | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Problem:
@@ -239,7 +245,8 @@ class Problem(BaseModel):
             "param_grad_bytes": self.param_grad_bytes,
         }
         for optional in ("block_of_node", "node_saves_static", "node_packs_before_running",
-                         "op_kind", "keepable", "node_ops", "node_packed", "node_grad_inputs"):
+                         "op_kind", "keepable", "node_ops", "node_packed", "node_grad_inputs",
+                         "fwd_runtime_bytes"):
             if getattr(self, optional) is not None:
                 per_node[optional] = getattr(self, optional)
         if self.node_grad_inputs is not None:
@@ -265,7 +272,7 @@ class Problem(BaseModel):
             )
         for field in ("fwd_time_ms", "bwd_time_ms", "fwd_temp_bytes", "bwd_temp_bytes",
                       "param_grad_bytes", "storage_bytes", "storage_grad_bytes", "node_ops",
-                      "node_packed"):
+                      "node_packed", "fwd_runtime_bytes"):
             bad = [i for i, v in enumerate(getattr(self, field) or ()) if v < 0]
             _check(not bad, f"{field} must be non-negative; negative at indices {bad[:5]}.")
         _check(self.static_bytes >= 0, "static_bytes must be non-negative.")
@@ -448,6 +455,14 @@ class Problem(BaseModel):
         if self.storage_release is not None:
             held |= {s for s, r in enumerate(self.storage_release) if r >= n}
         return frozenset(held)
+
+    @cached_property
+    def fwd_event_bytes(self) -> tuple[int, ...]:
+        """What node i's first forward holds beyond the activations live then: its
+        temporaries and what a parallel runtime holds meanwhile (a rerun holds only the
+        temporaries: it runs in the backward, whose events count the runtime)."""
+        runtime = self.fwd_runtime_bytes or [0] * self.n_nodes
+        return tuple(t + r for t, r in zip(self.fwd_temp_bytes, runtime, strict=True))
 
     @cached_property
     def gradient_events(self) -> GradientEvents:

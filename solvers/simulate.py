@@ -504,7 +504,8 @@ class _Replay:
                 self._alloc((s, run.gen))
                 new.append((s, run.gen))
         alloc = sum(p.storage_bytes[s] for s, _ in new)
-        temp = 0 if cached or not_run else p.fwd_temp_bytes[i]
+        temp = 0 if cached or not_run else \
+            p.fwd_event_bytes[i] if root is None else p.fwd_temp_bytes[i]
         parts = self._parts(self.live_grad, temp)
         self._hold_made(run, i, inner, not_run)
         # frees after this node

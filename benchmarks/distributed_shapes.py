@@ -1,0 +1,127 @@
+"""Llama-3-8B and -70B shapes planned per rank under FSDP2, from a 2-core CPU machine.
+
+    python benchmarks/distributed_shapes.py [--sizes 8b 70b] [--ranks 8 64] [--seq-len 8192]
+
+Each model is built on the meta device; torchtitan's wrapping (``fully_shard`` every
+decoder layer, then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)
+runs over a fake process group of each size inside the profile, on fake tensors, and the
+step of one rank (its batch: ``--batch`` x ``--seq-len``) is planned at ``--budget-gb``.
+Printed per row: the unplanned per-rank peak, the plan's peak and its recompute overhead,
+profile and solve times, the process's peak RSS, and a hand count of what FSDP2 holds at
+the peak (sharded parameters and gradients, the gathered root, one layer gathered plus
+the one prefetched, in bf16). Writes ``benchmarks/results/distributed-shapes.{json,md}``
+unless ``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from planner import InfeasibleBudgetError, profile_model, solve, zoo
+from planner.plan import GIB, format_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parallelize(model: torch.nn.Module, mesh: object) -> None:
+    """torchtitan's FSDP2 recipe in bf16 mixed precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def hand_count(model: torch.nn.Module, ranks: int) -> dict[str, int]:
+    """What FSDP2 holds at a backward peak, counted by hand from the parameter sizes."""
+    layer = model.model.layers[0]
+    layer_params = sum(p.numel() for p in layer.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    root = total - layer_params * len(model.model.layers)
+    return {"sharded fp32 parameters": 4 * total // ranks,
+            "sharded fp32 gradients": 4 * total // ranks,
+            "root gathered (bf16)": 2 * root,
+            "two layers gathered (bf16)": 2 * 2 * layer_params,
+            "one layer's bf16 gradients": 2 * layer_params}
+
+
+def row(size: str, ranks: int, args: argparse.Namespace) -> dict:
+    zm = zoo.get("hf-llama", size=size, batch=args.batch, seq_len=args.seq_len,
+                 device="meta")
+    started = time.perf_counter()
+    step = profile_model(zm.model, zm.example_inputs, parallelize=parallelize,
+                         mesh_shape=(ranks,), device="H100", progress=args.progress)
+    profiled = time.perf_counter()
+    budget = int(args.budget_gb * GIB)
+    try:
+        plan = solve(step, budget_bytes=budget, time_limit_s=args.time_limit_s)
+    except InfeasibleBudgetError as error:
+        plan = error.plan
+    solved = time.perf_counter()
+    counted = hand_count(zm.model, ranks)
+    return {"size": size, "ranks": ranks, "batch": args.batch, "seq_len": args.seq_len,
+            "nodes": len(step.profile.nodes), "unplanned_bytes": step.unplanned_peak_bytes,
+            "budget_bytes": budget, "planned_bytes": plan.predicted_peak_bytes,
+            "overhead_pct": 100 * plan.predicted_overhead, "within_budget":
+            plan.predicted_peak_bytes <= budget, "solver": plan.solver.name,
+            "status": plan.solver.status, "gap": plan.solver.gap,
+            "profile_s": round(profiled - started, 1), "solve_s": round(solved - profiled, 1),
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                                  2), "hand_count": counted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["8b", "70b"],
+                        choices=["7b", "8b", "70b"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget-gb", type=float, default=70.0)
+    parser.add_argument("--time-limit-s", type=float, default=120.0)
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for size in args.sizes:
+        for ranks in args.ranks:
+            r = row(size, ranks, args)
+            rows.append(r)
+            print(f"{size:>4} x{ranks:<3} unplanned {format_bytes(r['unplanned_bytes']):>10} "
+                  f"plan {format_bytes(r['planned_bytes']):>10} at "
+                  f"{format_bytes(r['budget_bytes'])} (+{r['overhead_pct']:.1f} %), "
+                  f"profile {r['profile_s']} s, solve {r['solve_s']} s, RSS "
+                  f"{r['peak_rss_gib']} GiB; FSDP2 by hand: " + ", ".join(
+                      f"{k} {format_bytes(v)}" for k, v in r["hand_count"].items()),
+                  flush=True)
+    if args.no_write:
+        return
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "distributed-shapes.json").write_text(json.dumps(result, indent=1))
+    lines = ["# Llama-3 shapes planned per rank (FSDP2, bf16 mixed precision, fake tensors)",
+             "", f"{result['date']}, torch {result['torch']}, on a 2-core CPU machine; "
+             f"batch {args.batch} x {args.seq_len} per rank, H100 kernels.", "",
+             "| shape | ranks | unplanned | budget | plan | overhead | profile s | solve s "
+             "| peak RSS GiB | FSDP2 by hand |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hand = "; ".join(f"{k} {format_bytes(v)}" for k, v in r["hand_count"].items())
+        lines.append(f"| {r['size']} | {r['ranks']} | {format_bytes(r['unplanned_bytes'])} | "
+                     f"{format_bytes(r['budget_bytes'])} | {format_bytes(r['planned_bytes'])} "
+                     f"| +{r['overhead_pct']:.1f} % | {r['profile_s']} | {r['solve_s']} | "
+                     f"{r['peak_rss_gib']} | {hand} |")
+    (RESULTS / "distributed-shapes.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""One rank's step as torch.distributed runs it: the user's parallelize function on a twin
+of the model, over a fake process group of the target size, in this process.
+
+A rank's memory is its own compute (its batch, its shards of each parameter, in the dtype
+the mixed-precision policy runs) plus what the parallel runtime holds around it: FSDP2's
+all-gathered parameters (freed and re-allocated by resizing their storages, which no op
+shows), its all-gather and reduce-scatter buffers, prefetching, the sharded gradients it
+writes. Rather than describe that runtime, the profile runs it: ``fake_world`` makes a
+process group of ``mesh_shape`` (torch's ``fake`` backend: collectives return at once, with
+real buffers of real sizes), ``parallel_twin`` deep-copies the model and hands the copy to
+the user's own ``parallelize(model, mesh)``, and the profiler records that copy's step.
+Ops the runtime dispatches (``is_runtime_op``) are not nodes of the plan: what they make is
+``RuntimeMemory``, followed at its current size at every op, and added to each event of
+the step as measured (``NodeProfile.fwd_runtime_bytes``, the observed backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from profiles.schema import ParallelLayout
+from profiles.swap import swapped_tensors
+
+__all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "is_runtime_op",
+           "layout_changes", "local_tensor", "parallel_layout", "parallel_twin"]
+
+# where the runtime that manages parameters lives: an op dispatched while one of these files
+# runs is FSDP2's (all-gathers, reduce-scatters, its copies). Tensor parallel's
+# redistributions are the model's own ops: they run inside module calls and again in their
+# reruns, like any op
+_RUNTIME_DIRS = ("/torch/distributed/fsdp/", "/torch/distributed/_composable/")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How every rank runs the model: ``parallelize(model, mesh)`` (the user's function,
+    called the same way on the real model after ``apply``) over a device mesh of
+    ``mesh_shape`` (``(dp,)``, ``(dp, tp)``), named ``mesh_dim_names``."""
+
+    parallelize: Callable[[nn.Module, Any], Any]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.parallelize):
+            raise TypeError("parallelize must be a function parallelize(model, mesh), the "
+                            f"one the training script calls; got {type(self.parallelize)}")
+        shape = tuple(self.mesh_shape)
+        if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                            for n in shape):
+            raise ValueError(f"mesh_shape must be positive ints, one per mesh dimension "
+                             f"(e.g. (8,) or (4, 2)), got {self.mesh_shape!r}")
+        names = self.mesh_dim_names
+        if names is not None and len(tuple(names)) != len(shape):
+            raise ValueError(f"mesh_dim_names {names!r} must name each of the "
+                             f"{len(shape)} dimensions of mesh_shape {shape}")
+        object.__setattr__(self, "mesh_shape", shape)
+        if names is not None:
+            object.__setattr__(self, "mesh_dim_names", tuple(names))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+
+@contextlib.contextmanager
+def fake_world(parallelism: Parallelism, device_type: str) -> Iterator[Any]:
+    """A fake process group of ``parallelism.world_size`` ranks (this process is rank 0)
+    and its device mesh. A process group that already exists (torchrun, NCCL or gloo) is
+    set aside while the fake one runs and put back after (``_JobGroups``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    job = _JobGroups.set_aside()
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0,
+                                world_size=parallelism.world_size)
+        try:
+            yield init_device_mesh(device_type, parallelism.mesh_shape,
+                                   mesh_dim_names=parallelism.mesh_dim_names)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        job.put_back()
+
+
+class _JobGroups:
+    """The process groups of the job planning (none outside torchrun), set aside so that a
+    fake default group can exist, then put back as they were: c10d keeps them in module
+    tables and a C++ registry by name, which destroying the fake group empties."""
+
+    _TABLES = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config",
+               "_tags_to_pg", "_pg_to_tag")
+
+    def __init__(self, c10d: Any) -> None:
+        self.c10d = c10d
+        self.default = c10d._world.default_pg
+        self.tables = {name: dict(getattr(c10d, name)) for name in self._TABLES}
+        self.count = c10d._group_count
+
+    @classmethod
+    def set_aside(cls) -> _JobGroups:
+        import torch.distributed.distributed_c10d as c10d
+
+        job = cls(c10d)
+        if job.default is not None:
+            c10d._update_default_pg(None)
+            for name in cls._TABLES:
+                getattr(c10d, name).clear()
+        return job
+
+    def put_back(self) -> None:
+        if self.default is None:
+            return
+        c10d = self.c10d
+        for name, saved in self.tables.items():
+            getattr(c10d, name).clear()
+            getattr(c10d, name).update(saved)
+        c10d._group_count = self.count
+        c10d._update_default_pg(self.default)
+        for group, name in self.tables["_pg_names"].items():
+            c10d._register_process_group(name, group)
+
+
+def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
+                  convert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    """A deep copy of ``model`` parallelized by the user's function (inside
+    :func:`fake_world`); the model itself is not touched. With ``convert`` (a fake step's
+    converter, called inside its fake mode) the copy holds the fake twins of the model's
+    parameters and buffers, and copying costs no memory however large the model."""
+    if convert is None:
+        twin = copy.deepcopy(model)
+    else:
+        twin = _fake_copy(model, convert)
+    returned = parallelism.parallelize(twin, mesh)
+    if isinstance(returned, nn.Module) and returned is not twin:
+        raise ValueError(
+            "parallelize(model, mesh) returned another module than the one it was given: "
+            "the planner installs its plan on the model's own modules, so parallelize must "
+            "change the model in place (as fully_shard and parallelize_module do)")
+    return twin
+
+
+def _fake_copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]
+               ) -> nn.Module:
+    """A deep copy of ``model`` made on the meta device (outside the fake modes), then given
+    the fake twin of each tensor, one per tensor object (tied weights stay tied)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    named = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    with _disable_current_modes():  # the fake step's modes would make meta tensors real
+        meta = {name: torch.empty_like(t, device="meta") for name, t in named}
+        with swapped_tensors(model, meta):
+            twin = copy.deepcopy(model)
+    owners = dict(twin.named_modules(remove_duplicate=False))
+    made: dict[int, torch.Tensor] = {}
+    for name, tensor in named:
+        if id(tensor) not in made:
+            fake = convert(tensor)
+            made[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) \
+                if isinstance(tensor, nn.Parameter) else fake
+        path, _, attr = name.rpartition(".")
+        owner = owners[path]
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        table[attr] = made[id(tensor)]
+    return twin
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def is_runtime_op() -> bool:
+    """Whether the op being dispatched now comes from FSDP2 (its hooks' all-gathers,
+    reduce-scatters and copies), not from the model's own code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in _RUNTIME_DIRS):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class RuntimeMemory:
+    """The storages a parallel runtime made during the step, at their current sizes.
+
+    FSDP2 frees an all-gathered parameter by resizing its storage to 0 and re-allocates it
+    by resizing it back, which no op shows: a storage is followed through a weak reference
+    and counted at the size it has whenever ``nbytes()`` is asked."""
+
+    def __init__(self) -> None:
+        self._refs: set[StorageWeakRef] = set()
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._refs.add(StorageWeakRef(local_tensor(tensor).untyped_storage()))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        ref = StorageWeakRef(local_tensor(tensor).untyped_storage())
+        return ref in self._refs and not ref.expired()
+
+    def nbytes(self) -> int:
+        total = 0
+        for ref in list(self._refs):
+            if ref.expired():
+                self._refs.discard(ref)
+                continue
+            total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout:
+    """What ``parallelize`` made of the model (:func:`describe_parallel`) on its mesh."""
+    found = describe_parallel(twin) or ParallelLayout(mesh_shape=[])
+    return found.model_copy(update={
+        "mesh_shape": list(parallelism.mesh_shape),
+        "mesh_dim_names": list(parallelism.mesh_dim_names) if parallelism.mesh_dim_names
+        else None})
+
+
+def describe_parallel(model: nn.Module) -> ParallelLayout | None:
+    """How ``model`` is parallelized now: its FSDP2 units and their policies, and where each
+    DTensor parameter lives (placements on its mesh's shape); None for a model neither
+    ``fully_shard`` nor tensor parallel touched. The mesh itself is the caller's to say."""
+    units, reshard, dtypes, offload = [], [], set(), False
+    for path, module in model.named_modules():
+        group = _fsdp_group(module)
+        if group is None:
+            continue
+        units.append(path)
+        reshard.append(_reshard_after_forward(group))
+        policy = group.mp_policy
+        dtypes.add((_dtype(policy.param_dtype), _dtype(policy.reduce_dtype)))
+        offload = offload or type(group.offload_policy).__name__ == "CPUOffloadPolicy"
+    param_dtype, reduce_dtype = dtypes.pop() if len(dtypes) == 1 else (None, None)
+    placements = {name: _where(param) for name, param in model.named_parameters()
+                  if hasattr(param, "placements")}
+    paths = {id(m): p for p, m in model.named_modules()}
+    for module in model.modules():  # in a forward, FSDP2 holds them unsharded
+        group = _fsdp_group(module)
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            info = fsdp_param._module_info
+            owner = paths.get(id(info.module), "")
+            name = f"{owner}.{info.param_name}" if owner else info.param_name
+            placements[name] = _where(fsdp_param.sharded_param)
+    if not units and not placements:
+        return None
+    return ParallelLayout(mesh_shape=[], fsdp_units=units, param_dtype=param_dtype,
+                          reduce_dtype=reduce_dtype, reshard_after_forward=reshard,
+                          cpu_offload=offload, placements=placements)
+
+
+def layout_changes(planned: ParallelLayout | None, now: ParallelLayout | None) -> str:
+    """How a model's parallelism differs from the planned one, in words ('' when not)."""
+    if planned is None:
+        return "" if now is None else (
+            "it is parallelized (FSDP2 or tensor parallel), but its plan is for one process")
+    if now is None:
+        return (f"its plan is for one rank ({planned.describe()}), but it is not "
+                "parallelized: call your parallelize(model, mesh) after apply()")
+    for field, what in (("fsdp_units", "fully_shard units"), ("param_dtype",
+                        "MixedPrecisionPolicy.param_dtype"), ("reduce_dtype",
+                        "MixedPrecisionPolicy.reduce_dtype"), ("reshard_after_forward",
+                        "reshard_after_forward"), ("cpu_offload", "CPUOffloadPolicy")):
+        if getattr(planned, field) != getattr(now, field):
+            return f"its {what}: {getattr(now, field)!r}, planned {getattr(planned, field)!r}"
+    moved = [name for name in planned.placements.keys() | now.placements.keys()
+             if planned.placements.get(name) != now.placements.get(name)]
+    if moved:
+        name = sorted(moved)[0]
+        return (f"parameter {name!r} is {now.placements.get(name, 'not a DTensor')}, planned "
+                f"{planned.placements.get(name, 'not a DTensor')}")
+    return ""
+
+
+def _where(param: torch.Tensor) -> str:
+    return f"{', '.join(str(p) for p in param.placements)} on {tuple(param.device_mesh.shape)}"
+
+
+def _fsdp_group(module: nn.Module) -> Any:
+    state = getattr(module, "_get_fsdp_state", None)
+    return getattr(state(), "_fsdp_param_group", None) if state is not None else None
+
+
+def _reshard_after_forward(group: Any) -> bool | int:
+    info = group.post_forward_mesh_info
+    if info is None:
+        return False
+    if info is group.mesh_info or info == group.mesh_info:
+        return True
+    return int(info.shard_mesh_size)
+
+
+def _dtype(dtype: torch.dtype | None) -> str | None:
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
