@@ -53,29 +53,50 @@ def hand_count(model: torch.nn.Module, ranks: int) -> dict[str, int]:
             "one layer's bf16 gradients": 2 * layer_params}
 
 
-def row(size: str, ranks: int, args: argparse.Namespace) -> dict:
+def rows_of(size: str, ranks: int, args: argparse.Namespace) -> list[dict]:
+    """One profile of the shape at ``ranks``, planned at each budget."""
     zm = zoo.get("hf-llama", size=size, batch=args.batch, seq_len=args.seq_len,
                  device="meta")
     started = time.perf_counter()
     step = profile_model(zm.model, zm.example_inputs, parallelize=parallelize,
                          mesh_shape=(ranks,), device="H100", progress=args.progress)
     profiled = time.perf_counter()
-    budget = int(args.budget_gb * GIB)
+    rows = []
+    for budget_gb in args.budget_gb:
+        rows.append(_planned(step, int(budget_gb * GIB), args, zm.model, size, ranks))
+        rows[-1]["profile_s"] = round(profiled - started, 1)
+    return rows
+
+
+def _planned(step: object, budget: int, args: argparse.Namespace, model: torch.nn.Module,
+             size: str, ranks: int) -> dict:
+    solving = time.perf_counter()
     try:
         plan = solve(step, budget_bytes=budget, time_limit_s=args.time_limit_s)
     except InfeasibleBudgetError as error:
         plan = error.plan
     solved = time.perf_counter()
-    counted = hand_count(zm.model, ranks)
+    counted = hand_count(model, ranks)
     return {"size": size, "ranks": ranks, "batch": args.batch, "seq_len": args.seq_len,
             "nodes": len(step.profile.nodes), "unplanned_bytes": step.unplanned_peak_bytes,
             "budget_bytes": budget, "planned_bytes": plan.predicted_peak_bytes,
             "overhead_pct": 100 * plan.predicted_overhead, "within_budget":
             plan.predicted_peak_bytes <= budget, "solver": plan.solver.name,
             "status": plan.solver.status, "gap": plan.solver.gap,
-            "profile_s": round(profiled - started, 1), "solve_s": round(solved - profiled, 1),
+            "solve_s": round(solved - solving, 1),
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                   2), "hand_count": counted}
+
+
+def _printed(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        print(f"{r['size']:>4} x{r['ranks']:<3} unplanned "
+              f"{format_bytes(r['unplanned_bytes']):>10} plan "
+              f"{format_bytes(r['planned_bytes']):>10} at {format_bytes(r['budget_bytes'])} "
+              f"(+{r['overhead_pct']:.1f} %), profile {r['profile_s']} s, solve "
+              f"{r['solve_s']} s, RSS {r['peak_rss_gib']} GiB; FSDP2 by hand: " + ", ".join(
+                  f"{k} {format_bytes(v)}" for k, v in r["hand_count"].items()), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -86,23 +107,13 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--budget-gb", type=float, default=70.0)
+    parser.add_argument("--budget-gb", type=float, nargs="+", default=[70.0, 40.0])
     parser.add_argument("--time-limit-s", type=float, default=120.0)
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    rows = []
-    for size in args.sizes:
-        for ranks in args.ranks:
-            r = row(size, ranks, args)
-            rows.append(r)
-            print(f"{size:>4} x{ranks:<3} unplanned {format_bytes(r['unplanned_bytes']):>10} "
-                  f"plan {format_bytes(r['planned_bytes']):>10} at "
-                  f"{format_bytes(r['budget_bytes'])} (+{r['overhead_pct']:.1f} %), "
-                  f"profile {r['profile_s']} s, solve {r['solve_s']} s, RSS "
-                  f"{r['peak_rss_gib']} GiB; FSDP2 by hand: " + ", ".join(
-                      f"{k} {format_bytes(v)}" for k, v in r["hand_count"].items()),
-                  flush=True)
+    rows = [r for size in args.sizes for ranks in args.ranks
+            for r in _printed(rows_of(size, ranks, args))]
     if args.no_write:
         return
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),

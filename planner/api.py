@@ -1134,7 +1134,17 @@ def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
 
     Both steps start from the same state (parameters, buffers such as BatchNorm statistics,
     RNG); the model is left as it was given (planned or not) and in the state it had.
+
+    Raises:
+        ValueError: a per-rank plan (``parallelize=``): one process cannot run a rank's
+            step; measure on each rank (``benchmarks/distributed.py`` shows how).
     """
+    if plan.profile.parallel is not None:
+        raise ValueError(
+            f"this plan is {plan.profile.parallel.describe()}: verify() runs one process's "
+            "step, not a rank's. Measure each rank's step where it trains (PeakTracker with "
+            "follow_resizes=True on CPU, torch.cuda.max_memory_allocated on a GPU), as "
+            "benchmarks/distributed.py does")
     args, kwargs = normalize_inputs(model, example_inputs)
     loss_fn = loss_fn or profiles.default_loss
     was_planned = bool(checkpointed_modules(model) or _guards(model) or offloaded_modules(model))

@@ -235,3 +235,14 @@ def test_bad_parallel_arguments_say_what_to_give() -> None:
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  parallelize=lambda model, mesh: torch.nn.Linear(2, 2), mesh_shape=(2,),
                  progress=False)
+
+
+def test_verify_says_a_rank_is_measured_where_it_trains() -> None:
+    from planner import verify
+
+    name, options = GPT
+    zm = zoo.get(name, **options)
+    plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    parallelize=fsdp2(), mesh_shape=(2,), progress=False)
+    with pytest.raises(ValueError, match="verify\\(\\) runs one process's step"):
+        verify(zm.model, plan, zm.example_inputs, zm.loss_fn)
