@@ -345,12 +345,21 @@ def write(rows: list[dict], seconds: float) -> None:
               "torch": torch.__version__, "seconds": seconds, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "distributed-cpu.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "distributed-cpu.md").write_text(render(result))
+
+
+def render(result: dict) -> str:
+    """The results as a Markdown table."""
+    rows = result["rows"]
+    worst = max(abs(r["error_pct"]) for r in rows)
     lines = ["# Per-rank plans: predicted against measured (CPU)", "",
-             f"{result['date']}, torch {result['torch']}, {seconds} s. Measured: the largest "
-             "rank's peak (`PeakTracker`); gloo rows also compare losses and gradients with "
-             "the same parallel model unplanned; fake rows show torch's `FSDPMemTracker`.", "",
+             f"{result['date']}, torch {result['torch']}, {result['seconds']} s. Measured: the "
+             "largest rank's peak (`PeakTracker`); gloo rows also compare losses and "
+             "gradients with the same parallel model unplanned; fake rows show torch's "
+             f"`FSDPMemTracker` beside it. {len(rows)} rows, worst |predicted - measured| "
+             f"{worst:.2f} %.", "",
              "| mode | ranks | recipe | model | plan | budget | predicted | measured | error "
-             "| within | losses, grads | FSDPMemTracker |", "|---|" * 12]
+             "| within | losses, grads | FSDPMemTracker |", "|" + "---|" * 12]
     for r in rows:
         torch_peak = r["fsdp_mem_tracker_bytes"]
         lines.append(
@@ -360,7 +369,7 @@ def write(rows: list[dict], seconds: float) -> None:
             f"{'yes' if r['within_budget'] else 'NO'} | "
             f"{'' if r['equal'] is None else '=' if r['equal'] else 'DIFF'} | "
             f"{format_bytes(torch_peak) if torch_peak is not None else ''} |")
-    (RESULTS / "distributed-cpu.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

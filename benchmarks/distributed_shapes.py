@@ -6,7 +6,8 @@ Each model is built on the meta device; torchtitan's wrapping (``fully_shard`` e
 decoder layer, then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)
 runs over a fake process group of each size inside the profile, on fake tensors, and the
 step of one rank (its batch: ``--batch`` x ``--seq-len``) is planned at ``--budget-gb``.
-Printed per row: the unplanned per-rank peak, the plan's peak and its recompute overhead,
+Printed per row: the unplanned per-rank peak (with ``--check-torch``, torch's
+``FSDPMemTracker`` over the same step beside it), the plan's peak and its recompute overhead,
 profile and solve times, the process's peak RSS, and a hand count of what FSDP2 holds at
 the peak (sharded parameters and gradients, the gathered root, one layer gathered plus
 the one prefetched, in bf16). Writes ``benchmarks/results/distributed-shapes.{json,md}``
@@ -53,6 +54,31 @@ def hand_count(model: torch.nn.Module, ranks: int) -> dict[str, int]:
             "one layer's bf16 gradients": 2 * layer_params}
 
 
+def torch_tracker_peak(size: str, ranks: int, args: argparse.Namespace) -> int:
+    """torch's ``FSDPMemTracker`` over the same unplanned step (fake tensors, the fake
+    process group, the H100's fused attention): the independent measure of the shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from profiles.devices import device_spec
+    from profiles.kernels import FusedKernels
+    from profiles.parallel import Parallelism, fake_world
+
+    zm = zoo.get("hf-llama", size=size, batch=args.batch, seq_len=args.seq_len,
+                 device="meta")
+    with fake_world(Parallelism(parallelize, (ranks,)), "cpu") as mesh:
+        model = zm.model
+        parallelize(model, mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            ids = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
+            tracker = FSDPMemTracker(model)
+            with FusedKernels(device_spec("H100")), tracker:
+                model(input_ids=ids, labels=ids).loss.backward()
+    peaks = tracker.get_tracker_snapshot("peak")
+    return int(sum(by_kind.get("Total", 0) for by_kind in peaks.values()))
+
+
 def rows_of(size: str, ranks: int, args: argparse.Namespace) -> list[dict]:
     """One profile of the shape at ``ranks``, planned at each budget."""
     zm = zoo.get("hf-llama", size=size, batch=args.batch, seq_len=args.seq_len,
@@ -61,10 +87,12 @@ def rows_of(size: str, ranks: int, args: argparse.Namespace) -> list[dict]:
     step = profile_model(zm.model, zm.example_inputs, parallelize=parallelize,
                          mesh_shape=(ranks,), device="H100", progress=args.progress)
     profiled = time.perf_counter()
+    torch_peak = torch_tracker_peak(size, ranks, args) if args.check_torch else None
     rows = []
     for budget_gb in args.budget_gb:
         rows.append(_planned(step, int(budget_gb * GIB), args, zm.model, size, ranks))
-        rows[-1]["profile_s"] = round(profiled - started, 1)
+        rows[-1].update(profile_s=round(profiled - started, 1),
+                        fsdp_mem_tracker_unplanned_bytes=torch_peak)
     return rows
 
 
@@ -110,6 +138,8 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, nargs="+", default=[70.0, 40.0])
     parser.add_argument("--time-limit-s", type=float, default=120.0)
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--check-torch", action="store_true",
+                        help="also run torch's FSDPMemTracker over the unplanned step")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     rows = [r for size in args.sizes for ranks in args.ranks
@@ -117,21 +147,30 @@ def main() -> None:
     if args.no_write:
         return
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "batch": args.batch, "seq_len": args.seq_len,
+              "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "distributed-shapes.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "distributed-shapes.md").write_text(render(result))
+
+
+def render(result: dict) -> str:
+    """The results as a Markdown table."""
     lines = ["# Llama-3 shapes planned per rank (FSDP2, bf16 mixed precision, fake tensors)",
              "", f"{result['date']}, torch {result['torch']}, on a 2-core CPU machine; "
-             f"batch {args.batch} x {args.seq_len} per rank, H100 kernels.", "",
-             "| shape | ranks | unplanned | budget | plan | overhead | profile s | solve s "
-             "| peak RSS GiB | FSDP2 by hand |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+             f"batch {result['batch']} x {result['seq_len']} per rank, H100 kernels. A plan "
+             "above its budget is the lowest peak found (the budget cannot be met).", "",
+             "| shape | ranks | unplanned | FSDPMemTracker | budget | plan | fits | overhead "
+             "| profile s | solve s | peak RSS GiB | FSDP2 by hand |", "|" + "---|" * 12]
+    for r in result["rows"]:
         hand = "; ".join(f"{k} {format_bytes(v)}" for k, v in r["hand_count"].items())
+        torch_peak = r.get("fsdp_mem_tracker_unplanned_bytes")
         lines.append(f"| {r['size']} | {r['ranks']} | {format_bytes(r['unplanned_bytes'])} | "
+                     f"{format_bytes(torch_peak) if torch_peak else ''} | "
                      f"{format_bytes(r['budget_bytes'])} | {format_bytes(r['planned_bytes'])} "
-                     f"| +{r['overhead_pct']:.1f} % | {r['profile_s']} | {r['solve_s']} | "
-                     f"{r['peak_rss_gib']} | {hand} |")
-    (RESULTS / "distributed-shapes.md").write_text("\n".join(lines) + "\n")
+                     f"| {'yes' if r['within_budget'] else 'no'} | +{r['overhead_pct']:.1f} % "
+                     f"| {r['profile_s']} | {r['solve_s']} | {r['peak_rss_gib']} | {hand} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

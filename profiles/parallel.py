@@ -74,8 +74,8 @@ class Parallelism:
 
 
 @contextlib.contextmanager
-def fake_world(parallelism: Parallelism, device_type: str) -> Iterator[Any]:
-    """A fake process group of ``parallelism.world_size`` ranks (this process is rank 0)
+def fake_world(parallelism: Parallelism, device_type: str, rank: int = 0) -> Iterator[Any]:
+    """A fake process group of ``parallelism.world_size`` ranks (this process is ``rank``)
     and its device mesh. A process group that already exists (torchrun, NCCL or gloo) is
     set aside while the fake one runs and put back after (``_JobGroups``)."""
     import torch.distributed as dist
@@ -83,8 +83,9 @@ def fake_world(parallelism: Parallelism, device_type: str) -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     job = _JobGroups.set_aside()
+    _forget_meshes()
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=0,
+        dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=parallelism.world_size)
         try:
             yield init_device_mesh(device_type, parallelism.mesh_shape,
@@ -92,7 +93,24 @@ def fake_world(parallelism: Parallelism, device_type: str) -> Iterator[Any]:
         finally:
             dist.destroy_process_group()
     finally:
+        _forget_meshes()
         job.put_back()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans: they are keyed by
+    meshes that compare equal across worlds (a fake one of the same shape, another rank,
+    the job's own), and hold the process groups of the world that filled them."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 class _JobGroups:

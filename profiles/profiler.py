@@ -1670,9 +1670,7 @@ def profile(
         # as the planned model will see it in its first step: after FSDP2's lazy init
         layout = parallel_layout(step.model, parallel) if parallel is not None else None
     if layout is not None:
-        if observed is None:
-            raise ProfileError(f"could not run the backward of one rank of {type(model).__name__}"
-                               " under its parallelize function (the log says why)")
+        observed = _with_last_rank(step, parallel, rec, observed, kernels)
         rec.static = _rank_optimizer(rec.static, layout.world_size)
     nodes = _with_observed_backward(_node_profiles(rec, measured), observed)
     return GraphProfile(
@@ -1706,15 +1704,45 @@ def _check_parallel(parallel: Parallelism, execution: str, step: _Step) -> str:
     return "estimate"
 
 
+def _with_last_rank(step: _Step, parallel: Parallelism, rec: _Recorded,
+                    observed: list | None, kernels: DeviceSpec | None) -> list:
+    """The runtime's bytes at each node, the most of rank 0's and the last rank's: ranks
+    run the same ops, but FSDP2 shards dim 0 unevenly (the last rank's shard is shorter,
+    or empty, and its gradient a copy rather than a view), so what one holds is not what
+    every one does. ``observed`` and ``rec`` are rank 0's; ``rec`` is updated."""
+    name = type(step.model).__name__
+    last = parallel.world_size - 1
+    if observed is None:
+        raise ProfileError(f"could not run the backward of one rank of {name} under its "
+                           "parallelize function (the log says why)")
+    if last == 0:
+        return observed
+    with _rng_state_preserved(), _parallel_world(step, parallel, rank=last):
+        with _observed(step, rec.real, kernels if not rec.real else None) as (other, _):
+            pass
+        names = [r.name for r in rec.recorder.records]
+        theirs = _observe_backward(step, names, rec.real, kernels)
+    if theirs is None or [r.name for r in other.recorder.records] != names:
+        raise ProfileError(f"rank {last} of {name} runs other ops than rank 0 under its "
+                           "parallelize function; the planner plans ranks that run the same "
+                           "program")
+    for mine, their in zip(rec.recorder.records, other.recorder.records, strict=True):
+        mine.runtime_bytes = max(mine.runtime_bytes or 0, their.runtime_bytes or 0)
+    rec.recorder.runtime_peak = max(rec.recorder.runtime_peak, other.recorder.runtime_peak)
+    return [tuple(max(a, b) for a, b in zip(x, y, strict=True))
+            for x, y in zip(observed, theirs, strict=True)]
+
+
 @contextlib.contextmanager
-def _parallel_world(step: _Step, parallel: Parallelism | None) -> Iterator[None]:
-    """For a parallel step: inside a fake process group of its mesh, every run of the step
-    on a fresh twin parallelized by the user's function (``step.twin``). One process:
-    nothing."""
+def _parallel_world(step: _Step, parallel: Parallelism | None,
+                    rank: int = 0) -> Iterator[None]:
+    """For a parallel step: inside a fake process group of its mesh, as ``rank``, every run
+    of the step on a fresh twin parallelized by the user's function (``step.twin``). One
+    process: nothing."""
     if parallel is None:
         yield
         return
-    with fake_world(parallel, step.device_type) as mesh:
+    with fake_world(parallel, step.device_type, rank) as mesh:
         user_model = step.model
         step.twin = lambda convert: parallel_twin(user_model, parallel, mesh, convert)
         try:

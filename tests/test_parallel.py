@@ -59,10 +59,10 @@ def tensor_parallel(model: torch.nn.Module, mesh: object) -> None:
         fully_shard(model, mesh=mesh["dp"])
 
 
-def measured_rank(name: str, options: dict, plan, parallel: Parallelism) -> int:
+def measured_rank(name: str, options: dict, plan, parallel: Parallelism, rank: int = 0) -> int:
     """One rank's peak with ``plan`` applied (None: unplanned), then ``parallelize``."""
     zm = zoo.get(name, **options)
-    with fake_world(parallel, "cpu") as mesh:
+    with fake_world(parallel, "cpu", rank) as mesh:
         model = zm.model
         if plan is not None:
             apply(model, plan, strict=True)
@@ -93,22 +93,25 @@ LLAMA = ("hf-llama", {})
 
 
 @pytest.mark.parametrize(("model", "parallel"), [
+    (GPT, Parallelism(fsdp2(), (2,))),
     (GPT, Parallelism(fsdp2(), (8,))),
     (GPT, Parallelism(fsdp2(MixedPrecisionPolicy(), reshard=False), (64,))),
     (LLAMA, Parallelism(tensor_parallel, (2,), ("tp",))),
     (LLAMA, Parallelism(tensor_parallel, (2, 2), ("dp", "tp"))),
-], ids=["fsdp2-bf16-8", "fsdp2-fp32-keep-64", "tp-2", "dp2xtp2"])
-def test_a_rank_peaks_as_predicted(model: tuple, parallel: Parallelism) -> None:
-    """Unplanned and planned at half way: within 1 % of the rank's measured peak, and the
-    planned one within its budget (the FSDP2 constant was 12-167 % high)."""
+], ids=["fsdp2-bf16-2", "fsdp2-bf16-8", "fsdp2-fp32-keep-64", "tp-2", "dp2xtp2"])
+def test_every_rank_peaks_as_predicted(model: tuple, parallel: Parallelism) -> None:
+    """Unplanned and planned at half way, on the first, a middle and the last rank (FSDP2
+    shards unevenly: the last rank holds other buffers): the largest within 1 % of the
+    prediction (the FSDP2 constant was 12-167 % high), every one within the budget."""
     name, options = model
     first, half = plans_at_half(name, options, parallel)
     assert half.checkpointing, "the half-way plan checkpoints something"
+    ranks = sorted({0, parallel.world_size // 2, parallel.world_size - 1})
     for plan, applied in ((first, None), (half, half)):
-        measured = measured_rank(name, options, applied, parallel)
-        assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, \
+        measured = [measured_rank(name, options, applied, parallel, r) for r in ranks]
+        assert abs(plan.predicted_peak_bytes - max(measured)) <= 0.01 * max(measured), \
             (plan.predicted_peak_bytes, measured)
-    assert measured <= half.budget_bytes
+    assert max(measured) <= half.budget_bytes, (measured, half.budget_bytes)
 
 
 def test_mixed_precision_halves_what_a_rank_holds() -> None:
