@@ -88,8 +88,9 @@ def fake_world(parallelism: Parallelism, device_type: str, rank: int = 0) -> Ite
         dist.init_process_group("fake", store=FakeStore(), rank=rank,
                                 world_size=parallelism.world_size)
         try:
-            yield init_device_mesh(device_type, parallelism.mesh_shape,
-                                   mesh_dim_names=parallelism.mesh_dim_names)
+            with _as_gloo() if device_type == "cpu" else contextlib.nullcontext():
+                yield init_device_mesh(device_type, parallelism.mesh_shape,
+                                       mesh_dim_names=parallelism.mesh_dim_names)
         finally:
             dist.destroy_process_group()
     finally:
@@ -111,6 +112,30 @@ def _forget_meshes() -> None:
     ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+@contextlib.contextmanager
+def _as_gloo() -> Iterator[None]:
+    """A step on the CPU runs over gloo (torch's backend for CPU tensors), whose
+    reduce-scatter works on a copy of its input, allocated inside the collective (measured:
+    the input's bytes, while the shards are copied out); NCCL's needs none. The fake
+    group's reduce-scatter makes that copy too."""
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor,
+                              *args: Any, **kwargs: Any) -> Any:
+        copy = torch.empty_like(input)
+        work = original(output, input, *args, **kwargs)
+        del copy
+        return work
+
+    dist.reduce_scatter_single = reduce_scatter_single
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
 
 
 class _JobGroups:
