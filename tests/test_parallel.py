@@ -41,6 +41,12 @@ def fsdp2(policy: MixedPrecisionPolicy = BF16, reshard: bool = True):
 
 def tensor_parallel(model: torch.nn.Module, mesh: object) -> None:
     """HF Llama's own TP plan, then (on a 2-D mesh) FSDP2 over the data-parallel dim."""
+    tp_only(model, mesh)
+    if "dp" in mesh.mesh_dim_names:
+        fsdp2_over_dp(model, mesh)
+
+
+def tp_only(model: torch.nn.Module, mesh: object) -> None:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -53,10 +59,12 @@ def tensor_parallel(model: torch.nn.Module, mesh: object) -> None:
             "self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
             "self_attn.o_proj": row, "mlp.gate_proj": col, "mlp.up_proj": col,
             "mlp.down_proj": row})
-    if "dp" in mesh.mesh_dim_names:
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+
+
+def fsdp2_over_dp(model: torch.nn.Module, mesh: object) -> None:
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
 
 
 def measured_rank(name: str, options: dict, plan, parallel: Parallelism, rank: int = 0) -> int:
@@ -249,3 +257,28 @@ def test_verify_says_a_rank_is_measured_where_it_trains() -> None:
                     parallelize=fsdp2(), mesh_shape=(2,), progress=False)
     with pytest.raises(ValueError, match="verify\\(\\) runs one process's step"):
         verify(zm.model, plan, zm.example_inputs, zm.loss_fn)
+
+
+def test_torchtitans_order_tensor_parallel_then_the_plan_then_fsdp2() -> None:
+    """torchtitan applies tensor parallel, then activation checkpointing, then FSDP2: the
+    plan applies to a TP model as well, and the rank peaks as predicted; after FSDP2 it is
+    refused, saying to apply it before."""
+    from planner import PlanMismatchError
+
+    parallel = Parallelism(tensor_parallel, (2, 2), ("dp", "tp"))
+    _, half = plans_at_half(*LLAMA, parallel)
+    zm = zoo.get(LLAMA[0], **LLAMA[1])
+    with fake_world(parallel, "cpu") as mesh:
+        tp_only(zm.model, mesh)
+        apply(zm.model, half, strict=True)
+        fsdp2_over_dp(zm.model, mesh)
+        static = [*(local_tensor(p) for p in zm.model.parameters()), *zm.model.buffers()]
+        gc.collect()
+        with PeakTracker(static, follow_resizes=True) as tracker:
+            zm.model(**zm.example_inputs).loss.backward()
+        refused = zoo.get(LLAMA[0], **LLAMA[1]).model
+        tensor_parallel(refused, mesh)
+        with pytest.raises(PlanMismatchError, match="apply the plan before sharding it"):
+            apply(refused, half)
+    measured = tracker.peak_bytes - tracker.bystander_bytes
+    assert abs(measured - half.predicted_peak_bytes) <= 0.01 * measured
