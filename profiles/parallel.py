@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from profiles.errors import ProfileError
 from profiles.fake_world import fake_world
 from profiles.schema import ParallelLayout
 from profiles.swap import swapped_tensors
@@ -83,7 +84,15 @@ def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
         twin = copy.deepcopy(model)
     else:
         twin = _fake_copy(model, convert)
-    returned = parallelism.parallelize(twin, mesh)
+    try:
+        returned = parallelism.parallelize(twin, mesh)
+    except Exception as error:
+        raise ProfileError(
+            f"parallelize(model, mesh) failed on a copy of {type(model).__name__} over a fake "
+            f"process group of {parallelism.world_size} ranks (mesh {parallelism.mesh_shape}"
+            f"{', ' + str(parallelism.mesh_dim_names) if parallelism.mesh_dim_names else ''})"
+            f": {type(error).__name__}: {error}. It must run on the model as optimize() was "
+            "given it, before apply(), as in the training script.") from error
     if isinstance(returned, nn.Module) and returned is not twin:
         raise ValueError(
             "parallelize(model, mesh) returned another module than the one it was given: "

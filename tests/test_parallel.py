@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from planner import InfeasibleBudgetError, PlanMismatchWarning, apply, optimize, replan, zoo
 from planner.measure import PeakTracker
 from profiles import default_loss
+from profiles.errors import ProfileError
 from profiles.inputs import normalize_inputs
 from profiles.parallel import Parallelism, fake_world, local_tensor
 
@@ -282,3 +283,15 @@ def test_torchtitans_order_tensor_parallel_then_the_plan_then_fsdp2() -> None:
             apply(refused, half)
     measured = tracker.peak_bytes - tracker.bystander_bytes
     assert abs(measured - half.predicted_peak_bytes) <= 0.01 * measured
+
+
+def test_a_failing_parallelize_is_named() -> None:
+    zm = zoo.get("gpt", size="tiny")
+
+    def parallelize(model: torch.nn.Module, mesh: object) -> None:
+        model.get_submodule("layers.7")  # a module this model does not have
+
+    with pytest.raises(ProfileError, match=r"parallelize\(model, mesh\) failed on a copy of "
+                       r"GPT over a fake process group of 4 ranks .*layers"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 parallelize=parallelize, mesh_shape=(4,), progress=False)
