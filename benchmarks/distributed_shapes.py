@@ -118,8 +118,10 @@ def _planned(step: object, budget: int, args: argparse.Namespace, model: torch.n
 
 def _printed(rows: list[dict]) -> list[dict]:
     for r in rows:
+        torch_peak = r.get("fsdp_mem_tracker_unplanned_bytes")
         print(f"{r['size']:>4} x{r['ranks']:<3} unplanned "
-              f"{format_bytes(r['unplanned_bytes']):>10} plan "
+              f"{format_bytes(r['unplanned_bytes']):>10} "
+              f"{'(FSDPMemTracker ' + format_bytes(torch_peak) + ') ' if torch_peak else ''}plan "
               f"{format_bytes(r['planned_bytes']):>10} at {format_bytes(r['budget_bytes'])} "
               f"(+{r['overhead_pct']:.1f} %), profile {r['profile_s']} s, solve "
               f"{r['solve_s']} s, RSS {r['peak_rss_gib']} GiB; FSDP2 by hand: " + ", ".join(
