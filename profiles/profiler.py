@@ -1646,7 +1646,7 @@ def profile(
     buffers = dict(model.named_buffers(remove_duplicate=False))
     input_tensors = _tensors((args, kwargs))
     everything = [*params.values(), *buffers.values(), *input_tensors]
-    timing = _resolve_timing(timing, everything)
+    requested_timing, timing = timing, _resolve_timing(timing, everything)
     device_type = _device_type(model, input_tensors)
     default_device = "cpu" if device_type == "cpu" and timing == "measure" else "H100"
     spec = device_spec(device or default_device)  # estimates (or fallbacks when measuring)
@@ -1654,7 +1654,7 @@ def profile(
     execution = _resolve_execution(execution, abstract)
     step = _Step(model, args, kwargs, loss_fn, autocast, device_type, bool(grad_accumulation))
     if parallel is not None:
-        timing = _check_parallel(parallel, execution, step)
+        timing = _check_parallel(requested_timing, step)
     with _rng_state_preserved(), _parallel_world(step, parallel):
         rec = _record_with_fallback(step, execution == "real", abstract, spec, optimizer,
                                     progress)
@@ -1694,10 +1694,13 @@ def profile(
     )
 
 
-def _check_parallel(parallel: Parallelism, execution: str, step: _Step) -> str:
+def _check_parallel(timing: str, step: _Step) -> str:
     """The options a parallel profile supports; returns its timing (estimated: collectives
     on a fake process group take no time)."""
-    del execution
+    if timing == "measure":
+        raise ValueError("timing='measure' times one process's ops, but a rank's step runs "
+                         "its collectives on a fake process group, where they take no time: "
+                         "plan a rank with timing='estimate' (or 'auto') and device=")
     if step.grads_at_start:
         raise ValueError("grad_accumulation=True is not planned per rank yet: FSDP2 keeps "
                          "its sharded gradients; plan the first micro-batch's step")

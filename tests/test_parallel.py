@@ -243,6 +243,13 @@ def test_bad_parallel_arguments_say_what_to_give() -> None:
     with pytest.raises(ValueError, match="go with parallelize="):
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  mesh_shape=(2,), progress=False)
+    with pytest.raises(ValueError, match="timing='measure' times one process's ops"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 parallelize=fsdp2(), mesh_shape=(2,), timing="measure", progress=False)
+    with pytest.raises(ValueError, match="grad_accumulation=True is not planned per rank"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 parallelize=fsdp2(), mesh_shape=(2,), grad_accumulation=True,
+                 progress=False)
     with pytest.raises(ValueError, match="returned another module"):
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  parallelize=lambda model, mesh: torch.nn.Linear(2, 2), mesh_shape=(2,),
