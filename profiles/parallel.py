@@ -80,10 +80,14 @@ def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
     :func:`fake_world`); the model itself is not touched. With ``convert`` (a fake step's
     converter, called inside its fake mode) the copy holds the fake twins of the model's
     parameters and buffers, and copying costs no memory however large the model."""
-    if convert is None:
-        twin = copy.deepcopy(model)
-    else:
-        twin = _fake_copy(model, convert)
+    try:
+        twin = copy.deepcopy(model) if convert is None else _fake_copy(model, convert)
+    except Exception as error:
+        raise ProfileError(
+            f"planning one rank runs parallelize on a copy of {type(model).__name__} "
+            f"(copy.deepcopy), which failed: {type(error).__name__}: {error}. Make the "
+            "model copyable (a module attribute such as a lock or a file cannot be), or "
+            "plan it without parallelize=.") from error
     try:
         returned = parallelism.parallelize(twin, mesh)
     except Exception as error:

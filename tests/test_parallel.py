@@ -302,3 +302,13 @@ def test_a_failing_parallelize_is_named() -> None:
                        r"GPT over a fake process group of 4 ranks .*layers"):
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  parallelize=parallelize, mesh_shape=(4,), progress=False)
+
+
+def test_a_model_that_cannot_be_copied_is_named() -> None:
+    import threading
+
+    zm = zoo.get("gpt", size="tiny")
+    zm.model.lock = threading.Lock()  # what copy.deepcopy refuses
+    with pytest.raises(ProfileError, match=r"copy of GPT \(copy.deepcopy\), which failed"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 parallelize=fsdp2(), mesh_shape=(2,), progress=False)
