@@ -214,7 +214,7 @@ class ProfiledStep:
 
     def problem(self) -> Problem:
         """The step as the solvers see it (per rank)."""
-        return rank_problem(problem_from_profile(self.profile), self.profile.static,
+        return rank_problem(problem_from_profile(self.profile),
                             self.sharding)
 
 
@@ -630,7 +630,7 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
     ``host_budget_bytes``: offload within it (None: no offload); ``op_ranges``: as in
     :func:`optimize`."""
     started = time.perf_counter()
-    problem = rank_problem(problem_from_profile(prof, op_ranges=op_ranges), prof.static,
+    problem = rank_problem(problem_from_profile(prof, op_ranges=op_ranges),
                            sharding)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     if unplanned.peak_bytes <= budget_bytes:
@@ -722,7 +722,7 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
                       sharding: Sharding | None = None) -> Plan:
     """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
     hand or by another tool; its numbers come from ``simulate`` like every plan's."""
-    problem = rank_problem(problem_from_profile(prof), prof.static, sharding)
+    problem = rank_problem(problem_from_profile(prof), sharding)
     timeline = simulate(problem, schedule)
     report = SolverReport(name="given", status=Status.FEASIBLE.value,
                           objective_ms=timeline.recompute_time_ms, bound_ms=None, gap=None,

@@ -114,16 +114,13 @@ class PlanGuard:
     def _check_parallel(self, model: nn.Module) -> None:
         """On the first training step: the model runs under the parallelism planned (the
         user's parallelize runs after apply, so only the step can tell)."""
-        self.parallel_checked = True
-        changed = layout_changes(self.parallel, describe_parallel(model))
-        if not changed:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-                else 1
-            planned = self.parallel.world_size if self.parallel else 1
-            if self.parallel and world != planned:
-                changed = f"it runs on {world} ranks, planned {planned}"
+        self.parallel_checked = True
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        changed = layout_changes(self.parallel, describe_parallel(model)) or (
+            f"it runs on {world} ranks, planned {self.parallel.world_size}"
+            if self.parallel and world != self.parallel.world_size else "")
         if changed:
             self._complain(
                 f"{self.model_name} does not run as its plan was made for: {changed}. Each "

@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from profiles.parallel import local_tensor
+from profiles.parallel import local_tensor, storage_nbytes
 
 __all__ = ["PeakTracker", "host_memory"]
 
@@ -107,7 +107,7 @@ class PeakTracker(TorchDispatchMode):
 
     def _refresh_sizes(self) -> None:
         for ref, old in self._live.items():
-            nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            nbytes = storage_nbytes(ref)
             if nbytes != old:
                 self.live_bytes += nbytes - old
                 self._live[ref] = nbytes

@@ -308,7 +308,7 @@ class Plan(_Strict):
     def _problem(self) -> Problem:
         from solvers.from_profile import problem_from_profile
 
-        return rank_problem(problem_from_profile(self.profile), self.profile.static,
+        return rank_problem(problem_from_profile(self.profile),
                             self.sharding)
 
     def check(self) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from profiles.schema import Bytes, Count, StaticMemory
+from profiles.schema import Bytes, Count
 from solvers.problem import Problem
 
 if TYPE_CHECKING:
@@ -49,10 +49,8 @@ class Sharding(BaseModel):
         return f"per rank of {self.world_size} (DDP)"
 
 
-def rank_problem(problem: Problem, static: StaticMemory, sharding: Sharding | None
-                 ) -> Problem:
+def rank_problem(problem: Problem, sharding: Sharding | None) -> Problem:
     """``problem`` (one process's step) as one DDP rank runs it."""
-    del static
     if sharding is None:
         return problem
     extra = sum(sharding.extra_bytes().values())

@@ -33,7 +33,8 @@ from profiles.schema import ParallelLayout
 from profiles.swap import swapped_tensors
 
 __all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "is_runtime_op",
-           "layout_changes", "local_tensor", "parallel_layout", "parallel_twin"]
+           "layout_changes", "local_tensor", "parallel_layout", "parallel_twin",
+           "storage_nbytes"]
 
 # where the runtime that manages parameters lives: an op dispatched while one of these files
 # runs is FSDP2's (all-gathers, reduce-scatters, its copies). Tensor parallel's
@@ -172,8 +173,14 @@ class RuntimeMemory:
             if ref.expired():
                 self._refs.discard(ref)
                 continue
-            total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            total += storage_nbytes(ref)
         return total
+
+
+def storage_nbytes(ref: StorageWeakRef) -> int:
+    """The current size of a live storage, read through its weak reference (not through a
+    tensor on it, which may die while the storage lives on in another view)."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
 
 
 def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout:

@@ -648,10 +648,10 @@ class _BackwardObserver(TorchDispatchMode):
     autograd may hold its own lock.
     """
 
-    def __init__(self, runtime: RuntimeMemory | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.backward = False
-        self.runtime = runtime  # a parallel step: its runtime's memory counts as held
+        self.runtime: RuntimeMemory | None = None  # a parallel step's: counted as held
         self.names: list[str] = []
         self.seqs: list[int] = []  # autograd's next sequence number when each op ran
         self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
