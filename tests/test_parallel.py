@@ -214,7 +214,9 @@ def test_a_model_on_the_meta_device_plans_like_a_real_one() -> None:
     kwargs = dict(budget_gb=1e3, loss_fn=zm.loss_fn, parallelize=fsdp2(), mesh_shape=(8,),
                   device="cpu", timing="estimate", progress=False)
     real = optimize(zm.model, zm.example_inputs, **kwargs)
+    before = ModelSnapshot.of(zm.model)
     fake = optimize(zm.model, zm.example_inputs, execution="fake", **kwargs)
+    assert before.differences(zm.model) == []  # its meta copy swapped tensors and back
     assert fake.profile.execution == "fake" and real.profile.execution == "real"
     assert fake.unplanned_peak_bytes == real.unplanned_peak_bytes
 
