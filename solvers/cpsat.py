@@ -44,7 +44,7 @@ from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
 from solvers.simulate import simulate
-from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
+from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions, matmul_keep
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _keep_options(problem: Problem, a: int, b: int, full: bool) -> list[frozense
         return [frozenset(c) for r in range(len(nodes) + 1)
                 for c in itertools.combinations(nodes, r)]
     opts = [frozenset()]
-    mm = frozenset(i for i in range(a, b) if problem.is_matmul(i) and problem.can_keep(i))
+    mm = matmul_keep(problem, a, b)
     if mm and len(mm) < b - a:
         opts.append(mm)
     return opts
@@ -140,11 +140,10 @@ def _rerun_delta(ctx: Context, r: RegionInfo) -> int:
         if end >= start:
             diff[start] += p.storage_bytes[inst.storage]
             diff[end + 1] -= p.storage_bytes[inst.storage]
-    for s, (k, read_end, savers) in r.kept_ends.items():
-        if k < 0 or savers:
+    for s, kept in r.kept_ends.items():
+        if kept.last_step is None or kept.savers:
             continue
-        freed = max(pos[k], pos[read_end] if read_end >= 0 else -1) + 1
-        diff[freed] -= p.storage_bytes[s]
+        diff[pos[kept.last_step] + 1] -= p.storage_bytes[s]
     best, live = None, 0
     for t, c in enumerate(r.step_const):
         live += diff[t]
@@ -235,17 +234,17 @@ def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int,
         for k in ctx.savers[s]:
             holders[s].append((2 * k, _SaverHolds(k)))
     for c, r in enumerate(cands):
-        if r.death is None:
+        if not r.packs:  # the frame never reruns
             continue
         for s in r.inputs:
             if s not in ctx.loss:  # caller-held: a constant already
                 holders[s].append((2 * r.death, c))
-        for s, (k, _, savers) in r.kept_ends.items():
-            if k < 0:
+        for s, kept in r.kept_ends.items():
+            if kept.until_death:
                 holders[s].append((2 * r.death, c))
             else:
                 holders[s].append((2 * r.trigger + 1, c))
-                holders[s].extend((2 * j, c) for j in savers)
+                holders[s].extend((2 * j, c) for j in kept.savers)
     return holders
 
 
@@ -305,7 +304,7 @@ def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[Region
         acc = v
     regen_terms: dict[int, list] = defaultdict(list)
     for c, r in enumerate(cands):
-        if r.death is None:
+        if not r.packs:  # the frame never reruns
             continue
         for j, g in enumerate(_regen_live(r, p.storage_bytes), start=r.a):
             if g:
@@ -315,7 +314,7 @@ def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[Region
                + A[2 * j] + sum(regen_terms.get(j, [])) <= B)
     for c, r in enumerate(cands):
         _check(deadline)
-        if r.death is None:
+        if not r.packs:  # the frame never reruns
             continue
         rest = p.static_bytes + ctx.g_rest[r.trigger] + ctx.loss_bytes
         delta = _rerun_delta(ctx, r)

@@ -97,14 +97,14 @@ from solvers.accounting import (
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
-from solvers.frame import worth_checkpointing
+from solvers.frame import FlatStops, worth_checkpointing
 from solvers.inner import inner_options
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
-from solvers.spaces import SearchSpace, chain_segments
+from solvers.spaces import SearchSpace, chain_segments, matmul_keep
 
 logger = logging.getLogger(__name__)
 
@@ -246,8 +246,7 @@ def _options(ctx: Context, a: int, b: int, single: bool,
     if not runs:
         return opts
     opts.append(tuple(ctx.region(x, y) for x, y in runs))
-    mm = tuple(ctx.region(x, y, [i for i in range(x, y) if p.is_matmul(i) and p.can_keep(i)])
-               for x, y in runs)
+    mm = tuple(ctx.region(x, y, matmul_keep(p, x, y)) for x, y in runs)
     if mm != opts[-1]:
         opts.append(mm)
     if subsets and len(runs) == 1:
@@ -267,7 +266,7 @@ def _keeps(ctx: Context, a: int, b: int, subsets: bool) -> list[frozenset[int]]:
     if subsets:
         return [frozenset(c) for r in range(len(keepable) + 1)
                 for c in itertools.combinations(keepable, r)]
-    mm = frozenset(i for i in keepable if p.is_matmul(i))
+    mm = matmul_keep(p, a, b)
     return [frozenset(), mm] if mm else [frozenset()]
 
 
@@ -304,16 +303,15 @@ def _span_options(ctx: Context, a: int, b: int, single: bool,
         kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y)
                 if worth_checkpointing(p, sp.start, sp.stop)]
         for keep_matmuls in (False, True):
-            spec = [(cx, cy, tuple(i for i in range(cx, cy) if keep_matmuls and p.is_matmul(i)
-                                   and p.can_keep(i))) for cx, cy in kids]
+            spec = [(cx, cy, matmul_keep(p, cx, cy) if keep_matmuls else frozenset())
+                    for cx, cy in kids]
             if kids and (not keep_matmuls or any(k for _, _, k in spec)):
                 nested.append((ctx.region(x, y, (), children=spec),))
     groups = ([inner] + [[piece] for piece in inner]) if single and whole else (
         [inner] if single and len(inner) > 1 else [])
     for group in groups:
         for keep_matmuls in (False, True):
-            regions = tuple(ctx.region(x, y, [i for i in range(x, y) if keep_matmuls
-                                               and p.is_matmul(i) and p.can_keep(i)])
+            regions = tuple(ctx.region(x, y, matmul_keep(p, x, y) if keep_matmuls else ())
                             for x, y in group)
             if keep_matmuls and all(not r.keep for r in regions):
                 continue
@@ -347,8 +345,7 @@ def _nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
         return []
     out: list[tuple] = []
     for keep_matmuls in (False, True):
-        kids = tuple((cx, cy, tuple(i for i in range(cx, cy) if keep_matmuls
-                                    and p.is_matmul(i) and p.can_keep(i)))
+        kids = tuple((cx, cy, matmul_keep(p, cx, cy) if keep_matmuls else frozenset())
                      for cx, cy in pieces)
         if keep_matmuls and not any(k for _, _, k in kids):
             continue
@@ -374,8 +371,8 @@ def _reruns_rel(regions: tuple, a: int) -> list[tuple[int, int, np.ndarray, np.n
 def _flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int
                     ) -> tuple[int, int, np.ndarray, np.ndarray]:
     """`_reruns_rel`'s entry for flat region `r` (which reruns) keeping `keep`."""
-    kept = keep & frozenset(range(r.a, r.stop))
-    idle = kept | {r.trigger} if r.last_not_run else kept
+    kept = keep & frozenset(r.steps())
+    idle = r.rules.idle_steps(kept)
     return (r.a - a, r.stop - a, np.asarray(sorted(k - a for k in idle), dtype=np.int64),
             np.asarray(sorted(k - a for k in kept), dtype=np.int64))
 
@@ -559,15 +556,12 @@ class _SpanBounds:
                         if s not in ctx.loss and s not in pinned) if keepable[i] else 0
                     for i in range(n)]
         self.kept_all_upto = np.concatenate([[0], np.cumsum(kept_all)]).astype(np.int64)
-        idx = np.where(np.asarray(p.packs, dtype=bool), np.arange(n), -1)
-        self.last_pack_upto = np.maximum.accumulate(idx)  # last packing node <= i
+        self.stops = FlatStops(p)
         nxt = np.where([not _empty(p, i) for i in range(n)], np.arange(n), n)
         self.next_real = np.minimum.accumulate(nxt[::-1])[::-1]  # first non-empty node >= i
-        fwd = np.asarray(p.fwd_time_ms, dtype=float)
+        fwd = self.fwd_ms = np.asarray(p.fwd_time_ms, dtype=float)
         self.fwd_upto = np.concatenate([[0.0], np.cumsum(fwd)])
         self.rerun_upto = np.concatenate([[0.0], np.cumsum(np.where(keepable, 0.0, fwd))])
-        # a rerun stopping in such a node's pack does not run it
-        self.unrun_ms = np.where(p.stops_before_running, fwd, 0.0)
         self.keepable = keepable
 
     def _pieces(self, a: int, b: int) -> list[tuple[int, int]]:
@@ -598,9 +592,9 @@ class _SpanBounds:
             mm_peak = max(mm_peak, made + kept)
             if splittable:
                 kept += self.kept(x, y)
-            x, stop = int(self.next_real[x]), int(self.last_pack_upto[y - 1]) + 1
+            x, stop = int(self.next_real[x]), self.stops.rerun_stop(x, y)
             if stop > x:  # a run that reruns: its frame (and SAC cache) outlives the forward
-                unrun = float(self.unrun_ms[stop - 1])
+                unrun = float(self.fwd_ms[stop - 1]) if self.stops.last_not_run(stop) else 0.0
                 plain_ms += float(self.fwd_upto[stop] - self.fwd_upto[x]) - unrun
                 mm_ms += float(self.rerun_upto[stop] - self.rerun_upto[x]) - (
                     0.0 if self.keepable[stop - 1] else unrun)

@@ -1,75 +1,168 @@
 """The checkpoint frame: what one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`
-call does, as numbered rules written once. `simulate` (the replay), `accounting` (hence the
-DP and CP-SAT) and the solvers' candidate lists cite them; nothing else derives them.
+call does, as rules written once, each consequence one function here. `simulate` (the
+independent replay) and every solver (`accounting`, `dp`, `cpsat`, `keep`, `inner`, `joint`,
+`offload`) call these; none derives them.
 
-Read in torch/utils/checkpoint.py (`_checkpoint_hook`, `_recomputation_hook`,
-`_CheckpointFrame`, `_StopRecomputationError`):
+Our rules are numbered F1-F8 so they cannot be confused with torch's own "Rule 1-4" in
+torch/utils/checkpoint.py (`_checkpoint_hook`, `_recomputation_hook`, `_CheckpointFrame`,
+`_StopRecomputationError`), where they were read:
 
-1. Packs. A node inside the frame packs into it when its backward saves anything
-   (`Problem.packs`, static tensors included); a checkpoint nested inside packs its inputs
-   into its parent when it is entered.
-2. Early stop. The rerun stops right after the frame's last pack: after its last own
-   packing node, or at the entry of its last child with inputs (`FrameRules.rerun_stop`,
-   exclusive; 0 when nothing packs: no rerun).
-3. Stops before running. The stop raises inside that last pack; when it is a node's that
-   packs its inputs before it runs (`Problem.stops_before_running`: a matmul), the rerun
-   ends without running that node (`FrameRules.last_not_run`): it makes and costs nothing,
-   and if kept its cached output is never consumed.
-4. Frame death. The frame lives while a tensor it packed lives: until the backward of its
-   earliest own packing node, or the death of a child with inputs, whichever comes first
-   (`FrameRules.death`); a frame that packs nothing frees its inputs after its forward
-   (None).
-5. Worth checkpointing. A region is a candidate only when all its nodes can be rerun and
-   one of them packs (`worth_checkpointing`): one that packs nothing never reruns and only
-   holds its inputs, which storing does not.
+F1. Packs. A node inside the frame packs into it when its backward saves anything
+    (`Problem.packs`, static tensors included); a checkpoint nested inside packs its inputs
+    into its parent when it is entered (`own_packs`).
+F2. Early stop. The rerun stops right after the frame's last pack: after its last own
+    packing node, or at the entry of its last child with inputs (`FrameRules.rerun_stop`,
+    exclusive; 0 when nothing packs: no rerun). `FrameRules.rerun_steps` are the steps.
+F3. Stops before running. The stop raises inside that last pack; when it is a node's that
+    packs its inputs before it runs (`Problem.stops_before_running`: a matmul), the rerun
+    ends without running that node (`FrameRules.last_not_run`): it makes and costs nothing
+    (`FrameRules.run_steps`, `FrameRules.idle_steps`).
+F4. Trigger. The rerun happens at the first backward that unpacks from the frame: that of
+    its last own packing node, or the trigger of a child with inputs (F5), whichever runs
+    first in the backward, i.e. the largest node (`FrameRules.trigger`; for a frame without
+    children, `rerun_stop - 1`).
+F5. Parent before child. A child with inputs packed them into its parent (F1); its rerun
+    unpacks them, so at the child's trigger the parent reruns first, then the child.
+F6. Kept until. A kept node's outputs wait in the frame's SAC cache from its forward until
+    the rerun step that runs it takes them (`FrameRules.takes_cached`; from then on they are
+    held like any rerun value), or, when no rerun step runs it (the frame never reruns, or
+    the node lies past the early stop or is the unrun last node of F3), until the frame dies.
+F7. Frame death. The frame lives while a tensor it packed lives: until the backward of its
+    earliest own packing node, or the death of a child with inputs, whichever comes first
+    (`FrameRules.death`); a frame that packs nothing frees its inputs (and its SAC cache) at
+    the end of its forward (`frame_end`).
+F8. Worth checkpointing. A region is a candidate only when all its nodes can be rerun and
+    one of them packs (`worth_checkpointing`): one that packs nothing never reruns and only
+    holds its inputs, which storing does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from solvers.problem import Problem
+import numpy as np
 
-__all__ = ["FrameRules", "frame_rules", "own_packs", "worth_checkpointing"]
+from solvers.problem import Problem
+from solvers.schedule import Region
+
+__all__ = ["ChildFrame", "FlatStops", "FrameEnd", "FrameRules", "frame_end", "frame_rules",
+           "own_packs", "region_rules", "worth_checkpointing"]
 
 
 class FrameRules(NamedTuple):
-    """Where a frame's rerun stops (rule 2), whether it stops before running its last node
-    (rule 3), and the node whose backward frees the frame (rule 4; None: its forward's end)."""
+    """A frame's rerun: where it stops (F2), whether it stops before running its last step
+    (F3), the node whose backward frees the frame (F7; None: its forward's end, no rerun) and
+    the node whose backward triggers the rerun (F4; -1: no rerun)."""
 
     rerun_stop: int
     last_not_run: bool
     death: int | None
+    trigger: int = -1
+
+    @property
+    def reruns(self) -> bool:
+        """Whether the frame reruns at all (something packs into it)."""
+        return self.death is not None
+
+    def rerun_steps(self, start: int) -> range:
+        """The steps of the rerun of a frame entered at `start` (F2), the unrun last included."""
+        return range(start, self.rerun_stop) if self.reruns else range(start, start)
+
+    def run_steps(self, start: int) -> range:
+        """The steps the rerun really runs (F3: not a last node it stops before)."""
+        steps = self.rerun_steps(start)
+        return range(steps.start, steps.stop - self.last_not_run)
+
+    def idle_steps(self, cached: Iterable[int]) -> frozenset[int]:
+        """Rerun steps that cost no time: kept nodes (from the SAC cache) and the unrun last."""
+        idle = frozenset(cached)
+        return idle | {self.rerun_stop - 1} if self.last_not_run else idle
+
+    def takes_cached(self, start: int, node: int) -> bool:
+        """F6: whether the rerun takes kept `node`'s outputs from the SAC cache (else they stay
+        cached until the frame dies)."""
+        return node in self.run_steps(start)
+
+
+class ChildFrame(NamedTuple):
+    """A nested checkpoint with inputs, as its parent's rules see it: it packs its inputs
+    into the parent at `entry` (F1) and has its own `rules`."""
+
+    entry: int
+    rules: FrameRules
+
+
+class FrameEnd(NamedTuple):
+    """When a frame frees what it holds: after the backward of `node`, or (`backward` False)
+    after the forward event of `node`, its region's last."""
+
+    backward: bool
+    node: int
 
 
 def own_packs(problem: Problem, start: int, stop: int,
               children: Sequence[tuple[int, int]] = ()) -> list[int]:
-    """The nodes of `[start, stop)` that pack into its own frame (rule 1): those that pack
+    """The nodes of `[start, stop)` that pack into its own frame (F1): those that pack
     and lie in none of `children` (sorted, disjoint `(start, stop)` ranges), ascending."""
     inside = {i for a, b in children for i in range(a, b)}
     return [i for i in range(start, stop) if problem.packs[i] and i not in inside]
 
 
 def frame_rules(problem: Problem, own: Sequence[int],
-                children: Sequence[tuple[int, int | None]] = ()) -> FrameRules:
-    """Rules 2-4 for a frame whose own packing nodes are `own` (ascending, `own_packs`) and
-    whose children with inputs enter at `children[k][0]` and die at `children[k][1]`.
+                children: Sequence[ChildFrame] = ()) -> FrameRules:
+    """F2-F4 and F7 for a frame whose own packing nodes are `own` (ascending, `own_packs`)
+    and whose children with inputs are `children`.
 
     >>> p = Problem.chain([4, 4, 4, 1], [1.0] * 4)  # node i saves node i-1's output
     >>> frame_rules(p, [1, 2])
-    FrameRules(rerun_stop=3, last_not_run=False, death=1)
+    FrameRules(rerun_stop=3, last_not_run=False, death=1, trigger=2)
     >>> frame_rules(p, [])
-    FrameRules(rerun_stop=0, last_not_run=False, death=None)
+    FrameRules(rerun_stop=0, last_not_run=False, death=None, trigger=-1)
     """
-    entries = [entry for entry, _ in children]
+    entries = [c.entry for c in children]
     rerun_stop = max([i + 1 for i in own] + entries, default=0)
     last_not_run = (bool(own) and rerun_stop == own[-1] + 1 and rerun_stop not in entries
                     and problem.stops_before_running[own[-1]])
-    death = min([*own, *(d for _, d in children if d is not None)], default=None)
-    return FrameRules(rerun_stop, last_not_run, death)
+    death = min([*own, *(c.rules.death for c in children if c.rules.reruns)], default=None)
+    trigger = max([*own, *(c.rules.trigger for c in children if c.rules.reruns)], default=-1)
+    return FrameRules(rerun_stop, last_not_run, death, trigger)
+
+
+def region_rules(problem: Problem, region: Region) -> FrameRules:
+    """The rules of a RECOMPUTE `region`'s frame, its nested regions (any depth) included."""
+    kids = [ChildFrame(c.start, region_rules(problem, c)) for c in region.children
+            if problem.region_inputs(c.start, c.stop)]
+    own = own_packs(problem, region.start, region.stop,
+                    [(c.start, c.stop) for c in region.children])
+    return frame_rules(problem, own, kids)
+
+
+def frame_end(rules: FrameRules, stop: int) -> FrameEnd:
+    """F7: when the frame of a region ending at `stop` frees its inputs and SAC cache."""
+    if rules.death is None:
+        return FrameEnd(False, stop - 1)
+    return FrameEnd(True, rules.death)
 
 
 def worth_checkpointing(problem: Problem, start: int, stop: int) -> bool:
-    """Rule 5: `[start, stop)` can be rerun and something in it packs."""
+    """F8: `[start, stop)` can be rerun and something in it packs."""
     return all(problem.recomputable[start:stop]) and any(problem.packs[start:stop])
+
+
+class FlatStops:
+    """F2-F3 for frames without children, vectorised: any window's rerun in O(1) (the DP's
+    bounds ask for many)."""
+
+    def __init__(self, problem: Problem) -> None:
+        idx = np.where(np.asarray(problem.packs, dtype=bool), np.arange(problem.n_nodes), -1)
+        self.last_pack_upto = np.maximum.accumulate(idx) if len(idx) else idx
+        self.stops_before_running = np.asarray(problem.stops_before_running, dtype=bool)
+
+    def rerun_stop(self, start: int, stop: int) -> int:
+        """F2 for `[start, stop)`: one past its last packing node (<= start: no rerun)."""
+        return int(self.last_pack_upto[stop - 1]) + 1
+
+    def last_not_run(self, rerun_stop: int) -> bool:
+        """F3: whether a rerun stopping at `rerun_stop` never runs its last node."""
+        return bool(self.stops_before_running[rerun_stop - 1])

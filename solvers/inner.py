@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from solvers.accounting import Context, RegionInfo, profile_parts
 from solvers.frame import worth_checkpointing
+from solvers.spaces import matmul_keep
 
 __all__ = ["INNER_POINTS", "Piece", "inner_front", "inner_options"]
 
@@ -42,7 +43,7 @@ def _candidates(ctx: Context, a: int, b: int) -> list[RegionInfo]:
             continue
         if not worth_checkpointing(p, x, y):
             continue
-        matmuls = frozenset(i for i in range(x, y) if p.is_matmul(i) and p.can_keep(i))
+        matmuls = matmul_keep(p, x, y)
         out += [ctx.region(x, y, keep) for keep in {frozenset(), matmuls}]
     return out
 

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from solvers import dp
 from solvers.accounting import Context
+from solvers.frame import worth_checkpointing
 from solvers.inner import inner_front
 from solvers.offload import offload_groups
 from solvers.problem import Problem
@@ -107,7 +108,7 @@ def offload_keeps(problem: Problem, call: tuple[int, int]) -> frozenset[int] | N
     forward time per byte is at least the call's own (forward time over bytes saved), the
     matmuls of a transformer block; None where the call cannot be a checkpoint."""
     a, b = call
-    if not problem.emittable(a, b) or not all(problem.recomputable[a:b]):
+    if not problem.emittable(a, b) or not worth_checkpointing(problem, a, b):
         return None
     saved = {s for i in range(a, b) for s in problem.saved[i]}
     per_byte = sum(problem.fwd_time_ms[a:b]) / max(1, sum(problem.storage_bytes[s]

@@ -76,7 +76,7 @@ class KeepSpace:
             return None
         base = profile_parts(ctx, a0, b0, [info], external, skip)
         nodes, residue, exports, saved, deltas = [], [], [], [], []
-        for k in range(x, info.stop - info.last_not_run):
+        for k in info.rules.run_steps(x):  # F6: those its rerun takes from the cache
             if p.can_keep(k):
                 one = profile_parts(ctx, a0, b0, [ctx.region(x, y, [k])], external, skip)
                 nodes.append(k)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from solvers.frame import region_rules
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
 
@@ -60,7 +61,7 @@ def _offloaded_checkpoint(problem: Problem, region: Region, inputs: list[int],
     node) and its kept outputs (after each kept node) go to the host; all come back by its
     rerun (the backward of its last node that packs)."""
     start = region.start
-    rerun = max((j for j in range(start, region.stop) if problem.packs[j]), default=-1)
+    rerun = region_rules(problem, region).trigger  # F4, its children included
     for s in inputs:
         owner = save(s, g, start)
         if owner.moved[s] == start:

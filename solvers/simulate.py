@@ -17,17 +17,17 @@ forward temp. A storage instance is freed as soon as nothing holds it:
   freed with its backward like any saved tensor.*
 Saved tensors of nodes inside a RECOMPUTE region are packed as holders: nothing is held.
 
-* Frame death: `solvers.frame` rule 4 (the frame's packs, its children's deaths).
+* Frame death: `solvers.frame` F7 (the frame's packs, its children's deaths).
 
 Backward, nodes in reverse order. The first backward of a node that packed into frame F
-(`solvers.frame` rule 1) unpacks a holder and reruns F's forward from its first node
-(`_checkpoint_hook.unpack_hook`), up to its early stop (rule 2), without running the last
-node when the stop raises in a pack made before it runs (rule 3: it allocates and costs
+(`solvers.frame` F1) unpacks a holder and reruns F's forward from its first node
+(`_checkpoint_hook.unpack_hook`), up to its early stop (F2), without running the last
+node when the stop raises in a pack made before it runs (F3: it allocates and costs
 nothing, and a kept one's SAC entry is never consumed, held until the frame dies). Kept
 nodes are not re-run (the SAC cache returns the stored tensor: no time, no new memory) but
 their saves still count. Rerun-regenerated saved tensors are new storages (memory is counted
 again if the original is still held elsewhere) and live until the backward node that saves
-them has run (torch's checkpoint rule 4); other rerun tensors are freed after their last
+them has run (torch's checkpoint.py "Rule 4"); other rerun tensors are freed after their last
 reader inside the rerun or when the rerun stops.
 
 * Nested regions: during a parent's rerun a child runs as a fresh checkpoint whose own
@@ -78,7 +78,7 @@ from enum import IntEnum
 from itertools import count
 from typing import NamedTuple
 
-from solvers.frame import frame_rules, own_packs
+from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
 from solvers.offload import OffloadGroup, offload_groups
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -175,9 +175,7 @@ class _Frame:
     parent: _Frame | None
     children: list[_Frame]
     inputs: tuple[int, ...]
-    rerun_stop: int
-    death: int | None
-    last_not_run: bool = False  # the rerun stops inside the pack of its last node, unrun
+    rules: FrameRules  # where its rerun stops, whether its last step runs, when it dies
     alive: bool = True
     recomputed: bool = False
     child_inputs: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -346,10 +344,8 @@ class _Replay:
             if r.is_recompute:
                 self._build_frame(r, None)
         for f in self.frames:
-            if f.death is None:
-                self.end_of_forward[f.region.stop - 1].append(f)
-            else:
-                self.deaths[f.death].append(f)
+            end = frame_end(f.rules, f.region.stop)
+            (self.deaths if end.backward else self.end_of_forward)[end.node].append(f)
         self.copies = _Copies(p, offload_groups(p, schedule))
         # a call with checkpointed op ranges runs as its fx trace: its values' lifetimes
         self.uses = p.uses_traced(_traced_owners(p, schedule))
@@ -360,7 +356,7 @@ class _Replay:
     def _build_frame(self, r: Region, parent: _Frame | None) -> _Frame:
         p = self.p
         inputs = p.region_inputs(r.start, r.stop)
-        f = _Frame(len(self.frames), r, parent, [], inputs, rerun_stop=0, death=None)
+        f = _Frame(len(self.frames), r, parent, [], inputs, FrameRules(0, False, None))
         self.frames.append(f)
         if parent is None:
             self.top_entries[r.start].append(f)
@@ -368,8 +364,8 @@ class _Replay:
             self.innermost[i] = f
         f.children = [self._build_frame(c, f) for c in r.children]
         own = own_packs(p, r.start, r.stop, [(c.start, c.stop) for c in r.children])
-        f.rerun_stop, f.last_not_run, f.death = frame_rules(
-            p, own, [(c.region.start, c.death) for c in f.children if c.inputs])
+        f.rules = frame_rules(p, own, [ChildFrame(c.region.start, c.rules)
+                                       for c in f.children if c.inputs])
         return f
 
     # ------------------------------------------------------------ memory
@@ -599,10 +595,11 @@ class _Replay:
             env = dict(f.child_inputs)
         f.recomputed = True
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
-                     f.region.stop, f.rerun_stop)
-        self._pass(f.region.start, f.rerun_stop, env, f,
-                   self.p.checkpoint_overhead_ms(f.region.start, f.rerun_stop, f.region.keep),
-                   f.last_not_run)
+                     f.region.stop, f.rules.rerun_stop)
+        self._pass(f.region.start, f.rules.rerun_stop, env, f,
+                   self.p.checkpoint_overhead_ms(f.region.start, f.rules.rerun_stop,
+                                                 f.region.keep),
+                   f.rules.last_not_run)
         self._release(Token(Hold.CHILD_INPUT, f.uid))
 
     def forward(self) -> None:
