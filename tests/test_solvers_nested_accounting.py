@@ -12,6 +12,7 @@ from test_solvers_properties import problems
 
 from solvers import Problem, Region, Schedule, simulate
 from solvers.accounting import Context, NestedRegionInfo, RegionInfo, evaluate, profile_parts
+from solvers.frame import region_rules
 
 MANY = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -136,6 +137,43 @@ def blocks(n_blocks: int, **kw) -> Problem:
 
 def sched(n: int, *regions: Region) -> Schedule:
     return Schedule.from_segments(n, list(regions))
+
+
+def _assert_reruns_at_triggers(p: Problem, schedule: Schedule) -> None:
+    """Each frame's own rerun (the last recompute of its first own node that runs) comes
+    right before the backward of the node `region_rules` names as its trigger (F4-F5)."""
+    events = simulate(p, schedule).events
+    for r in schedule.recompute_regions():
+        rules = region_rules(p, r)
+        inside = {i for c in r.children for i in range(c.start, c.stop)}
+        own = [i for i in rules.run_steps(r.start) if i not in inside]
+        if not own:
+            continue
+        last = max(k for k, ev in enumerate(events)
+                   if ev.phase == "recompute" and ev.node == own[0])
+        after = next(ev for ev in events[last:] if ev.phase == "backward")
+        assert after.node == rules.trigger, (r.describe(), rules)
+
+
+@MANY
+@given(nested_schedules())
+def test_frame_triggers_are_where_simulate_reruns(case: tuple[Problem, Schedule]) -> None:
+    _assert_reruns_at_triggers(*case)
+
+
+def test_child_without_inputs_does_not_delay_its_parents_rerun() -> None:
+    """A child that reads nothing from before it packs nothing into its parent (F1), so the
+    parent reruns at its own last pack, not at the child's (F4)."""
+    p = Problem.chain([4, 4, 4, 4, 4, 1], [1.0] * 6)
+    inputs = [list(x) for x in p.node_inputs]
+    saved = [list(x) for x in p.node_saved]
+    inputs[3], saved[3] = [], []  # node 3 makes its output from nothing (say, an arange)
+    p = p.model_copy(update={"node_inputs": inputs, "node_saved": saved})
+    child = Region(3, 6, "recompute")
+    parent = Region(1, 6, "recompute", children=[child])
+    schedule = Schedule(regions=(Region(0, 1, "store"), parent))
+    assert (region_rules(p, parent).trigger, region_rules(p, child).trigger) == (2, 5)
+    _assert_reruns_at_triggers(p, schedule)
 
 
 def test_parent_over_two_blocks_each_block_a_child() -> None:
