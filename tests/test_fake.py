@@ -235,7 +235,7 @@ def test_meta_kernels_that_refuse_their_arguments_print_no_tracebacks(
     shown = capfd.readouterr()
     assert "Traceback" not in shown.err + shown.out
     assert not [r for r in caplog.records if r.levelno >= 40]
-    told = [r.getMessage() for r in caplog.records if r.name == "profiles.profiler"
+    told = [r.getMessage() for r in caplog.records if r.name == "profiles.backward"
             and r.getMessage().startswith("could not profile the backward")]
     assert len(told) == len({message.split(" alone")[0] for message in told})
     if any("_grouped_mm" in message for message in told):

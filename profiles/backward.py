@@ -1,0 +1,387 @@
+"""What the backward of the recorded step does, seen two ways.
+
+Alone: each op that records autograd history is rerun on fake stand-ins shaped like its
+inputs and differentiated under ``_WindowTracker``, for its backward FLOPs, roofline time,
+temporaries and which inputs receive gradients (``_backward_pass``). Observed: a fake (or
+real) step runs with ordinary autograd under ``_BackwardObserver``, which records the bytes
+the backward holds before, during and after each node's work (``_observe_backward``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from profiles.devices import DeviceSpec
+from profiles.errors import _first_line
+from profiles.fake import meta_failures_at_debug
+from profiles.parallel import RuntimeMemory, is_runtime_op, local_tensor
+from profiles.progress import _bar
+from profiles.recording import _Backward, _OpRecord, _tensors, _TensorSpec
+from profiles.step import _fake_state, _real_state, _start_grads, _Step
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- each op alone
+
+
+class _WindowTracker(TorchDispatchMode):
+    """FLOPs, roofline time and the peak of new storages alive during a block of ops."""
+
+    def __init__(self, spec: DeviceSpec | None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.flops = 0
+        self.estimated_ms = 0.0
+        self.peak_new_bytes = 0
+        self._new: dict[StorageWeakRef, int] = {}
+        self._known: set[StorageWeakRef] = set()
+
+    def reset(self, known: list[torch.Tensor]) -> None:
+        self.flops, self.estimated_ms, self.peak_new_bytes = 0, 0.0, 0
+        self._new = {}
+        self._known = {StorageWeakRef(t.untyped_storage()) for t in known}
+
+    def live_new_bytes(self) -> int:
+        return sum(n for ref, n in self._new.items() if not ref.expired())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            return out
+        inputs = _tensors((args, kwargs))
+        aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs} | self._known
+        for tensor in _tensors(out):
+            ref = StorageWeakRef(tensor.untyped_storage())
+            if ref not in aliased and ref not in self._new:
+                self._new[ref] = tensor.untyped_storage().nbytes()
+        self.peak_new_bytes = max(self.peak_new_bytes, self.live_new_bytes())
+        flops = 0
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            with contextlib.suppress(Exception):
+                flops = int(counter(*args, **kwargs, out_val=out))
+        self.flops += flops
+        if self.spec is not None:
+            self.estimated_ms += self.spec.estimate_ms(func, inputs, _tensors(out), flops)
+        return out
+
+
+def _written_positions(func: Any) -> set[int]:
+    return {i for i, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write}
+
+
+def _fresh_args(func: Any, args: Any, kwargs: Any
+                ) -> tuple[Any, Any, list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of an op's arguments for an isolated run: tensors that need grad become new
+    leaves (passed on through a clone, so in-place ops on them stay legal) and tensors the
+    op writes are cloned (the recorded ones stay as they were). Returns (args, kwargs,
+    leaves, the original tensor of each leaf)."""
+    leaves: list[torch.Tensor] = []
+    origins: list[torch.Tensor] = []
+    written = _written_positions(func)
+
+    def fresh(value: Any, write: bool) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.requires_grad:
+            leaf = value.detach().clone().requires_grad_()
+            leaves.append(leaf)
+            origins.append(value)
+            return leaf.clone()
+        return value.detach().clone() if write else value.detach()
+
+    new_args = tuple(tree_map(lambda v, w=(i in written): fresh(v, w), a)
+                     for i, a in enumerate(args))
+    new_kwargs = {k: tree_map(lambda v: fresh(v, False), v) for k, v in kwargs.items()}
+    return new_args, new_kwargs, leaves, origins
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+
+
+def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | None],
+                      tracker: _WindowTracker) -> _Backward:
+    """FLOPs, roofline time, temporaries and gradient targets of one op's backward, run in
+    isolation on stand-in inputs; ``storages`` are the storage ids of the op's tensor args."""
+    fresh_args, fresh_kwargs, leaves, origins = _fresh_args(func, args, kwargs)
+    out = func(*fresh_args, **fresh_kwargs)
+    outs = _grad_outputs(out)
+    requires = [t.requires_grad for t in _tensors(out)]
+    if not outs or not leaves:
+        return _Backward(output_requires_grad=requires)
+    grad_outputs = [torch.ones_like(t) for t in outs]
+    tracker.reset([*leaves, *outs, *grad_outputs])
+    with tracker:
+        grads = torch.autograd.grad(outs, leaves, grad_outputs, allow_unused=True)
+        final = tracker.live_new_bytes()
+    arg_tensors = _tensors((args, kwargs))
+    targets = set()
+    for origin, grad in zip(origins, grads, strict=True):
+        if grad is None:
+            continue
+        for position, tensor in enumerate(arg_tensors):
+            if tensor is origin and storages[position] is not None:
+                targets.add(storages[position])
+    del grads
+    return _Backward(tracker.flops, tracker.estimated_ms,
+                     max(0, tracker.peak_new_bytes - final), sorted(targets), requires)
+
+
+def _backward_pass(records: list[_OpRecord], spec: DeviceSpec | None,
+                   progress: bool) -> list[_Backward]:
+    """Each op's backward alone, on fake stand-ins shaped like its arguments."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with meta_failures_at_debug(), FakeTensorMode():
+        return _backward_of(records, spec, progress)
+
+
+def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
+                 progress: bool) -> list[_Backward]:
+    tracker = _WindowTracker(spec)
+    out = []
+    failed: dict[str, list[str]] = {}  # op -> the error of each call that could not run
+    for record in _bar(records, "profiling backward", progress):
+        specs = _tensors_specs(record.arg_specs)
+        if not record.grad_enabled or not any(s.requires_grad for s in specs):
+            out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
+            continue
+        try:
+            args, kwargs = tree_map(_stand_ins(specs), record.arg_specs,
+                                    is_leaf=lambda v: isinstance(v, _TensorSpec))
+            out.append(_profile_backward(record.func, args, kwargs,
+                                         [s.storage for s in specs], tracker))
+        except Exception as error:  # an op that cannot run on stand-ins: no backward data
+            if not any(s.sharded for s in specs):  # a view of a DTensor to its global
+                failed.setdefault(record.name, []).append(_first_line(error))  # shape
+            out.append(_Backward(grad_storages=[s.storage for s in specs if s.requires_grad
+                                                and s.storage is not None],
+                                 output_requires_grad=[True] * len(record.outputs)))
+    for name, errors in failed.items():  # one line per op, not per call
+        calls = f"{len(errors)} calls; " if len(errors) > 1 else ""
+        log.warning("could not profile the backward of %s alone (%s%s); counting no "
+                    "backward temporaries for it", name, calls, errors[0])
+    return out
+
+
+def _stand_ins(specs: list[_TensorSpec]) -> Callable[[Any], Any]:
+    """Fake stand-ins for an op's tensor arguments, one per argument tensor. A meta
+    constant met in a fake step of a meta model ran as a tensor of the step's device
+    (``profiles.fake.MetaAsDevice``): its stand-in goes there too."""
+    made: dict[int, torch.Tensor] = {}
+    devices = {s.device for s in specs if s.device.type != "meta"}
+    device = next(iter(devices)) if len(devices) == 1 else None
+
+    def build(value: Any) -> Any:
+        if not isinstance(value, _TensorSpec):
+            return value
+        if id(value) not in made:
+            spec = value if device is None or value.device.type != "meta" else \
+                dataclasses.replace(value, device=device)
+            made[id(value)] = spec.make(real=False)
+        return made[id(value)]
+
+    return build
+
+
+def _tensors_specs(arg_specs: Any) -> list[_TensorSpec]:
+    return [v for v in tree_leaves(arg_specs, is_leaf=lambda v: isinstance(v, _TensorSpec))
+            if isinstance(v, _TensorSpec)]
+
+
+# ----------------------------------------------------------------------------- observed backward
+
+
+class _BackwardObserver(TorchDispatchMode):
+    """A fake training step with ordinary autograd: in forward, which autograd node each op
+    made; in backward, the bytes the backward has allocated and still holds (gradients,
+    temporaries) before, during and after each node's work.
+
+    A gradient that a view's or an add's backward passes on allocates nothing; one added
+    into an existing buffer may be summed out of place: the engine does what it does, and
+    this records it, node by node. Nodes are matched to ops after the forward
+    (``map_nodes``): autograd creates an op's node, numbering it, just before the op reaches
+    this mode, so the counter read at each op says which node it made (checked by name:
+    ``NativeBatchNormBackward0`` with ``native_batch_norm``); nodes that check fails for are
+    aligned by name in creation order. ``grad_fn`` is not read inside the mode, where
+    autograd may hold its own lock.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
+        self.runtime: RuntimeMemory | None = None  # a parallel step's: counted as held
+        self.names: list[str] = []
+        self.seqs: list[int] = []  # autograd's next sequence number when each op ran
+        self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
+        self._live: dict[StorageWeakRef, int] = {}
+        self.ops: list[tuple[int | None, int, int]] = []  # (forward op, live before, after)
+
+    def map_nodes(self, loss: torch.Tensor) -> None:
+        """Match the autograd nodes of ``loss``'s graph to the forward ops that made them."""
+        import difflib
+        import re
+
+        seen: dict[int, str] = {}
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = ""
+            name = type(node).__name__
+            if name != "AccumulateGrad":
+                seen[id(node)] = name
+                self._seq_name = getattr(self, "_seq_name", {})
+                self._seq_name[node._sequence_nr()] = name
+            stack.extend(n for n, _ in node.next_functions)
+        by_seq = sorted(getattr(self, "_seq_name", {}).items())
+        node_keys = [re.sub(r"Backward\d*$", "", name).lower() for _, name in by_seq]
+        op_keys = [op.split(".")[1].replace("_", "").lower() if op.count(".") >= 2 else op
+                   for op in self.names]
+        left: list[int] = []  # positions in by_seq not placed by their sequence number
+        for position, ((seq, _), key) in enumerate(zip(by_seq, node_keys, strict=True)):
+            op = bisect.bisect_right(self.seqs, seq)  # the first op run after it was made
+            if op < len(op_keys) and op_keys[op] == key:
+                self.op_of_seq[seq] = op
+            else:
+                left.append(position)
+        taken = set(self.op_of_seq.values())
+        free_ops = [i for i in range(len(op_keys)) if i not in taken]
+        matcher = difflib.SequenceMatcher(None, [node_keys[k] for k in left],
+                                          [op_keys[i] for i in free_ops], autojunk=False)
+        for a, b, size in matcher.get_matching_blocks():
+            for k in range(size):
+                self.op_of_seq[by_seq[left[a + k]][0]] = free_ops[b + k]
+
+    def live_bytes(self) -> int:
+        for ref in [r for r in self._live if r.expired()]:
+            del self._live[ref]
+        return sum(self._live.values()) + self._runtime_bytes()
+
+    def _runtime_bytes(self) -> int:
+        return self.runtime.nbytes() if self.runtime is not None else 0
+
+    def _runtime_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The parallel runtime's op (FSDP2's all-gather, reduce-scatter): what it makes
+        is runtime memory, held in backward like a gradient; in forward it is no node."""
+        before = self.live_bytes() if self.backward else 0
+        inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
+                  for t in _tensors((args, kwargs))}
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            if StorageWeakRef(local_tensor(tensor).untyped_storage()) not in inputs:
+                self.runtime.add(tensor)
+        if self.backward:
+            self.ops.append((None, before, self.live_bytes()))
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim":
+            return func(*args, **kwargs)
+        if self.runtime is not None and is_runtime_op():
+            return self._runtime_op(func, args, kwargs)
+        if not self.backward:
+            self.names.append(str(func))
+            self.seqs.append(torch._C._autograd._get_sequence_nr())
+            return func(*args, **kwargs)
+        before = self.live_bytes()
+        inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
+                  for t in _tensors((args, kwargs))}
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            storage = local_tensor(tensor).untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref not in inputs and ref not in self._live:
+                self._live[ref] = storage.nbytes()
+        node = torch._C._current_autograd_node()
+        forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
+        self.ops.append((forward, before, sum(self._live.values()) + self._runtime_bytes()))
+        return out
+
+
+def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpec | None
+                      ) -> list[tuple[int, int, int]] | None:
+    """Per op of the profile (``names``, then the loss), the backward-held bytes before its
+    backward, at its peak and after it, observed in a fake step, or in a real one when the
+    forward ran on real tensors and fake ones cannot run the backward; None if neither can.
+    """
+    attempts = [False, True] if real else [False]
+    if step.twin is not None:  # as the forward was recorded: the twin's runtime is its own
+        attempts = [real]
+    for on_real in attempts:
+        observer = _BackwardObserver()
+        try:
+            if on_real:
+                observer.runtime = step.renew(None)
+            model = step.model
+            with _real_state(step) if on_real else _fake_state(step, spec) as state:
+                observer.runtime = observer.runtime or state.runtime
+                _start_grads(state.params, step)
+                _observe(step, observer, state.args, state.kwargs)
+        except Exception as error:
+            log.info("could not observe the backward of %s on %s tensors (%s)",
+                     type(model).__name__, "real" if on_real else "fake", _first_line(error))
+            continue
+        return _per_op(observer, names)
+    log.warning("could not observe the backward of %s; gradients are modelled instead",
+                type(model).__name__)
+    return None
+
+
+def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict) -> None:
+    with observer:
+        loss = step.forward_loss(args, kwargs)
+        observer.map_nodes(loss)
+        observer.backward = True
+        loss.backward()
+
+
+def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, int, int]]:
+    """Fold the observed backward ops onto the profile's ops (aligned by name where the
+    observed forward differs, e.g. a mask a library builds only for fake tensors)."""
+    import difflib
+
+    n = len(names)
+    mapping: dict[int, int] = {}
+    matcher = difflib.SequenceMatcher(None, observer.names, names, autojunk=False)
+    for a, b, size in matcher.get_matching_blocks():
+        for k in range(size):
+            mapping[a + k] = b + k
+    before: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    after: dict[int, int] = {}
+    current = n  # the loss pseudo-node: the seed made before any node runs
+    for forward, live_before, live_after in observer.ops:
+        target = mapping.get(forward) if forward is not None else None
+        if target is not None and target < current:
+            after[current] = live_before  # what it freed is gone once the next one starts
+            current = target
+        before.setdefault(current, live_before)
+        peak[current] = max(peak.get(current, 0), live_after, live_before)
+        after[current] = live_after
+    rows: list[tuple[int, int, int]] = []
+    carry = 0
+    for j in range(n, -1, -1):  # backward order; nodes without work keep what is live
+        if j in before:
+            rows.append((before[j], peak[j], after[j]))
+            carry = after[j]
+        else:
+            rows.append((carry, carry, carry))
+    return rows[::-1]

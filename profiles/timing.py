@@ -1,0 +1,222 @@
+"""Measured op times (``timing="measure"``): each op timed alone, scaled to the whole step.
+
+The step runs for real once more, recording each op's arguments (``_ArgRecorder``); each op
+is timed alone (forward, and forward + backward, less the autograd engine's per-call cost)
+and the op times are scaled to the measured whole step: ops give the split, the step the
+total. ``profiles.calibrate`` measures the checkpoint overhead on the same device.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from profiles.backward import _fresh_args, _grad_outputs
+from profiles.calibrate import calibrate_checkpoint_costs
+from profiles.devices import DeviceSpec
+from profiles.progress import _bar
+from profiles.recording import _OpRecord, _Recorded
+from profiles.schema import MAX_SCALE, CheckpointCosts
+from profiles.step import _Step
+from profiles.swap import swapped_tensors
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_S = 0.5  # time spent measuring checkpoint overhead (timing="measure")
+ENGINE_FLOOR_SHARE = 0.1  # a backward keeps at least this share of its raw time
+
+
+class _Timer:
+    """Warm median wall time of a callable: CUDA events on a GPU, perf_counter on CPU.
+
+    On CPU with one intra-op thread the process's CPU time is used instead: the same on a
+    quiet host, but time the host gives other processes does not count; with more threads
+    CPU time would add them up, so wall time stays.
+    """
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+        self.engine_overhead_ms = 0.0
+        self.engine_overhead_ms = self._engine_overhead_ms()
+
+    def _engine_overhead_ms(self) -> float:
+        """Time of a backward through one trivial op: the per-call cost of the engine."""
+        def setup() -> tuple:
+            leaf = torch.ones(1, device=self.device, requires_grad=True)
+            out = leaf.clone()
+            return [out], [leaf], [torch.ones_like(out)]
+
+        return self.median_ms(setup, _isolated_backward)
+
+    def median_ms(self, setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+        samples = []
+        for i in range(self.warmup + self.repeats):
+            state = setup()
+            if self.device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                start.record()
+                run(state)
+                end.record()
+                torch.cuda.synchronize(self.device)
+                elapsed = start.elapsed_time(end)
+            else:
+                begin = self.clock()
+                run(state)
+                elapsed = (self.clock() - begin) * 1e3
+            if i >= self.warmup:
+                samples.append(elapsed)
+        return statistics.median(samples)
+
+
+def _isolated_backward(state: tuple[list[torch.Tensor], list[torch.Tensor], list]) -> Any:
+    outs, leaves, grads = state
+    if not outs or not leaves:
+        return ()
+    return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+
+def _measure_op(func: Any, args: Any, kwargs: Any, timer: _Timer) -> tuple[float, float]:
+    """Warm median forward and backward wall time of one op on real tensors.
+
+    The backward time excludes the fixed cost of entering the autograd engine once per op,
+    which a whole-step backward pays once (calibrated in ``_Timer``).
+    """
+    def forward(state: Any) -> Any:
+        return func(*state[0], **state[1])
+
+    def setup_backward() -> tuple:
+        fresh_args, fresh_kwargs, leaves, _ = _fresh_args(func, args, kwargs)
+        outs = _grad_outputs(func(*fresh_args, **fresh_kwargs))
+        return outs, leaves, [torch.ones_like(t) for t in outs]
+
+    forward_ms = timer.median_ms(lambda: _fresh_args(func, args, kwargs), forward)
+    backward_ms = timer.median_ms(setup_backward, _isolated_backward)
+    return forward_ms, _net_of_engine(backward_ms, timer)
+
+
+def _net_of_engine(raw_ms: float, timer: _Timer) -> float:
+    """A backward's time less the engine's per-call cost, never below a share of the raw time.
+
+    On a noisy host the calibrated cost can exceed a small op's whole backward; a floor of
+    zero would then erase every op's share, and scaling zeros to the step's total explodes.
+    """
+    return max(raw_ms - timer.engine_overhead_ms, ENGINE_FLOOR_SHARE * raw_ms)
+
+
+class _ArgRecorder(TorchDispatchMode):
+    """Keeps every op's (func, args, kwargs) of a real run, for timing ops alone.
+
+    Autograd saving an op's output detaches it (an ``aten.detach`` the profile, whose saves
+    are hooked, does not see): those are views that cost nothing and are left out.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "prim" and func is not torch.ops.aten.detach.default:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+@dataclass
+class _MeasuredTimes:
+    per_node: list[tuple[float, float]]  # (forward, backward) ms per op, calibrated
+    step_fwd_ms: float
+    step_bwd_ms: float
+    fwd_scale: float
+    bwd_scale: float
+
+
+def _timings(step: _Step, rec: _Recorded, timing: str, spec: DeviceSpec, device_type: str,
+             repeats_warmup: tuple[int, int], progress: bool
+             ) -> tuple[_MeasuredTimes | None, CheckpointCosts, str]:
+    """(measured op times or None, checkpoint costs, the timing that holds): measured and
+    calibrated on the device with ``timing="measure"``, else the roofline's estimates (also
+    when the measured run took another path than the recorded one)."""
+    if timing != "measure":
+        return None, spec.checkpoint_costs(), timing
+    timer = _Timer(torch.device(device_type), *repeats_warmup)
+    measured = _measure_times(step, rec.recorder.records, timer, progress)
+    costs = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
+    return measured, costs, "measure" if measured is not None else "estimate"
+
+
+def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
+                   progress: bool) -> _MeasuredTimes | None:
+    """Forward/backward wall time of every op (loss last), on real tensors.
+
+    Isolated op times carry costs a whole step does not (cold caches, per-call engine
+    entry), most visibly on CPU; so the whole step is timed too and op times are scaled to
+    add up to it: ops give the split, the step gives the total. Runs on copies of the
+    buffers, so the model's statistics do not move. Returns None when the real run does
+    not dispatch the ops the profile saw (the forward branched differently).
+    """
+    model = step.model
+    buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
+    with swapped_tensors(model, buffers):
+        recorder = _ArgRecorder()
+        with recorder:
+            loss = step.forward_loss(step.args, step.kwargs)
+        del loss
+        names = [str(func) for func, _, _ in recorder.calls]
+        if names != [r.name for r in records]:
+            log.warning("the real forward dispatched other ops than the profiled one (%d vs "
+                        "%d); op times are estimated instead", len(names), len(records))
+            return None
+        times: list[tuple[float, float]] = []
+        for (func, args, kwargs), record in _bar(list(zip(recorder.calls, records,
+                                                          strict=True)), "timing ops", progress):
+            try:
+                if record.grad_enabled:
+                    times.append(_measure_op(func, args, kwargs, timer))
+                else:
+                    times.append((timer.median_ms(lambda: None,
+                                                  lambda _, f=func, a=args, k=kwargs:
+                                                  f(*a, **k)), 0.0))
+            except Exception as error:  # an op that cannot be rerun alone: estimate it
+                log.warning("could not time %s alone (%s); using its roofline estimate",
+                            record.name, type(error).__name__)
+                times.append((record.estimated_ms, 2 * record.estimated_ms))
+        del recorder
+        step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
+    fwd_scale = _scale(step_fwd_ms, sum(f for f, _ in times))
+    bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
+    return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
+                          step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+
+
+def _measure_step(step: _Step, timer: _Timer) -> tuple[float, float]:
+    """Warm median time of the whole forward+loss and of the whole backward.
+
+    Gradients go through ``torch.autograd.grad``, so the model's ``.grad`` stay untouched.
+    """
+    params = [p for p in step.model.parameters() if p.requires_grad]
+
+    def forward(_: Any = None) -> torch.Tensor:
+        return step.forward_loss(step.args, step.kwargs)
+
+    def backward(loss: torch.Tensor) -> Any:
+        return torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+
+    return (timer.median_ms(lambda: None, forward),
+            _net_of_engine(timer.median_ms(forward, backward), timer))
+
+
+def _scale(step_ms: float, isolated_ms: float) -> float:
+    """Whole-step time over the sum of isolated op times, 1 where either is not measurable."""
+    if step_ms <= 0 or isolated_ms <= 0:
+        return 1.0
+    return min(step_ms / isolated_ms, MAX_SCALE)
