@@ -16,7 +16,7 @@ sac-linear, torch.compile at each ``--compile-budgets`` (inductor; gradients com
 tolerance), torch's auto-SAC, then our plans at each peer's measured peak (planned under the
 part's autocast). Peak: ``torch.cuda.max_memory_allocated`` of one step; time: the median of
 ``--steps`` steps. Dropout is 0 (``--dropout``): compiled code draws other dropout masks than
-eager code (see frontier.py), so its gradients could not be compared otherwise. A part
+eager code (see frontier_compile.py), so its gradients could not be compared otherwise. A part
 starts no measurement after ``--time-limit`` seconds (480: the first plan's profiling, the
 longest single step, must still end within 10 minutes); what is left is recorded as "not
 run", and its files are written all the same. 3 timed steps: a GPT-2-medium fp32 step is about
@@ -171,8 +171,7 @@ def offload_part(opts: argparse.Namespace, slug: str, deadline: float) -> dict[s
     """Offload plans against offloading everything, written to ``--out/offload-<slug>.*``."""
     offload = _load("offload_measured")
     device = "cpu" if opts.tiny else "cuda"
-    result = offload.bench(_load("frontier"), device, opts.tiny, opts.steps,
-                           opts.timing or "estimate", deadline)
+    result = offload.bench(device, opts.tiny, opts.steps, opts.timing or "estimate", deadline)
     result.update(when=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                   device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     offload.write(result, opts.out, f"offload-{slug}")

@@ -2,9 +2,9 @@
 
 The ``offload`` part of ``benchmarks/gpu_suite.py`` (a GPU: zoo ``gpt`` at ``gpt2-medium``,
 batch 8, fp32; ``--tiny``: the tiny GPT on the CPU, the smoke test). Every strategy runs
-through ``frontier.Runner`` (peak of one step: ``torch.cuda.max_memory_allocated``, on the
-CPU ``PeakTracker``; median step time interleaved with the unplanned step; gradients against
-the unplanned model's):
+through ``frontier_measure.Runner`` (peak of one step: ``torch.cuda.max_memory_allocated``,
+on the CPU ``PeakTracker``; median step time interleaved with the unplanned step; gradients
+against the unplanned model's):
 
 - every block's saved activations offloaded, the next block prefetched (torchtune's
   ``OffloadActivations`` recipe, run by our hooks: ``plan_for_schedule``);
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from frontier_measure import Runner, grads_match, planned
 
 from planner import zoo
 from planner.api import optimize, plan_for_schedule, replan
@@ -46,12 +47,12 @@ def _torchtune_style(probe: Plan) -> Plan:
                              probe.structure_fingerprint)
 
 
-def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
-          deadline: float) -> dict[str, Any]:
+def bench(device: str, tiny: bool, steps: int, timing: str, deadline: float
+          ) -> dict[str, Any]:
     """Rows of the offload comparison (see the module doc)."""
     zm = zoo.get("gpt", size="tiny" if tiny else "gpt2-medium", batch=4 if tiny else 8,
                  dropout=0.0, device=device)
-    runner = frontier.Runner(zm, device, steps, deadline=deadline, warmup=0 if tiny else 2)
+    runner = Runner(zm, device, steps, deadline=deadline, warmup=0 if tiny else 2)
     rows: list[dict[str, Any]] = []
     peak0, ms0, _, reference = runner.run(zm.model)
     rows.append(dict(label="unplanned", peak_bytes=peak0, step_ms=ms0, base_step_ms=ms0,
@@ -69,7 +70,7 @@ def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
               functools.partial(torch.autograd.graph.save_on_cpu,
                                 pin_memory=device == "cuda"))]
     for label, plan, context in peers:
-        rows.append(_measure(frontier, runner, zm, label, plan, context, reference))
+        rows.append(_measure(runner, zm, label, plan, context, reference))
     for budget in budgets:
         label = f"ours, offload=True, at {budget / GIB:.4g} GiB"
         if runner.out_of_time():
@@ -80,20 +81,19 @@ def bench(frontier: Any, device: str, tiny: bool, steps: int, timing: str,
         except InfeasibleBudgetError as error:
             rows.append(dict(label=label, status=f"infeasible: {error.args[0][:160]}"))
             continue
-        rows.append(_measure(frontier, runner, zm, label, plan, contextlib.nullcontext,
-                             reference))
+        rows.append(_measure(runner, zm, label, plan, contextlib.nullcontext, reference))
     return dict(device=device, steps=steps, timing=timing, rows=rows)
 
 
-def _measure(frontier: Any, runner: Any, zm: zoo.ZooModel, label: str, plan: Plan | None,
+def _measure(runner: Runner, zm: zoo.ZooModel, label: str, plan: Plan | None,
              context: Any, reference: dict[str, torch.Tensor]) -> dict[str, Any]:
     if runner.out_of_time():
         return dict(label=label, status="not run: time is up")
     if plan is not None:
-        context = functools.partial(frontier._planned, zm.model, plan)
+        context = functools.partial(planned, zm.model, plan)
     started = time.perf_counter()
     peak, ms, base, grads = runner.run(zm.model, context)
-    equal, diff = frontier.grads_match(reference, grads)
+    equal, diff = grads_match(reference, grads)
     row = dict(label=label, status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
                grads_equal=equal, grad_max_abs_diff=diff,
                seconds=time.perf_counter() - started)

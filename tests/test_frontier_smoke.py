@@ -49,3 +49,35 @@ def test_frontier_quick(tmp_path: Path) -> None:
                for r in result["rows"])
     # torch's auto-SAC has rows (measured, or why not: e.g. pulp not installed)
     assert any(r["strategy"].startswith(frontier.AUTO_SAC) for r in result["rows"])
+
+
+def test_hand_written_peers_wrap_the_policys_blocks() -> None:
+    """The measured peers wrap the blocks `solvers.baselines.POLICIES` names (the segment's
+    first block runs it, the others pass through), and their gradients are the model's."""
+    from types import SimpleNamespace
+
+    import torch
+    from frontier_peers import peer_context  # benchmarks/, on the path (conftest.py)
+    from torch import nn
+
+    from solvers import baselines
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(*(nn.Linear(4, 4) for _ in range(6))))
+    zm = SimpleNamespace(model=model, block_prefix="1")
+    x = torch.randn(3, 4)
+
+    def grads(name: str) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with peer_context(name, zm):
+            model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = grads("none")
+    for name in ("every-layer", "every-2nd", "every-4th", "chen-sqrt-n", "sac-linear"):
+        with peer_context(name, zm):
+            patched = [i for i, block in enumerate(model[1]) if "forward" in vars(block)]
+        segments = baselines.policy_segments(name, 6)
+        assert patched == [i for a, b in segments for i in range(a, b)], name
+        assert all("forward" not in vars(block) for block in model[1])  # restored
+        assert all(torch.equal(g, r) for g, r in zip(grads(name), reference, strict=True)), name

@@ -20,10 +20,34 @@ def test_baseline_schedules() -> None:
     big = 10**9
     assert baselines.none(p, big, 1.0).schedule.describe() == "S[0:6]"
     assert baselines.every_block(p, big, 1.0).schedule.describe() == "R[0:2] R[2:4] R[4:6]"
-    assert baselines.every_k(2)(p, big, 1.0).schedule.describe() == "R[0:2] S[2:4] R[4:6]"
+    # the 2nd block of 3 (every_k_blocks counts from 1, as torchtitan's ac_freq does)
+    assert baselines.every_k(2)(p, big, 1.0).schedule.describe() == "S[0:2] R[2:4] S[4:6]"
     assert baselines.chen_sqrt(p, big, 1.0).schedule.describe() == "R[0:4] S[4:6]"
     sol = baselines.none(p, big, 1.0)
     assert sol.status == Status.FEASIBLE and sol.objective_ms == 0.0 and sol.gap == 0.0
+
+
+def test_hand_written_policies_over_block_indices() -> None:
+    assert baselines.every_k_blocks(6, 2) == [1, 3, 5]
+    assert baselines.every_k_blocks(24, 4) == [3, 7, 11, 15, 19, 23]
+    assert baselines.every_k_blocks(3, 4) == []
+    with pytest.raises(ValueError):
+        baselines.every_k_blocks(4, 0)
+    # segments of ceil(sqrt(n)) blocks, the last one stored
+    assert baselines.chen_segments(24) == [(0, 5), (5, 10), (10, 15), (15, 20)]
+    assert baselines.chen_segments(12) == [(0, 4), (4, 8)]
+    assert baselines.chen_segments(16) == [(0, 4), (4, 8), (8, 12)]
+    assert baselines.chen_segments(2) == [] and baselines.chen_segments(0) == []
+    assert baselines.policy_segments("every-layer", 3) == [(0, 1), (1, 2), (2, 3)]
+    assert baselines.policy_segments("none", 3) == []
+
+
+def test_policy_schedule_is_its_baseline() -> None:
+    """The schedule a hand-written policy replays is the one its baseline solver scores."""
+    p = blocks6()
+    for name, policy in baselines.POLICIES.items():
+        sol = baselines.BASELINES[policy.solver](p, 10**9, 1.0)
+        assert sol.schedule == baselines.policy_schedule(name, p), name
 
 
 def test_baselines_skip_stateful_nodes() -> None:

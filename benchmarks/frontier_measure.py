@@ -1,0 +1,187 @@
+"""Measuring one training step of ``benchmarks/frontier.py``'s strategies: its peak
+(``PeakTracker`` on CPU, the CUDA allocator on GPU), its median step time interleaved with
+that of the model without checkpointing, and its gradients, compared with the reference's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import planner
+from planner import zoo
+from planner.api import measure_step
+from planner.emit import checkpointed_modules
+
+GIB = 2**30
+TIME_UP = "not run: the run's time limit was reached"
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    return (example_inputs,), {}
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    return output.loss if hasattr(output, "loss") else output
+
+
+def autocast_context(device: str, dtype: torch.dtype | None
+                     ) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device, dtype)``, or nothing for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device, dtype=dtype)
+
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+class Runner:
+    """Measures one callable module on fixed inputs: peak, gradients, median step time.
+
+    ``autocast``: every step's forward and loss run under ``torch.autocast(dtype)``;
+    ``deadline`` (a ``time.perf_counter()`` value): past it, ``out_of_time()`` says so;
+    ``warmup``: untimed steps of each kind before the timed ones.
+    """
+
+    def __init__(self, zm: zoo.ZooModel, device: str, steps: int,
+                 autocast: torch.dtype | None = None, deadline: float | None = None,
+                 warmup: int = 2):
+        self.zm, self.device, self.steps, self.warmup = zm, device, steps, warmup
+        self.autocast, self.deadline = autocast, deadline
+        self.autocast_name = None if autocast is None else str(autocast).removeprefix("torch.")
+        self.args, self.kwargs = split_inputs(zm.example_inputs)
+        self.loss_fn = zm.loss_fn or default_loss
+        self.state = {k: v.detach().clone() for k, v in zm.model.state_dict().items()}
+        self.names = {p: n for n, p in zm.model.named_parameters()}
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def _reset(self) -> None:
+        self.zm.model.load_state_dict(self.state)
+        self.zm.model.zero_grad(set_to_none=True)  # a run that failed mid-step leaves some
+        torch.manual_seed(1234)
+        if self.device == "cuda":
+            torch.cuda.manual_seed_all(1234)
+
+    def _peak_and_grads(self, module: nn.Module) -> tuple[int, dict[str, torch.Tensor]]:
+        self._reset()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        # measure_step names gradients by module.named_parameters(): map to the model's names
+        by_name = dict(module.named_parameters())
+        peak, _, grads = measure_step(module, self.args, self.kwargs, self.loss_fn,
+                                      self.autocast_name)
+        return peak, {self.names[by_name[k]]: g for k, g in grads.items()}
+
+    def _step_ms(self, module: nn.Module, context: Callable[[], Any]) -> float:
+        with context():
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            with autocast_context(self.device, self.autocast):
+                loss = self.loss_fn(module(*self.args, **self.kwargs))
+            loss.backward()
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - begin) * 1e3
+        module.zero_grad(set_to_none=True)
+        return elapsed
+
+    def warm_up(self, module: nn.Module) -> None:
+        """One untimed step (e.g. the one that compiles), from the model's initial state."""
+        self._reset()
+        self._step_ms(module, contextlib.nullcontext)
+        self._reset()
+
+    def paired_ms(self, module: nn.Module, context: Callable[[], Any]) -> tuple[float, float]:
+        """Median step ms of ``module`` under ``context`` and of the model without
+        checkpointing, their steps interleaved (after ``warmup`` warm-up steps each), so load
+        from other processes hits both alike."""
+        plain = contextlib.nullcontext
+        samples: tuple[list[float], list[float]] = ([], [])
+        for i in range(self.steps + self.warmup):
+            base = self._step_ms(self.zm.model, plain)
+            ms = self._step_ms(module, context)
+            if i >= self.warmup:
+                samples[0].append(ms)
+                samples[1].append(base)
+        self._reset()
+        return statistics.median(samples[0]), statistics.median(samples[1])
+
+    def run(self, module: nn.Module, context: Callable[[], Any] = contextlib.nullcontext
+            ) -> tuple[int, float, float, dict[str, torch.Tensor]]:
+        """Peak bytes, median step ms, median no-checkpointing step ms, gradients."""
+        with context():
+            peak, grads = self._peak_and_grads(module)
+        ms, base = self.paired_ms(module, context)
+        return peak, ms, base, grads
+
+
+def grads_match(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+                ) -> tuple[bool, float]:
+    """Bit-identical, and the largest absolute difference."""
+    if reference.keys() != grads.keys():
+        return False, math.inf
+    diff = max((float((reference[k] - grads[k]).abs().max()) for k in reference), default=0.0)
+    return all(torch.equal(reference[k], grads[k]) for k in reference), diff
+
+
+def grads_rel_error(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+                    ) -> float:
+    """The largest over parameters of ||g - g_ref|| / ||g_ref|| (absolute where g_ref is 0)."""
+    if reference.keys() != grads.keys():
+        return math.inf
+    worst = 0.0
+    for k, ref in reference.items():
+        diff, scale = float((grads[k].float() - ref.float()).norm()), float(ref.float().norm())
+        worst = max(worst, diff / scale if scale else diff)
+    return worst
+
+
+def distinct_peaks(rows: list[dict[str, Any]]) -> list[tuple[int, list[str]]]:
+    """The measured peaks of ``rows`` (status ok), those within 0.5 % merged, ascending, each
+    with the short names of the rows at it."""
+    budgets: list[tuple[int, list[str]]] = []
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        for b in budgets:
+            if abs(b[0] - r["peak_bytes"]) <= 0.005 * b[0]:
+                b[1].append(r.get("short", r["strategy"]))
+                break
+        else:
+            budgets.append((r["peak_bytes"], [r.get("short", r["strategy"])]))
+    return sorted(budgets)
+
+
+_OPS_CHECKED: set[tuple[str, str]] = set()  # plans whose op streams were checked once
+
+
+@contextlib.contextmanager
+def planned(model: nn.Module, plan: planner.Plan) -> Iterator[None]:
+    """``plan`` applied around one step. A planned call checks its op stream against the
+    plan on its first training call after ``apply`` (a selective-checkpoint dispatch mode
+    over its ops); a training loop applies once, so that check runs on the first step only,
+    here too: the timed steps do not pay it."""
+    planner.apply(model, plan)
+    key = (plan.fingerprint, plan.schedule.describe())
+    if key in _OPS_CHECKED:
+        for wrapper in checkpointed_modules(model).values():
+            wrapper.checked = True
+    try:
+        yield
+        _OPS_CHECKED.add(key)
+    finally:
+        planner.remove(model)
