@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from planner.plan import GIB, Plan, format_bytes
 from profiles.schema import GraphProfile
-from solvers import SOLVERS, Schedule, Timeline, simulate
+from solvers import SOLVERS, Schedule, Timeline, front, simulate
 from solvers.baselines import BASELINES
 from solvers.bounds import memory_lower_bound
 from solvers.from_profile import detect_block_prefix, problem_from_profile
@@ -606,11 +606,8 @@ def baseline_points(source: Plan | GraphProfile,
 
 def pareto(points: Iterable[FrontierPoint]) -> list[FrontierPoint]:
     """The non-dominated points, by increasing peak (decreasing overhead)."""
-    best: list[FrontierPoint] = []
-    for p in sorted(points, key=lambda p: (p.peak_bytes, p.overhead_pct)):
-        if not best or p.overhead_pct < best[-1].overhead_pct - 1e-12:
-            best.append(p)
-    return best
+    return front.pareto(points, cost=lambda p: p.peak_bytes, loss=lambda p: p.overhead_pct,
+                        tol=1e-12)
 
 
 _MARKERS = "osD^Pv<>Xh"

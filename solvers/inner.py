@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from solvers.accounting import Context, RegionInfo, profile_parts
 from solvers.frame import worth_checkpointing
+from solvers.front import pareto
 from solvers.spaces import matmul_keep
 
 __all__ = ["INNER_POINTS", "Piece", "inner_front", "inner_options"]
@@ -51,10 +52,7 @@ def _candidates(ctx: Context, a: int, b: int) -> list[RegionInfo]:
 def _front(points: Sequence[Piece], size: int) -> list[Piece]:
     """The Pareto front of `points` (more bytes freed, less time), thinned to `size`
     points spread over its length (both ends kept)."""
-    front: list[Piece] = []
-    for freed, ms, regions in sorted(points, key=lambda pt: (pt[1], -pt[0])):
-        if not front or freed > front[-1][0]:
-            front.append((freed, ms, regions))
+    front = pareto(points, cost=lambda pt: pt[1], loss=lambda pt: -pt[0])
     if len(front) <= size:
         return front
     step = (len(front) - 1) / (size - 1)

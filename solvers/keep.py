@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from solvers.accounting import Context, WindowParts, profile_parts
+from solvers.front import bucket_ends, pareto
 
 __all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "MAX_EXPORTS", "KeepChoice",
            "KeepSpace", "choices", "pareto_front", "under_caps"]
@@ -170,12 +171,8 @@ def pareto_front(residue: Sequence[int], saved_ms: Sequence[float], *,
     for i, (r, s) in enumerate(zip(residue, saved_ms, strict=True)):
         if s <= 0:
             continue
-        merged = sorted(front + [(fr + r, fs + s, (*items, i)) for fr, fs, items in front],
-                        key=lambda e: (e[0], -e[1]))
-        front = []
-        for e in merged:
-            if not front or e[1] > front[-1][1]:
-                front.append(e)
+        front = pareto(front + [(fr + r, fs + s, (*items, i)) for fr, fs, items in front],
+                       cost=lambda e: e[0], loss=lambda e: -e[1])
         if len(front) > max_points:
             thinned = True
             front = _thin(front, max_points, optimistic)
@@ -185,14 +182,10 @@ def pareto_front(residue: Sequence[int], saved_ms: Sequence[float], *,
 def _thin(front: list[tuple], buckets: int, optimistic: bool) -> list[tuple]:
     """One entry per memory bucket of a front of (bytes, ms, items, ...) tuples (see
     `pareto_front`)."""
-    lo, hi = front[0][0], front[-1][0]
-    width = max(1, -(-(hi - lo) // buckets))
-    out: list[tuple] = []
-    for _, group in itertools.groupby(front, key=lambda e: (e[0] - lo) // width):
-        members = list(group)
-        best = members[-1]  # times grow along the front: the last saves the most
-        out.append((members[0][0], best[1], ()) if optimistic else best)
-    return out
+    first, last = bucket_ends([e[0] for e in front], buckets)
+    # times grow along the front: a bucket's last point saves the most
+    return [(front[f][0], front[la][1], ()) if optimistic else front[la]
+            for f, la in zip(first.tolist(), last.tolist(), strict=True)]
 
 
 def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int | None = None,
@@ -228,11 +221,8 @@ def under_caps(space: KeepSpace, outside: np.ndarray | None = None, levels: int 
             grown = [(sr + r, sm + ms, (*items, i), vec + space.delta[i])
                      for sr, sm, items, vec, _ in states]
             grown = [(*g, pk) for g in grown if (pk := peak(g[3])) <= cap]
-            merged = sorted(states + grown, key=lambda e: (e[0], -e[1], e[4]))
-            states = []
-            for e in merged:
-                if not states or e[1] > states[-1][1]:
-                    states.append(e)
+            states = pareto(states + grown, cost=lambda e: (e[0], -e[1], e[4]),
+                            loss=lambda e: -e[1])
             if len(states) > max_points:
                 states = _thin(states, max_points, False)
         out.extend(e[2] for e in states if e[2])

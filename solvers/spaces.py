@@ -118,7 +118,7 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
     """The DP's space: segmentations of the chain of stages (membership: its own answers);
     with `long_skips`, no segment holds the producer and a far reader of one of them; with
     `stage_keep`, a stage's outermost region keeps any subset of its ops, others nothing or
-    their matmuls (`dp._tops`); with module spans, a stage's sets of inner regions
+    their matmuls (`dp_options.top_regions`); with module spans, a stage's sets of inner regions
     (`solvers.inner`)."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = ("any subset of its ops" if any_keep else

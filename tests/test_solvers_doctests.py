@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["solvers.problem", "solvers.schedule", "solvers.simulate", "solvers.bruteforce",
-           "solvers.frame", "solvers.keep"]
+           "solvers.frame", "solvers.front", "solvers.keep"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from solvers import SOLVERS, Problem, Schedule, Status, dp, simulate
+from solvers import SOLVERS, Problem, Schedule, Status, chain, dp, dp_options, simulate
 from solvers.accounting import Context
 from solvers.testing import random_dag
 
@@ -16,7 +16,7 @@ from solvers.testing import random_dag
 def _restricted_space(p, lay: dp._Layout) -> list[Schedule]:
     """Every flat schedule of the DP's restricted space, enumerated without the DP: each
     segmentation of its stages within `stop_limit`, each segment STORE (single stages) or
-    one of `dp._options`' regions."""
+    one of `dp_options.flat_options`' regions."""
     ctx = Context(p)
     st, m = lay.stages, len(lay.stages)
     out: list[Schedule] = []
@@ -26,8 +26,8 @@ def _restricted_space(p, lay: dp._Layout) -> list[Schedule]:
             out.append(Schedule.from_segments(p.n_nodes, regions))
             return
         for u in range(t + 1, lay.stop_limit[t] + 1):
-            for option in dp._options(ctx, st[t][0], st[u - 1][1], u == t + 1, False):
-                walk(u, regions + dp._regions_at(dp._spec(option, 0), 0))
+            for option in dp_options.flat_options(ctx, st[t][0], st[u - 1][1], u == t + 1, False):
+                walk(u, regions + dp_options.regions_at(dp_options.window_spec(option, 0), 0))
 
     walk(0, [])
     return out
@@ -47,7 +47,7 @@ def _segment_holds_a_far_pair(p, lay: dp._Layout, sched: Schedule) -> bool:
 @pytest.mark.parametrize(("n", "seed"), [(9, 3), (10, 2)])
 def test_long_skip_bound_holds_over_the_space_it_names(n: int, seed: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dp, "LONG_SKIP_NODES", 2)
+    monkeypatch.setattr(chain, "LONG_SKIP_NODES", 2)
     p = random_dag(n, seed=seed, skip=0.3)
     lay = dp._layout(Context(p))
     assert lay.skips, "the case must have long skips"
@@ -113,12 +113,12 @@ def test_a_chain_that_merges_a_little_keeps_its_whole_space(
     p = Problem.model_validate_json((data / "llama-7b-b1-s2048.problem.json").read_text())
     pinned = dp.pinned_storages(p)
     skips, st = dp.long_skips(p, pinned)
-    assert skips == {} and len(st) >= dp.FUSED_STAGES
+    assert skips == {} and len(st) >= chain.FUSED_STAGES
     unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     budget = int(p.static_bytes + 0.8 * (unplanned - p.static_bytes))
     sol = dp.solve(p, budget, math.inf, keep_front=False)  # proven whatever the machine
     assert sol.status == Status.OPTIMAL
-    monkeypatch.setattr(dp, "FUSED_STAGES", 10**6)
+    monkeypatch.setattr(chain, "FUSED_STAGES", 10**6)
     # the rule is what keeps them attached (detached, the DP's answer was 1 % slower: a
     # second 30 s solve, measured once and left out of the suite for its time)
     assert dp.long_skips(p, pinned)[0]

@@ -1,0 +1,118 @@
+"""Pareto fronts of (cost, loss) points, both to be small: one definition of dominance and of
+thinning for every solver and plot (`dp`'s chained fronts, `keep`'s and `inner`'s subset
+fronts, `planner.viz`'s frontier).
+
+A point is on the front when every cheaper point is worse by more than `tol`; ties on cost
+go to the lesser loss, then to the earlier point. A front too long is thinned to one entry
+per equal-width bucket of cost (`bucket_ends`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["Front", "bucket_ends", "pareto", "pareto_indices"]
+
+T = TypeVar("T")
+
+
+def pareto(points: Iterable[T], cost: Callable[[T], Any], loss: Callable[[T], float],
+           tol: float = 0.0) -> list[T]:
+    """The front of `points` by ascending `cost`, each with less `loss` (by more than `tol`)
+    than the point before it. `cost` may return a tuple (ties broken by its later items).
+
+    >>> pareto([(3, 1.0), (1, 5.0), (2, 5.0), (1, 4.0)], lambda p: p[0], lambda p: p[1])
+    [(1, 4.0), (3, 1.0)]
+    """
+    front: list[T] = []
+    for p in sorted(points, key=lambda p: (cost(p), loss(p))):
+        if not front or loss(p) < loss(front[-1]) - tol:
+            front.append(p)
+    return front
+
+
+def pareto_indices(cost: np.ndarray, loss: np.ndarray, tol: float = 0.0) -> np.ndarray:
+    """`pareto` over arrays: the indices of the front, by ascending cost (each point's loss
+    below that of every cheaper point by more than `tol`)."""
+    order = np.lexsort((loss, cost))
+    ordered = loss[order]
+    prev_min = np.minimum.accumulate(np.concatenate([[np.inf], ordered[:-1]]))
+    return order[ordered < prev_min - tol]
+
+
+def bucket_ends(cost: np.ndarray | Sequence[int], buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """For an ascending integer `cost`, split into at most `buckets` equal-width ranges: the
+    index of each non-empty bucket's first and last point."""
+    cost = np.asarray(cost, dtype=np.int64)
+    lo, hi = int(cost[0]), int(cost[-1])
+    width = max(1, -(-(hi - lo) // buckets))
+    bucket = (cost - lo) // width
+    change = bucket[1:] != bucket[:-1]
+    first = np.nonzero(np.concatenate([[True], change]))[0]
+    last = np.nonzero(np.concatenate([change, [True]]))[0]
+    return first, last
+
+
+class Front:
+    """Pareto front of (held bytes, recompute ms) with back-pointers, as numpy arrays."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any]] = []
+        self.held = np.zeros(0, dtype=np.int64)
+        self.time = np.zeros(0)
+        self.src = np.zeros(0, dtype=np.int64)  # chunk index of each entry
+        self.idx = np.zeros(0, dtype=np.int64)  # entry index in the chunk's source front
+        self.info: list[Any] = []  # per chunk; None: the chain's start
+
+    def add(self, held: np.ndarray, tms: np.ndarray, info: Any,
+            idx: np.ndarray | None = None) -> None:
+        self.chunks.append((held, tms, np.arange(len(held)) if idx is None else idx, info))
+
+    def corners(self, buckets: int) -> Callable[[int], tuple[np.ndarray, np.ndarray,
+                                                             np.ndarray]]:
+        """Lower-bound thinning of any prefix of this (pruned) front to <= `buckets` entries.
+
+        Returns `prefix(cnt) -> (held, time, idx)`: per memory bucket the least held bytes
+        with the least time (the bucket's last entry; `idx` points to it), an optimistic
+        corner that no entry of the bucket beats. For the relaxed windows of the lower-bound
+        pass, which add a prefix of one front to up to a whole chain of later fronts.
+        """
+        held, tms = self.held, self.time
+        if len(held) <= buckets:
+            return lambda cnt: (held[:cnt], tms[:cnt], np.arange(cnt))
+        first, last = bucket_ends(held, buckets)
+        slot = np.repeat(np.arange(len(first)), last - first + 1)
+
+        def prefix(cnt: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            k = int(slot[cnt - 1]) + 1
+            idx = last[:k].copy()
+            idx[-1] = cnt - 1  # the prefix may end inside its last bucket
+            return held[first[:k]], tms[idx], idx
+
+        return prefix
+
+    def prune(self, max_front: int, optimistic: bool) -> bool:
+        held = np.concatenate([c[0] for c in self.chunks])
+        tms = np.concatenate([c[1] for c in self.chunks])
+        src = np.repeat(np.arange(len(self.chunks)), [len(c[0]) for c in self.chunks])
+        idx = np.concatenate([c[2] for c in self.chunks])
+        keep = pareto_indices(held, tms, tol=1e-12)
+        held, tms, src, idx = held[keep], tms[keep], src[keep], idx[keep]
+        rounded = False
+        if len(held) > max_front:
+            # thin to one entry per memory bucket: the bucket's fastest entry (the last: times
+            # decrease along the front), a real schedule, so the upper-bound pass stays exact
+            # for what it keeps; the lower-bound pass pairs that time with the bucket's least
+            # held bytes (no real schedule is better than this corner). Neither moves held
+            # bytes to a grid edge, which compounded the error stage after stage.
+            rounded = True
+            first, last = bucket_ends(held, max_front)
+            corner = held[first] if optimistic else held[last]
+            held, tms, src, idx = corner, tms[last], src[last], idx[last]
+        self.held, self.time, self.src, self.idx = held, tms, src, idx
+        self.info = [c[3] for c in self.chunks]
+        self.chunks = []
+        return rounded
