@@ -11,10 +11,13 @@ import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from solvers import lifetimes, span_views
+from solvers.lifetimes import ACCUMULATION_COPIES, GradientEvents
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +45,6 @@ class ProblemError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ProblemError(msg)
-
-
-# Gradient accumulation: a later reader's backward makes a fresh gradient (one copy) and
-# autograd adds it into the buffer, in place when it holds the only reference to it, else
-# out of place (a second copy while both live). Under a Python dispatch mode, such as
-# MemTracker's, every tensor has a wrapper and the add is out of place (measured on ResNet
-# joins: 0.24 % above a one-copy prediction); without one it is usually in place. Counting
-# two copies errs high by one gradient at such events, never low.
-ACCUMULATION_COPIES = 2
-
-
-class GradientEvents(NamedTuple):
-    """Per backward node j: gradient bytes live before it, made by it, and the transient
-    of adding a fresh gradient into an existing buffer (see `Problem.gradient_events`)."""
-
-    before: tuple[int, ...]
-    added: tuple[int, ...]
-    accumulated: tuple[int, ...]
-    after: tuple[int, ...]  # live once node j's backward has run (its inputs' freed)
-
-    def event(self, j: int) -> int:
-        """Gradient bytes in backward event j's peak."""
-        return self.before[j] + self.added[j] + self.accumulated[j]
 
 
 class ObservedBackward(BaseModel):
@@ -380,176 +360,70 @@ class Problem(BaseModel):
 
     @cached_property
     def uses(self) -> tuple[tuple[int, ...], ...]:
-        """Per node, the storages it keeps alive up to itself: its inputs, those the program
-        holds until it (`storage_release`), and the arguments of a module call it ends (the
-        caller holds them while the call runs). Lifetimes follow these; what a node computes
-        from, and what a checkpoint saves, follow `inputs`."""
-        return self._uses(frozenset())
+        """Per node, the storages it keeps alive up to itself (`lifetimes.uses`)."""
+        return lifetimes.uses(self)
 
     def uses_traced(self, owners: Iterable[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
-        """`uses` when the calls spanning ``owners`` run as their fx traces (a plan
-        checkpoints op ranges of them): a traced forward drops each of its values at its
-        last use, as fx's generated code does, where the forward's Python locals lived
-        until it returned. So a storage the call itself made (by its own ops, or returned
-        to it by a child call) and the program held to no later than the call's end is
-        held by its readers only."""
-        owners = set(owners)
-        if not owners:
-            return self.uses
-        dropped: set[int] = set()
-        release = self.storage_release or []
-        for call in self.traced_calls or ():
-            if (call.start, call.stop) not in owners:
-                continue
-            for s in self.storages_made(call.start, call.stop):
-                inside = next((c for c in call.children if c[0] <= self.storage_producer[s]
-                               < c[1]), None)
-                if release[s] < call.stop and (inside is None or release[s] >= inside[1]):
-                    dropped.add(s)
-        return self._uses(frozenset(dropped))
+        """`uses` when the calls spanning ``owners`` run as their fx traces."""
+        return lifetimes.uses_traced(self, owners)
 
     def storages_made(self, start: int, stop: int) -> list[int]:
         """The storages nodes ``[start, stop)`` make."""
-        return [s for i in range(start, stop) for s in self.outputs[i]]
-
-    def _uses(self, unheld: frozenset[int]) -> tuple[tuple[int, ...], ...]:
-        """`uses`, the program's holds of ``unheld`` storages left out."""
-        if self.storage_release is None and not self.module_spans:
-            return self.inputs
-        held: list[list[int]] = [list(x) for x in self.inputs]
-        ends = [(s, node) for s, node in enumerate(self.storage_release or ())
-                if s not in unheld]
-        ends += [(s, span.stop - 1) for span in self.module_spans or () for s in span.inputs
-                 if span.kind == "call"]
-        for s, node in ends:
-            if self.storage_producer[s] < node < self.n_nodes and s not in held[node]:
-                held[node].append(s)
-        return tuple(tuple(x) for x in held)
+        return lifetimes.storages_made(self, start, stop)
 
     @cached_property
     def readers(self) -> tuple[tuple[int, ...], ...]:
         """Per storage, the nodes that keep it alive in forward (`uses`), ascending."""
-        return self.invert(self.uses)
+        return lifetimes.readers(self)
 
     @cached_property
     def last_read(self) -> tuple[int, ...]:
         """Per storage, the last node that keeps it alive in forward (-1: none does)."""
-        return tuple(c[-1] if c else -1 for c in self.readers)
+        return lifetimes.last_read(self)
 
     def rerun_read_end(self, s: int, i: int, stop: int) -> int:
-        """In a rerun of nodes up to `stop` (exclusive), the last step that keeps storage s
-        made at node i alive: its last use there, or the rerun's last step when it is used
-        past the early stop (the rerun's program holds it until it stops); -1 when nothing
-        after i uses it. (`simulate` finds the same by replaying; accounting reads it here.)"""
-        later = [c for c in self.readers[s] if c > i]
-        if later and later[-1] >= stop:
-            return stop - 1
-        return later[-1] if later else -1
+        """`lifetimes.rerun_read_end`: what keeps storage s alive in a rerun up to `stop`."""
+        return lifetimes.rerun_read_end(self, s, i, stop)
 
     @cached_property
     def caller_held(self) -> frozenset[int]:
-        """Storages the caller holds for the whole step: the loss's outputs (not those its
-        own backward saves) and those with `storage_release == n_nodes`."""
-        n = self.n_nodes
-        held = set(self.outputs[n - 1]) - set(self.saved[n - 1])
-        if self.storage_release is not None:
-            held |= {s for s, r in enumerate(self.storage_release) if r >= n}
-        return frozenset(held)
+        """Storages the caller holds for the whole step (`lifetimes.caller_held`)."""
+        return lifetimes.caller_held(self)
 
     @cached_property
     def fwd_event_bytes(self) -> tuple[int, ...]:
-        """What node i's first forward holds beyond the activations live then: its
-        temporaries and what a parallel runtime holds meanwhile (a rerun holds only the
-        temporaries: it runs in the backward, whose events count the runtime)."""
-        runtime = self.fwd_runtime_bytes or [0] * self.n_nodes
-        return tuple(t + r for t, r in zip(self.fwd_temp_bytes, runtime, strict=True))
+        """What node i's first forward holds beyond activations (`lifetimes`)."""
+        return lifetimes.fwd_event_bytes(self)
 
     @cached_property
     def gradient_events(self) -> GradientEvents:
-        """The gradient bytes of each backward event, the same under every schedule.
-
-        From `observed_backward` when the problem has it (its peaks include the nodes'
-        temporaries, so `bwd_temp_bytes` are 0 then); else modelled: backward runs nodes in
-        reverse order. The gradient of a storage appears during the
-        backward of its last forward reader (in backward order, its first) and is freed
-        after its producer's backward; the loss's gradient seed is held by the caller's
-        ``backward()`` call until it returns. Each earlier reader makes a fresh gradient
-        that autograd adds into the existing buffer: a transient of that gradient's size
-        (`ACCUMULATION_COPIES` of it). A parameter's ``.grad`` appears at the backward of
-        its `param_grad_bytes` node and stays.
-        """
-        n = self.n_nodes
-        if self.observed_backward is not None:  # what the engine did, not a model of it
-            obs = self.observed_backward
-            return GradientEvents(tuple(obs.before),
-                                  tuple(pk - b for b, pk in zip(obs.before, obs.peak,
-                                                                strict=True)),
-                                  (0,) * n, tuple(obs.after))
-        before, added, accumulated, after = [0] * n, [0] * n, [0] * n, [0] * n
-        live, grads = 0, set()
-        seeds = {s for s in self.grad_inputs[n - 1] if s in self.caller_held}
-        seeds |= {s for s in self.outputs[n - 1] if not self.consumers[s]}
-        for j in range(n - 1, -1, -1):
-            new = [s for s in self.grad_inputs[j] if self.storage_grad_bytes[s] > 0
-                   and self.grad_consumers[s][-1] == j]
-            if j == n - 1:
-                new += [s for s in self.outputs[j]
-                        if self.storage_grad_bytes[s] > 0 and not self.consumers[s]]
-            new = [s for s in dict.fromkeys(new) if s not in grads]
-            before[j] = live
-            added[j] = sum(self.storage_grad_bytes[s] for s in new) + self.param_grad_bytes[j]
-            accumulated[j] = ACCUMULATION_COPIES * sum(
-                self.storage_grad_bytes[s] for s in set(self.grad_inputs[j])
-                if s in grads and s not in new)
-            grads.update(new)
-            live += added[j]
-            for s in self.outputs[j]:
-                if s in grads and s not in seeds:
-                    grads.discard(s)
-                    live -= self.storage_grad_bytes[s]
-            after[j] = live
-        return GradientEvents(tuple(before), tuple(added), tuple(accumulated), tuple(after))
+        """The gradient bytes of each backward event (`lifetimes.gradient_events`)."""
+        return lifetimes.gradient_events(self)
 
     @cached_property
-    def _spans(self) -> dict[tuple[int, int], ModuleSpan]:
-        return {(span.start, span.stop): span for span in self.module_spans or ()}
+    def span_table(self) -> dict[tuple[int, int], ModuleSpan]:
+        """The module spans by `(start, stop)`."""
+        return span_views.span_table(self)
 
     def emittable(self, start: int, stop: int) -> bool:
-        """Whether `[start, stop)` can be a RECOMPUTE region (any, without module spans)."""
-        return self.module_spans is None or (start, stop) in self._spans
+        """Whether `[start, stop)` can be a RECOMPUTE region (`span_views.emittable`)."""
+        return span_views.emittable(self, start, stop)
 
     def spans_within(self, start: int, stop: int) -> list[ModuleSpan]:
-        """The largest module spans strictly inside `[start, stop)`, in order: the module
-        calls one level below it (or the top ones of a stretch of nodes)."""
-        out: list[ModuleSpan] = []
-        calls = (sp for sp in self.module_spans or () if sp.kind == "call")
-        for span in sorted(calls, key=lambda sp: (sp.start, -sp.stop)):
-            if start <= span.start and span.stop <= stop and (span.start, span.stop) != (
-                    start, stop) and not (out and span.stop <= out[-1].stop):
-                out.append(span)
-        return out
+        """The largest module spans strictly inside `[start, stop)`, in order."""
+        return span_views.spans_within(self, start, stop)
 
     def is_call(self, start: int, stop: int) -> bool:
-        """Whether `[start, stop)` is one module call (what offload hooks attach to; any
-        region without module spans)."""
-        if self.module_spans is None:
-            return True
-        span = self._spans.get((start, stop))
-        return span is not None and span.kind == "call"
+        """Whether `[start, stop)` is one module call (`span_views.is_call`)."""
+        return span_views.is_call(self, start, stop)
 
     def span(self, start: int, stop: int) -> ModuleSpan | None:
         """The module span `[start, stop)`, if there is one."""
-        return self._spans.get((start, stop))
+        return span_views.span(self, start, stop)
 
     def region_inputs(self, start: int, stop: int) -> tuple[int, ...]:
-        """What a checkpoint of `[start, stop)` holds: the storages made before it that it
-        reads, and for a module span the tensors passed to the call."""
-        read = {s for i in range(start, stop) for s in self.inputs[i]
-                if self.storage_producer[s] < start}
-        span = self._spans.get((start, stop))
-        if span is not None:
-            read.update(span.inputs)
-        return tuple(sorted(read))
+        """What a checkpoint of `[start, stop)` holds (`span_views.region_inputs`)."""
+        return span_views.region_inputs(self, start, stop)
 
     @cached_property
     def grad_inputs(self) -> tuple[tuple[int, ...], ...]:
