@@ -22,7 +22,8 @@ from planner import (
     verify,
     zoo,
 )
-from planner.api import PlanMismatchWarning, _input_specs, plan_for_profile, structure_fingerprint
+from planner.api import PlanMismatchWarning, plan_for_profile, structure_fingerprint
+from planner.arguments import _input_specs
 from profiles.inputs import normalize_inputs
 
 GIB = 2**30

@@ -11,13 +11,13 @@ import torch
 import profiles
 from planner import zoo
 from planner.api import (
-    _input_specs,
     apply,
     measure_step,
     plan_for_schedule,
     remove,
     structure_fingerprint,
 )
+from planner.arguments import _input_specs
 from planner.emit import Checkpointed, TracedForward, checkpointed_modules
 from planner.plan import Plan
 from profiles.inputs import normalize_inputs

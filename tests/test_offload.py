@@ -348,11 +348,11 @@ def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
 
 
 def test_offloaded_keeps_on_a_torch_that_cannot_move_them_are_refused(gpt, monkeypatch) -> None:
-    import planner.api
+    import planner.install
 
     model, step = gpt
     plan = _plan(step, "offloaded keeps")
-    monkeypatch.setattr(planner.api, "KEEPS_THROUGH_HOOKS", {})
+    monkeypatch.setattr(planner.install, "KEEPS_THROUGH_HOOKS", {})
     with pytest.raises(PlanMismatchError, match=r"2\.14"):
         apply(model.model, plan)
     assert not offloaded_modules(model.model)  # nothing half-installed

@@ -291,7 +291,8 @@ def test_a_plan_file_checkpointing_both_calls_of_one_module_is_refused_by_name(
         tmp_path: Path) -> None:
     """One forward runs both calls of a module used twice: it carries one checkpoint, so a
     plan (an edited file) that checkpoints both is refused on load, naming the module."""
-    from planner.api import _input_specs, plan_for_schedule, structure_fingerprint
+    from planner.api import plan_for_schedule, structure_fingerprint
+    from planner.arguments import _input_specs
     from profiles import profile
     from solvers import Schedule
 

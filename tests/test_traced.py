@@ -16,7 +16,8 @@ from torch import nn
 
 import profiles
 from planner import PlanMismatchError, apply, optimize, remove
-from planner.api import _input_specs, measure_step, plan_for_schedule, structure_fingerprint
+from planner.api import measure_step, plan_for_schedule, structure_fingerprint
+from planner.arguments import _input_specs
 from planner.emit import TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
 from solvers import OpRange, Schedule, auto, simulate

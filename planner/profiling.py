@@ -1,0 +1,193 @@
+"""profile_model: one training step of a model profiled as it will train
+(:class:`ProfiledStep`), with the notes its plans carry about how it was profiled."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import profiles
+from planner.arguments import _as_inputs, _input_specs, _parallelism
+from planner.install import _plan_suspended
+from planner.model_state import (
+    _ambient_autocast,
+    _model_device,
+    _refuse_existing_checkpointing,
+    _training_config,
+    _training_mode,
+    structure_fingerprint,
+)
+from planner.plan import InputSpec
+from planner.sharding import Sharding, rank_problem
+from profiles.inputs import normalize_inputs
+from profiles.kernels import attention_kernels
+from profiles.schema import GraphProfile
+from solvers import Problem, Schedule, simulate
+from solvers.from_profile import problem_from_profile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfiledStep:
+    """One training step of a model, profiled as it will train: what :func:`solve` plans
+    at any budget without profiling again (:func:`profile_model` makes it)."""
+
+    profile: GraphProfile
+    inputs: list[InputSpec]
+    structure: str  # structure_fingerprint() of the model
+    sharding: Sharding | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def unplanned_peak_bytes(self) -> int:
+        """The peak of the step without checkpoints (as one rank runs it)."""
+        return simulate(self.problem(), Schedule.store_all(len(self.profile.nodes))).peak_bytes
+
+    def problem(self) -> Problem:
+        """The step as the solvers see it (per rank)."""
+        return rank_problem(problem_from_profile(self.profile),
+                            self.sharding)
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    autocast: torch.dtype | None = None,
+    grad_accumulation: bool = False,
+    timing: str = "auto",
+    device: str | None = None,
+    execution: str = "auto",
+    world_size: int = 1,
+    sharding: str | None = None,
+    shard_modules: list[str] | None = None,
+    parallelize: Callable[[nn.Module, Any], Any] | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    progress: bool = True,
+) -> ProfiledStep:
+    """Profile one training step of ``model`` as it will train, for :func:`solve` to plan
+    at one budget or many. Arguments as :func:`optimize`.
+
+    Whatever state the object is in, the step profiled is the training step: a plan
+    already applied is taken off while profiling and put back as it was (``apply`` of the
+    new plan replaces it); the ``.grad`` the model holds now do not count (the step
+    starts as ``grad_accumulation`` says); a model in ``eval()`` is profiled in ``train()``
+    mode, each module's mode restored after, and the plan's note says so.
+    """
+    parallel, ddp = _parallelism(model, world_size, sharding, shard_modules, parallelize,
+                                 mesh_shape, mesh_dim_names)
+    _refuse_existing_checkpointing(model)
+    toy_batch = example_inputs is None
+    args, kwargs = normalize_inputs(model, example_inputs)
+    if autocast is None:
+        autocast = _ambient_autocast(_model_device(model).type)
+        if autocast is not None:
+            log.info("planning under the ambient torch.autocast(%s)", autocast)
+    with (_plan_suspended(model), _training_mode(model) as was_eval,
+          _training_config(model) as cache_off):
+        prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
+                                optimizer=optimizer, autocast=autocast, timing=timing,
+                                device=device, execution=execution,
+                                grad_accumulation=grad_accumulation, progress=progress,
+                                parallel=parallel)
+    notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
+                        cache_off=cache_off)
+    return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), ddp,
+                        tuple(notes))
+
+
+def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,
+                was_eval: bool, toy_batch: bool, cache_off: bool) -> list[str]:
+    """What a plan's note says of how its step was profiled: a model in eval mode planned
+    as it trains (also logged), the model's own toy batch, the cache turned off, CPU
+    kernels standing in for a GPU's, forwards not traced."""
+    notes = []
+    if was_eval:
+        notes.append("Planned the training step (dropout on, BatchNorm updating): the model "
+                     "was in eval mode; call model.train() before training with it.")
+        log.warning("%s is in eval mode; planning its training step (train() mode)",
+                    type(model).__name__)
+    if toy_batch:
+        notes.append("Planned for the model's own example batch (a toy batch, "
+                     f"{_batch_shapes(args, kwargs)}), not one it trains on: pass "
+                     "example_inputs shaped like one real training batch.")
+    if cache_off:
+        notes.append("Profiled with config.use_cache=False (a training step keeps no cache); "
+                     "apply() turns it off.")
+    notes.extend(_cpu_kernels_for_a_gpu(prof))
+    notes.extend(_untraced_note(prof))
+    return notes
+
+
+def _batch_shapes(args: tuple, kwargs: dict) -> str:
+    named = [*enumerate(args), *kwargs.items()]
+    return ", ".join(f"{name} {list(v.shape)}" for name, v in named
+                     if isinstance(v, torch.Tensor)) or "no tensors"
+
+
+_OPTIONAL = r"argument '([^']*)' is optional"
+_OPTIONAL_ANY = "<optional arguments>"
+UNTRACED_LINES = 6  # module types the note names per reason; the rest are counted
+
+
+def _untraced_note(prof: GraphProfile) -> list[str]:
+    """Which modules offer module-call regions only (their forward is not traced, or not
+    as it ran): one sentence per reason, naming the module types it holds for (optional
+    arguments, the usual reason in Hugging Face models, are one reason whatever their
+    names); nothing when every one traced."""
+    by_reason: dict[str, Counter[str]] = {}
+    optional: dict[str, None] = {}  # argument names, in order met
+    for call in prof.module_calls:
+        if call.untraced:
+            found = re.search(_OPTIONAL, call.untraced)
+            if found:
+                optional[found.group(1)] = None
+            reason = re.sub(_OPTIONAL, _OPTIONAL_ANY, call.untraced)
+            by_reason.setdefault(reason, Counter())[call.module_type] += 1
+    if not by_reason:
+        return []
+    traced = sum(1 for call in prof.module_calls if call.traced)
+    names = ", ".join(repr(name) for name in optional)
+    lines = []
+    for reason, kinds in sorted(by_reason.items(), key=lambda kv: -sum(kv[1].values())):
+        reason = reason.replace(_OPTIONAL_ANY, f"argument {names} is optional"
+                                if len(optional) == 1 else f"arguments {names} are optional")
+        named = [f"{kind} ({count} call{'s' * (count > 1)})"
+                 for kind, count in kinds.most_common(UNTRACED_LINES)]
+        more = len(kinds) - UNTRACED_LINES
+        lines.append(f"{', '.join(named)}{f' and {more} more types' if more > 0 else ''}: "
+                     f"{reason}.")
+    return [f"Op ranges inside a forward (torch.fx): {traced} module calls traced; these "
+            "offer module-call regions only: " + " ".join(lines)]
+
+
+def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
+    """A note when real CPU tensors stood in for a GPU: attention and dropout ran the CPU's
+    kernels, which save other tensors than the GPU's fused ones (``profiles.kernels``).
+    The plan's note says it (``summary()``); the log only at INFO, as the CLI estimates
+    for an H100 by default."""
+    if prof.execution != "real" or prof.timing != "estimate" or prof.device.lower() == "cpu":
+        return []
+    targets = [node.target for node in prof.nodes]
+    kernels = attention_kernels(targets)
+    cpu_only = [k for k in kernels if k in ("flash_cpu", "math")]
+    if "aten.bernoulli_.float" in targets:
+        cpu_only.append("dropout as bernoulli_ noise")
+    if not cpu_only:
+        return []
+    log.info("%s was profiled on real CPU tensors for %s: its attention/dropout ran the "
+             "CPU's kernels", prof.model_name, prof.device)
+    return [f"Profiled on real CPU tensors for {prof.device}: {', '.join(cpu_only)} ran as "
+            f"on the CPU, where {prof.device} runs fused kernels that save less. Build the "
+            "model on the meta device to profile the GPU's kernels."]

@@ -1,0 +1,247 @@
+"""solve / replan: plans from a profiled step at a budget, by the named solver or, with
+offload, the joint one; the error for a budget no schedule meets."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from planner.arguments import _budget_arg, _check_solver_options, host_budget_arg
+from planner.offload import KEEPS_THROUGH_HOOKS
+from planner.plan import InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
+from planner.profiling import ProfiledStep
+from planner.sharding import Sharding, rank_problem
+from profiles.schema import GraphProfile
+from solvers import SOLVERS, ModuleCall, OpRange, Problem, Schedule, Solution, Status, simulate
+from solvers import joint as solvers_joint
+from solvers.auto import lowest_peak
+from solvers.from_profile import op_range_targets, problem_from_profile
+from solvers.simulate import optimizer_step_peak
+
+log = logging.getLogger(__name__)
+
+
+def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
+          budget_bytes: int | None = None, solver: str = "auto",
+          time_limit_s: float = 60.0, offload: bool = False,
+          host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
+    """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
+    call it as often as you like, each call solves without profiling. ``offload``,
+    ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
+
+    >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
+    >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
+    """
+    if not isinstance(profiled, ProfiledStep):
+        raise TypeError(f"solve() takes what profile_model() returns, not "
+                        f"{type(profiled).__name__}; for a Plan use replan(plan, budget_gb=...)")
+    budget = _budget_arg(budget_gb, budget_bytes)
+    _check_solver_options(solver, time_limit_s)
+    plan = plan_for_profile(profiled.profile, budget, profiled.inputs, profiled.structure,
+                            solver=solver, time_limit_s=time_limit_s,
+                            sharding=profiled.sharding,
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
+                            op_ranges=op_ranges)
+    if profiled.notes:
+        plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
+                                                                      *profiled.notes]))})
+    return plan
+
+
+def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+           solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
+           host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
+    """A plan for the same model, inputs and precision at another budget (no profiling);
+    ``offload``, ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
+
+    >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
+    """
+    budget = _budget_arg(budget_gb, budget_bytes)
+    _check_solver_options(solver, time_limit_s)
+    return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
+                            solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding,
+                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
+                            op_ranges=op_ranges)
+
+
+def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
+                     structure: str, *, solver: str = "auto", time_limit_s: float = 60.0,
+                     sharding: Sharding | None = None,
+                     host_budget_bytes: int | None = None, op_ranges: bool = True) -> Plan:
+    """The solving half of :func:`optimize`, for a profile already taken;
+    ``host_budget_bytes``: offload within it (None: no offload); ``op_ranges``: as in
+    :func:`optimize`."""
+    started = time.perf_counter()
+    problem = rank_problem(problem_from_profile(prof, op_ranges=op_ranges),
+                           sharding)
+    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
+    if unplanned.peak_bytes <= budget_bytes:
+        report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
+                              bound_ms=0.0, gap=0.0, solve_time_s=0.0,
+                              space="every schedule (nothing is recomputed)")
+        note = (f"No checkpointing needed: the unplanned step peaks at "
+                f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
+        log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
+        return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
+                          inputs, structure, note, sharding, problem,
+                          host_budget_bytes)
+    log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
+             len(problem.module_spans or ()), format_bytes(budget_bytes))
+    # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
+    # and building the problem has taken time already: the solver gets what is left less a
+    # margin, so that time_limit_s holds for the whole call (a conformance run once took
+    # 20.05 s of 20 when only the margin was taken off)
+    margin = min(0.5, max(0.05, 0.05 * time_limit_s), 0.5 * time_limit_s)
+    left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
+    # the optimizer step after the backward peaks the same under every schedule: a budget
+    # below it is infeasible whatever the solvers find for forward and backward
+    if optimizer_step_peak(problem) <= budget_bytes:
+        solution = _solve(problem, budget_bytes, left, solver, host_budget_bytes)
+    else:
+        solution = Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
+                            budget_bytes=budget_bytes, objective_ms=None)
+    if not solution.feasible or solution.schedule is None:
+        left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
+        lowest = lowest_peak(problem, left)
+        if lowest.schedule is None or lowest.peak_bytes is None:
+            raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
+        if lowest.peak_bytes > budget_bytes:
+            at_minimum = _make_plan(prof, lowest.schedule, lowest.peak_bytes,
+                                    _report(lowest), inputs, structure, sharding=sharding,
+                                    problem=problem)
+            raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum,
+                              host_budget_bytes)
+        solution = lowest  # the solver missed a schedule that fits
+    return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
+                      structure, sharding=sharding, problem=problem,
+                      host_budget_bytes=host_budget_bytes)
+
+
+def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str,
+           host_budget_bytes: int | None) -> Solution:
+    """The named solver, or with offload the joint one (`solvers.joint`, the DP beneath);
+    an offload plan is taken only where it adds less time than the named solver's."""
+    if host_budget_bytes is None or problem.host_link is None:
+        if host_budget_bytes is not None:
+            log.warning("%s: no host link is known for this device (profiles.devices): "
+                        "planning without offload", problem.name)
+        return SOLVERS[solver](problem, budget_bytes, time_limit_s)
+    started = time.perf_counter()
+    plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
+    left = max(0.05, time_limit_s - (time.perf_counter() - started))
+    # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
+    joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes,
+                                keeps_offloaded=KEEPS_THROUGH_HOOKS)
+    if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
+        return plain
+    return joint
+
+
+def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],
+                      structure: str, budget_bytes: int | None = None,
+                      sharding: Sharding | None = None) -> Plan:
+    """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
+    hand or by another tool; its numbers come from ``simulate`` like every plan's."""
+    problem = rank_problem(problem_from_profile(prof), sharding)
+    timeline = simulate(problem, schedule)
+    report = SolverReport(name="given", status=Status.FEASIBLE.value,
+                          objective_ms=timeline.recompute_time_ms, bound_ms=None, gap=None,
+                          solve_time_s=0.0)
+    return _make_plan(prof, schedule,
+                      timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
+                      inputs, structure, sharding=sharding, problem=problem)
+
+
+def _report(solution: Solution) -> SolverReport:
+    space = str(solution.space) if solution.space is not None else ""
+    return SolverReport(name=solution.solver, status=solution.status.value,
+                        objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
+                        gap=solution.gap, solve_time_s=solution.solve_time_s, space=space)
+
+
+def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest: Solution,
+                at_minimum: Plan, host_budget_bytes: int | None = None
+                ) -> InfeasibleBudgetError:
+    """The error for a budget no schedule met: the lowest peak of any schedule found (a
+    budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
+    goes below."""
+    peak = at_minimum.predicted_peak_bytes
+    floor = optimizer_step_peak(problem)
+    bound = lowest.min_feasible_budget_bytes
+    proof = ""
+    if lowest.least_peak_bytes is not None and lowest.least_peak_space is not None:
+        least, space = lowest.least_peak_bytes, lowest.least_peak_space
+        proof = (f" It is the least peak of {space} (proven by CP-SAT)." if least == peak else
+                 f" No plan of {space} peaks below {format_bytes(least)} (proven by CP-SAT).")
+    if bound is not None and bound < peak:
+        what = ("the optimizer's step" if bound == floor else
+                "static memory plus the largest working set of one op")
+        proof += (f" No schedule at all can peak below {format_bytes(bound)} ({what})"
+                  + ("." if proof else "; plans between the two may exist that the solvers "
+                     "did not find."))
+    if floor and floor >= peak:
+        proof += (f" It is the peak of the optimizer's step ({format_bytes(floor)}), the same "
+                  "under every schedule: checkpointing cannot lower it.")
+    return InfeasibleBudgetError(
+        f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
+        f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
+        f"{lowest.solver}); that plan is error.plan, and optimize(..., "
+        "budget_gb=error.min_budget_gb) returns it."
+        f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
+        f"state{', per rank' if at_minimum.sharding else ''}) is "
+        f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}."
+        f"{_offload_hint(problem, host_budget_bytes)} Raise the "
+        "budget, shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
+        "optimizer state.",
+        peak, bound if bound is not None and bound <= peak else None, at_minimum)
+
+
+def _offload_hint(problem: Problem, host_budget_bytes: int | None) -> str:
+    """What offload could and could not do for an infeasible budget."""
+    if problem.host_link is None:
+        return ""
+    if host_budget_bytes is None:  # on a CPU, "host" is the same memory: nothing to say
+        return ("" if problem.host_link.synchronous else " offload=True may reach lower, "
+                "moving saved activations to host memory.")
+    chain = solvers_joint.offload_chain(problem)
+    if not chain:
+        return " Offload found no module call to move here."
+    everything = solvers_joint.moved_bytes(problem, chain)
+    if everything > host_budget_bytes:
+        return (f" Offload was held back by the host budget ({format_bytes(host_budget_bytes)}"
+                f"): offloading every candidate call would take "
+                f"{format_bytes(everything, round_up=True)} of host memory; raise "
+                "host_budget_gb.")
+    return (f" Offloading every candidate call ({format_bytes(everything, round_up=True)} to "
+            "host memory) does not reach it either.")
+
+
+def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall | OpRange]:
+    """What each span of the profile checkpoints: the first (outermost) module call where
+    several modules ran the same nodes (a wrapper and the module it wraps), else the op
+    range of a traced forward."""
+    targets: dict[tuple[int, int], ModuleCall | OpRange] = {}
+    for call in profile.module_calls:
+        targets.setdefault((call.start, call.stop), ModuleCall(path=call.path))
+    for span, target in op_range_targets(profile).items():
+        targets.setdefault(span, target)
+    return targets
+
+
+def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
+               report: SolverReport, inputs: list[InputSpec], structure: str,
+               note: str = "", sharding: Sharding | None = None,
+               problem: Problem | None = None, host_budget_bytes: int | None = None) -> Plan:
+    """The plan of ``schedule``; each checkpoint's target is the module call of its span.
+    ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
+    targets = _module_call_targets(profile)
+    missing = [r for r in [*schedule.recompute_regions(), *schedule.offloads]
+               if (r.start, r.stop) not in targets]
+    if missing:
+        raise ValueError(f"the schedule checkpoints nodes [{missing[0].start}, "
+                         f"{missing[0].stop}), which no module call or traced op range of "
+                         "the profile ran")
+    plan = Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
+                solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
+                profile=profile, sharding=sharding, host_budget_bytes=host_budget_bytes)
+    return plan.reusing(problem) if problem is not None else plan

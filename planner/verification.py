@@ -1,0 +1,224 @@
+"""verify / measure_step: one training step run without and with a plan, its measured
+peak, time, loss and gradients against what the plan predicts."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import profiles
+from planner.emit import checkpointed_modules
+from planner.install import _guards, apply, remove
+from planner.model_state import _model_device, _training_config
+from planner.offload import offloaded_modules
+from planner.plan import Plan, PlanMismatchWarning, format_bytes
+from profiles.inputs import normalize_inputs
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Measured against predicted, for one training step."""
+
+    device: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    unplanned_peak_bytes: int
+    step_ms: float
+    unplanned_step_ms: float
+    losses_equal: bool
+    grads_equal: bool
+
+    @property
+    def peak_error(self) -> float:
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def overhead(self) -> float:
+        return self.step_ms / self.unplanned_step_ms - 1.0
+
+    def summary(self) -> str:
+        return (f"measured peak {format_bytes(self.measured_peak_bytes)} vs predicted "
+                f"{format_bytes(self.predicted_peak_bytes)} ({100 * self.peak_error:+.2f} %), "
+                f"budget {format_bytes(self.budget_bytes)} "
+                f"({'met' if self.within_budget else 'EXCEEDED'}); unplanned "
+                f"{format_bytes(self.unplanned_peak_bytes)}; step {self.step_ms:.1f} ms vs "
+                f"{self.unplanned_step_ms:.1f} ms ({100 * self.overhead:+.1f} %); losses "
+                f"{'equal' if self.losses_equal else 'DIFFER'}, gradients "
+                f"{'bit-identical' if self.grads_equal else 'DIFFER'}")
+
+
+def _autocast(device_type: str, dtype: str | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, dtype))
+
+
+def measure_step(module: nn.Module, args: tuple, kwargs: dict,
+                 loss_fn: Callable[[Any], torch.Tensor],
+                 autocast_dtype: str | None = None, *,
+                 grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
+    """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
+    :class:`planner.measure.PeakTracker`), the loss and the gradients. The step starts
+    with no ``.grad``, or (``grads_at_start``) as a later micro-batch of gradient
+    accumulation does: with the gradients one backward before it left, zeroed, laid out
+    as that backward laid them out (AccumulateGrad keeps an incoming gradient, a slice of
+    a larger one included); that backward's random draws and buffer updates are undone.
+    Gradients are cleared afterwards."""
+    device = _model_device(module)
+    module.zero_grad(set_to_none=True)
+    if grads_at_start:
+        buffers = [b.detach().clone() for b in module.buffers()]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_fn(module(*args, **kwargs))
+            loss.backward()
+        del loss
+        with torch.no_grad():
+            for buffer, before in zip(module.buffers(), buffers, strict=True):
+                buffer.copy_(before)
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        from planner.measure import PeakTracker
+
+        static = [*module.parameters(), *module.buffers(),
+                  *(p.grad for p in module.parameters() if p.grad is not None),
+                  *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+        with PeakTracker(static) as tracker:
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_fn(module(*args, **kwargs))
+            loss.backward()
+        peak = tracker.peak_bytes
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()
+             if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return peak, loss.detach(), grads
+
+
+def _time_step(module: nn.Module, args: tuple, kwargs: dict,
+               loss_fn: Callable[[Any], torch.Tensor], repeats: int,
+               autocast_dtype: str | None) -> float:
+    device = _model_device(module)
+    samples = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            samples.append((time.perf_counter() - begin) * 1e3)
+        module.zero_grad(set_to_none=True)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Yields a function that puts the model's state and the RNG back as they were."""
+    state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    rng = torch.get_rng_state()
+
+    def restore() -> None:
+        with torch.no_grad():
+            for key, value in model.state_dict(keep_vars=True).items():
+                value.copy_(state[key])
+        torch.set_rng_state(rng)
+
+    try:
+        yield restore
+    finally:
+        restore()
+
+
+@contextlib.contextmanager
+def _grads_kept(model: nn.Module) -> Iterator[None]:
+    """The user's ``.grad`` set aside, and put back after."""
+    params = list(model.parameters())
+    kept = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, grad in zip(params, kept, strict=True):
+            p.grad = grad
+
+
+def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
+           loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+           repeats: int = 3) -> VerifyReport:
+    """Run one step of the model without and with the plan; compare with the plan.
+
+    Both steps start from the same state (parameters, buffers such as BatchNorm statistics,
+    RNG); the model is left as it was given (planned or not) and in the state it had.
+
+    Raises:
+        ValueError: a per-rank plan (``parallelize=``): one process cannot run a rank's
+            step; measure on each rank (``benchmarks/distributed.py`` shows how).
+    """
+    if plan.profile.parallel is not None:
+        raise ValueError(
+            f"this plan is {plan.profile.parallel.describe()}: verify() runs one process's "
+            "step, not a rank's. Measure each rank's step where it trains (PeakTracker with "
+            "follow_resizes=True on CPU, torch.cuda.max_memory_allocated on a GPU), as "
+            "benchmarks/distributed.py does")
+    args, kwargs = normalize_inputs(model, example_inputs)
+    loss_fn = loss_fn or profiles.default_loss
+    was_planned = bool(checkpointed_modules(model) or _guards(model) or offloaded_modules(model))
+    dtype = plan.autocast_dtype
+    accumulate = plan.profile.static.grads_at_start
+    with _state_kept(model) as restore, _grads_kept(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanMismatchWarning)
+        remove(model)
+        with _training_config(model):
+            _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn, dtype,
+                                                    grads_at_start=accumulate)
+            restore()
+            unplanned_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
+            restore()
+        apply(model, plan)
+        peak, loss, grads = measure_step(model, args, kwargs, loss_fn, dtype,
+                                         grads_at_start=accumulate)
+        restore()
+        step_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
+        if not was_planned:
+            remove(model)
+    device = _model_device(model)
+    return VerifyReport(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        measured_peak_bytes=peak,
+        unplanned_peak_bytes=plan.unplanned_peak_bytes,
+        step_ms=step_ms,
+        unplanned_step_ms=unplanned_ms,
+        losses_equal=bool(torch.equal(loss, base_loss)),
+        grads_equal=base_grads.keys() == grads.keys()
+        and all(torch.equal(base_grads[k], grads[k]) for k in grads),
+    )
