@@ -19,21 +19,21 @@ from torch import nn
 from planner.arguments import (
     MAX_BUDGET_BYTES,
     MIN_BUDGET_BYTES,
+    SolveOptions,
     _budget_bytes,
-    _check_solver_options,
     default_host_budget_bytes,
     host_budget_arg,
 )
 from planner.guard import PlanGuard
 from planner.install import apply, region_specs, remove
 from planner.model_state import structure_fingerprint
-from planner.plan import GIB, Plan, PlanMismatchWarning
+from planner.plan import Plan, PlanMismatchWarning
 from planner.profiling import UNTRACED_LINES, ProfiledStep, profile_model
-from planner.solving import plan_for_profile, plan_for_schedule, replan, solve
+from planner.solving import plan_for_profile, plan_for_schedule, replan, solve, solve_profiled
 from planner.verification import VerifyReport, measure_step, verify
 
 __all__ = ["MAX_BUDGET_BYTES", "MIN_BUDGET_BYTES", "UNTRACED_LINES", "PlanGuard",
-           "PlanMismatchWarning", "ProfiledStep", "VerifyReport", "apply",
+           "PlanMismatchWarning", "ProfiledStep", "SolveOptions", "VerifyReport", "apply",
            "default_host_budget_bytes", "host_budget_arg", "measure_step", "optimize",
            "plan_for_profile", "plan_for_schedule", "profile_model", "region_specs", "remove",
            "replan", "solve", "structure_fingerprint", "verify"]
@@ -107,9 +107,10 @@ def optimize(
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
     """
-    budget = _budget_bytes(budget_gb)
-    _check_solver_options(solver, time_limit_s)
-    host_budget = host_budget_arg(offload, host_budget_gb)
+    options = SolveOptions.checked(budget_bytes=_budget_bytes(budget_gb), solver=solver,
+                                   time_limit_s=time_limit_s,
+                                   offload=offload, host_budget_gb=host_budget_gb,
+                                   op_ranges=op_ranges)
     profiled = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                              autocast=autocast, grad_accumulation=grad_accumulation,
                              timing=timing, device=device, execution=execution,
@@ -117,7 +118,4 @@ def optimize(
                              shard_modules=shard_modules, parallelize=parallelize,
                              mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
                              progress=progress)
-    return solve(profiled, budget_bytes=budget, solver=solver, time_limit_s=time_limit_s,
-                 offload=host_budget is not None,
-                 host_budget_gb=None if host_budget is None else host_budget / GIB,
-                 op_ranges=op_ranges)
+    return solve_profiled(profiled, options)

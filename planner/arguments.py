@@ -1,6 +1,6 @@
 """Checks of the planning functions' arguments: the budget (GiB or bytes), the host
-budget for offload, the solver options, the example inputs, and the parallelism options
-that say how each rank runs the model."""
+budget for offload, the solver options (together: `SolveOptions`), the example inputs, and
+the parallelism options that say how each rank runs the model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +65,36 @@ def default_host_budget_bytes() -> int:
     except (ValueError, OSError, AttributeError):
         total = 16 * GIB
     return total // 2
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """How a profiled step is planned, checked once and passed whole from the API to the
+    solvers: the budget, the solver and its time limit, whether saved activations may go to
+    host memory and how much of it they may take (`host_budget_bytes`, bytes, used only
+    with `offload`), and whether op ranges of traced forwards may be checkpointed."""
+
+    budget_bytes: int
+    solver: str = "auto"
+    time_limit_s: float = 60.0
+    offload: bool = False
+    host_budget_bytes: int = 0
+    op_ranges: bool = True
+
+    @classmethod
+    def checked(cls, budget_gb: float | None = None, *, budget_bytes: int | None = None,
+                solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
+                host_budget_gb: float | None = None, op_ranges: bool = True) -> SolveOptions:
+        """The options of `optimize`, `solve` and `replan`, each checked with a message a
+        person can act on (exactly one of ``budget_gb`` and ``budget_bytes``)."""
+        budget = _budget_arg(budget_gb, budget_bytes)
+        _check_solver_options(solver, time_limit_s)
+        host = host_budget_arg(offload, host_budget_gb)
+        return cls(budget, solver, float(time_limit_s), offload, host or 0, bool(op_ranges))
+
+    def at(self, budget_bytes: int) -> SolveOptions:
+        """The same options at another budget."""
+        return replace(self, budget_bytes=budget_bytes)
 
 
 def host_budget_arg(offload: bool, host_budget_gb: float | None) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from planner.arguments import _budget_arg, _check_solver_options, host_budget_arg
+from planner.arguments import SolveOptions
 from planner.offload import KEEPS_THROUGH_HOOKS
 from planner.plan import InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
 from planner.profiling import ProfiledStep
@@ -35,13 +35,15 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
     if not isinstance(profiled, ProfiledStep):
         raise TypeError(f"solve() takes what profile_model() returns, not "
                         f"{type(profiled).__name__}; for a Plan use replan(plan, budget_gb=...)")
-    budget = _budget_arg(budget_gb, budget_bytes)
-    _check_solver_options(solver, time_limit_s)
-    plan = plan_for_profile(profiled.profile, budget, profiled.inputs, profiled.structure,
-                            solver=solver, time_limit_s=time_limit_s,
-                            sharding=profiled.sharding,
-                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
-                            op_ranges=op_ranges)
+    return solve_profiled(profiled, SolveOptions.checked(
+        budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
+        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges))
+
+
+def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
+    """`solve` with its options checked: the plan, with the profile's notes."""
+    plan = plan_for_profile(profiled.profile, profiled.inputs, profiled.structure, options,
+                            sharding=profiled.sharding)
     if profiled.notes:
         plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
                                                                       *profiled.notes]))})
@@ -56,24 +58,20 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
-    budget = _budget_arg(budget_gb, budget_bytes)
-    _check_solver_options(solver, time_limit_s)
-    return plan_for_profile(plan.profile, budget, plan.inputs, plan.structure_fingerprint,
-                            solver=solver, time_limit_s=time_limit_s, sharding=plan.sharding,
-                            host_budget_bytes=host_budget_arg(offload, host_budget_gb),
-                            op_ranges=op_ranges)
+    options = SolveOptions.checked(
+        budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
+        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges)
+    return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint, options,
+                            sharding=plan.sharding)
 
 
-def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSpec],
-                     structure: str, *, solver: str = "auto", time_limit_s: float = 60.0,
-                     sharding: Sharding | None = None,
-                     host_budget_bytes: int | None = None, op_ranges: bool = True) -> Plan:
-    """The solving half of :func:`optimize`, for a profile already taken;
-    ``host_budget_bytes``: offload within it (None: no offload); ``op_ranges``: as in
-    :func:`optimize`."""
+def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str,
+                     options: SolveOptions, sharding: Sharding | None = None) -> Plan:
+    """The solving half of :func:`optimize`, for a profile already taken."""
     started = time.perf_counter()
-    problem = rank_problem(problem_from_profile(prof, op_ranges=op_ranges),
-                           sharding)
+    problem = rank_problem(problem_from_profile(prof, op_ranges=options.op_ranges), sharding)
+    budget_bytes = options.budget_bytes
+    made = _PlanMaker(prof, inputs, structure, sharding, problem, options)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     if unplanned.peak_bytes <= budget_bytes:
         report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
@@ -82,47 +80,64 @@ def plan_for_profile(prof: GraphProfile, budget_bytes: int, inputs: list[InputSp
         note = (f"No checkpointing needed: the unplanned step peaks at "
                 f"{format_bytes(unplanned.peak_bytes)}, within the budget.")
         log.debug(note)  # the plan says it (summary, note); the CLI logs at INFO
-        return _make_plan(prof, Schedule.store_all(problem.n_nodes), budget_bytes, report,
-                          inputs, structure, note, sharding, problem,
-                          host_budget_bytes)
-    log.info("solving with %s: %d nodes, %d module calls, budget %s", solver, problem.n_nodes,
-             len(problem.module_spans or ()), format_bytes(budget_bytes))
+        return made(Schedule.store_all(problem.n_nodes), budget_bytes, report, note)
+    log.info("solving with %s: %d nodes, %d module calls, budget %s", options.solver,
+             problem.n_nodes, len(problem.module_spans or ()), format_bytes(budget_bytes))
     # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
     # and building the problem has taken time already: the solver gets what is left less a
-    # margin, so that time_limit_s holds for the whole call (a conformance run once took
-    # 20.05 s of 20 when only the margin was taken off)
-    margin = min(0.5, max(0.05, 0.05 * time_limit_s), 0.5 * time_limit_s)
-    left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
+    # margin, so that time_limit_s holds for the whole call
+    limit = options.time_limit_s
+    margin = min(0.5, max(0.05, 0.05 * limit), 0.5 * limit)
+    left = max(0.05, limit - margin - (time.perf_counter() - started))
     # the optimizer step after the backward peaks the same under every schedule: a budget
     # below it is infeasible whatever the solvers find for forward and backward
     if optimizer_step_peak(problem) <= budget_bytes:
-        solution = _solve(problem, budget_bytes, left, solver, host_budget_bytes)
+        solution = _solve(problem, options, left)
     else:
-        solution = Solution(solver=solver, status=Status.INFEASIBLE, schedule=None,
+        solution = Solution(solver=options.solver, status=Status.INFEASIBLE, schedule=None,
                             budget_bytes=budget_bytes, objective_ms=None)
     if not solution.feasible or solution.schedule is None:
-        left = max(0.05, time_limit_s - margin - (time.perf_counter() - started))
-        lowest = lowest_peak(problem, left)
-        if lowest.schedule is None or lowest.peak_bytes is None:
-            raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
-        if lowest.peak_bytes > budget_bytes:
-            at_minimum = _make_plan(prof, lowest.schedule, lowest.peak_bytes,
-                                    _report(lowest), inputs, structure, sharding=sharding,
-                                    problem=problem)
-            raise _infeasible(prof, problem, budget_bytes, lowest, at_minimum,
-                              host_budget_bytes)
-        solution = lowest  # the solver missed a schedule that fits
-    return _make_plan(prof, solution.schedule, budget_bytes, _report(solution), inputs,
-                      structure, sharding=sharding, problem=problem,
-                      host_budget_bytes=host_budget_bytes)
+        left = max(0.05, limit - margin - (time.perf_counter() - started))
+        solution = _lowest_fitting(prof, problem, options, made, left)
+    return made(solution.schedule, budget_bytes, _report(solution))
 
 
-def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str,
-           host_budget_bytes: int | None) -> Solution:
+class _PlanMaker:
+    """`_make_plan` with what every plan of one `plan_for_profile` call shares."""
+
+    def __init__(self, prof: GraphProfile, inputs: list[InputSpec], structure: str,
+                 sharding: Sharding | None, problem: Problem, options: SolveOptions) -> None:
+        self.prof, self.inputs, self.structure = prof, inputs, structure
+        self.sharding, self.problem, self.options = sharding, problem, options
+
+    def __call__(self, schedule: Schedule, budget_bytes: int, report: SolverReport,
+                 note: str = "", *, record_offload: bool = True) -> Plan:
+        host = self.options.host_budget_bytes if self.options.offload and record_offload \
+            else None
+        return _make_plan(self.prof, schedule, budget_bytes, report, self.inputs,
+                          self.structure, note, self.sharding, self.problem, host)
+
+
+def _lowest_fitting(prof: GraphProfile, problem: Problem, options: SolveOptions,
+                    made: _PlanMaker, time_limit_s: float) -> Solution:
+    """When the solver found nothing: the lowest-peak schedule if it fits the budget (the
+    solver missed it), else the error naming the least budget that yields a plan."""
+    lowest = lowest_peak(problem, time_limit_s)
+    if lowest.schedule is None or lowest.peak_bytes is None:
+        raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
+    if lowest.peak_bytes > options.budget_bytes:
+        at_minimum = made(lowest.schedule, lowest.peak_bytes, _report(lowest),
+                          record_offload=False)
+        raise _infeasible(prof, problem, options, lowest, at_minimum)
+    return lowest
+
+
+def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solution:
     """The named solver, or with offload the joint one (`solvers.joint`, the DP beneath);
     an offload plan is taken only where it adds less time than the named solver's."""
-    if host_budget_bytes is None or problem.host_link is None:
-        if host_budget_bytes is not None:
+    budget_bytes, solver = options.budget_bytes, options.solver
+    if not options.offload or problem.host_link is None:
+        if options.offload:
             log.warning("%s: no host link is known for this device (profiles.devices): "
                         "planning without offload", problem.name)
         return SOLVERS[solver](problem, budget_bytes, time_limit_s)
@@ -130,7 +145,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float, solver: str
     plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
     left = max(0.05, time_limit_s - (time.perf_counter() - started))
     # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
-    joint = solvers_joint.solve(problem, budget_bytes, left, host_budget_bytes=host_budget_bytes,
+    joint = solvers_joint.solve(problem, budget_bytes, left,
+                                host_budget_bytes=options.host_budget_bytes,
                                 keeps_offloaded=KEEPS_THROUGH_HOOKS)
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
@@ -159,12 +175,12 @@ def _report(solution: Solution) -> SolverReport:
                         gap=solution.gap, solve_time_s=solution.solve_time_s, space=space)
 
 
-def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest: Solution,
-                at_minimum: Plan, host_budget_bytes: int | None = None
-                ) -> InfeasibleBudgetError:
+def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
+                lowest: Solution, at_minimum: Plan) -> InfeasibleBudgetError:
     """The error for a budget no schedule met: the lowest peak of any schedule found (a
     budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
     goes below."""
+    budget_bytes = options.budget_bytes
     peak = at_minimum.predicted_peak_bytes
     floor = optimizer_step_peak(problem)
     bound = lowest.min_feasible_budget_bytes
@@ -190,17 +206,18 @@ def _infeasible(prof: GraphProfile, problem: Problem, budget_bytes: int, lowest:
         f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
         f"state{', per rank' if at_minimum.sharding else ''}) is "
         f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}."
-        f"{_offload_hint(problem, host_budget_bytes)} Raise the "
+        f"{_offload_hint(problem, options)} Raise the "
         "budget, shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
         "optimizer state.",
         peak, bound if bound is not None and bound <= peak else None, at_minimum)
 
 
-def _offload_hint(problem: Problem, host_budget_bytes: int | None) -> str:
+def _offload_hint(problem: Problem, options: SolveOptions) -> str:
     """What offload could and could not do for an infeasible budget."""
     if problem.host_link is None:
         return ""
-    if host_budget_bytes is None:  # on a CPU, "host" is the same memory: nothing to say
+    host_budget_bytes = options.host_budget_bytes
+    if not options.offload:  # on a CPU, "host" is the same memory: nothing to say
         return ("" if problem.host_link.synchronous else " offload=True may reach lower, "
                 "moving saved activations to host memory.")
     chain = solvers_joint.offload_chain(problem)

@@ -11,7 +11,7 @@ from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Schedule
-from solvers.simulate import optimizer_step_peak, simulate
+from solvers.simulate import optimizer_step_peak, share_unplanned, simulate
 from solvers.spaces import every_schedule
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,8 @@ def calls_only(problem: Problem) -> Problem:
     spans = problem.module_spans
     if spans is None or all(span.kind == "call" for span in spans):
         return problem
-    return problem.model_copy(update={"module_spans": [s for s in spans if s.kind == "call"]})
+    calls = problem.model_copy(update={"module_spans": [s for s in spans if s.kind == "call"]})
+    return share_unplanned(problem, calls)  # op ranges change no unplanned lifetime
 
 
 def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:

@@ -209,9 +209,11 @@ def moved_bytes(problem: Problem, calls: list[tuple[int, int]], stored: float = 
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
-          host_budget_bytes: int | None = None, base: Base = dp.solve,
+          host_budget_bytes: float = math.inf, base: Base = dp.solve,
           keeps_offloaded: bool = True) -> Solution:
-    """The fastest schedule of the space (module doc) within both budgets;
+    """The fastest schedule of the space (module doc) within both budgets
+    (`host_budget_bytes`: host memory the offloaded activations may take; unlimited by
+    default);
     `keeps_offloaded=False` where torch cannot move what a checkpoint keeps (SAC's cache)
     through saved-tensor hooks: offloaded calls are then stored, and their pieces keep
     nothing."""
@@ -312,7 +314,7 @@ def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> 
 
 
 def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,
-             host_budget_bytes: int | None) -> list[Schedule]:
+             host_budget_bytes: float) -> list[Schedule]:
     """The distinct layouts of `calls` (`layout`: each share, stored ones with and without
     their pieces) within the host budget."""
     out: list[Schedule] = []
@@ -320,8 +322,7 @@ def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,
         for pieces in (None, *shapes.pieces) if share else (None,):
             schedule = layout(problem, calls, share, pieces)
             moved = sum(g.nbytes(problem) for g in offload_groups(problem, schedule))
-            if schedule not in out and 0 < moved and (host_budget_bytes is None
-                                                      or moved <= host_budget_bytes):
+            if schedule not in out and 0 < moved <= host_budget_bytes:
                 out.append(schedule)
     return out
 

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -715,6 +716,38 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
     32
     """
     check_schedule(problem, schedule)
+    if not schedule.recompute_regions() and not schedule.offloads:
+        return _unplanned(problem)
+    return _replayed(problem, schedule)
+
+
+# The unplanned step of each live problem, replayed once: every solver scores it and the
+# planner reports it, and on a 70B-parameter profile one replay takes seconds. Keyed by the
+# object (problems are immutable; a changed copy is another object), dropped with it.
+_UNPLANNED: dict[int, Timeline] = {}
+
+
+def _unplanned(problem: Problem) -> Timeline:
+    key = id(problem)
+    timeline = _UNPLANNED.get(key)
+    if timeline is None:
+        timeline = _UNPLANNED[key] = _replayed(problem, Schedule.store_all(problem.n_nodes))
+        weakref.finalize(problem, _UNPLANNED.pop, key, None)
+    return timeline
+
+
+def share_unplanned(original: Problem, copy: Problem) -> Problem:
+    """`copy`, a copy of `original` that changes nothing its unplanned step depends on
+    (`solvers.auto.calls_only`: fewer regions to choose from), answering that step from
+    `original`'s replay."""
+    key = id(copy)
+    if key not in _UNPLANNED:
+        _UNPLANNED[key] = _unplanned(original)
+        weakref.finalize(copy, _UNPLANNED.pop, key, None)
+    return copy
+
+
+def _replayed(problem: Problem, schedule: Schedule) -> Timeline:
     replay = _Replay(problem, schedule)
     replay.forward()
     replay.backward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 
 import pytest
@@ -22,8 +23,13 @@ from planner import (
     verify,
     zoo,
 )
-from planner.api import PlanMismatchWarning, plan_for_profile, structure_fingerprint
-from planner.arguments import _input_specs
+from planner.api import (
+    PlanMismatchWarning,
+    plan_for_profile,
+    profile_model,
+    structure_fingerprint,
+)
+from planner.arguments import SolveOptions, _input_specs
 from profiles.inputs import normalize_inputs
 
 GIB = 2**30
@@ -42,16 +48,16 @@ def test_plans_honour_budgets_measured_on_cpu(zoo_model: zoo.ZooModel, fraction:
     if zoo_model.name == "mlp" and fraction == 0.3:
         pytest.skip("the MLP's least plannable peak is above 50 %: 30 % plans what 50 % does")
     prof, inputs, structure = _profile(zoo_model)
-    unplanned = plan_for_profile(prof, 2**62, inputs, structure).unplanned_peak_bytes
+    unplanned = plan_for_profile(prof, inputs, structure, SolveOptions(2**62)).unplanned_peak_bytes
     static = prof.static.total_bytes
     budget = int(static + fraction * (unplanned - static))
     try:
-        plan = plan_for_profile(prof, budget, inputs, structure, time_limit_s=5)
+        plan = plan_for_profile(prof, inputs, structure, SolveOptions(budget, time_limit_s=5))
     except InfeasibleBudgetError as error:
         # the named minimum is a budget that yields a plan, which then holds (below)
         assert error.min_budget_bytes > budget
-        plan = plan_for_profile(prof, error.min_budget_bytes, inputs, structure,
-                                time_limit_s=5)
+        plan = plan_for_profile(prof, inputs, structure,
+                                SolveOptions(error.min_budget_bytes, time_limit_s=5))
         assert plan.predicted_peak_bytes <= error.min_budget_bytes
     report = verify(zoo_model.model, plan, zoo_model.example_inputs, zoo_model.loss_fn,
                     repeats=1)
@@ -205,3 +211,25 @@ def test_an_empty_batch_is_refused_before_profiling() -> None:
     with pytest.raises(ValueError, match=r"input has shape \[0, 64\], with no elements"):
         optimize(model.model, torch.zeros(0, 64), budget_gb=1, loss_fn=model.loss_fn,
                  progress=False)
+
+
+def test_optimize_replays_the_unplanned_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The solvers and the plan score the unplanned step from one replay (on a 70B profile
+    each replay takes seconds), traced op ranges and all."""
+    zm = zoo.get("gpt", size="small", batch=2)
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn)
+    budget = (step.profile.static.total_bytes + step.unplanned_peak_bytes) // 2
+    replay = sys.modules["solvers.simulate"]
+    unplanned: list[str] = []
+    original = replay._replayed
+
+    def counting(problem: object, schedule: object) -> object:
+        if not schedule.recompute_regions() and not schedule.offloads:
+            unplanned.append(problem.name)
+        return original(problem, schedule)
+
+    monkeypatch.setattr(replay, "_replayed", counting)
+    plan = optimize(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                    budget_gb=budget / GIB, time_limit_s=5)
+    assert plan.schedule.recompute_regions() and plan.unplanned_peak_bytes > budget
+    assert len(unplanned) == 1
