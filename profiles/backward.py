@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 from profiles.devices import DeviceSpec
 from profiles.errors import _first_line
 from profiles.fake import meta_failures_at_debug
-from profiles.parallel import RuntimeMemory, is_runtime_op, local_tensor
+from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.progress import _bar
 from profiles.recording import _Backward, _OpRecord, _tensors, _TensorSpec
 from profiles.step import _fake_state, _real_state, _start_grads, _Step
@@ -207,7 +207,7 @@ def _tensors_specs(arg_specs: Any) -> list[_TensorSpec]:
 # ----------------------------------------------------------------------------- observed backward
 
 
-class _BackwardObserver(TorchDispatchMode):
+class _BackwardObserver(RuntimeAwareMode):
     """A fake training step with ordinary autograd: in forward, which autograd node each op
     made; in backward, the bytes the backward has allocated and still holds (gradients,
     temporaries) before, during and after each node's work.
@@ -291,12 +291,7 @@ class _BackwardObserver(TorchDispatchMode):
             self.ops.append((None, before, self.live_bytes()))
         return out
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "prim":
-            return func(*args, **kwargs)
-        if self.runtime is not None and is_runtime_op():
-            return self._runtime_op(func, args, kwargs)
+    def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self.backward:
             self.names.append(str(func))
             self.seqs.append(torch._C._autograd._get_sequence_nr())

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiles.errors import ProfileError
 from profiles.fake_world import fake_world
@@ -148,6 +149,28 @@ def is_runtime_op() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+class RuntimeAwareMode(TorchDispatchMode):
+    """A profiling dispatch mode that runs prim ops as they are and hands the parallel
+    runtime's ops (`is_runtime_op`) to `_runtime_op` when it tracks `runtime` memory;
+    every other op goes to `_op`."""
+
+    runtime: RuntimeMemory | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "prim":
+            return func(*args, **kwargs)
+        if self.runtime is not None and is_runtime_op():
+            return self._runtime_op(func, args, kwargs)
+        return self._op(func, args, kwargs)
+
+    def _runtime_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
 
 
 class RuntimeMemory:

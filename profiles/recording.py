@@ -25,13 +25,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from profiles.devices import DeviceSpec
 from profiles.errors import ProfileError
-from profiles.parallel import RuntimeMemory, is_runtime_op, local_tensor
+from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.schema import StaticMemory, TensorMeta
 from profiles.step import _fake_step, _kernels, _Step
 from profiles.swap import swapped_tensors
@@ -238,7 +237,7 @@ class _CallMarker(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _ForwardRecorder(TorchDispatchMode):
+class _ForwardRecorder(RuntimeAwareMode):
     """Runs the forward and the loss, recording ops, storages, saves and module calls."""
 
     def __init__(self, storages: _Storages, spec: DeviceSpec | None,
@@ -331,12 +330,7 @@ class _ForwardRecorder(TorchDispatchMode):
         call.stop = len(self.records)
 
     # ------------------------------------------------------------ ops
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "prim":
-            return func(*args, **kwargs)
-        if self.runtime is not None and is_runtime_op():
-            return self._runtime_op(func, args, kwargs)
+    def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         inputs = _tensors((args, kwargs))
         if func is not torch.ops.aten.lift_fresh.default:  # see _add_constants
             self._add_constants(inputs)
