@@ -3,15 +3,18 @@ recomputed or offloaded, with no restriction to module calls, nesting or whole-c
 (an LP relaxation, GLOP). What no schedule of any planner can beat, so a benchmark can
 print the distance from an answer to the limit, and say whether a target is reachable.
 
-Variables per saved storage s (not held by the caller): kept `x_s`, offloaded `o_s`; per
-recomputable node i: rerun `y_i`; `x_s + o_s + y_producer(s) >= 1`. The objective is the
-forward time of the nodes rerun (a recomputed tensor costs at least its producer's forward,
-once for all its outputs; checkpoint overheads and stalls are left out). Constraints, each
-true of every schedule `simulate` replays (so the LP is a relaxation):
+Variables per storage s not held by the caller that is saved or read by a recomputable
+node: kept `x_s` (held past its last forward read: a STORE save, a checkpoint's input, a
+selective keep), offloaded `o_s`; per recomputable node i: rerun `y_i`. A saved storage is
+kept, offloaded or recomputed: `x_s + o_s + y_producer(s) >= 1`; a node reruns only from
+inputs that are there: `y_i <= x_in + o_in + y_producer(in)` for each of its inputs. The
+objective is the forward time of the nodes rerun (checkpoint overheads and stalls are left
+out). Constraints, each true of every schedule `simulate` replays (so the LP is a
+relaxation):
 
 - forward event t: what the forward itself needs (static, caller-held, the node's outputs
-  and temporaries, storages read at t or later), plus the saved storages past their last
-  read that are kept, plus those offloaded whose copy cannot have ended: one device-to-host
+  and temporaries, storages read at t or later), plus the storages past their last read
+  that are kept, plus those offloaded whose copy cannot have ended: one device-to-host
   queue copies at most `d2h` bandwidth x the forward time elapsed (no such term over a
   synchronous link, where copies hold up compute);
 - backward event j: static, gradients, loss, temporaries, every storage node j saved (it
@@ -62,7 +65,9 @@ class _Terms:
         ctx = Context(problem)
         p, n = problem, problem.n_nodes
         self.saved = [s for s in range(p.n_storages) if ctx.savers[s] and s not in ctx.loss]
-        self.free_after = {s: max(p.storage_producer[s], ctx.last_read[s]) for s in self.saved}
+        rerun_reads = {s for i in range(p.n_nodes) if p.recomputable[i] for s in p.inputs[i]}
+        self.held = sorted((set(self.saved) | rerun_reads) - ctx.loss)  # those with x and o
+        self.free_after = {s: max(p.storage_producer[s], ctx.last_read[s]) for s in self.held}
         self.first_saver = {s: ctx.savers[s][0] for s in self.saved}
         needed = np.zeros(n + 1, dtype=np.int64)  # read at t or later, made before t
         for s in range(p.n_storages):
@@ -87,12 +92,20 @@ def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -
     offload = offload and p.host_link is not None
     terms = _Terms(p)
     lp = pywraplp.Solver.CreateSolver("GLOP")
-    x = {s: lp.NumVar(0.0, 1.0, f"x{s}") for s in terms.saved}
-    o = {s: lp.NumVar(0.0, 1.0 if offload else 0.0, f"o{s}") for s in terms.saved}
+    x = {s: lp.NumVar(0.0, 1.0, f"x{s}") for s in terms.held}
+    o = {s: lp.NumVar(0.0, 1.0 if offload else 0.0, f"o{s}") for s in terms.held}
     y = {i: lp.NumVar(0.0, 1.0, f"y{i}") for i in range(p.n_nodes) if p.recomputable[i]}
-    for s in terms.saved:
+
+    def there(s: int) -> object:  # kept, offloaded or rerun itself
         rerun = y.get(p.storage_producer[s])
-        lp.Add(x[s] + o[s] + (rerun if rerun is not None else 0.0) >= 1.0)
+        return x[s] + o[s] + (rerun if rerun is not None else 0.0)
+
+    for s in terms.saved:
+        lp.Add(there(s) >= 1.0)
+    for i, rerun in y.items():
+        for s in p.inputs[i]:
+            if s in x:
+                lp.Add(rerun <= there(s))
     budget = budget_bytes / _MIB
     _forward_rows(lp, p, terms, x, o, budget, offload)
     _backward_rows(lp, p, terms, x, budget)
@@ -128,7 +141,7 @@ def _forward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict, o: di
     n = p.n_nodes
     kept_adds: dict[int, list] = {}
     moved_adds: dict[int, list] = {}
-    for s in terms.saved:
+    for s in terms.held:
         at = terms.free_after[s]
         kept_adds.setdefault(at, []).append(p.storage_bytes[s] / _MIB * x[s])
         moved_adds.setdefault(at, []).append(p.storage_bytes[s] / _MIB * o[s])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_nested_accounting import nested_schedules
@@ -32,7 +33,7 @@ def test_no_schedule_beats_the_bound(case: tuple[Problem, Schedule]) -> None:
 def test_no_offloading_schedule_beats_the_bound(case: tuple[Problem, Schedule],
                                                 data: st.DataObject) -> None:
     """Offloading calls too (a slow and a fast copy queue): the bound with offload stays
-    below, and it never exceeds the recompute-only bound."""
+    below, and it never exceeds the recompute-only bound where that one fits."""
     p, schedule = case
     gbps = data.draw(st.sampled_from([1e-6, 1e-3, 1.0]))
     p = p.model_copy(update={"host_link": HostLink(d2h_gbps=gbps, h2d_gbps=gbps)})
@@ -43,8 +44,8 @@ def test_no_offloading_schedule_beats_the_bound(case: tuple[Problem, Schedule],
     bound = choice_bound(p, timeline.peak_bytes)
     assert bound.feasible
     assert bound.recompute_ms <= timeline.recompute_time_ms + 1e-6
-    assert bound.recompute_ms <= choice_bound(p, timeline.peak_bytes, offload=False
-                                              ).recompute_ms + 1e-6
+    plain = choice_bound(p, timeline.peak_bytes, offload=False)
+    assert not plain.feasible or bound.recompute_ms <= plain.recompute_ms + 1e-6
 
 
 def test_the_bound_is_close_to_the_plans_and_says_when_nothing_fits() -> None:
@@ -57,5 +58,5 @@ def test_the_bound_is_close_to_the_plans_and_says_when_nothing_fits() -> None:
     answer = auto.solve(p, budget, 10).objective_ms
     bound = choice_bound(p, budget, offload=False).recompute_ms
     assert 0.25 * answer < bound <= answer
-    assert choice_bound(p, unplanned, offload=False).recompute_ms == 0.0
+    assert choice_bound(p, unplanned, offload=False).recompute_ms == pytest.approx(0.0, abs=1e-9)
     assert not choice_bound(p, int(0.8 * lowest), offload=False).feasible
