@@ -113,7 +113,7 @@ class SpanBounds:
             mm_peak = max(mm_peak, made + kept)
             if splittable:
                 kept += self.kept(x, y)
-            x, stop = int(self.next_real[x]), self.stops.rerun_stop(x, y)
+            x, stop = int(self.next_real[x]), self.stops.rerun_stop(y)
             if stop > x:  # a run that reruns: its frame (and SAC cache) outlives the forward
                 unrun = float(self.fwd_ms[stop - 1]) if self.stops.last_not_run(stop) else 0.0
                 plain_ms += float(self.fwd_upto[stop] - self.fwd_upto[x]) - unrun

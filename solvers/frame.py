@@ -159,8 +159,9 @@ class FlatStops:
         self.last_pack_upto = np.maximum.accumulate(idx) if len(idx) else idx
         self.stops_before_running = np.asarray(problem.stops_before_running, dtype=bool)
 
-    def rerun_stop(self, start: int, stop: int) -> int:
-        """F2 for `[start, stop)`: one past its last packing node (<= start: no rerun)."""
+    def rerun_stop(self, stop: int) -> int:
+        """F2 for a frame ending at `stop`: one past its last packing node (at or before
+        the frame's start: no rerun)."""
         return int(self.last_pack_upto[stop - 1]) + 1
 
     def last_not_run(self, rerun_stop: int) -> bool:
