@@ -1,6 +1,7 @@
 """Peak allocated bytes of one step on the CPU, measured without changing the step.
 
-On a GPU ``torch.cuda.max_memory_allocated`` is the measure. On the CPU there is no
+On a GPU ``torch.cuda.max_memory_allocated`` is the measure (less what the process held
+besides the step when it began: ``verification.measure_step``). On the CPU there is no
 allocator statistic, so :class:`PeakTracker` counts what ``MemTracker``
 (``torch.distributed._tools``) counts — parameters, buffers, inputs, and every storage an
 op allocates while it lives (activations, gradients, temporaries that outlive an op) — as

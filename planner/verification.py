@@ -67,12 +67,25 @@ def _autocast(device_type: str, dtype: str | None) -> contextlib.AbstractContext
     return torch.autocast(device_type, dtype=getattr(torch, dtype))
 
 
+_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
+
+
+def _allocated_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
+    """What the CUDA allocator holds for ``tensors`` on ``device``, each storage once."""
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+             if t.device.type == device.type}
+    return sum(-(-n // _BLOCK) * _BLOCK for n in sizes.values())
+
+
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None, *,
                  grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
-    :class:`planner.measure.PeakTracker`), the loss and the gradients. The step starts
+    :class:`planner.measure.PeakTracker`), the loss and the gradients. As on the CPU, the
+    step is the model's parameters, buffers, gradients and inputs and what the step
+    allocates: on a GPU, whatever else the process holds on the device when the step
+    starts (another model, tensors kept from earlier steps) is subtracted. The step starts
     with no ``.grad``, or (``grads_at_start``) as a later micro-batch of gradient
     accumulation does: with the gradients one backward before it left, zeroed, laid out
     as that backward laid them out (AccumulateGrad keeps an incoming gradient, a slice of
@@ -93,20 +106,21 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
             for p in module.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
+    static = [*module.parameters(), *module.buffers(),
+              *(p.grad for p in module.parameters() if p.grad is not None),
+              *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(static, device)
         torch.cuda.reset_peak_memory_stats(device)
         with _autocast(device.type, autocast_dtype):
             loss = loss_fn(module(*args, **kwargs))
         loss.backward()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
     else:
         from planner.measure import PeakTracker
 
-        static = [*module.parameters(), *module.buffers(),
-                  *(p.grad for p in module.parameters() if p.grad is not None),
-                  *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
         with PeakTracker(static) as tracker:
             with _autocast(device.type, autocast_dtype):
                 loss = loss_fn(module(*args, **kwargs))

@@ -68,3 +68,25 @@ def test_frozen_parameters_and_two_input_modules() -> None:
     assert peak > static
     with pytest.raises(RuntimeError, match="hook"):  # what MemTracker does with it
         _memtracker_peak(model)
+
+
+def test_a_gpu_step_counts_only_its_own_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, ``max_memory_allocated`` counts everything the process holds: a reference
+    model's gradients or a clone of the weights kept by a benchmark are no part of the step
+    (the first GPU run read 4 GiB of them as the plan's). A fake allocator holding 3 GiB
+    of bystanders and reaching them plus 1 GiB in the step: the step's peak is 1 GiB."""
+    from planner import verification
+
+    gib = 2**30
+    fake = dict(memory_allocated=lambda device=None: 3 * gib,
+                max_memory_allocated=lambda device=None: 4 * gib,
+                synchronize=lambda device=None: None,
+                reset_peak_memory_stats=lambda device=None: None)
+    for name, function in fake.items():
+        monkeypatch.setattr(torch.cuda, name, function)
+    monkeypatch.setattr(verification, "_model_device", lambda module: torch.device("cuda"))
+    model = torch.nn.Linear(4, 4)
+    peak, _, grads = verification.measure_step(model, (torch.randn(2, 4),), {},
+                                               lambda out: out.sum())
+    assert peak == 1 * gib
+    assert set(grads) == {"weight", "bias"}
