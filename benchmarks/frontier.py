@@ -110,11 +110,13 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
                 timing: str, peers: list[str] | None = None, *,
                 autocast: torch.dtype | None = None, deadline: float | None = None,
                 compile_budgets: tuple[float, ...] = COMPILE_BUDGETS, warmup: int = 2,
-                op_ranges: bool = True) -> list[dict[str, Any]]:
+                op_ranges: bool = True, solve_time_limit_s: float = 60.0
+                ) -> list[dict[str, Any]]:
     """Every selected peer, then our plans at their measured peaks, on zoo model ``name``.
     ``autocast``: every step under ``torch.autocast(dtype)``; ``deadline``: a
     ``time.perf_counter()`` value past which what is left is recorded as not run;
-    ``warmup``: untimed steps before the timed ones; ``op_ranges``: as in ``optimize``
+    ``warmup``: untimed steps before the timed ones; ``op_ranges``: as in ``optimize``;
+    ``solve_time_limit_s``: each of our solves' limit (``replan``'s ``time_limit_s``)
     (the smoke runs plan module calls only, for the test suite's time)."""
     zm = zoo.get(name, **kwargs)
     runner = Runner(zm, device, steps, autocast, deadline, warmup)
@@ -147,7 +149,7 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         else:
             grads = eager_peer(peer, zm, runner, reference, row)
             reference = grads if peer == "none" and grads is not None else reference
-    first = our_plans(zm, runner, timing, rows, reference, row, op_ranges)
+    first = our_plans(zm, runner, timing, rows, reference, row, op_ranges, solve_time_limit_s)
     if first is not None:
         replay_peers(zm, first, rows)
     return rows
@@ -155,7 +157,8 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
 
 def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str, Any]],
               reference: dict[str, torch.Tensor], row: Callable[..., dict[str, Any]],
-              op_ranges: bool = True) -> planner.Plan | None:
+              op_ranges: bool = True, solve_time_limit_s: float = 60.0
+              ) -> planner.Plan | None:
     """Our plans, one per distinct peer peak (torch auto-SAC's and torch.compile's included):
     the first via optimize() (profile + solve, timed), the others reuse its profile (replan,
     timed). Planned under the runner's autocast, and run under it. Returns the first."""
@@ -174,7 +177,8 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
                 how = f"optimize(timing={timing!r})"
             else:
                 how = "replan (profile reused)"
-            plan = replan(first, budget_bytes=budget, op_ranges=op_ranges)
+            plan = replan(first, budget_bytes=budget, op_ranges=op_ranges,
+                          time_limit_s=solve_time_limit_s)
         except InfeasibleBudgetError as error:
             row(label, "ours", status=f"infeasible: {error.args[0][:200]}", budget_bytes=budget)
             continue

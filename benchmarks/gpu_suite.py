@@ -14,9 +14,11 @@ and per-op CUDA profiles, in parts meant to fit in 10 minutes each on an H100.
 one process: the peers none, every-layer, every-2nd, every-4th, chen-sqrt-n, sac-matmuls,
 sac-linear, torch.compile at each ``--compile-budgets`` (inductor; gradients compared within a
 tolerance), torch's auto-SAC, then our plans at each peer's measured peak (planned under the
-part's autocast). Peak: ``torch.cuda.max_memory_allocated`` of one step; time: the median of
-``--steps`` steps. Dropout is 0 (``--dropout``): compiled code draws other dropout masks than
-eager code (see frontier_compile.py), so its gradients could not be compared otherwise. A part
+part's autocast). Peak: ``torch.cuda.max_memory_allocated`` of one step, less what the
+process held besides the model when it began (``planner.verification.measure_step``); time:
+the median of ``--steps`` steps. Dropout is 0 (``--dropout``): compiled code draws other
+dropout masks than eager code (see frontier_compile.py), so its gradients could not be
+compared otherwise. A part
 starts no measurement after ``--time-limit`` seconds (480: the first plan's profiling, the
 longest single step, must still end within 10 minutes); what is left is recorded as "not
 run", and its files are written all the same. 3 timed steps: a GPT-2-medium fp32 step is about
@@ -114,18 +116,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peers", nargs="*", default=None,
                         help="peers to run ('none' always runs)")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--solve-time-limit", type=float, default=60.0,
+                        help="seconds each of our solves may take (replan's time_limit_s)")
     parser.add_argument("--timing", default=None, choices=["measure", "estimate"],
-                        help="how profiles time the ops (measure; --tiny estimate)")
+                        help="how profiles time the ops (measure; --tiny and the offload part: "
+                             "estimate)")
     opts = parser.parse_args(argv)
     if not opts.tiny and not torch.cuda.is_available():
         parser.error("no CUDA device visible to torch (--tiny runs the suite on the CPU)")
     opts.out = opts.out or _load("frontier").RESULTS
     opts.profiles_dir = opts.profiles_dir or (opts.out if opts.tiny else None)
     opts.steps = opts.steps or (1 if opts.tiny else 3)
-    opts.timing = opts.timing or ("estimate" if opts.tiny else "measure")
     opts.compile_budgets = tuple(opts.compile_budgets or ((0.5,) if opts.tiny else (0.5, 0.1)))
     opts.peers = opts.peers or list(TINY_PEERS if opts.tiny else GPU_PEERS)
     return opts
+
+
+def _frontier_timing(opts: argparse.Namespace) -> str:
+    return opts.timing or ("estimate" if opts.tiny else "measure")
 
 
 def record_part(opts: argparse.Namespace, slug: str, deadline: float) -> list[Path]:
@@ -139,7 +147,7 @@ def record_part(opts: argparse.Namespace, slug: str, deadline: float) -> list[Pa
         cases = record_profiles.CUDA_CASES
     out = opts.profiles_dir or record_profiles.RECORDED_DIR
     return record_profiles.record(cases, "cpu" if opts.tiny else "cuda", slug, out,
-                                  timing=opts.timing, deadline=deadline,
+                                  timing=_frontier_timing(opts), deadline=deadline,
                                   repeats=1 if opts.tiny else 7)
 
 
@@ -153,12 +161,14 @@ def frontier_part(opts: argparse.Namespace, slug: str, precision: str,
     kwargs = dict(size="tiny" if opts.tiny else "gpt2-medium", batch=4 if opts.tiny else 8,
                   dropout=opts.dropout, device=device)
     started = time.perf_counter()
-    rows = frontier.bench_model("gpt", kwargs, device, opts.steps, False, opts.timing,
+    timing = _frontier_timing(opts)
+    rows = frontier.bench_model("gpt", kwargs, device, opts.steps, False, timing,
                                 opts.peers, autocast=autocast, deadline=deadline,
                                 compile_budgets=opts.compile_budgets,
-                                warmup=0 if opts.tiny else 2, op_ranges=not opts.tiny)
+                                warmup=0 if opts.tiny else 2, op_ranges=not opts.tiny,
+                                solve_time_limit_s=opts.solve_time_limit)
     result = frontier.make_result(device, "tiny" if opts.tiny else "gpu-suite", opts.steps,
-                                  opts.timing, autocast, started, rows)
+                                  timing, autocast, started, rows)
     result["suite"] = dict(
         model=kwargs, peers=opts.peers, compile_budgets=opts.compile_budgets,
         compile_backend=frontier.compile_backend(device), time_limit_s=opts.time_limit,
@@ -171,7 +181,8 @@ def offload_part(opts: argparse.Namespace, slug: str, deadline: float) -> dict[s
     """Offload plans against offloading everything, written to ``--out/offload-<slug>.*``."""
     offload = _load("offload_measured")
     device = "cpu" if opts.tiny else "cuda"
-    result = offload.bench(device, opts.tiny, opts.steps, opts.timing or "estimate", deadline)
+    result = offload.bench(device, opts.tiny, opts.steps, opts.timing or "estimate", deadline,
+                           opts.solve_time_limit)
     result.update(when=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
                   device_name=torch.cuda.get_device_name() if device == "cuda" else "cpu")
     offload.write(result, opts.out, f"offload-{slug}")

@@ -12,8 +12,9 @@ against the unplanned model's):
   tensor to the host, back when needed);
 - ours with ``offload=True`` at DESIGN.md's H100 anchors (on the CPU: at + 50 / 30 % of the
   activations), planned with estimated H100 times (``--timing``), with its predicted peak.
+  Each solve is limited (``--solve-time-limit``, 60 s).
 
-Nothing of this has run on a GPU yet.
+On an H100 (2026-11-26) the two peers ran; our plans did not fit in the lease.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _torchtune_style(probe: Plan) -> Plan:
                              probe.structure_fingerprint)
 
 
-def bench(device: str, tiny: bool, steps: int, timing: str, deadline: float
-          ) -> dict[str, Any]:
-    """Rows of the offload comparison (see the module doc)."""
+def bench(device: str, tiny: bool, steps: int, timing: str, deadline: float,
+          solve_time_limit_s: float = 60.0) -> dict[str, Any]:
+    """Rows of the offload comparison (see the module doc); each solve is limited to
+    ``solve_time_limit_s``."""
     zm = zoo.get("gpt", size="tiny" if tiny else "gpt2-medium", batch=4 if tiny else 8,
                  dropout=0.0, device=device)
     runner = Runner(zm, device, steps, deadline=deadline, warmup=0 if tiny else 2)
@@ -77,7 +79,8 @@ def bench(device: str, tiny: bool, steps: int, timing: str, deadline: float
             rows.append(dict(label=label, status="not run: time is up"))
             continue
         try:
-            plan = replan(probe, budget_bytes=budget, offload=True, time_limit_s=60)
+            plan = replan(probe, budget_bytes=budget, offload=True,
+                          time_limit_s=solve_time_limit_s)
         except InfeasibleBudgetError as error:
             rows.append(dict(label=label, status=f"infeasible: {error.args[0][:160]}"))
             continue

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU suite cut to fit one short device lease (about 9 minutes of one call): the fp32 and
+# bf16 frontiers of GPT-2-medium against the hand-written peers (no torch.compile, no
+# auto-SAC: each costs minutes), the offload part, then bf16, each part under its own time limit so
+# that every part's files are written. Run on a device machine from the repo root with the
+# wheels of gpu_suite.py's WHEELS in .whl/ and OUT set; everything lands in $OUT/gpu.tgz
+# (results) and $OUT/gpu.log (the whole output).
+#
+#   bash benchmarks/gpu_lease.sh           # then: tar xzf gpu.tgz -C benchmarks/results
+set -u
+R=${OUT:?OUT must name a folder}/results
+mkdir -p "$R"
+exec > >(tee "$OUT/gpu.log") 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, ortools; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at its timeout
+  local name=$1 limit=$2
+  shift 2
+  echo "== lease part $name (timeout ${limit} s) at $(date +%T)"
+  timeout "$limit" python3 benchmarks/gpu_suite.py --part "$name" --out "$R" \
+    --profiles-dir "$R" "$@"
+  echo "== lease part $name exit $? at $(date +%T)"
+}
+
+part fp32 140 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 95 \
+  --solve-time-limit 15
+part offload 120 --time-limit 80 --solve-time-limit 15
+part bf16 80 --peers every-layer sac-linear --time-limit 45 --solve-time-limit 15
+tar czf "$OUT/gpu.tgz" -C "$R" . && rm -rf "$R"
+ls -la "$OUT"
