@@ -149,7 +149,9 @@ class Problem(BaseModel):
     tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes; all 0 by default (not
     modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
     `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
-    plus one if it saves a static tensor).
+    plus one if it saves a static tensor). `host_overlaps_device` (a GPU): that host time
+    runs while the device works through kernels already queued, and costs only what exceeds
+    the region's forward time.
 
     Optional `optimizer_step_bytes`: what an optimizer step after the backward allocates
     beyond its state (in `static_bytes`); the step's last event, the same under every
@@ -198,6 +200,7 @@ class Problem(BaseModel):
     traced_calls: list[TracedCall] | None = None
     observed_backward: ObservedBackward | None = None
     host_link: HostLink | None = None
+    host_overlaps_device: bool = False
     fwd_runtime_bytes: list[int] | None = None
 
     @model_validator(mode="after")
@@ -459,14 +462,15 @@ class Problem(BaseModel):
         return tuple(bool(before[i]) and self.packs[i] for i in range(self.n_nodes))
 
     @cached_property
-    def _overhead_prefix(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Prefix sums of the saved tensors and of the aten ops per node."""
+    def _overhead_prefix(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+        """Prefix sums of the saved tensors, of the aten ops and of the forward ms per node."""
         static = self.node_saves_static or [False] * self.n_nodes
         packed = self.node_packed or [len(self.saved[i]) + int(static[i])
                                       for i in range(self.n_nodes)]
         ops = self.node_ops or [1] * self.n_nodes
         return (tuple(itertools.accumulate(packed, initial=0)),
-                tuple(itertools.accumulate(ops, initial=0)))
+                tuple(itertools.accumulate(ops, initial=0)),
+                tuple(itertools.accumulate(self.fwd_time_ms, initial=0.0)))
 
     def checkpoint_overhead_ms(self, start: int, rerun_stop: int,
                                keep: Iterable[int] = ()) -> float:
@@ -476,26 +480,35 @@ class Problem(BaseModel):
         the last node that saves something; `<= start`: nothing packs, no rerun, 0 ms).
         Over nodes `[start, rerun_stop)`, with P saved tensors and O aten ops::
 
-            checkpoint_region_ms + checkpoint_pack_ms * P
-                + (checkpoint_sac_op_ms * O if a node of keep lies there else 0)
+            host = checkpoint_region_ms + checkpoint_pack_ms * P
+                   + (checkpoint_sac_op_ms * O if a node of keep lies there else 0)
 
         The SAC term covers the policy in the forward and in the rerun; ops after the early
-        stop and kept nodes past it (they never pay off) are not counted. `simulate`,
-        `accounting` (hence `cpsat`) and `dp` all charge exactly this per region.
+        stop and kept nodes past it (they never pay off) are not counted. With
+        `host_overlaps_device` (a GPU, whose kernels run while the host queues the next
+        ones) the region costs ``max(0, host - F)``, F the forward time of those nodes:
+        measured on an H100, GPT-2-medium under SAC save-linear recomputed for +13.0 % where
+        the host time counted in full predicted +32.8 %. `simulate`, `accounting` (hence
+        `cpsat`) and `dp` all charge exactly this per region.
 
         >>> p = Problem.chain([4, 4, 1], [1.0, 1.0, 1.0]).model_copy(update={
         ...     "checkpoint_region_ms": 0.5, "checkpoint_pack_ms": 0.1,
         ...     "checkpoint_sac_op_ms": 0.2})
         >>> round(p.checkpoint_overhead_ms(0, 2), 6), round(p.checkpoint_overhead_ms(0, 2, [0]), 6)
         (0.6, 1.0)
+        >>> gpu = p.model_copy(update={"host_overlaps_device": True, "fwd_time_ms": [0.2] * 3})
+        >>> [round(gpu.checkpoint_overhead_ms(0, 2, keep), 6) for keep in ((), [0])]
+        [0.2, 0.6]
         """
         if rerun_stop <= start:
             return 0.0
-        packed, ops = self._overhead_prefix
+        packed, ops, fwd = self._overhead_prefix
         ms = self.checkpoint_region_ms + self.checkpoint_pack_ms * (packed[rerun_stop]
                                                                     - packed[start])
         if self.checkpoint_sac_op_ms and any(start <= k < rerun_stop for k in keep):
             ms += self.checkpoint_sac_op_ms * (ops[rerun_stop] - ops[start])
+        if self.host_overlaps_device:
+            return max(0.0, ms - (fwd[rerun_stop] - fwd[start]))
         return ms
 
     def can_keep(self, i: int) -> bool:
