@@ -105,6 +105,17 @@ class Runner:
         self._step_ms(module, contextlib.nullcontext)
         self._reset()
 
+    def warm_peak(self, module: nn.Module, context: Callable[[], Any]) -> int:
+        """Peak bytes of a step under ``context`` after one untimed step under it: what a
+        training loop meets from its second step on (an offload plan's pinned host buffers
+        are new, and slow to allocate, in the first)."""
+        with context():
+            self._reset()
+            self._step_ms(module, contextlib.nullcontext)
+            peak, _ = self._peak_and_grads(module)
+        self._reset()
+        return peak
+
     def paired_ms(self, module: nn.Module, context: Callable[[], Any]) -> tuple[float, float]:
         """Median step ms of ``module`` under ``context`` and of the model without
         checkpointing, their steps interleaved (after ``warmup`` warm-up steps each), so load

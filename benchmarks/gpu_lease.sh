@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU suite cut to fit one short device lease (about 9 minutes of one call): the fp32 and
-# bf16 frontiers of GPT-2-medium against the hand-written peers (no torch.compile, no
-# auto-SAC: each costs minutes), the offload part, then bf16, each part under its own time limit so
-# that every part's files are written. Run on a device machine from the repo root with the
-# wheels of gpu_suite.py's WHEELS in .whl/ and OUT set; everything lands in $OUT/gpu.tgz
-# (results) and $OUT/gpu.log (the whole output).
+# The GPU suite cut to fit one short device lease (about 7 minutes of one call): our offload
+# plans at the H100 anchors against offloading every block and save_on_cpu (peaks of the
+# first and of a second step), then the fp32 and bf16 frontiers of GPT-2-medium against the
+# hand-written peers (no torch.compile, no auto-SAC: each costs minutes), each part under its
+# own time limit so that every part's files are written. Run on a device machine from the
+# repo root with the wheels of gpu_suite.py's WHEELS in .whl/ and OUT set; everything lands
+# in $OUT/gpu.tgz (results) and $OUT/gpu.log (the whole output). The first run (2026-11-26)
+# ran fp32, offload, bf16 in that order and had no time left for our offload plans.
 #
 #   bash benchmarks/gpu_lease.sh           # then: tar xzf gpu.tgz -C benchmarks/results
 set -u
@@ -26,9 +28,9 @@ part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at 
   echo "== lease part $name exit $? at $(date +%T)"
 }
 
-part fp32 140 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 95 \
+part offload 190 --time-limit 150 --solve-time-limit 15
+part fp32 150 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 105 \
   --solve-time-limit 15
-part offload 120 --time-limit 80 --solve-time-limit 15
 part bf16 80 --peers every-layer sac-linear --time-limit 45 --solve-time-limit 15
 tar czf "$OUT/gpu.tgz" -C "$R" . && rm -rf "$R"
 ls -la "$OUT"

@@ -98,6 +98,7 @@ def _measure(runner: Runner, zm: zoo.ZooModel, label: str, plan: Plan | None,
     peak, ms, base, grads = runner.run(zm.model, context)
     equal, diff = grads_match(reference, grads)
     row = dict(label=label, status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
+               warm_peak_bytes=runner.warm_peak(zm.model, context),
                grads_equal=equal, grad_max_abs_diff=diff,
                seconds=time.perf_counter() - started)
     if plan is not None:
@@ -112,18 +113,22 @@ def markdown(result: dict[str, Any]) -> str:
     out = ["# Offload, measured", "",
            f"{result['when']}, {result['device_name']}, {result['steps']} timed steps, plans "
            f"timed by `{result['timing']}`.", "",
-           "| strategy | peak GiB | predicted GiB | step vs unplanned | predicted overhead | "
-           "moved GiB | grads |", "|---|---|---|---|---|---|---|"]
+           "| strategy | peak GiB (first step) | peak GiB (second) | predicted GiB | "
+           "step vs unplanned | predicted overhead | moved GiB | grads |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r.get("status", "ok") != "ok":
-            out.append(f"| {r['label']} | {r['status']} | | | | | |")
+            out.append(f"| {r['label']} | {r['status']} | | | | | | |")
             continue
         over = r["step_ms"] / r["base_step_ms"] - 1
         predicted = r.get("predicted_peak_bytes")
         predicted_text = "-" if predicted is None else f"{predicted / GIB:.4g}"
         overhead = r.get("predicted_overhead")
         overhead_text = "-" if overhead is None else f"{overhead:.1%}"
-        out.append(f"| {r['label']} | {r['peak_bytes'] / GIB:.4g} | {predicted_text} | "
+        warm = r.get("warm_peak_bytes")
+        warm_text = "-" if warm is None else f"{warm / GIB:.4g}"
+        out.append(f"| {r['label']} | {r['peak_bytes'] / GIB:.4g} | {warm_text} | "
+                   f"{predicted_text} | "
                    f"{over:+.1%} | {overhead_text} | {r.get('offloaded_bytes', 0) / GIB:.3g} | "
                    f"{'=' if r['grads_equal'] else 'DIFFER'} |")
     return "\n".join(out) + "\n"
