@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU suite cut to fit one short device lease (about 7 minutes of one call): our offload
+# The GPU suite cut to fit one short device lease (about 8 minutes of one call): our offload
 # plans at the H100 anchors against offloading every block and save_on_cpu (peaks of the
-# first and of a second step), then the fp32 and bf16 frontiers of GPT-2-medium against the
-# hand-written peers (no torch.compile, no auto-SAC: each costs minutes), each part under its
-# own time limit so that every part's files are written. Run on a device machine from the
-# repo root with the wheels of gpu_suite.py's WHEELS in .whl/ and OUT set; everything lands
-# in $OUT/gpu.tgz (results) and $OUT/gpu.log (the whole output). The first run (2026-11-26)
-# ran fp32, offload, bf16 in that order and had no time left for our offload plans.
+# first and of a second step); per-op CUDA profiles of GPT-2-medium (profiles/recorded/, so
+# the GPU's timings can be studied without one); the fp32 frontier of GPT-2-medium against
+# the hand-written peers (no torch.compile, no auto-SAC: each costs minutes). Each part runs
+# under its own time limit so that every part's files are written. Run on a device machine
+# from the repo root with the wheels of gpu_suite.py's WHEELS in .whl/ and OUT set;
+# everything lands in $OUT/gpu.tgz (results) and $OUT/gpu.log (the whole output). The first
+# run (2026-11-26) ran fp32, offload, bf16 in that order: no time was left for our offload
+# plans.
 #
-#   bash benchmarks/gpu_lease.sh           # then: tar xzf gpu.tgz -C benchmarks/results
+#   bash benchmarks/gpu_lease.sh   # then: tar xzf gpu.tgz; results into benchmarks/results,
+#                                  # <case>.<gpu>.json profiles into profiles/recorded
 set -u
 R=${OUT:?OUT must name a folder}/results
 mkdir -p "$R"
@@ -28,9 +31,9 @@ part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at 
   echo "== lease part $name exit $? at $(date +%T)"
 }
 
-part offload 190 --time-limit 150 --solve-time-limit 15
+part offload 180 --time-limit 140 --solve-time-limit 15
+part record 140 --time-limit 100
 part fp32 150 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 105 \
   --solve-time-limit 15
-part bf16 80 --peers every-layer sac-linear --time-limit 45 --solve-time-limit 15
 tar czf "$OUT/gpu.tgz" -C "$R" . && rm -rf "$R"
 ls -la "$OUT"
