@@ -88,6 +88,7 @@ from solvers.chain import (
 )
 from solvers.dp_bounds import SpanBounds
 from solvers.dp_options import (
+    RerunRel,
     Spec,
     flat_options,
     flat_rerun_rel,
@@ -128,7 +129,7 @@ class _Option(NamedTuple):
 
     parts: WindowParts
     out_rel: tuple
-    reruns: list
+    reruns: list[RerunRel]
     spec: Spec
     saved_ms: float = 0.0
 
@@ -228,7 +229,7 @@ def _pin_tables(ctx: Context, pinned: frozenset[int], skips: dict[int, list[int]
 
 
 def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
-              reruns: list[tuple[int, int, np.ndarray, np.ndarray]]) -> float:
+              reruns: list[RerunRel]) -> float:
     """Recompute time of a window option placed at `a`: the forward time of each rerun's
     nodes less the idle ones, plus its `Problem.checkpoint_overhead_ms`."""
     total = 0.0
@@ -471,8 +472,8 @@ class _Pass:
                 out.append(_Option(parts, self._out_rel(parts, a),
                                    [flat_rerun_rel(info, keep, a)], spec))
             else:  # a corner: keeping nothing's rerun with the SAC overhead, less its saving
-                start, stop, idle, _ = flat_rerun_rel(info, frozenset(), a)
-                sac = (start, stop, idle, np.asarray([x - a], dtype=np.int64))
+                sac = flat_rerun_rel(info, frozenset(), a)._replace(
+                    kept=np.asarray([x - a], dtype=np.int64))
                 out.append(_Option(parts, self._out_rel(parts, a), [sac], spec,
                                    choice.saved_ms))
         return out

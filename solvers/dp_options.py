@@ -8,6 +8,8 @@ under which identical windows share their profiles (`solvers.dp`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from solvers.problem import Problem
 from solvers.schedule import RECOMPUTE, Region
 from solvers.spaces import matmul_keep
 
-__all__ = ["Spec", "flat_options", "flat_rerun_rel", "keep_sets", "nested_options",
+__all__ = ["RerunRel", "Spec", "flat_options", "flat_rerun_rel", "keep_sets", "nested_options",
            "regions_at", "reruns_rel", "span_options", "top_regions", "window_signature",
            "window_spec"]
 
@@ -138,28 +140,37 @@ def nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
     return out
 
 
-def reruns_rel(regions: tuple, a: int) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-    """Each rerun of a window option, relative to the window start: (start, stop, idle
-    steps, kept nodes) (`Rerun.idle`, `Rerun.cached`)."""
-    def rel(nodes: frozenset[int]) -> np.ndarray:
-        return np.asarray(sorted(k - a for k in nodes), dtype=np.int64)
+class RerunRel(NamedTuple):
+    """One rerun of a window option, relative to the window start: its `start` and early
+    `stop`, the `idle` steps that do no work and the `kept` nodes the SAC cache serves
+    (`Rerun.idle`, `Rerun.cached`); `dp._rerun_ms` prices it wherever the window lies."""
 
+    start: int
+    stop: int
+    idle: np.ndarray
+    kept: np.ndarray
+
+
+def _rel(nodes: Iterable[int], a: int) -> np.ndarray:
+    return np.asarray(sorted(k - a for k in nodes), dtype=np.int64)
+
+
+def reruns_rel(regions: tuple, a: int) -> list[RerunRel]:
+    """Each rerun of a window option, relative to the window start `a`."""
     out = []
     for r in regions:
         if isinstance(r, NestedRegionInfo):
-            out.extend((q.start - a, q.stop - a, rel(q.idle), rel(q.cached)) for q in r.reruns)
+            out.extend(RerunRel(q.start - a, q.stop - a, _rel(q.idle, a), _rel(q.cached, a))
+                       for q in r.reruns)
         elif r.packs:
             out.append(flat_rerun_rel(r, r.keep, a))
     return out
 
 
-def flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int
-                    ) -> tuple[int, int, np.ndarray, np.ndarray]:
+def flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int) -> RerunRel:
     """`reruns_rel`'s entry for flat region `r` (which reruns) keeping `keep`."""
     kept = keep & frozenset(r.steps())
-    idle = r.rules.idle_steps(kept)
-    return (r.a - a, r.stop - a, np.asarray(sorted(k - a for k in idle), dtype=np.int64),
-            np.asarray(sorted(k - a for k in kept), dtype=np.int64))
+    return RerunRel(r.a - a, r.stop - a, _rel(r.rules.idle_steps(kept), a), _rel(kept, a))
 
 
 Spec = tuple[tuple[int, int, tuple[int, ...], tuple], ...]  # regions relative to a window
