@@ -18,12 +18,12 @@ part's autocast). Peak: ``torch.cuda.max_memory_allocated`` of one step, less wh
 process held besides the model when it began (``planner.verification.measure_step``); time:
 the median of ``--steps`` steps. Dropout is 0 (``--dropout``): compiled code draws other
 dropout masks than eager code (see frontier_compile.py), so its gradients could not be
-compared otherwise. A part
-starts no measurement after ``--time-limit`` seconds (480: the first plan's profiling, the
-longest single step, must still end within 10 minutes); what is left is recorded as "not
-run", and its files are written all the same. 3 timed steps: a GPT-2-medium fp32 step is about
-0.6 s, and a part measures some 30 strategies, each 1 + 2 x (2 warm-up + 3 timed) steps, plus
-two compiles and torch's estimators (budgeted, not yet timed on a GPU).
+compared otherwise. A part starts no measurement after ``--time-limit`` seconds (480: the
+first plan's profiling, the longest single step, must still end within 10 minutes); what is
+left is recorded as "not run", and its files are written all the same. 3 timed steps: a
+GPT-2-medium fp32 step is 0.53 s on an H100, and a part measures some 30 strategies, each
+1 + 2 x (2 warm-up + 3 timed) steps, plus two compiles and torch's estimators (not yet timed
+on a GPU). ``benchmarks/gpu_lease.sh`` cuts the suite to one short call.
 
 The offload part (``benchmarks/offload_measured.py``) measures our plans with
 ``offload=True`` at the H100 anchors against offloading every block (torchtune-style) and
