@@ -84,7 +84,7 @@ class PlanGuard:
         self.budget = format_bytes(plan.budget_bytes)
         self.modules = dict(_walk(model))
         self.tensors = _tensors(model)
-        for_gpu = plan.profile.device.lower() != "cpu"
+        for_gpu = plan.profile.for_gpu
         self.devices = {d for _, _, d in self.tensors.values()} | ({"cuda"} if for_gpu else set())
         self.installed = [(path, model.get_submodule(path), wrapper)
                           for path, wrapper in installed.items()]

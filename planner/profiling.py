@@ -177,7 +177,7 @@ def _cpu_kernels_for_a_gpu(prof: GraphProfile) -> list[str]:
     kernels, which save other tensors than the GPU's fused ones (``profiles.kernels``).
     The plan's note says it (``summary()``); the log only at INFO, as the CLI estimates
     for an H100 by default."""
-    if prof.execution != "real" or prof.timing != "estimate" or prof.device.lower() == "cpu":
+    if prof.execution != "real" or prof.timing != "estimate" or not prof.for_gpu:
         return []
     targets = [node.target for node in prof.nodes]
     kernels = attention_kernels(targets)

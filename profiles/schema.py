@@ -359,6 +359,12 @@ class GraphProfile(_Strict):
         return self
 
     # ------------------------------------------------------------------ queries
+    @property
+    def for_gpu(self) -> bool:
+        """Whether the times are for a GPU (any device but the CPU): its kernels run
+        asynchronously to the host, and the planned model runs there."""
+        return self.device.lower() != "cpu"
+
     def node(self, name: str) -> NodeProfile:
         for node in self.nodes:
             if node.name == name:

@@ -281,7 +281,7 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
             for c in profile.module_calls if c.traced] if module_spans and op_ranges else None,
         observed_backward=observed,
         host_link=host_link(profile.device),
-        host_overlaps_device=profile.device.lower() != "cpu",
+        host_overlaps_device=profile.for_gpu,
         fwd_runtime_bytes=[nd.fwd_runtime_bytes or 0 for nd in nodes]
         if profile.parallel is not None else None,
     )
