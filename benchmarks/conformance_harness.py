@@ -80,7 +80,7 @@ class Row:
     losses_equal: bool = False
     grads_equal: bool = False
     buffers_equal: bool = False
-    state_kept: bool = False
+    state_kept: bool = False  # profiling left the model and the RNG exactly as they were
     solver: str = ""
     regions: int = 0
     offloads: int = 0  # offloaded module calls (planned with offload=True)
@@ -555,6 +555,7 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
         base.failures.append("profiling changed the model's state or the RNG")
     base.failures += [f"profiling changed the model: {line}"
                       for line in snapshot.differences(zm.model)[:3]]
+    base.state_kept = not base.failures  # same parameter objects, bits, buffers and RNG
     try:
         reference = _reference_step(zm, args, kwargs, state, profiled.profile.autocast_dtype)
     except Exception as error:
