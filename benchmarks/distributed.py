@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_fsdp import reduce_scatter_in_place
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan, zoo
 from planner.api import plan_for_schedule
@@ -189,7 +190,7 @@ def measured_step(model: torch.nn.Module, zm: zoo.ZooModel,
     with PeakTracker(static, follow_resizes=True) as tracker:
         loss = (zm.loss_fn or default_loss)(model(*args, **kwargs))
         loss.backward()
-    out = {"peak": tracker.peak_bytes - tracker.bystander_bytes, "loss": loss.item(),
+    out = {"peak": tracker.own_peak_bytes, "loss": loss.item(),
            "grads": [local_tensor(p.grad).clone() for p in model.parameters()
                      if p.grad is not None]}
     if fsdp_tracker:
@@ -222,6 +223,8 @@ def step_of(name: str, recipe: str, plan: Plan | None, mesh: Any,
     if plan is not None:
         apply(zm.model, plan)
     RECIPES[recipe](zm.model, mesh)
+    if dist.get_backend() == "gloo":  # its reduce-scatter's buffer dies on another thread
+        reduce_scatter_in_place(zm.model)
     return measured_step(zm.model, zm, fsdp_tracker)
 
 

@@ -81,6 +81,8 @@ class PeakTracker(TorchDispatchMode):
         # a tensor on it, which may die while the storage lives on in another view)
         self.follow_resizes = follow_resizes
         self._bystanders: dict[StorageWeakRef, int] = {}  # from before, never touched
+        self._bystander_bytes = 0  # of those, alive now
+        self.own_peak_bytes = self.peak_bytes
         # host memory (``host_memory()``): offloaded copies, counted apart
         self._host: dict[StorageWeakRef, int] = {}
         self.host_bytes = 0
@@ -96,15 +98,24 @@ class PeakTracker(TorchDispatchMode):
                         StorageWeakRef(_storage(obj)) not in self._static:
                     self._track(obj)
             self._bystanders = dict(self._live)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._bystander_bytes = sum(self._bystanders.values())
+            self._note_peak()
         return super().__enter__()
 
-    @property
-    def bystander_bytes(self) -> int:
-        """With ``follow_resizes``: bytes of the tensors alive when the step began that it
-        never read, wrote or resized (a device mesh, another model), which ``peak_bytes``
-        counts all along; ``peak_bytes - bystander_bytes`` is the step's own peak."""
-        return sum(n for ref, n in self._bystanders.items() if not ref.expired())
+    def _note_peak(self) -> None:
+        """``peak_bytes`` counts everything alive; ``own_peak_bytes`` (with
+        ``follow_resizes``) leaves out the tensors alive when the step began that it never
+        reads, writes or resizes (a device mesh, another model), each only while it lives:
+        one freed half-way (by a collective's worker thread, a cache) was never the step's."""
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.own_peak_bytes = max(self.own_peak_bytes, self.live_bytes - self._bystander_bytes)
+
+    def _touch(self, ref: StorageWeakRef) -> None:
+        """The step used a storage it found (a loss target, DDP's buckets): it was the
+        step's all along, at every instant so far, so the own peak gains its size."""
+        nbytes = self._bystanders.pop(ref, 0)
+        self._bystander_bytes -= nbytes
+        self.own_peak_bytes += nbytes
 
     def _refresh_sizes(self) -> None:
         for ref, old in self._live.items():
@@ -112,7 +123,7 @@ class PeakTracker(TorchDispatchMode):
             if nbytes != old:
                 self.live_bytes += nbytes - old
                 self._live[ref] = nbytes
-                self._bystanders.pop(ref, None)
+                self._touch(ref)
 
     def _track(self, tensor: torch.Tensor) -> None:
         ref = StorageWeakRef(_storage(tensor))
@@ -131,6 +142,7 @@ class PeakTracker(TorchDispatchMode):
         dead = [ref for ref in self._live if ref.expired()]
         for ref in dead:
             self.live_bytes -= self._live.pop(ref)
+            self._bystander_bytes -= self._bystanders.pop(ref, 0)
         for ref in [ref for ref in self._host if ref.expired()]:
             self.host_bytes -= self._host.pop(ref)
 
@@ -159,7 +171,7 @@ class PeakTracker(TorchDispatchMode):
                     tensor, torch.Tensor):
                 continue
             ref = StorageWeakRef(_storage(tensor))
-            self._bystanders.pop(ref, None)
+            self._touch(ref)
             if ref in self._static or ref in self._host:
                 continue
             if self.follow_resizes:
@@ -168,14 +180,14 @@ class PeakTracker(TorchDispatchMode):
                 before = self.static_bytes
                 self._keep_static(tensor)
                 self.live_bytes += self.static_bytes - before
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._note_peak()
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
             ref = StorageWeakRef(_storage(tensor))
-            self._bystanders.pop(ref, None)
+            self._touch(ref)
             if ref not in self._static and ref not in self._host:
                 self._track(tensor)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._note_peak()
         return out

@@ -201,9 +201,11 @@ class RuntimeMemory:
 
 
 def storage_nbytes(ref: StorageWeakRef) -> int:
-    """The current size of a live storage, read through its weak reference (not through a
-    tensor on it, which may die while the storage lives on in another view)."""
-    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    """The current size of a storage, read through its weak reference (not through a
+    tensor on it, which may die while the storage lives on in another view); 0 once it
+    died, which another thread (a collective's worker) can make it do at any moment."""
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return 0 if storage is None else storage.nbytes()
 
 
 def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_fsdp import reduce_scatter_in_place
 
 from planner import InfeasibleBudgetError, Plan, PlanMismatchError, apply, optimize, replan, zoo
 
@@ -36,7 +37,7 @@ def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         for block in model.blocks:  # the plan's units (checked in the test)
             fully_shard(block)
         fully_shard(model)
-        return model
+        return reduce_scatter_in_place(model)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
@@ -61,7 +62,7 @@ def _step(model: torch.nn.Module, zm: zoo.ZooModel) -> tuple[int, float, list[to
         loss.backward()
     grads = [_local(p.grad).clone() for p in model.parameters()]
     # the step's own peak: not the device mesh and what else the process held before it
-    return tracker.peak_bytes - tracker.bystander_bytes, loss.item(), grads
+    return tracker.own_peak_bytes, loss.item(), grads
 
 
 def _rank(rank: int, kind: str, plan_path: str, port: int, out: str) -> None:
@@ -197,7 +198,7 @@ def _tp_rank(rank: int, shape: tuple[int, ...], plan_path: str, port: int, out: 
             if plan is not None:
                 apply(zm.model, plan, strict=True)
             tensor_parallel(zm.model, mesh)
-            results.append(_step(zm.model, zm))
+            results.append(_step(reduce_scatter_in_place(zm.model), zm))
         (peak, loss, grads), (_, base_loss, base_grads) = results
         torch.save({"peak": peak, "equal": loss == base_loss and all(
             torch.equal(a, b) for a, b in zip(grads, base_grads, strict=True))},
