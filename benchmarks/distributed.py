@@ -38,11 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_fsdp import reduce_scatter_in_place
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan, zoo
 from planner.api import plan_for_schedule
 from planner.plan import format_bytes
+from profiles.parallel import reduce_scatter_in_place
 from solvers import baselines
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -223,8 +223,7 @@ def step_of(name: str, recipe: str, plan: Plan | None, mesh: Any,
     if plan is not None:
         apply(zm.model, plan)
     RECIPES[recipe](zm.model, mesh)
-    if dist.get_backend() == "gloo":  # its reduce-scatter's buffer dies on another thread
-        reduce_scatter_in_place(zm.model)
+    reduce_scatter_in_place(zm.model)  # as the profile ran it, and NCCL runs it
     return measured_step(zm.model, zm, fsdp_tracker)
 
 

@@ -8,7 +8,8 @@ shows), its all-gather and reduce-scatter buffers, prefetching, the sharded grad
 writes. Rather than describe that runtime, the profile runs it: ``fake_world``
 (``profiles.fake_world``) makes a process group of ``mesh_shape``, ``parallel_twin``
 deep-copies the model and hands the copy to the user's own ``parallelize(model, mesh)``,
-and the profiler records that copy's step.
+and the profiler records that copy's step, with FSDP2's reduce-scatters in place
+(``reduce_scatter_in_place``), as NCCL runs them.
 Ops the runtime dispatches (``is_runtime_op``) are not nodes of the plan: what they make is
 ``RuntimeMemory``, followed at its current size at every op, and added to each event of
 the step as measured (``NodeProfile.fwd_runtime_bytes``, the observed backward).
@@ -35,7 +36,7 @@ from profiles.swap import swapped_tensors
 
 __all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "is_runtime_op",
            "layout_changes", "local_tensor", "parallel_layout", "parallel_twin",
-           "storage_nbytes"]
+           "reduce_scatter_in_place", "storage_nbytes"]
 
 # where the runtime that manages parameters lives: an op dispatched while one of these files
 # runs is FSDP2's (all-gathers, reduce-scatters, its copies). Tensor parallel's
@@ -104,7 +105,53 @@ def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
             "parallelize(model, mesh) returned another module than the one it was given: "
             "the planner installs its plan on the model's own modules, so parallelize must "
             "change the model in place (as fully_shard and parallelize_module do)")
-    return twin
+    return reduce_scatter_in_place(twin)
+
+
+def reduce_scatter_in_place(model: nn.Module) -> nn.Module:
+    """FSDP2's reduce-scatters in ``model`` as NCCL runs them, in place; returns ``model``.
+
+    NCCL reduce-scatters FSDP2's input buffer in place. gloo and the fake process group have
+    no reduce-scatter of their own: they all-reduce a copy of the input that the collective
+    allocates out of sight, one FSDP2 unit's gradients in the reduce dtype, which the
+    profile counted as the rank's (8 % of a bf16 rank's step in ``distributed.py``) and
+    which gloo's worker thread frees whenever it is next scheduled (a rank read over its
+    budget once in four runs). Each FSDP2 group still on torch's default reduce-scatter
+    gets one that all-reduces the input buffer in place and copies this rank's chunk out:
+    the same sums, no copy. A custom reduce-scatter of the user's is left as it is."""
+    if _InPlaceReduceScatter is None:  # a torch without the custom-collective hooks
+        return model
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        fsdp = state()
+        groups = getattr(fsdp, "_fsdp_param_groups", None) or [fsdp._fsdp_param_group]
+        for group in groups:
+            if type(getattr(group, "_reduce_scatter_comm", None)) is _DefaultReduceScatter:
+                group._reduce_scatter_comm = _InPlaceReduceScatter()
+    return model
+
+
+def _in_place_reduce_scatter() -> tuple[type | None, type | None]:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:
+        return None, None
+    import torch.distributed as dist
+
+    class InPlaceReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+            if async_op:  # FSDP2 reduce-scatters synchronously
+                raise NotImplementedError("an asynchronous in-place reduce-scatter")
+            dist.all_reduce(input_tensor, op=op, group=group)
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+    return DefaultReduceScatter, InPlaceReduceScatter
+
+
+_DefaultReduceScatter, _InPlaceReduceScatter = _in_place_reduce_scatter()
 
 
 def _fake_copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]
