@@ -111,9 +111,9 @@ def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
 def reduce_scatter_in_place(model: nn.Module) -> nn.Module:
     """FSDP2's reduce-scatters in ``model`` as NCCL runs them, in place; returns ``model``.
 
-    NCCL reduce-scatters FSDP2's input buffer in place. gloo and the fake process group have
-    no reduce-scatter of their own: they all-reduce a copy of the input that the collective
-    allocates out of sight, one FSDP2 unit's gradients in the reduce dtype, which the
+    NCCL reduce-scatters FSDP2's input buffer in place. gloo and the fake process group make
+    a copy of the input inside the collective (gloo all-reduces it and copies this rank's
+    chunk out in ``wait()``), one FSDP2 unit's gradients in the reduce dtype, which the
     profile counted as the rank's (8 % of a bf16 rank's step in ``distributed.py``) and
     which gloo's worker thread frees whenever it is next scheduled (a rank read over its
     budget once in four runs). Each FSDP2 group still on torch's default reduce-scatter
@@ -126,7 +126,8 @@ def reduce_scatter_in_place(model: nn.Module) -> nn.Module:
         if state is None:
             continue
         fsdp = state()
-        groups = getattr(fsdp, "_fsdp_param_groups", None) or [fsdp._fsdp_param_group]
+        groups = getattr(fsdp, "_fsdp_param_groups", None) or [
+            getattr(fsdp, "_fsdp_param_group", None)]
         for group in groups:
             if type(getattr(group, "_reduce_scatter_comm", None)) is _DefaultReduceScatter:
                 group._reduce_scatter_comm = _InPlaceReduceScatter()

@@ -94,10 +94,9 @@ def test_a_gpu_step_counts_only_its_own_memory(monkeypatch: pytest.MonkeyPatch) 
 
 def test_a_bystander_that_dies_during_the_step_is_no_part_of_its_peak() -> None:
     """With ``follow_resizes`` every tensor alive when the step begins is counted, and those
-    the step never touches are taken off again. One that dies half-way (freed by a
-    collective's worker thread, say, or a cache) was counted while it lived: taking off only
-    the bystanders still alive at the end read it as the step's (a TP rank measured 11 KiB
-    over its budget, once in four runs)."""
+    the step never touches are taken off again. One that dies half-way (a cache emptied, a
+    collective's buffer freed by its worker thread) was counted while it lived: taking off
+    only the bystanders still alive at the end read all 4 MiB of it as the step's."""
     from planner.measure import PeakTracker
 
     held = {"cache": torch.zeros(1 << 20)}  # 4 MiB no op of the step reads
