@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -184,42 +183,25 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-def fsdp2_bf16(model: torch.nn.Module, mesh: object) -> None:
-    """FSDP2 over every layer and the model with a bf16 mixed-precision policy (fp32
-    reduce-scatters), as torchtitan trains."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+def _mesh_names(shape: tuple[int, ...]) -> tuple[str, ...]:
+    return ("dp", "tp")[-len(shape):]
 
 
-def _recipe(name: str) -> Callable[[torch.nn.Module, object], None]:
+def _tp_rank(rank: int, shape: tuple[int, ...], plan_path: str, port: int, out: str) -> None:
     from test_parallel import tensor_parallel
-
-    return {"tp": tensor_parallel, "fsdp2-bf16": fsdp2_bf16}[name]
-
-
-def _mesh_names(recipe: str, shape: tuple[int, ...]) -> tuple[str, ...]:
-    return ("dp",) if recipe == "fsdp2-bf16" else ("dp", "tp")[-len(shape):]
-
-
-def _parallel_rank(rank: int, recipe: str, shape: tuple[int, ...], plan_path: str, port: int,
-                   out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(torch.tensor(shape).prod()))
     try:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=_mesh_names(recipe, shape))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=_mesh_names(shape))
         results = []
         for plan in (Plan.load(plan_path), None):
             zm = zoo.get("hf-llama")
             if plan is not None:
                 apply(zm.model, plan, strict=True)
-            _recipe(recipe)(zm.model, mesh)
+            tensor_parallel(zm.model, mesh)
             results.append(_step(reduce_scatter_in_place(zm.model), zm))
         (peak, loss, grads), (_, base_loss, base_grads) = results
         torch.save({"peak": peak, "equal": loss == base_loss and all(
@@ -229,18 +211,17 @@ def _parallel_rank(rank: int, recipe: str, shape: tuple[int, ...], plan_path: st
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("recipe", "shape"), [("tp", (2,)), ("tp", (2, 2)),
-                                               ("fsdp2-bf16", (2,))],
-                         ids=["tp-2", "dp2xtp2", "fsdp2-bf16"])
-def test_parallel_plans_hold_over_gloo(recipe: str, shape: tuple[int, ...],
-                                       tmp_path: Path) -> None:
-    """HF Llama's TP plan (and FSDP2 over ``dp`` on a 2 x 2 mesh), and FSDP2 with a bf16
-    policy, over real gloo ranks: each rank within 1 % of the prediction and within budget,
-    losses and gradients those of the same parallel model unplanned."""
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["tp-2", "dp2xtp2"])
+def test_tensor_parallel_plans_hold_over_gloo(shape: tuple[int, ...], tmp_path: Path) -> None:
+    """HF Llama's TP plan (and FSDP2 over ``dp`` on a 2 x 2 mesh) over real gloo ranks:
+    each rank within 1 % of the prediction and within budget, losses and gradients those
+    of the same parallel model unplanned."""
+    from test_parallel import tensor_parallel
+
     zm = zoo.get("hf-llama")
     first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
-                     parallelize=_recipe(recipe), mesh_shape=shape,
-                     mesh_dim_names=_mesh_names(recipe, shape), progress=False)
+                     parallelize=tensor_parallel, mesh_shape=shape,
+                     mesh_dim_names=_mesh_names(shape), progress=False)
     static = first.problem().static_bytes
     try:
         plan = replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2)
@@ -251,7 +232,7 @@ def test_parallel_plans_hold_over_gloo(recipe: str, shape: tuple[int, ...],
     plan.save(plan_path)
     out = str(tmp_path / "result")
     world = int(torch.tensor(shape).prod())
-    mp.spawn(_parallel_rank, args=(recipe, shape, plan_path, _free_port(), out), nprocs=world)
+    mp.spawn(_tp_rank, args=(shape, plan_path, _free_port(), out), nprocs=world)
     for rank in range(world):
         result = torch.load(f"{out}.{rank}")
         assert result["equal"], rank
