@@ -261,6 +261,8 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    "405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                 num_attention_heads=128, num_key_value_heads=8, vocab_size=128256),
 }
 
 

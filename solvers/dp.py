@@ -40,13 +40,17 @@ beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's u
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to
 prefix-sum bounds on their peak, residue and time (`solvers.dp_bounds`), so it bounds the
 full flat space (nested options are left out on long chains: the bounds do not cover them).
+When the widest pass thinned its fronts and left a gap, both passes run again with longer
+fronts (`solve`): on a long chain the held bytes span a wide range, so the memory buckets
+are coarse and thinning, not the space, makes most of the gap.
 
 Not a chain (a storage read two or more stages later): `solvers.chain` pins, merges or
 detaches such storages; parameters, tied ones included, are static memory and their
 gradients schedule-independent constants, so a tied embedding read by the LM head is exact.
 
 Speed on real graphs: window profiles are cached by a translation-invariant signature
-without gradient bytes or forward times (`dp_options.window_signature`;
+without gradient bytes, forward times or the storages left out of the windows, such as the
+rotary tables every layer reads (`dp_options.window_signature`;
 `accounting.WindowParts` adds gradients by position, `_run` the recompute time), so
 identical blocks are profiled once per window length; a segment from stage t stops growing
 once the saved bytes of its largest recomputed run exceed the room left. `simulate` is
@@ -63,6 +67,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -116,12 +121,16 @@ __all__ = ["applies", "chain_stages", "compact_stages", "pinned_storages", "solv
 SUBSET_MAX_NODES = 8  # problems this small try every kept subset per segment
 # chains of up to this many stages get the full segment space in one pass; longer ones grow
 # the longest segment from FIRST_SPAN stages, doubling, each step with a proven lower bound
-FULL_SPAN_STAGES = 64
+FULL_SPAN_STAGES = 160
 FIRST_SPAN = 16
 NEST_MAX_STAGES = 8  # longest window given a two-level (nested) option
 SPLIT_RELAXED_STAGES = 160
 RELAXED_FRONT = 128  # lower-bound entries a relaxed window hands on (optimistic corners)
 TIGHT_SPANS = 3  # beyond SPLIT_RELAXED_STAGES: relaxed windows up to 3 spans long are tight
+MAX_FRONT_GROWTH = 4  # a gap left by thinned fronts: passes again with fronts up to 4x longer
+GROWN_GAP = 0.01  # ... while the gap is above 1 % and the last growth raised the bound
+
+
 class _Option(NamedTuple):
     """One option of a window, placeable at any window with its signature: its parts, the
     outputs it holds on (relative), its reruns (`reruns_rel`), its regions (`window_spec`) and
@@ -268,13 +277,15 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
                  sure_lives).run()
 
 
-def _stage_signatures(ctx: Context, st: list[tuple[int, int]]) -> list[int]:
+def _stage_signatures(ctx: Context, st: list[tuple[int, int]], outside: frozenset[int]
+                      ) -> list[int]:
     """Per stage, an id shared by stages with equal `window_signature`s (window cache keys)."""
     spans_at: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     for span in ctx.p.module_spans or ():
         spans_at.setdefault(span.start, []).append((span.stop, span.inputs))
     sig_ids: dict[tuple, int] = {}
-    return [sig_ids.setdefault(window_signature(ctx, a, b, spans_at), len(sig_ids)) for a, b in st]
+    return [sig_ids.setdefault(window_signature(ctx, a, b, spans_at, outside),
+                                       len(sig_ids)) for a, b in st]
 
 
 class _Pass:
@@ -296,7 +307,7 @@ class _Pass:
         # tightly
         self.tight = m if m <= SPLIT_RELAXED_STAGES else TIGHT_SPANS * max_span
         self.subsets = p.n_nodes <= SUBSET_MAX_NODES
-        self.stage_sig = _stage_signatures(ctx, self.st)
+        self.stage_sig = _stage_signatures(ctx, self.st, self.outside)
         self.fronts: list[dict[tuple, Front]] = [dict() for _ in range(m + 1)]
         start = Front()
         start.add(np.zeros(1, dtype=np.int64), np.zeros(1), None)
@@ -600,49 +611,90 @@ def _answer(problem: Problem, lay: _Layout, best: Solution, bound: float,
                            space=_space(problem, lay, nested=nested))
 
 
+@dataclass
+class _Proof:
+    """What the passes of one `solve` found so far: the fastest real schedule, the best
+    lower bound over flat segmentations (`bound`) and over nested ones too (`nested`: from
+    a full-span pass only), whether the last lower pass thinned a front (`rounded`), and
+    `final`: an upper pass proved its answer optimal by itself."""
+
+    best: Solution | None = None
+    bound: float = 0.0
+    nested: float | None = None
+    rounded: bool = False
+    final: bool = False
+
+    @property
+    def proven(self) -> bool:
+        return self.final or _proven(self.best, self.bound)
+
+
+def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans: list[int],
+            deadline: float, cache: dict, t0: float, proof: _Proof) -> None:
+    """The upper and lower passes for each segment-length cap in `spans`, widest last, into
+    `proof`, until one proves the answer or the deadline passes."""
+    problem = ctx.p
+    for span in spans:
+        sol = _upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0)
+        if sol is not None and sol.status == Status.OPTIMAL:
+            proof.best, proof.final = sol, True
+            return
+        proof.best = _faster(proof.best, sol)
+        if time.perf_counter() > deadline:
+            return
+        try:
+            lower, rounded, relaxed, _ = _run(ctx, lay, budget_bytes - problem.static_bytes,
+                                              max_front, True, deadline, cache, span)
+        except TimeoutError:
+            return
+        if lower is None:  # even the relaxed space has no schedule: infeasible
+            return
+        proof.bound, proof.rounded = max(proof.bound, lower[0]), rounded
+        if span >= len(lay.stages):
+            proof.nested = max(proof.nested or 0.0, lower[0])
+        if lay.outside and not proof.proven:
+            # the left-out storages counted by their sure lives may fit a faster schedule
+            # (the conservative lives hold them longest); simulate checks it
+            proof.best = _faster(proof.best, _upper_pass(
+                ctx, lay, budget_bytes, max_front, deadline, cache, span, t0, sure_lives=True))
+        if proof.best is not None:
+            logger.debug("dp: segments of <= %d stages, fronts of <= %d: %.3f ms, lower bound "
+                         "%.3f ms%s", span, max_front, proof.best.objective_ms, proof.bound,
+                         " (relaxed windows)" if relaxed else "")
+            if proof.proven:
+                return
+
+
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
           *, max_front: int = 2000, keep_front: bool = True) -> Solution:
     """Least recompute time within the budget over chain segmentations (see module doc);
-    `keep_front=False` lets regions keep only nothing or their matmuls."""
+    `keep_front=False` lets regions keep only nothing or their matmuls.
+
+    When the widest pass thinned its fronts and left a gap, both passes run again with
+    fronts twice as long (up to `MAX_FRONT_GROWTH` times `max_front`) while time is left,
+    the gap is above `GROWN_GAP` and the last growth raised the bound:
+    thinning, not the space, is then what the gap measures (a long chain's held bytes span
+    a wide range, so its memory buckets are coarse)."""
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
     ctx = Context(problem)
     lay = _layout(ctx, keep_front)
     cache: dict = {}
-    best: Solution | None = None
-    bound = 0.0
-    nested_bound = None  # a full-span lower pass bounds nested schedules too
-    for span in _spans(len(lay.stages)):
-        sol = _upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache, span, t0)
-        if sol is not None and sol.status == Status.OPTIMAL:
-            return sol
-        best = _faster(best, sol)
-        if time.perf_counter() > deadline:
+    proof = _Proof()
+    spans = _spans(len(lay.stages))
+    front = max_front
+    while True:
+        before = proof.bound
+        _passes(ctx, lay, budget_bytes, front, spans, deadline, cache, t0, proof)
+        if (proof.final or not proof.rounded or proof.best is None or proof.bound <= before
+                or proof.best.objective_ms - proof.bound <= GROWN_GAP * proof.best.objective_ms
+                or front >= MAX_FRONT_GROWTH * max_front or time.perf_counter() > deadline):
             break
-        try:
-            lower, _, relaxed, _ = _run(ctx, lay, budget_bytes - problem.static_bytes, max_front,
-                                     True, deadline, cache, span)
-        except TimeoutError:
-            break
-        if lower is None:  # even the relaxed space has no schedule: infeasible
-            break
-        bound = max(bound, lower[0])
-        if span >= len(lay.stages):
-            nested_bound = lower[0]
-        if lay.outside and not _proven(best, bound):
-            # the left-out storages counted by their sure lives may fit a faster schedule
-            # (the conservative lives hold them longest); simulate checks it
-            best = _faster(best, _upper_pass(ctx, lay, budget_bytes, max_front, deadline, cache,
-                                             span, t0, sure_lives=True))
-        if best is not None:
-            logger.debug("dp: segments of <= %d stages: %.3f ms, lower bound %.3f ms%s", span,
-                         best.objective_ms, bound, " (relaxed windows)" if relaxed else "")
-            if _proven(best, bound):
-                break
-        if span >= len(lay.stages):
-            break
-    if best is not None:
-        return _answer(problem, lay, best, bound, nested_bound, budget_bytes, t0)
+        front, spans = 2 * front, spans[-1:]
+    if proof.final:
+        return proof.best
+    if proof.best is not None:
+        return _answer(problem, lay, proof.best, proof.bound, proof.nested, budget_bytes, t0)
     mfb = memory_lower_bound(problem)
     return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,

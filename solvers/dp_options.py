@@ -193,18 +193,25 @@ def regions_at(spec: Spec, a: int) -> list[Region]:
 
 
 def window_signature(ctx: Context, a: int, b: int,
-               spans_at: dict[int, list[tuple[int, tuple[int, ...]]]]) -> tuple:
+                     spans_at: dict[int, list[tuple[int, tuple[int, ...]]]],
+                     outside: frozenset[int] = frozenset()) -> tuple:
     """Translation-invariant description of nodes [a, b) for caching window profiles.
 
     Gradient and loss bytes and forward times are left out: `WindowParts` adds the first by
     position and `_run` the recompute time, so identical blocks share one signature although
     parameter gradients pile up along the chain and measured times differ from block to block.
     Module spans starting in the window (`spans_at`: node -> (stop, inputs)) are part of it.
+    A storage in `outside` made before the window (a rotary table or mask every layer reads)
+    is named by its order of first use and its size: the window's profile leaves it out
+    (`profile_parts`' `skip`), so where it was made and who else reads it cannot matter.
     """
     p = ctx.p
+    shared: dict[int, int] = {}
 
     def rel(s: int) -> tuple:
         prod = p.storage_producer[s]
+        if s in outside and prod < a:
+            return ("outside", shared.setdefault(s, len(shared)), p.storage_bytes[s])
         lr = ctx.last_read[s]
         return (prod - a, p.outputs[prod].index(s), p.storage_bytes[s],
                 p.storage_grad_bytes[s], lr - a if lr >= 0 else None, s in ctx.loss,

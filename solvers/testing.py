@@ -40,8 +40,10 @@ _BLOCK = [
 ]
 
 
-def transformer(n_blocks: int, width: int = 2, seed: int = 0) -> Problem:
-    """A GPT-like chain: `width` copies of each block op per block (~19 * width nodes)."""
+def transformer(n_blocks: int, width: int = 2, seed: int = 0, rotary: bool = False) -> Problem:
+    """A GPT-like chain: `width` copies of each block op per block (~19 * width nodes).
+    `rotary`: as in Llama, every block's q and k also read (and save) one table made before
+    the first block."""
     del seed  # blocks are identical, as in a real transformer
     names, kinds, out_b, fwd, saves_in, saves_out, ins, block = [], [], [], [], [], [], [], []
 
@@ -56,6 +58,7 @@ def transformer(n_blocks: int, width: int = 2, seed: int = 0) -> Problem:
         block.append(b)
         return len(names) - 1
 
+    table = add("rope", "cos", 1, 0.01, False, False, [], -1) if rotary else None
     prev = add("embed", "embedding", 8, 0.1, False, False, [], -1)
     prev = add("pos", "add", 8, 0.02, False, False, [prev], -1)
     for b in range(n_blocks):
@@ -63,6 +66,8 @@ def transformer(n_blocks: int, width: int = 2, seed: int = 0) -> Problem:
             local: list[int] = []
             for name, kind, mib, ms, si, so, rel in _BLOCK:
                 inputs = [prev if r < 0 else local[r] for r in rel]
+                if table is not None and name in ("q", "k"):
+                    inputs.append(table)
                 local.append(add(f"b{b}.{w}.{name}", kind, mib / width, ms / width, si, so,
                                  inputs, b))
             prev = local[-1]

@@ -182,3 +182,27 @@ def test_optimize_plans_a_budget_only_op_ranges_reach() -> None:
     assert simulate(plan.problem(), plan.schedule).peak_bytes == plan.predicted_peak_bytes
     assert "ops" in plan.summary() or any(isinstance(r.target, OpRange)
                                           for r in plan.schedule.recompute_regions())
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_module_calls_go_first_only_where_cp_sat_searches(
+        large: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # module calls alone are solved first to warm-start CP-SAT over op ranges; a large graph
+    # goes straight to one DP over the op ranges, whose space holds the calls'
+    model, x = _unet()
+    problem = problem_from_profile(_profile(model, x))
+    assert auto.calls_only(problem) is not problem and not auto.dp.applies(problem)
+    monkeypatch.setattr(auto, "LARGE_GRAPH_NODES",
+                        problem.n_nodes - 1 if large else problem.n_nodes)
+    searched = []
+    solve = auto.dp.solve
+
+    def recording(p, *args, **kwargs):
+        searched.append(p.module_spans is not None and any(
+            span.kind != "call" for span in p.module_spans))
+        return solve(p, *args, **kwargs)
+
+    monkeypatch.setattr(auto.dp, "solve", recording)
+    store = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
+    assert auto.solve(problem, int(0.8 * store), 20).feasible
+    assert searched == ([True] if large else [False, True])

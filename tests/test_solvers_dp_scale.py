@@ -1,0 +1,98 @@
+"""The DP's work follows the model's structure, not its size: identical blocks share their
+window profiles, fronts thinned on long chains grow until the gap closes, and fronts are
+merged by one rule (`solvers.front.pareto_indices`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import solvers.dp as dp_module
+from solvers import SOLVERS, Schedule, dp, simulate
+from solvers.accounting import Context
+from solvers.front import pareto_indices
+from solvers.testing import transformer
+
+
+def _halfway(p) -> int:
+    """Halfway between every-block checkpointing's peak and the unplanned peak."""
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    return (store + every) // 2
+
+
+def _window_profiles(p, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many window profiles one DP solve computes (no time limit)."""
+    calls = [0]
+    profile = dp_module.profile_parts
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(dp_module, "profile_parts", counting)
+    assert dp.solve(p, _halfway(p), math.inf).feasible
+    monkeypatch.undo()
+    return calls[0]
+
+
+def test_blocks_reading_one_table_share_their_signature() -> None:
+    # Llama's rotary tables are made once and read by every layer: where they were made and
+    # who else reads them differ per layer, but the window profiles leave them out
+    p = transformer(8, rotary=True)
+    ctx = Context(p)
+    lay = dp._layout(ctx)
+    assert lay.outside, "the table should be left out of the windows"
+    signatures = dp._stage_signatures(ctx, lay.stages, lay.outside)
+    blocks = [signatures[t] for t, (a, _) in enumerate(lay.stages)
+              if p.block_of_node[a] in range(1, 7)]
+    assert len(blocks) == 6 and len(set(blocks)) == 1, signatures
+
+
+def test_a_table_every_block_reads_adds_no_work_per_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    growth = {}
+    for rotary in (False, True):
+        short, long = (_window_profiles(transformer(n, rotary=rotary), monkeypatch)
+                       for n in (6, 12))
+        growth[rotary] = long - short
+    # six more blocks cost about as many new windows with the table as without (without
+    # the shared signature: 232 against 78)
+    assert growth[True] < 2 * growth[False], growth
+
+
+def test_thinned_fronts_grow_until_the_gap_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = transformer(8, rotary=True)
+    budget = _halfway(p)
+    grown = dp.solve(p, budget, math.inf, max_front=8)
+    monkeypatch.setattr(dp_module, "MAX_FRONT_GROWTH", 1)
+    fixed = dp.solve(p, budget, math.inf, max_front=8)
+    assert fixed.gap is not None and grown.gap is not None
+    assert grown.objective_ms <= fixed.objective_ms + 1e-9
+    assert grown.bound_ms > fixed.bound_ms
+    assert grown.gap < fixed.gap
+    # the grown bound is still a bound: no schedule of the full-front DP beats it
+    exact = dp.solve(p, budget, math.inf)
+    assert grown.bound_ms <= exact.objective_ms + 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), max_size=30),
+       st.sampled_from([0.0, 1e-12, 1.0]))
+def test_pareto_indices_keep_exactly_the_undominated_points(points, tol: float) -> None:
+    cost = np.asarray([c for c, _ in points], dtype=np.int64)
+    loss = np.asarray([float(v) for _, v in points])
+    kept = pareto_indices(cost, loss, tol)
+    assert list(cost[kept]) == sorted(cost[kept])  # by ascending cost
+    for i in range(len(points)):
+        # a point is on the front when every cheaper point loses more than `tol` more;
+        # of equal costs, the least loss, then the earliest point
+        cheaper = [j for j in range(len(points)) if cost[j] < cost[i]]
+        same = [j for j in range(len(points)) if cost[j] == cost[i]]
+        first_best = min(same, key=lambda j: (loss[j], j))
+        on_front = i == first_best and all(loss[i] < loss[j] - tol for j in cheaper)
+        assert (i in kept) == on_front, (points, tol, i, kept)
