@@ -60,11 +60,19 @@ def render_markdown(result: dict, offload: bool = False) -> str:
         f"# {title}\n\n{result['date']}, {result['machine']}, "
         f"{result['seconds']} s. {s['models']} models, {s['rows']} planned budgets, "
         f"{s['ok']} fully conformant. Worst prediction error {s['worst_error_pct']:+.3f} %"
-        f" ({s['worst_error_model']}); longest solve {s['max_solve_s']:.1f} s.\n\n"
+        f" ({s['worst_error_model']}); longest solve {s['max_solve_s']:.1f} s."
+        f"{_proofs(s)}\n\n"
         f"## Per model\n\n\"holds\": measured peak within budget, losses, gradients and "
         f"buffers equal to the unplanned model. \"min X\": the budget was infeasible and "
         f"the error named X, which was then asked for and held.\n\n"
         f"{model_table(rows)}\n\n## Every planned budget\n\n{markdown_table(rows)}\n")
+
+
+def _proofs(s: dict) -> str:
+    if "planned" not in s:
+        return ""
+    return (f" Of {s['planned']} plans, {s['proven']} proven optimal over their solver's "
+            f"space and {s['within_1pct']} within 1 % of it.")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -82,6 +82,8 @@ class Row:
     buffers_equal: bool = False
     state_kept: bool = False  # profiling left the model and the RNG exactly as they were
     solver: str = ""
+    recompute_ms: float | None = None  # the plan's predicted recompute time
+    gap: float | None = None  # its proven gap over its solver's space (None: no bound)
     regions: int = 0
     offloads: int = 0  # offloaded module calls (planned with offload=True)
     offloaded_bytes: int = 0
@@ -494,6 +496,7 @@ def _planned_step(zm: zoo.ZooModel, plan: Plan, args: tuple, kwargs: dict, state
         torch.equal(base_grads[k], grads[k]) for k in grads)
     row.buffers_equal = same_state(after, base_after)
     row.solver = f"{plan.solver.name} ({plan.solver.status})"
+    row.recompute_ms, row.gap = plan.recompute_ms, plan.solver.gap
     row.regions = len(plan.schedule.recompute_regions())
     row.offloads = len(plan.schedule.offloads)
     row.offloaded_bytes = plan.offloaded_bytes
@@ -695,5 +698,10 @@ def summary(rows: list[Row]) -> dict[str, Any]:
         "worst_error_model": None if worst is None else worst.model,
         "lowest_error_pct": None if lowest is None else lowest.error_pct,
         "max_solve_s": max((r.solve_s for r in rows), default=0.0),
+        # budgets planned below the unplanned peak: how many answers are proven optimal
+        # over their space, or within 1 % of that optimum
+        "proven": sum(r.gap is not None and r.gap == 0 for r in rows if r.solver),
+        "within_1pct": sum(r.gap is not None and r.gap <= 0.01 for r in rows if r.solver),
+        "planned": sum(bool(r.solver) for r in rows),
         "all_within_budget": all(r.measured_bytes <= r.budget_bytes for r in measured),
     }

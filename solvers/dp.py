@@ -284,8 +284,8 @@ def _stage_signatures(ctx: Context, st: list[tuple[int, int]], outside: frozense
     for span in ctx.p.module_spans or ():
         spans_at.setdefault(span.start, []).append((span.stop, span.inputs))
     sig_ids: dict[tuple, int] = {}
-    return [sig_ids.setdefault(window_signature(ctx, a, b, spans_at, outside),
-                                       len(sig_ids)) for a, b in st]
+    return [sig_ids.setdefault(window_signature(ctx, a, b, spans_at, outside), len(sig_ids))
+            for a, b in st]
 
 
 class _Pass:

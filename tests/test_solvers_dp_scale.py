@@ -4,12 +4,14 @@ merged by one rule (`solvers.front.pareto_indices`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_solvers_properties import check_reported_numbers
 
 import solvers.dp as dp_module
 from solvers import SOLVERS, Schedule, dp, simulate
@@ -63,6 +65,22 @@ def test_a_table_every_block_reads_adds_no_work_per_block(
     # six more blocks cost about as many new windows with the table as without (without
     # the shared signature: 232 against 78)
     assert growth[True] < 2 * growth[False], growth
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.5, 0.9])
+def test_shared_windows_score_as_simulate_does(frac: float,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    # the windows profiled once and placed at every block still add up to simulate's
+    # numbers (the DP logs an error when its own model disagrees)
+    p = transformer(10, rotary=True)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    budget = every + int(frac * (store - every))
+    with caplog.at_level(logging.ERROR, logger="solvers.dp"):
+        sol = dp.solve(p, budget, math.inf, max_front=64)
+    assert not caplog.records, caplog.records[0].getMessage()
+    assert sol.feasible and sol.peak_bytes <= budget
+    check_reported_numbers(p, sol)
 
 
 def test_thinned_fronts_grow_until_the_gap_closes(monkeypatch: pytest.MonkeyPatch) -> None:
