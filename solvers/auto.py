@@ -45,7 +45,9 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
 
     Chains of blocks: the DP first (fast), then CP-SAT warm-started with its schedule on what
     is left of the time limit (small and mid-size graphs). Other graphs: CP-SAT, with the DP
-    over merged stages as warm start. The cheap baselines (`baselines.BASELINES`) run too, so
+    over merged stages as warm start; with op ranges, module calls alone first. Graphs of
+    more than `LARGE_GRAPH_NODES` nodes: the DP over op ranges with most of the time, CP-SAT
+    only where it proved no gap. The cheap baselines (`baselines.BASELINES`) run too, so
     the answer is never worse than any of them. Returns the feasible answer with least
     recompute time (OPTIMAL preferred on ties; within `NEAR_TIE` of it, the one with the
     smallest proven gap); `solver` names which one, prefixed `auto/`.
