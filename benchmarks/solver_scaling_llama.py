@@ -26,7 +26,7 @@ import torch
 
 from planner import profile_model, solve, zoo
 from planner.plan import format_bytes
-from solvers import SOLVERS
+from solvers import SOLVERS, Schedule, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,8 +39,9 @@ def row_of(width: str, layers: int, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     step = profile_model(zm.model, zm.example_inputs, device="H100", progress=args.progress)
     profiled = time.perf_counter()
-    unplanned = step.unplanned_peak_bytes
-    every_layer = SOLVERS["every_block"](step.problem(), 10**18, 1.0).peak_bytes
+    problem = step.problem()
+    unplanned = simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes
+    every_layer = SOLVERS["every_block"](problem, 10**18, 1.0).peak_bytes
     budget = (unplanned + every_layer) // 2
     solving = time.perf_counter()
     plan = solve(step, budget_bytes=budget, time_limit_s=args.time_limit_s)
