@@ -64,7 +64,10 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def cases(device: str, quick: bool) -> list[tuple[str, dict[str, Any]]]:
     hf = zoo.has_transformers()
     if quick:
-        return [("gpt", dict(size="tiny", batch=4, device=device))]
+        # no dropout: torch's auto-SAC may keep dropout's in-place `bernoulli_` (its MILP's
+        # choice varies with the timings it measures), and eager SAC then gives other
+        # gradients, silently; the smoke test checks every row's gradients
+        return [("gpt", dict(size="tiny", batch=4, device=device, dropout=0.0))]
     if device == "cuda":
         out = [("gpt", dict(size="gpt2-medium", batch=8, device=device))]
         if hf:
