@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite cut to fit one short device lease (about 8 minutes of one call): our offload
 # plans at the H100 anchors against offloading every block and save_on_cpu (peaks of the
-# first and of a second step); per-op CUDA profiles of GPT-2-medium (profiles/recorded/, so
-# the GPU's timings can be studied without one); the fp32 frontier of GPT-2-medium against
-# the hand-written peers (no torch.compile, no auto-SAC: each costs minutes). Each part runs
+# first and of a second step); offload plans run twice each (offload_release_check.py: the
+# same peak on every run); the fp32 frontier of GPT-2-medium against the hand-written peers
+# (no torch.compile, no auto-SAC: each costs minutes). The per-op CUDA profiles (`--part
+# record`) ran out of GPU memory on 2026-11-26 (timing GPT-2-medium's ops one by one) and
+# are left out until that is fixed. Each part runs
 # under its own time limit so that every part's files are written. Run on a device machine
 # from the repo root with the wheels of gpu_suite.py's WHEELS in .whl/ and OUT set;
 # everything lands in $OUT/gpu.tgz (results) and $OUT/gpu.log (the whole output). The first
@@ -32,7 +34,9 @@ part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at 
 }
 
 part offload 180 --time-limit 140 --solve-time-limit 15
-part record 140 --time-limit 100
+echo "== lease part release check (timeout 150 s) at $(date +%T)"
+timeout 150 python3 benchmarks/offload_release_check.py --out "$R" --solve-time-limit 20
+echo "== lease part release check exit $? at $(date +%T)"
 part fp32 150 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 105 \
   --solve-time-limit 15
 tar czf "$OUT/gpu.tgz" -C "$R" . && rm -rf "$R"

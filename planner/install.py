@@ -120,7 +120,9 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
     offloaded = [o.target.path for o in plan.schedule.offloads]
     prefetch = [o.prefetch_target.path if o.prefetch_target else None
                 for o in plan.schedule.offloads]
-    missing = [path for path in offloaded + [p for p in prefetch if p is not None]
+    release = [o.release_target.path if o.release_target else None
+               for o in plan.schedule.offloads]
+    missing = [path for path in offloaded + [p for p in prefetch + release if p is not None]
                if not _has_submodule(model, path)]
     if missing:
         raise PlanMismatchError(f"the plan offloads modules {missing[:3]} that "
@@ -136,7 +138,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
     remove(model)
     installation.install()
     if offloaded:
-        install_offload(model, offloaded, prefetch)
+        install_offload(model, offloaded, prefetch, release)
     configs = _cached_configs(model)
     if configs:
         log.info("%s: setting config.use_cache=False for training with checkpoints (a rerun "

@@ -137,6 +137,7 @@ class PlanOffload(NamedTuple):
     saved_nodes: list[str]
     prefetch_module: str | None
     kept_nodes: tuple[str, ...] = ()  # of saved_nodes, those whose outputs a checkpoint keeps
+    release_module: str | None = None  # at whose end the device copies go (None: its own)
 
 
 class _Replay(NamedTuple):
@@ -271,7 +272,8 @@ class Plan(_Strict):
         return [PlanOffload(o.start, o.stop, o.target.path if o.target else None,
                             g.nbytes(problem), [names[i] for i in sorted(set(g.moved.values()))],
                             o.prefetch_target.path if o.prefetch_target else None,
-                            tuple(names[i] for i in sorted({g.moved[s] for s in g.cached})))
+                            tuple(names[i] for i in sorted({g.moved[s] for s in g.cached})),
+                            o.release_target.path if o.release_target else None)
                 for o, g in zip(self.schedule.offloads, offload_groups(problem, self.schedule),
                                 strict=True)]
 
@@ -343,6 +345,8 @@ class Plan(_Strict):
             spans = [((off.start, off.stop), off.target, "target")]
             if off.prefetch is not None:
                 spans.append((off.prefetch, off.prefetch_target, "prefetch_target"))
+            if off.release is not None:
+                spans.append((off.release, off.release_target, "release_target"))
             for (a, b), target, name in spans:
                 if target is None or (a, b, target.path) not in calls:
                     raise ValueError(f"schedule: offload {k} [{off.start}, {off.stop}): its "
@@ -423,7 +427,8 @@ class Plan(_Strict):
                          f"{_module_label(o.module)}: {format_bytes(o.nbytes)} saved by "
                          f"{len(o.saved_nodes)} ops"
                          + (f" ({len(o.kept_nodes)} of them kept by its checkpoint)"
-                            if o.kept_nodes else "") + f", back {_fetch_label(o)}")
+                            if o.kept_nodes else "") + f", {_release_label(o)}, back "
+                         f"{_fetch_label(o)}")
         return lines
 
     def _no_offload_lines(self) -> list[str]:
@@ -448,7 +453,8 @@ class Plan(_Strict):
             f"</tr>" for r in self.regions) + "".join(
             f"<tr><td>[{o.start}, {o.stop})</td><td>offload</td>"
             f"<td>{html.escape(_module_label(o.module))}</td><td>{len(o.saved_nodes)}</td>"
-            f"<td>{format_bytes(o.nbytes)} to host, back {html.escape(_fetch_label(o))}"
+            f"<td>{format_bytes(o.nbytes)} to host, {html.escape(_release_label(o))}, back "
+            f"{html.escape(_fetch_label(o))}"
             f"</td></tr>" for o in self.offloads)
         return (
             f"<div><b>Plan for {html.escape(self.model_name)}</b>: predicted peak "
@@ -483,6 +489,13 @@ def _kept_ops(kept: list[str]) -> str:
     ops = Counter(re.sub(r"_\d+$", "", name.rsplit("/", 1)[-1]) for name in kept)
     return (", keeps " + ", ".join(op if n == 1 else f"{op} x{n}" for op, n in ops.items())
             if ops else "")
+
+
+def _release_label(offload: PlanOffload) -> str:
+    """Where an offloaded call's device copies are let go (its copies out waited for)."""
+    if offload.release_module is None:
+        return "freed on the device at its end"
+    return f"freed on the device at the end of {_module_label(offload.release_module)}"
 
 
 def _fetch_label(offload: PlanOffload) -> str:

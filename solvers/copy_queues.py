@@ -6,7 +6,6 @@ what compute waited (`solvers.offload` says which storages move and when they ar
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 
 from solvers.offload import OffloadGroup
@@ -35,7 +34,9 @@ class CopyQueues:
         self.need_at: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.fetch_at: dict[int, list[OffloadGroup]] = defaultdict(list)
         self.out_end: dict[int, float] = {}
-        self.in_flight: list[tuple[float, int]] = []
+        self.drains: dict[int, list[OffloadGroup]] = defaultdict(list)  # node -> after it
+        for g in groups:
+            self.drains[g.last].append(g)
         self.ready: dict[int, float] = {}
         for g in sorted((g for g in groups if g.moved), key=lambda g: (-g.need, g.index)):
             for s, i in g.moved.items():
@@ -73,15 +74,17 @@ class CopyQueues:
             return True
         start = max(self.clock + node_ms, self.free[True])
         self.out_end[s] = self.free[True] = start + ms
-        heapq.heappush(self.in_flight, (start + ms, s))
         return False
 
-    def landed(self) -> list[int]:
-        """Storages whose copy to the host has ended by now."""
-        done = []
-        while self.in_flight and self.in_flight[0][0] <= self.clock:
-            done.append(heapq.heappop(self.in_flight)[1])
-        return done
+    def drain(self, g: OffloadGroup) -> list[int]:
+        """At `g`'s release: compute waits until its copies to the host have ended (a
+        stall); the storages whose device side is let go."""
+        moved = [s for s in g.moved if s in self.out_end]
+        end = max((self.out_end[s] for s in moved), default=self.clock)
+        if end > self.clock:
+            self.stall_ms += end - self.clock
+            self.clock = end
+        return moved
 
     def start_in(self, g: OffloadGroup) -> bool:
         """Issue the copies of `g` back to the device; False if they were issued already."""

@@ -4,7 +4,11 @@ Space: the saved activations of some calls of the offload chain (`offload_chain`
 outermost calls before the model's repeated blocks, then the blocks) go to host memory: the
 first c of every m-th call (m in `STRIDES`: spread out, each copy to the host can end before
 the next starts), each prefetched at the output of the chain's call d places later (past its
-end, the model's output; d in `DISTANCES`, 0: fetched when first needed). Each of those
+end, the model's output; d in `DISTANCES`, 0: fetched when first needed) and released (its
+copies out waited for, their device side let go) at the end of its own call (compute waits
+for its last copies), of the chain's next call (they run beside it), or of the first call
+that ends after they would have ended unhindered (`landed_releases`; past the chain's end,
+the model's): `RELEASES`. Each of those
 calls runs stored, every activation it saves moved, or checkpointed, keeping the outputs that
 cost the most time per byte to recompute (`offload_keeps`), which move with the checkpoint's
 inputs ("offloaded keeps": a fraction of the bytes for most of the time): the first share s
@@ -29,6 +33,7 @@ prefetch point; sets past one whose floor is above the best found are bounded by
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -48,10 +53,12 @@ from solvers.spaces import SearchSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISTANCES", "STORED_SHARES", "checkpointed", "copy_back_floor", "ideal", "layout",
-           "moved_bytes", "offload_chain", "offload_keeps", "offload_pieces", "offloads", "solve"]
+__all__ = ["DISTANCES", "RELEASES", "STORED_SHARES", "checkpointed", "copy_back_floor",
+           "ideal", "landed_releases", "layout", "moved_bytes", "offload_chain", "offload_keeps",
+           "offload_pieces", "offloads", "solve"]
 
 DISTANCES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+RELEASES = ("own", "next", "landed")
 STORED_SHARES = (1.0, 0.0)  # of an offload set, run stored (module doc)
 STRIDES = (1, 4, 2, 3, 6)  # in the order searched (good answers early under a time limit)
 PIECE_RATIO = 2.0  # `offload_pieces`' heavier level: its bytes per ms over the call's
@@ -83,13 +90,41 @@ def _root(problem: Problem) -> tuple[int, int] | None:
 
 
 def offloads(problem: Problem, calls: list[tuple[int, int]], chain: list[tuple[int, int]],
-             distance: int) -> list[Offload]:
+             distance: int, lag: int = 0) -> list[Offload]:
     """`calls` (of `chain`), each prefetched at the output of the chain's call `distance`
-    places later (past the chain's end, the model's output; 0: when first needed)."""
+    places later and released at the end of the one `lag` places later (past the chain's
+    end, the model's; 0: when first needed, at its own end)."""
     root, position = _root(problem), {call: k for k, call in enumerate(chain)}
-    return [Offload(start=a, stop=b, prefetch=None if distance == 0 else
-                    chain[k + distance] if (k := position[(a, b)]) + distance < len(chain)
-                    else root) for a, b in calls]
+
+    def later(k: int, by: int) -> tuple[int, int] | None:
+        return None if by == 0 else chain[k + by] if k + by < len(chain) else root
+
+    return [Offload(start=a, stop=b, prefetch=later(k := position[(a, b)], distance),
+                    release=later(k, lag)) for a, b in calls]
+
+
+def landed_releases(problem: Problem, schedule: Schedule, chain: list[tuple[int, int]]
+                    ) -> Schedule:
+    """`schedule` with each offload released at the end of the first call of `chain` (or
+    of the model) that ends once its copies out have ended, were nothing to wait: the copies
+    run beside the forward as long as they need, in issue order on one queue (forward
+    times only; checkpoints' host time left out)."""
+    link = problem.host_link
+    if link is None or link.synchronous or not schedule.offloads:
+        return schedule
+    ends = list(itertools.accumulate(problem.fwd_time_ms))
+    root = _root(problem)
+    calls = sorted(chain + ([root] if root else []), key=lambda c: c[1])
+    free, out = 0.0, []
+    for o, g in zip(schedule.offloads, offload_groups(problem, schedule), strict=True):
+        for s, i in sorted(g.moved.items(), key=lambda si: si[1]):
+            issued = ends[i] - (problem.fwd_time_ms[i] if s in g.at_entry else 0.0)
+            free = max(issued, free) + link.copy_ms(problem.storage_bytes[s], True)
+        after = [c for c in calls if c[1] >= o.stop]
+        release = next((c for c in after if ends[c[1] - 1] >= free), after[-1] if after else None)
+        out.append(o.model_copy(update={
+            "release": None if release in (None, (o.start, o.stop)) else release}))
+    return Schedule(regions=schedule.regions, offloads=tuple(out))
 
 
 def ideal(problem: Problem, calls: list[tuple[int, int]]) -> Problem:
@@ -364,17 +399,20 @@ def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
            chain: list[tuple[int, int]], sol: Solution,
            planned: list[Region], deadline: float
            ) -> tuple[Solution | None, int]:
-    """The best distance for the base plan `sol` with `calls` offloaded (the layout's
-    `planned` regions in them: checkpoints of whole calls, or their pieces), and by how little
-    the others ran over the budget; past the deadline, the distances scored so far."""
+    """The best distance and release lag for the base plan `sol` with `calls` offloaded (the
+    layout's `planned` regions in them: checkpoints of whole calls, or their pieces), and by
+    how little the others ran over the budget; past the deadline, those scored so far."""
     best, over = None, math.inf
-    for distance in sorted({min(d, len(chain)) for d in DISTANCES}) if calls else [0]:
+    distances = sorted({min(d, len(chain)) for d in DISTANCES}) if calls else [0]
+    for distance, release in itertools.product(distances, RELEASES if calls else ["own"]):
         if best is not None and time.perf_counter() > deadline:
             break
         schedule = Schedule(regions=sol.schedule.regions).with_offloads(
-            offloads(problem, calls, chain, distance))
+            offloads(problem, calls, chain, distance, int(release == "next")))
         if planned:
             schedule = checkpointed(schedule, planned)
+        if release == "landed":
+            schedule = landed_releases(problem, schedule, chain)
         scored = Solution.scored(problem, schedule, budget, solver=f"joint+{sol.solver}",
                                  started_s=0.0)
         if not scored.feasible:
@@ -391,7 +429,8 @@ def _answer(problem: Problem, budget: int, best: Solution | None, bounds: list[f
         text=(f"offload the saved activations of the first c of every m-th of {len(chain)} "
               f"module calls (m in {list(STRIDES)}; the outermost calls before the repeated "
               "blocks, then the blocks), prefetched d calls ahead (d in "
-              f"{list(DISTANCES)}; 0: when needed), the first share s of them stored (with "
+              f"{list(DISTANCES)}; 0: when needed), released at the end of its own call, "
+              "the next, or the first after its copies end, the first share s of them stored (with "
               "or without the pieces inside each that free the most bytes per ms of rerun "
               "recomputed) and the rest checkpointed with their costliest outputs per byte "
               f"kept and offloaded (s in {list(stored_shares)}); the rest: the DP's space "

@@ -16,6 +16,10 @@ copies (for a checkpoint's inputs and keeps: the node whose backward first rerun
 of a call's copies come back at once: when the backward reaches the output of the call its
 `prefetch` names (the start of the backward of that call's last node, where a hook on the
 output's gradient runs), or when needed if that comes first or it names none.
+A copy to the host frees its device storage at the end of the call its offload's
+`release` names (that call's forward hook waits for the copies; by default the offloaded
+call itself): never earlier, so the device's memory is the same however fast the copies
+run or far the host runs ahead of the device.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class OffloadGroup:
     at_entry: set[int] = field(default_factory=set)
     need: int = -1
     fetch: int = -1
+    last: int = -1  # after this node its copies out end and free the device (`release`)
 
     def nbytes(self, problem: Problem) -> int:
         """Bytes this call moves each way."""
@@ -113,4 +118,5 @@ def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
             owner.need = max(owner.need, i)
     for o, g in zip(schedule.offloads, groups, strict=True):
         g.fetch = max(g.need, -1 if o.prefetch is None else o.prefetch[1] - 1)
+        g.last = (o.stop if o.release is None else o.release[1]) - 1
     return groups

@@ -9,8 +9,9 @@ checkpoints nested inside it.
 
 `Schedule.offloads` name module calls whose saved activations go to host memory: every
 tensor saved for backward while the call runs outside a checkpoint (`solvers.offload` says
-which storages that is) is copied to the host during the forward and prefetched back when
-the backward reaches the output of the call named by its `prefetch`.
+which storages that is) is copied to the host during the forward (its device side let go
+at the end of the call named by its `release`) and prefetched back when the backward
+reaches the output of the call named by its `prefetch`.
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ class Offload(BaseModel):
 
     `prefetch` is the span of the call whose output's gradient issues their copy back (the
     backward of its last node; a later call than this one); None: when first needed.
+    `release` is the span of the call at whose end (its forward hook) the copies out are
+    waited for and their device side let go: one that ends with or after this one, so the
+    copies can run beside its compute; None: this call's own end.
 
     >>> Offload(start=0, stop=4, target=ModuleCall(path="h.0"), prefetch=(8, 12)).describe()
     'O[0:4 h.0 <-8:12]'
@@ -184,9 +188,16 @@ class Offload(BaseModel):
     target: ModuleCall | None = None
     prefetch: tuple[int, int] | None = None
     prefetch_target: ModuleCall | None = None
+    release: tuple[int, int] | None = None
+    release_target: ModuleCall | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> Offload:
+        if self.release is not None and self.release[1] < self.stop:
+            raise ScheduleError(
+                f"offload [{self.start}, {self.stop}) is released at the end of "
+                f"{list(self.release)}, which ends before it: its copies out are waited for "
+                "at the end of a call that ends with it or later.")
         if not 0 <= self.start < self.stop:
             raise ScheduleError(f"offload [{self.start}, {self.stop}) is empty or negative.")
         if self.prefetch is not None and not self.start < self.prefetch[1] - 1:
@@ -198,19 +209,23 @@ class Offload(BaseModel):
 
     def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
                      ) -> Offload:
-        """The same offload, its call and its prefetch's call looked up by their spans."""
+        """The same offload, its call and its prefetch's and release's calls looked up by
+        their spans."""
         def call(span: tuple[int, int] | None) -> ModuleCall | None:
             target = None if span is None else target_of.get(span)
             return target if isinstance(target, ModuleCall) else None
 
         return self.model_copy(update={"target": call((self.start, self.stop)),
-                                       "prefetch_target": call(self.prefetch)})
+                                       "prefetch_target": call(self.prefetch),
+                                       "release_target": call(self.release)})
 
     def describe(self) -> str:
-        """Compact text, e.g. `O[0:4 h.0 <-8:12]` (prefetched at 8:12's output)."""
+        """Compact text, e.g. `O[0:4 h.0 <-8:12]` (prefetched at 8:12's output; `->4:8`:
+        released at 4:8's end)."""
         name = f" {self.target.path or '<model>'}" if self.target is not None else ""
         fetch = f" <-{self.prefetch[0]}:{self.prefetch[1]}" if self.prefetch else ""
-        return f"O[{self.start}:{self.stop}{name}{fetch}]"
+        free = f" ->{self.release[0]}:{self.release[1]}" if self.release else ""
+        return f"O[{self.start}:{self.stop}{name}{fetch}{free}]"
 
 
 class Schedule(BaseModel):
@@ -240,7 +255,8 @@ class Schedule(BaseModel):
     def _validate_offloads(self) -> None:
         pos = 0
         for o in self.offloads:
-            if o.start < pos or max(o.stop, *(o.prefetch or (0,))) > self.n_nodes:
+            if o.start < pos or max(o.stop, *(o.prefetch or (0,)),
+                                    *(o.release or (0,))) > self.n_nodes:
                 raise ScheduleError(
                     f"offload [{o.start}, {o.stop}) overlaps the one before it or ends past "
                     f"node {self.n_nodes}: offloaded calls are disjoint, in node order.")

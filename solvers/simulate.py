@@ -50,19 +50,22 @@ transient of that gradient's size during its backward. Parameter gradients appea
 backward of `param_grad_bytes`' node and stay.
 
 Offload (`Schedule.offloads`, moved storages and fetch times from `solvers.offload`): a
-moved storage's saves hold nothing on the device; its first save copies it to the host (from
-the end of that node on the device-to-host queue; a checkpoint's input save, before its
-first node runs), and the device storage is freed once the copy has ended (at the first
-event that starts after it) and nothing else holds it. In the backward a call's copies come
-back all at once when its prefetch is issued: each allocated from that event on, held until
-its savers' backward has run (a checkpoint's inputs: until its frame dies; its rerun reads
-them; a top-level checkpoint's kept outputs: until its rerun takes them from the SAC cache,
-or the frame dies), and copied on the host-to-device queue (after its own copy out). A
-prefetch issued at a node comes before that node reruns its checkpoint (the gradient hook
-runs first). The backward node that needs them waits for the last (a stall). Each direction
-is one queue, copies in issue order, beside compute; on a `synchronous` link every copy
-stalls compute for its whole duration instead, and a copy out frees the device storage at
-once. The host holds every moved storage from its copy out to the end of the backward.
+moved storage's saves hold nothing on the device; its first save copies it to the host
+(from the end of that node on the device-to-host queue; a checkpoint's input save, before
+its first node runs). At the end of the call the offload's `release` names (by default the
+offloaded call itself, after its last node) compute waits until every copy the offloaded
+call issued has ended (a stall), and their device storages are freed unless something else
+holds them: the device memory does not depend on how fast the copies run. In the backward a
+call's copies come back all at once when its prefetch is issued: each allocated from that
+event on, held until its savers' backward has run (a checkpoint's inputs: until its frame
+dies; its rerun reads them; a top-level checkpoint's kept outputs: until its rerun takes
+them from the SAC cache, or the frame dies), and copied on the host-to-device queue (after
+its own copy out). A prefetch issued at a node comes before that node reruns its checkpoint
+(the gradient hook runs first). The backward node that needs them waits for the last (a
+stall). Each direction is one queue, copies in issue order, beside compute; on a
+`synchronous` link every copy stalls compute for its whole duration instead, and a copy out
+frees the device storage at once. The host holds every moved storage from its copy out to
+the end of the backward.
 
 Optimizer step (`Problem.optimizer_step_bytes` > 0): one last event after the backward,
 live bytes plus the step's temporaries.
@@ -320,10 +323,12 @@ class _Replay:
 
     # ------------------------------------------------------------ offload
 
-    def _land_copies(self) -> None:
-        """Free the device side of every copy to the host that has ended by now."""
-        for s in self.copies.landed():
-            self._release_one((s, 0), Token(Hold.COPY, s))
+    def _release_copies(self, i: int) -> None:
+        """After node i, the end of the call that releases some offloaded calls: their
+        copies to the host end (compute waits for them) and their device side is freed."""
+        for g in self.copies.drains.get(i, ()):
+            for s in self.copies.drain(g):
+                self._release_one((s, 0), Token(Hold.COPY, s))
 
     def _copy_out(self, i: int, env: dict[int, Inst], time_ms: float) -> None:
         """Node i's saves that start a copy to the host (after node i has run)."""
@@ -381,7 +386,6 @@ class _Replay:
         `not_run`: it packs its inputs only; its outputs (a kept one's too) stay unmade."""
         p, root, env = self.p, run.root, run.env
         inner = self.innermost[i]
-        self._land_copies()
         # checkpoint entries at i: inputs saved by the frame (top-level) or the parent
         if root is None:
             for f in self.top_entries.get(i, ()):
@@ -433,6 +437,8 @@ class _Replay:
             self._copy_out(i, env, time)
         self._record(label, "forward" if root is None else "recompute", i, time,
                      before + alloc + temp, parts, cached or not_run)
+        if root is None:
+            self._release_copies(i)
 
     def _hold_made(self, run: _PassRun, i: int, inner: _Frame | None, not_run: bool) -> None:
         """The holds node i makes: later readers and a rerun's end (unless `not_run`), the
@@ -520,7 +526,6 @@ class _Replay:
         p = self.p
         for j in range(self.n - 1, -1, -1):
             f = self.innermost[j]
-            self._land_copies()
             # the gradient hook on a call's output prefetches before the node unpacks (which
             # reruns its checkpoint, or fetches the offloaded calls it needs and waits)
             self._bring_back(self.copies.fetch_at.get(j, []))
@@ -613,6 +618,12 @@ def _check_offloads(problem: Problem, schedule: Schedule) -> None:
             raise SimulationError(
                 f"offload [{o.start}, {o.stop}) is not one of problem {problem.name!r}'s "
                 "module spans: only a call of one of the model's modules can be offloaded.")
+        if o.release is not None and problem.module_spans is not None \
+                and not problem.is_call(*o.release):
+            raise SimulationError(
+                f"offload [{o.start}, {o.stop}) is released at the end of {list(o.release)}, "
+                f"not one of problem {problem.name!r}'s module spans: a module's forward "
+                "hook waits for the copies.")
 
 
 def simulate(problem: Problem, schedule: Schedule) -> Timeline:
