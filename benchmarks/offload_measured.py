@@ -14,7 +14,8 @@ against the unplanned model's):
   activations), planned with estimated H100 times (``--timing``), with its predicted peak.
   Each solve is limited (``--solve-time-limit``, 60 s).
 
-On an H100 (2026-11-26) the two peers ran; our plans did not fit in the lease.
+On an H100 (2026-11-26): `offload-h100.md` and `offload-h100-run1.md` (two runs, before
+the release rule: the same plan held its budget in one and not the other).
 """
 
 from __future__ import annotations
