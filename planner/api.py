@@ -70,7 +70,8 @@ def optimize(
     when ``optimizer`` is given, its state and its ``step()`` (1 GiB = 2**30 bytes), for one
     step run as ``loss_fn(model(*inputs)).backward()``. ``autocast`` plans mixed precision
     (e.g. ``torch.bfloat16``); called inside ``torch.autocast``, that dtype is used.
-    ``time_limit_s`` bounds the solving (profiling comes on top). See
+    ``time_limit_s`` bounds the solving (profiling comes on top; a budget no plan meets
+    takes up to a quarter more, searching for the lowest peak the error names). See
     :func:`profiles.profile` for ``timing``, ``device`` and ``execution``.
 
     Gradients: by default each step starts with no ``.grad`` (``zero_grad()``'s default,

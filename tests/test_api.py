@@ -27,10 +27,12 @@ from planner.api import (
     PlanMismatchWarning,
     plan_for_profile,
     profile_model,
+    solve,
     structure_fingerprint,
 )
 from planner.arguments import SolveOptions, _input_specs
 from profiles.inputs import normalize_inputs
+from solvers import Solution, Status
 
 GIB = 2**30
 
@@ -110,6 +112,33 @@ def test_budget_below_minimum_names_a_minimum_that_works() -> None:
     assert plan.predicted_peak_bytes <= error.min_budget_bytes
     report = verify(model.model, plan, model.example_inputs, model.loss_fn, repeats=1)
     assert report.within_budget, report.summary()
+
+
+def test_a_search_that_took_the_whole_limit_leaves_the_lowest_peak_its_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The minimum an infeasible budget's error names comes from a search of its own: when
+    the search at the budget used the whole limit, it still gets a quarter of it (with what
+    was left, Inception-v3's named 200.4 MiB where 5 s find 187.2)."""
+    import planner.solving as solving
+
+    zm = zoo.get("gpt", size="tiny")
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, progress=False)
+    clock = [0.0]
+    monkeypatch.setattr(solving, "perf_counter", lambda: clock[0])
+
+    def search_to_the_limit(problem: object, options: object, limit_s: float) -> Solution:
+        clock[0] += limit_s
+        return Solution(solver="auto", status=Status.INFEASIBLE, schedule=None,
+                        budget_bytes=options.budget_bytes, objective_ms=None)
+
+    given: list[float] = []
+    real = solving.lowest_peak
+    monkeypatch.setattr(solving, "_solve", search_to_the_limit)
+    monkeypatch.setattr(solving, "lowest_peak",
+                        lambda problem, limit_s: given.append(limit_s) or real(problem, limit_s))
+    with pytest.raises(InfeasibleBudgetError):
+        solve(step, budget_bytes=step.profile.static.total_bytes + 1, time_limit_s=20)
+    assert given == [pytest.approx(5.0)]
 
 
 @pytest.mark.parametrize("budget", [math.nan, math.inf, -1.0, 0, "8", True, None])
