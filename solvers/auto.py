@@ -231,8 +231,8 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
 
     Deterministic, so that asking for that peak as a budget finds it again: the baselines,
     brute force on tiny problems, CP-SAT minimising the peak with a deterministic time
-    limit (`cpsat_fits`), and a bisection of the budget with the dp, whose
-    nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
+    limit (`cpsat_fits`), and a bisection of the budget with the dp (over merged stages
+    where the graph is not a chain of its own), whose nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
     schedule-independent lower bound (`memory_lower_bound`); when CP-SAT proved its least
     peak, `least_peak_bytes` and `least_peak_space` say over which schedules.
     """
@@ -263,7 +263,7 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                 found.append((max(minimum.bytes, floor), "cpsat", minimum.schedule))
                 least = minimum if minimum.optimal_over is not None else least
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
-    if best is not None and dp.applies(problem):
+    if best is not None:  # chains, and graphs whose merged stages make one (ResNets)
         lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?
         per_call = 0.5 * time_limit_s / 8
         for _ in range(8):
