@@ -230,11 +230,12 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     """The lowest-peak schedule the solvers find, scored at its own peak (FEASIBLE there).
 
     Deterministic, so that asking for that peak as a budget finds it again: the baselines,
-    brute force on tiny problems, CP-SAT minimising the peak with a deterministic time
-    limit (`cpsat_fits`), and a bisection of the budget with the dp (over merged stages
-    where the graph is not a chain of its own), whose nested schedules may go lower. `min_feasible_budget_bytes` is then the proven
-    schedule-independent lower bound (`memory_lower_bound`); when CP-SAT proved its least
-    peak, `least_peak_bytes` and `least_peak_space` say over which schedules.
+    brute force on tiny problems, CP-SAT minimising the peak with a deterministic time limit
+    (`cpsat_fits`), and a bisection of the budget with the dp (over merged stages where the
+    graph is not a chain of its own), whose nested schedules may go lower.
+    `min_feasible_budget_bytes` is then the proven schedule-independent lower bound
+    (`memory_lower_bound`); when CP-SAT proved its least peak, `least_peak_bytes` and
+    `least_peak_space` say over which schedules.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
