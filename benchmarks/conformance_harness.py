@@ -14,7 +14,8 @@ step; and checks, against the unplanned model from the same state:
 * planning (profile, solve, apply) changed no parameter, buffer or RNG state;
 * a budget below the minimum raises ``InfeasibleBudgetError`` whose named minimum, asked
   for, gives a plan that holds;
-* solving took at most ``time_limit_s`` (profiling comes on top).
+* solving took at most ``time_limit_s`` (profiling comes on top), a quarter more for a
+  budget no plan meets (the search for the lowest peak, `planner.solving`).
 
 ``benchmarks/conformance.py`` runs every case; the test suite runs one per failure class.
 ``conformance_workflows.py`` beside this file runs the same cases as users train: re-planned,
@@ -41,6 +42,7 @@ from torch import nn
 import profiles
 from planner import ProfiledStep, apply, measure_step, profile_model, remove, solve, zoo
 from planner.plan import InfeasibleBudgetError, Plan, format_bytes
+from planner.solving import LOWEST_PEAK_SHARE
 from profiles.inputs import normalize_inputs
 
 log = logging.getLogger(__name__)
@@ -614,14 +616,18 @@ def check_case(case: Case, fractions: tuple[float, ...] = (0.3, 0.5, 0.8), *,
 def _solve(profiled: ProfiledStep, budget: int, time_limit_s: float, row: Row,
            enforce_time_limit: bool = True, offload: bool = False) -> Plan:
     started = time.perf_counter()
+    allowed = time_limit_s
     try:
         return solve(profiled, budget_bytes=budget, time_limit_s=time_limit_s,
                      offload=offload)
+    except InfeasibleBudgetError:  # its search for the lowest peak may take a share more
+        allowed = time_limit_s * (1 + LOWEST_PEAK_SHARE)
+        raise
     finally:
         row.solve_s = time.perf_counter() - started
-        if enforce_time_limit and row.solve_s > time_limit_s:
+        if enforce_time_limit and row.solve_s > allowed:
             row.failures.append(f"solving took {row.solve_s:.1f} s, over the "
-                                f"{time_limit_s:.0f} s limit")
+                                f"{allowed:.0f} s limit")
 
 
 def markdown_table(rows: list[Row]) -> str:
