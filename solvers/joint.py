@@ -404,7 +404,11 @@ def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
     how little the others ran over the budget; past the deadline, those scored so far."""
     best, over = None, math.inf
     distances = sorted({min(d, len(chain)) for d in DISTANCES}) if calls else [0]
-    for distance, release in itertools.product(distances, RELEASES if calls else ["own"]):
+    # over a synchronous link a copy frees the device at once: where it is released is moot
+    link = problem.host_link
+    releases = RELEASES if calls and link is not None and not link.synchronous else ["own"]
+    seen: set[Schedule] = set()
+    for distance, release in itertools.product(distances, releases):
         if best is not None and time.perf_counter() > deadline:
             break
         schedule = Schedule(regions=sol.schedule.regions).with_offloads(
@@ -413,6 +417,9 @@ def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
             schedule = checkpointed(schedule, planned)
         if release == "landed":
             schedule = landed_releases(problem, schedule, chain)
+        if schedule in seen:  # a distance past the chain's end, or releases that agree
+            continue
+        seen.add(schedule)
         scored = Solution.scored(problem, schedule, budget, solver=f"joint+{sol.solver}",
                                  started_s=0.0)
         if not scored.feasible:
