@@ -11,6 +11,7 @@ from planner.offload import KEEPS_THROUGH_HOOKS
 from planner.plan import InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
 from planner.profiling import ProfiledStep
 from planner.sharding import Sharding, rank_problem
+from planner.solution_memo import ANSWERS, problem_digest
 from profiles.schema import GraphProfile
 from solvers import SOLVERS, ModuleCall, OpRange, Problem, Schedule, Solution, Status, simulate
 from solvers import joint as solvers_joint
@@ -89,24 +90,50 @@ def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str
     # the solvers stop a little after their limit (CP-SAT's last model, the final replay),
     # and building the problem has taken time already: the solver gets what is left less a
     # margin, so that time_limit_s holds for the whole call (when a plan meets the budget)
-    limit = options.time_limit_s
-    margin = min(0.5, max(0.05, 0.05 * limit), 0.5 * limit)
-    left = max(0.05, limit - margin - (perf_counter() - started))
+    left = max(0.05, options.time_limit_s - _margin(options.time_limit_s)
+               - (perf_counter() - started))
+    digest = problem_digest(problem)
+    solution = ANSWERS.get(digest, options)
+    if solution is None:  # identical calls get identical plans (`solution_memo`)
+        solution = _searched(prof, problem, options, left, started)
+        ANSWERS.put(digest, options, solution)
+    else:
+        log.info("%s: the plan of an identical call at this budget and these options",
+                 problem.name)
+    if solution.peak_bytes is None or solution.peak_bytes > budget_bytes:
+        at_minimum = made(solution.schedule, solution.peak_bytes, _report(solution),
+                          record_offload=False)
+        raise _infeasible(prof, problem, options, solution, at_minimum)
+    return made(solution.schedule, budget_bytes, _report(solution))
+
+
+def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left: float,
+              started: float) -> Solution:
+    """The solvers' answer, or when they found nothing the lowest-peak schedule (which may
+    not fit the budget: then it names the minimum)."""
     # the optimizer step after the backward peaks the same under every schedule: a budget
     # below it is infeasible whatever the solvers find for forward and backward
-    if optimizer_step_peak(problem) <= budget_bytes:
+    if optimizer_step_peak(problem) <= options.budget_bytes:
         solution = _solve(problem, options, left)
     else:
         solution = Solution(solver=options.solver, status=Status.INFEASIBLE, schedule=None,
-                            budget_bytes=budget_bytes, objective_ms=None)
-    if not solution.feasible or solution.schedule is None:
-        # the minimum the error names is the lowest peak this search finds: with what is
-        # left of the limit after a search that took all of it, only the baselines ran
-        # (Inception-v3: every block's 200.4 MiB, where 5 s of CP-SAT finds 187.2)
-        left = max(LOWEST_PEAK_SHARE * limit,
-                   limit - margin - (perf_counter() - started))
-        solution = _lowest_fitting(prof, problem, options, made, left)
-    return made(solution.schedule, budget_bytes, _report(solution))
+                            budget_bytes=options.budget_bytes, objective_ms=None)
+    if solution.feasible and solution.schedule is not None:
+        return solution
+    # the minimum the error names is the lowest peak this search finds: with what is
+    # left of the limit after a search that took all of it, only the baselines ran
+    # (Inception-v3: every block's 200.4 MiB, where 5 s of CP-SAT finds 187.2)
+    limit = options.time_limit_s
+    left = max(LOWEST_PEAK_SHARE * limit, limit - _margin(limit) - (perf_counter() - started))
+    lowest = lowest_peak(problem, left)
+    if lowest.schedule is None or lowest.peak_bytes is None:
+        raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
+    return lowest
+
+
+def _margin(limit: float) -> float:
+    """What the solvers leave of ``limit`` for what follows them."""
+    return min(0.5, max(0.05, 0.05 * limit), 0.5 * limit)
 
 
 class _PlanMaker:
@@ -123,20 +150,6 @@ class _PlanMaker:
             else None
         return _make_plan(self.prof, schedule, budget_bytes, report, self.inputs,
                           self.structure, note, self.sharding, self.problem, host)
-
-
-def _lowest_fitting(prof: GraphProfile, problem: Problem, options: SolveOptions,
-                    made: _PlanMaker, time_limit_s: float) -> Solution:
-    """When the solver found nothing: the lowest-peak schedule if it fits the budget (the
-    solver missed it), else the error naming the least budget that yields a plan."""
-    lowest = lowest_peak(problem, time_limit_s)
-    if lowest.schedule is None or lowest.peak_bytes is None:
-        raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
-    if lowest.peak_bytes > options.budget_bytes:
-        at_minimum = made(lowest.schedule, lowest.peak_bytes, _report(lowest),
-                          record_offload=False)
-        raise _infeasible(prof, problem, options, lowest, at_minimum)
-    return lowest
 
 
 def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solution:

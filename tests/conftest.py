@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from planner import zoo
+from planner.solution_memo import ANSWERS
 
 # the conformance harness lives beside the benchmarks that run it, not in the library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -29,6 +30,13 @@ def zoo_names() -> list[str]:
 @pytest.fixture(params=zoo_names())
 def zoo_model(request: pytest.FixtureRequest) -> zoo.ZooModel:
     return zoo.get(request.param, **ZOO_CASES[request.param])
+
+
+@pytest.fixture(autouse=True)
+def _no_remembered_plans() -> None:
+    """Each test searches for itself: no answer remembered from another test's identical
+    call (`planner.solution_memo`), which would hide what a test patches in the solvers."""
+    ANSWERS.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -262,3 +262,43 @@ def test_optimize_replays_the_unplanned_step_once(monkeypatch: pytest.MonkeyPatc
                     budget_gb=budget / GIB, time_limit_s=5)
     assert plan.schedule.recompute_regions() and plan.unplanned_peak_bytes > budget
     assert len(unplanned) == 1
+
+
+def _alternating_solver(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The auto solver made to answer every other call with another feasible schedule
+    (every block checkpointed), as a search stopped by its time limit, or choosing among
+    ties, may; returns the budgets it was called with."""
+    import planner.solving as solving
+    from solvers import baselines
+
+    calls: list[int] = []
+    real = solving.SOLVERS["auto"]
+
+    def alternating(problem: object, budget_bytes: int, limit_s: float) -> Solution:
+        calls.append(budget_bytes)
+        if len(calls) % 2 == 0:
+            return baselines.every_block(problem, budget_bytes)
+        return real(problem, budget_bytes, limit_s)
+
+    monkeypatch.setitem(solving.SOLVERS, "auto", alternating)
+    return calls
+
+
+def test_identical_calls_get_identical_plans_without_a_second_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning the same step twice at the same budget and options gives the same plan,
+    though the search would answer otherwise the second time; another budget or a longer
+    time limit searches anew."""
+    zm = zoo.get("gpt", size="tiny")
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
+                         progress=False)
+    budget = (step.profile.static.total_bytes + step.unplanned_peak_bytes) // 2
+    calls = _alternating_solver(monkeypatch)
+    first = solve(step, budget_bytes=budget, time_limit_s=5)
+    again = optimize(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, budget_gb=budget / GIB,
+                     timing="estimate", time_limit_s=5, progress=False)  # profiled again
+    assert again.schedule == first.schedule and again.solver == first.solver
+    assert calls == [budget]
+    solve(step, budget_bytes=budget + 1, time_limit_s=5)
+    solve(step, budget_bytes=budget, time_limit_s=6)
+    assert calls == [budget, budget + 1, budget]
