@@ -124,6 +124,8 @@ class SolverReport(_Strict):
     gap: float | None = Field(ge=0, allow_inf_nan=False)
     solve_time_s: Seconds
     space: str = Field("", description="the schedules the status and gap are proven over")
+    time_limit_s: Seconds | None = Field(None, description="the search's limit (None: none "
+                                         "ran, or a plan file from before it was recorded)")
 
 
 class PlanOffload(NamedTuple):
@@ -391,6 +393,7 @@ class Plan(_Strict):
             f"{self.baseline_step_ms:.2f} ms, {self.profile.timing} on {self.profile.device})",
             *self._offload_lines(),
             f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
+            *[f"  {line}" for line in [_stopped_by_the_limit(solver)] if line],
             f"  {self.step_description()}",
         ]
         kernels = self.attention_kernels()
@@ -520,6 +523,23 @@ def _plan_regions(names: list[str], regions: Iterable[Region]) -> list[PlanRegio
     return [PlanRegion(r.start, r.stop, r.mode, _target_label(r.target),
                        names[r.start:r.stop], [names[i] for i in sorted(r.keep)],
                        _plan_regions(names, r.children)) for r in regions]
+
+
+STOPPED_SHARE = 0.8  # a search that took this much of its limit was stopped by it
+
+
+def _stopped_by_the_limit(solver: SolverReport) -> str:
+    """What a longer time limit could buy, when the limit stopped a search short of a proof
+    (empty otherwise: then a longer limit changes nothing)."""
+    limit = solver.time_limit_s
+    if (solver.status != "feasible" or limit is None or solver.objective_ms is None
+            or solver.solve_time_s < STOPPED_SHARE * limit):
+        return ""
+    if solver.gap is None or not solver.space:
+        return (f"the search stopped at its {limit:g} s limit with no proven bound: a longer "
+                "time_limit_s may find a faster plan")
+    return (f"the search stopped at its {limit:g} s limit: a longer time_limit_s can save at "
+            f"most {solver.gap * solver.objective_ms:.3g} ms more recompute (the proven gap)")
 
 
 def _proof(solver: SolverReport) -> str:

@@ -104,7 +104,7 @@ def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str
         at_minimum = made(solution.schedule, solution.peak_bytes, _report(solution),
                           record_offload=False)
         raise _infeasible(prof, problem, options, solution, at_minimum)
-    return made(solution.schedule, budget_bytes, _report(solution))
+    return made(solution.schedule, budget_bytes, _report(solution, options.time_limit_s))
 
 
 def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left: float,
@@ -188,11 +188,12 @@ def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[Input
                       inputs, structure, sharding=sharding, problem=problem)
 
 
-def _report(solution: Solution) -> SolverReport:
+def _report(solution: Solution, time_limit_s: float | None = None) -> SolverReport:
     space = str(solution.space) if solution.space is not None else ""
     return SolverReport(name=solution.solver, status=solution.status.value,
                         objective_ms=solution.objective_ms, bound_ms=solution.bound_ms,
-                        gap=solution.gap, solve_time_s=solution.solve_time_s, space=space)
+                        gap=solution.gap, solve_time_s=solution.solve_time_s, space=space,
+                        time_limit_s=time_limit_s)
 
 
 def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,

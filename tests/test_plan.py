@@ -309,3 +309,29 @@ def test_a_plan_file_checkpointing_both_calls_of_one_module_is_refused_by_name(
     plan.save(path)
     with pytest.raises(ValueError, match="module '0' is checkpointed by checkpoint 0 too"):
         Plan.load(path)
+
+
+def test_a_search_stopped_by_its_limit_says_what_a_longer_limit_could_buy(
+        plan: Plan, tmp_path: Path) -> None:
+    """No silent cliff at the time limit: a plan whose search the limit stopped short of a
+    proof says so, and how much a longer limit could save at most (its proven gap); a
+    search that ended by itself says nothing of the limit."""
+    def solved(**update: object) -> Plan:
+        base = dict(status="feasible", objective_ms=2.0, bound_ms=1.5, gap=0.25,
+                    space="module calls", solve_time_s=59.5, time_limit_s=60.0)
+        return plan.model_copy(update={"solver": plan.solver.model_copy(
+            update={**base, **update})})
+
+    stopped = solved()
+    assert ("the search stopped at its 60 s limit: a longer time_limit_s can save at most "
+            "0.5 ms more recompute (the proven gap)") in stopped.summary(), stopped.summary()
+    unbounded = solved(gap=None, bound_ms=None, space="").summary()
+    assert "stopped at its 60 s limit with no proven bound" in unbounded
+    for ended in (solved(solve_time_s=1.0), solved(status="optimal", gap=0.0, bound_ms=2.0)):
+        assert "limit" not in ended.summary(), ended.summary()
+    stopped.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == stopped
+    data = json.loads(plan.model_dump_json())  # files from before the field still load
+    del data["solver"]["time_limit_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json").solver.time_limit_s is None
