@@ -211,11 +211,12 @@ def _tp_rank(rank: int, shape: tuple[int, ...], plan_path: str, port: int, out: 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["tp-2", "dp2xtp2"])
+@pytest.mark.parametrize("shape", [(2, 2)], ids=["dp2xtp2"])
 def test_tensor_parallel_plans_hold_over_gloo(shape: tuple[int, ...], tmp_path: Path) -> None:
-    """HF Llama's TP plan (and FSDP2 over ``dp`` on a 2 x 2 mesh) over real gloo ranks:
+    """HF Llama's TP plan with FSDP2 over ``dp`` on a 2 x 2 mesh over real gloo ranks:
     each rank within 1 % of the prediction and within budget, losses and gradients those
-    of the same parallel model unplanned."""
+    of the same parallel model unplanned. (TP alone over 2 ranks runs on the fake process
+    group in test_parallel.py; over gloo it repeated this case's TP half, 10 s.)"""
     from test_parallel import tensor_parallel
 
     zm = zoo.get("hf-llama")
