@@ -105,13 +105,15 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     d = dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
     left = time_limit_s - reserve - (time.perf_counter() - t0)
-    # a large graph's DP answer with a proven gap leaves CP-SAT little to add (it rarely
+    # a DP answer proven optimal on a graph of over 200 nodes is final (its space holds
+    # CP-SAT's); a large graph's with a proven gap leaves CP-SAT little to add (it rarely
     # finds a schedule there); on mid-size graphs CP-SAT, warm-started with it, may find a
     # faster one in its smaller space (nothing or matmuls kept per region) and prove it
     # there: ResNet-50 at 50 %, 0.3617 ms proven in about 1 s where the DP's 0.3644 ms had a
     # 28 % gap; it then gets `AFTER_A_GAP` of the limit, the rest being rarely used
-    gap_left = d.feasible and d.gap is not None and problem.n_nodes > 200
-    chain_done = gap_left and problem.n_nodes > LARGE_GRAPH_NODES
+    bounded = d.feasible and d.gap is not None and problem.n_nodes > 200
+    gap_left = bounded and d.gap > 0
+    chain_done = bounded and (not gap_left or problem.n_nodes > LARGE_GRAPH_NODES)
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
     if use_cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
         # warm start from the best schedule so far (the dp's, else a baseline's): CP-SAT

@@ -120,12 +120,13 @@ def test_dp_on_gpt2_medium_proves_both_spaces_and_beats_baselines() -> None:
             assert sol.objective_ms <= b.objective_ms + 1e-9, name
 
 
+@pytest.mark.parametrize("gap", [1.0, 0.0])
 def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, gap: float) -> None:
     """A DP answer left with a gap on a graph of a few hundred nodes is not final: CP-SAT,
     warm-started with it, gets a share of the limit to find a faster schedule in its space
     and prove it (ResNet-50 at 50 %: a faster plan proven in about 1 s where the DP's gap
-    was 28 %)."""
+    was 28 %). One proven optimal is final: CP-SAT does not run."""
     from profiles.schema import GraphProfile
     from solvers.from_profile import problem_from_profile
 
@@ -133,8 +134,9 @@ def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
     p = problem_from_profile(GraphProfile.load(recorded_profile / "gpt-small.cpu.json"))
     assert 200 < p.n_nodes <= auto.LARGE_GRAPH_NODES
     budget = baselines.every_block(p, 10**12, 1.0).peak_bytes
-    with_gap = baselines.every_block(p, budget, 1.0).model_copy(
-        update={"solver": "dp", "bound_ms": 0.0, "gap": 1.0})
+    found = baselines.every_block(p, budget, 1.0)
+    with_gap = found.model_copy(update={"solver": "dp", "gap": gap,
+                                        "bound_ms": (1 - gap) * found.objective_ms})
     monkeypatch.setattr(auto.dp, "solve", lambda *args, **kwargs: with_gap)
     asked: list[tuple[float, Schedule | None]] = []
 
@@ -144,5 +146,8 @@ def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
 
     monkeypatch.setattr(auto.cpsat, "solve", recorded)
     auto.solve(p, budget, 20.0)
+    if not gap:
+        assert asked == []
+        return
     assert [hint for _, hint in asked] == [with_gap.schedule]
     assert 0 < asked[0][0] <= auto.AFTER_A_GAP * 20.0
