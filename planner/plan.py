@@ -392,7 +392,8 @@ class Plan(_Strict):
             f"{f', {self.stall_ms:.2f} ms waiting for copies' if self.offloads else ''} on "
             f"{self.baseline_step_ms:.2f} ms, {self.profile.timing} on {self.profile.device})",
             *self._offload_lines(),
-            f"  solver {solver.name}: {_proof(solver)}, {solver.solve_time_s:.2f} s",
+            f"  solver {solver.name}: {_proof(solver, short=True)}, "
+            f"{solver.solve_time_s:.2f} s",
             *[f"  {line}" for line in [_stopped_by_the_limit(solver)] if line],
             f"  {self.step_description()}",
         ]
@@ -542,12 +543,16 @@ def _stopped_by_the_limit(solver: SolverReport) -> str:
             f"most {solver.gap * solver.objective_ms:.3g} ms more recompute (the proven gap)")
 
 
-def _proof(solver: SolverReport) -> str:
-    """What the solver proved, and over which schedules: never a claim without its space."""
+def _proof(solver: SolverReport, short: bool = False) -> str:
+    """What the solver proved, and over which schedules: never a claim without its space
+    (``short``: the space by the field that states it, for one line of a summary)."""
+    space = solver.space or "its solver space (not recorded)"
+    if short and solver.space:
+        space = "its search space (plan.solver.space)"
     if solver.status == "optimal":
-        return f"optimal over {solver.space or 'its solver space (not recorded)'}"
+        return f"optimal over {space}"
     if solver.status == "infeasible":
         return "infeasible"
     if solver.gap is not None and solver.space:
-        return f"feasible, within {100 * solver.gap:.2f} % of the optimum over {solver.space}"
+        return f"feasible, within {100 * solver.gap:.2f} % of the optimum over {space}"
     return "feasible, no proven bound"

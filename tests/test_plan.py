@@ -323,6 +323,9 @@ def test_a_search_stopped_by_its_limit_says_what_a_longer_limit_could_buy(
             update={**base, **update})})
 
     stopped = solved()
+    # the space in one short line: the field that states it
+    assert ("feasible, within 25.00 % of the optimum over its search space "
+            "(plan.solver.space)") in stopped.summary()
     assert ("the search stopped at its 60 s limit: a longer time_limit_s can save at most "
             "0.5 ms more recompute (the proven gap)") in stopped.summary(), stopped.summary()
     unbounded = solved(gap=None, bound_ms=None, space="").summary()
