@@ -104,7 +104,7 @@ class PlanGuard:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # inference is not planned; compiled graphs were checked when traced
         self._check_inputs(args, kwargs)
-        self._check_precision()
+        self._check_precision(module)
         self._check_grads(module)
         if hasattr(self, "modules"):  # guards pickled before these checks have none
             self._check_model(module)
@@ -212,11 +212,14 @@ class PlanGuard:
                     f"{self.budget} budget holds only for the inputs planned. Plan with "
                     "these inputs (planner.optimize).")
 
-    def _check_precision(self) -> None:
+    def _check_precision(self, module: nn.Module) -> None:
         enabled = self.device_type != "meta" and torch.amp.is_autocast_available(
             self.device_type) and torch.is_autocast_enabled(self.device_type)
         dtype = str(torch.get_autocast_dtype(self.device_type)).removeprefix("torch.") \
             if enabled else None
+        around = _autocast_around_forward(module)
+        if dtype is None and around is not None and around.device == self.device_type:
+            dtype = str(around.fast_dtype).removeprefix("torch.")  # entered inside forward
         if dtype != self.autocast_dtype:
             planned = f"autocast {self.autocast_dtype}" if self.autocast_dtype else "no autocast"
             running = f"autocast {dtype}" if dtype else "no autocast"
@@ -224,6 +227,35 @@ class PlanGuard:
                 f"{self.model_name} was planned under {planned} but runs under {running}: "
                 f"activations change size, so the {self.budget} budget does not hold. "
                 "Plan with optimize(..., autocast=...) matching how you train.")
+
+
+def _autocast_around_forward(module: nn.Module) -> torch.autocast | None:
+    """The enabled ``torch.autocast`` a forward set on the instance enters around the
+    module's own (accelerate's mixed precision wraps ``model.forward`` so, and the Trainer's
+    bf16 with it), found through the wrappers' ``__wrapped__``, ``__func__`` and closures;
+    None when the forward is the class's or enters none. The guard's pre-hook runs before
+    that wrapper, so without this it would see no autocast where the step runs under one."""
+    todo, seen = [module.__dict__.get("forward")], set()
+    while todo and len(seen) < 32:
+        found = todo.pop()
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, torch.autocast):
+            return found if found._enabled else None
+        if not callable(found):
+            continue
+        todo += [getattr(found, name, None) for name in ("__wrapped__", "__func__",
+                                                          "model_forward")]
+        todo += [_contents(cell) for cell in getattr(found, "__closure__", None) or ()]
+    return None
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
 
 
 def _may_change_the_step(value: Any) -> bool:

@@ -68,3 +68,33 @@ def test_bf16_autocast_plans_hold_under_autocast(name: str) -> None:
         args = model.example_inputs
         model.model(**args) if isinstance(args, dict) else model.model(*args)
     remove(model.model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_autocast_the_models_own_forward_enters_is_the_one_checked(
+        dtype: torch.dtype) -> None:
+    """accelerate (and with it HF Trainer's bf16) runs mixed precision by wrapping
+    ``model.forward`` on the instance in ``torch.autocast``, inside which the guard's
+    pre-hook does not run: the autocast found in that wrapper is the one checked."""
+    import functools
+
+    model = zoo.get("mlp")
+    plan = _plan_at(model, 0.4, autocast=torch.bfloat16)
+    net = model.model
+    own = net.forward
+    # as accelerate wraps it: an autocast decorator, then a function that forwards to it
+    entered = torch.autocast("cpu", dtype=dtype)(own)
+    net.forward = functools.wraps(own)(lambda *args, **kwargs: entered(*args, **kwargs))
+    apply(net, plan)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.loss_fn(net(*model.example_inputs)).backward()
+        told = [str(w.message) for w in caught if w.category is PlanMismatchWarning]
+        if dtype == torch.bfloat16:
+            assert told == []
+        else:
+            assert len(told) == 1 and "runs under autocast float16" in told[0], told
+    finally:
+        remove(net)
+        del net.forward

@@ -1,0 +1,91 @@
+"""One switch for Hugging Face ``Trainer`` (and TRL's ``SFTTrainer``, a subclass):
+``Trainer(..., callbacks=[PlannedCheckpointing(budget_gb=70)])``.
+
+The callback plans on the trainer's own first batch, with the precision (``bf16``/``fp16``),
+gradient accumulation and optimizer the trainer will use, and installs the plan before the
+first step: at ``on_train_begin``, the first event that sees the optimizer and the data
+loader (``accelerator.prepare`` has run, which on one process leaves the model as it is).
+It refuses, when the trainer is built, what it cannot plan: the trainer's own
+``gradient_checkpointing`` (a plan replaces it; both would rerun each layer twice), and a
+run over several processes (FSDP or DDP wrap the model before ``on_train_begin``: plan with
+``optimize(..., world_size=..., sharding=...)`` and ``apply`` before building the trainer,
+`docs/recipes.md`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from planner.api import apply, optimize
+from planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlannedCheckpointing"]
+
+
+class PlannedCheckpointing(TrainerCallback):
+    """Plan and install activation checkpointing at ``budget_gb`` GiB per device when
+    training starts; ``plan`` holds the plan after that. Other keyword arguments go to
+    :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); those the
+    trainer decides (``autocast``, ``grad_accumulation``, ``optimizer``) come from it."""
+
+    def __init__(self, budget_gb: float, **optimize_options: Any) -> None:
+        decided = {"autocast", "grad_accumulation", "optimizer", "loss_fn"} & set(
+            optimize_options)
+        if decided:
+            raise TypeError(f"PlannedCheckpointing takes {sorted(decided)} from the Trainer "
+                            "(TrainingArguments bf16/fp16 and gradient_accumulation_steps, its "
+                            "optimizer and loss); set them there")
+        self.budget_gb = budget_gb
+        self.options = {"progress": False, **optimize_options}
+        self.plan: Plan | None = None
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        if args.gradient_checkpointing:
+            raise ValueError(
+                "PlannedCheckpointing plans activation checkpointing itself, and "
+                "TrainingArguments(gradient_checkpointing=True) would checkpoint every layer "
+                "again under it: set gradient_checkpointing=False")
+        if args.world_size > 1:
+            raise ValueError(
+                f"PlannedCheckpointing plans one process; this Trainer runs {args.world_size}, "
+                "whose model is wrapped (FSDP, DDP) before training starts. Plan before building "
+                "the Trainer: optimize(model, batch, budget_gb=..., world_size=..., "
+                "sharding=...), then apply(model, plan) (docs/recipes.md)")
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, *, model: torch.nn.Module | None = None,
+                       optimizer: torch.optim.Optimizer | None = None,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if model is None or train_dataloader is None:
+            raise RuntimeError("PlannedCheckpointing: the Trainer gave no model or data loader "
+                               "at on_train_begin; plan with optimize() and apply() instead")
+        batch = first_batch(train_dataloader)
+        self.plan = optimize(
+            model, batch, budget_gb=self.budget_gb, autocast=_autocast(args),
+            grad_accumulation=args.gradient_accumulation_steps > 1,
+            optimizer=getattr(optimizer, "optimizer", optimizer), **self.options)
+        apply(model, self.plan)
+        if state.is_world_process_zero:
+            log.info("%s", self.plan.summary())
+
+
+def first_batch(loader: Any) -> Any:
+    """The loader's first batch, leaving the random state as it was: taking it must not
+    change the order of the batches or the dropout masks training then sees."""
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(loader))
+
+
+def _autocast(args: TrainingArguments) -> torch.dtype | None:
+    if args.bf16:
+        return torch.bfloat16
+    if args.fp16:
+        return torch.float16
+    return None

@@ -1,0 +1,120 @@
+"""`planner.hf_trainer.PlannedCheckpointing`: one callback plans and installs checkpointing
+inside Hugging Face Trainer, and training is the trainer's own, within the budget."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from planner import InfeasibleBudgetError, Plan, PlanMismatchWarning, optimize, replan, zoo
+from planner.measure import PeakTracker
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from planner.hf_trainer import PlannedCheckpointing  # noqa: E402  (needs transformers)
+
+GIB = 2**30
+
+
+class StepPeaks(transformers.TrainerCallback):
+    """The peak allocated bytes of each training step (forward, backward, optimizer step),
+    counting the parameters, buffers, optimizer state and the batch for the whole step."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._tracker: PeakTracker | None = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, *, model: torch.nn.Module,
+                      optimizer: Any, **kwargs: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state_tensors = [t for s in inner.state.values() for t in s.values()
+                         if isinstance(t, torch.Tensor)]
+        self._tracker = PeakTracker([*model.parameters(), *model.buffers(), *state_tensors])
+        self._tracker.__enter__()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self._tracker is not None
+        self._tracker.__exit__(None, None, None)
+        self.peaks.append(self._tracker.peak_bytes)
+
+
+def _rows(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": row, "labels": row} for row in torch.cat([ids, ids.flip(0)])]
+
+
+def _train(model: torch.nn.Module, rows: list, out: Path, callbacks: list,
+           **args: Any) -> tuple[list[float], transformers.Trainer]:
+    arguments = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, **args)
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=rows,
+                                   callbacks=callbacks)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def _half_budget_gb(model: torch.nn.Module, batch: dict, **options: Any) -> float:
+    """Static memory plus half the activations of the trainer's step (AdamW over what
+    trains), or 2 % over the least budget a plan meets when that is more, in GiB."""
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    first = optimize(model, batch, budget_gb=1e3, timing="estimate", progress=False,
+                     optimizer=adamw, **options)
+    static = first.profile.static.total_bytes
+    half = static + (first.unplanned_peak_bytes - static) // 2
+    try:
+        return replan(first, budget_bytes=half).budget_bytes / GIB
+    except InfeasibleBudgetError as error:
+        return 1.02 * error.min_budget_gb
+
+
+@pytest.mark.parametrize("lora_bf16", [False, True], ids=["fp32", "lora-bf16"])
+def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
+        tmp_path: Path, lora_bf16: bool) -> None:
+    """With the callback, Trainer's steps run the plan made on its first batch, with its
+    precision and AdamW; each step peaks within the budget; losses and trained weights are
+    bit-identical to Trainer without it."""
+    base = zoo.get("hf-llama", batch=4)
+    model = base.model
+    if lora_bf16:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    unplanned = copy.deepcopy(model)
+    ids = base.example_inputs["input_ids"]
+    rows = _rows(ids)
+    precision = {"bf16": True} if lora_bf16 else {}
+    budget_gb = _half_budget_gb(model, {"input_ids": ids, "labels": ids},
+                                autocast=torch.bfloat16 if lora_bf16 else None)
+    switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, timing="estimate"), StepPeaks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)  # the step is the one planned
+        losses, _ = _train(model, rows, tmp_path / "planned", [switch, peaks], **precision)
+    plan = switch.plan
+    assert isinstance(plan, Plan) and plan.checkpointing
+    assert plan.autocast_dtype == ("bfloat16" if lora_bf16 else None)
+    assert plan.profile.static.optimizer_state_bytes > 0  # AdamW's state is counted
+    expected, _ = _train(unplanned, rows, tmp_path / "unplanned", [], **precision)
+    assert losses == expected and len(losses) == 2
+    for (name, a), (_, b) in zip(model.named_parameters(), unplanned.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    budget = plan.budget_bytes
+    assert max(peaks.peaks) <= budget, (peaks.peaks, budget, plan.predicted_peak_bytes)
+
+
+def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Path) -> None:
+    base = zoo.get("hf-llama", batch=4)
+    with pytest.raises(ValueError, match="gradient_checkpointing=False"):
+        _train(base.model, _rows(base.example_inputs["input_ids"]), tmp_path,
+               [PlannedCheckpointing(budget_gb=1.0)], gradient_checkpointing=True)
+
+
+def test_what_the_trainer_decides_is_not_an_option_of_the_switch() -> None:
+    with pytest.raises(TypeError, match="from the Trainer"):
+        PlannedCheckpointing(budget_gb=1.0, autocast=torch.bfloat16)
