@@ -27,9 +27,10 @@ USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, ProfileErr
 
 
 MODEL_HELP = ("zoo name (mlp, resnet, gpt, hf-gpt2, hf-llama), or module:attr for your own "
-              "model: a planner.zoo.ZooModel(name, model, example_inputs, loss_fn), or a "
-              "function or class that returns one (--set passes its arguments); an "
-              "nn.Module alone plans its own example batch (HF dummy_inputs)")
+              "model: a function returning (model, batch, loss_fn) (--set passes its "
+              "arguments), a planner.zoo.ZooModel(name, model, example_inputs, loss_fn) or a "
+              "function or class that returns one; an nn.Module alone plans its own example "
+              "batch (HF dummy_inputs)")
 
 
 def _load_model(spec: str, overrides: list[str]) -> Any:
@@ -68,9 +69,11 @@ def _load_model(spec: str, overrides: list[str]) -> Any:
                              "that builds one")
     if isinstance(built, nn.Module):
         built = zoo.ZooModel(spec, built, None, None)
+    elif isinstance(built, tuple) and 2 <= len(built) <= 3 and isinstance(built[0], nn.Module):
+        built = zoo.ZooModel(spec, *built, *[None] * (3 - len(built)))  # (model, batch[, loss])
     if not isinstance(built, zoo.ZooModel):
-        raise ValueError(f"{where} built a {type(built).__name__}, not an nn.Module or a "
-                         "planner.zoo.ZooModel")
+        raise ValueError(f"{where} built a {type(built).__name__}, not (model, batch, "
+                         "loss_fn), an nn.Module or a planner.zoo.ZooModel")
     from profiles.inputs import empty_input
 
     empty = empty_input(built.example_inputs)

@@ -174,3 +174,24 @@ def test_the_cli_says_the_device_and_timing_it_planned_for(capsys: pytest.Captur
     # offload was allowed and nothing is offloaded: the summary says so, and why
     assert "offload: allowed, none needed" in out, out
     assert Plan.load(tmp_path / "plan.json").host_budget_bytes
+
+
+def test_optimize_plans_a_users_own_model_from_a_build_function(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model pkg.mod:build`` where ``build()`` returns the model, a batch and the loss,
+    as the docs show it; ``--set`` passes build's arguments."""
+    (tmp_path / "my_model.py").write_text(
+        "import torch\n"
+        "from torch import nn\n\n\n"
+        "def build(batch=256):\n"
+        "    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU())\n"
+        "                            for _ in range(6)])\n"
+        "    return model, torch.randn(batch, 256), lambda out: out.square().mean()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "plan.json"
+    assert _run(["optimize", "--model", "my_model:build", "--set", "batch=512",
+                 "--budget-gb", str(7 / 1024), "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.checkpointing and plan.predicted_peak_bytes <= 7 * 2**20
+    assert plan.inputs[0].shape == [512, 256]
