@@ -77,7 +77,8 @@ CALLS_FIRST = 0.4
 # some models (fcn_resnet50: CP-SAT over module calls finds 0.40 ms, the DP over op ranges 0.69)
 LARGE_GRAPH_NODES = 2000
 LARGE_GRAPH_DP_SHARE = 0.8
-AFTER_A_GAP = 0.3  # of the limit, for CP-SAT after a DP answer with a gap (mid-size graphs)
+AFTER_A_GAP = 0.3  # of the limit, for CP-SAT after a DP answer with a gap (mid-size graphs),
+AFTER_A_GAP_MAX_S = 6.0  # and at most this: the proofs it finds come in 1 to 5 s, or not at all
 
 
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
@@ -110,7 +111,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     # finds a schedule there); on mid-size graphs CP-SAT, warm-started with it, may find a
     # faster one in its smaller space (nothing or matmuls kept per region) and prove it
     # there: ResNet-50 at 50 %, 0.3617 ms proven in about 1 s where the DP's 0.3644 ms had a
-    # 28 % gap; it then gets `AFTER_A_GAP` of the limit, the rest being rarely used
+    # 28 % gap; it then gets `AFTER_A_GAP` of the limit (at most `AFTER_A_GAP_MAX_S`): the
+    # rest would rarely be used
     bounded = d.feasible and d.gap is not None and problem.n_nodes > 200
     gap_left = bounded and d.gap > 0
     chain_done = bounded and (not gap_left or problem.n_nodes > LARGE_GRAPH_NODES)
@@ -120,7 +122,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
         # then improves a feasible point and proves a bound instead of searching blind
         start = min([d, *base], key=_rank)
         exact.append(cpsat.solve(problem, budget_bytes,
-                                 min(left, AFTER_A_GAP * time_limit_s) if gap_left else left,
+                                 min(left, AFTER_A_GAP * time_limit_s, AFTER_A_GAP_MAX_S)
+                                 if gap_left else left,
                                  hint=start.schedule if start.feasible else d.schedule))
     best = min(exact + base, key=_rank)
     if not best.feasible:

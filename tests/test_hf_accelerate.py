@@ -37,8 +37,8 @@ def _budget_gb(model: torch.nn.Module, batch: dict, optimizer: Any, **options: A
                      progress=False, **options)
     static = first.profile.static.total_bytes
     try:
-        return replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2
-                      ).budget_bytes / GIB
+        return replan(first, budget_bytes=static + (first.unplanned_peak_bytes - static) // 2,
+                      time_limit_s=10).budget_bytes / GIB
     except InfeasibleBudgetError as error:
         return 1.02 * error.min_budget_gb
 

@@ -68,7 +68,7 @@ def _half_budget_gb(model: torch.nn.Module, batch: dict, **options: Any) -> floa
     static = first.profile.static.total_bytes
     half = static + (first.unplanned_peak_bytes - static) // 2
     try:
-        return replan(first, budget_bytes=half).budget_bytes / GIB
+        return replan(first, budget_bytes=half, time_limit_s=10).budget_bytes / GIB
     except InfeasibleBudgetError as error:
         return 1.02 * error.min_budget_gb
 

@@ -150,4 +150,4 @@ def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
         assert asked == []
         return
     assert [hint for _, hint in asked] == [with_gap.schedule]
-    assert 0 < asked[0][0] <= auto.AFTER_A_GAP * 20.0
+    assert 0 < asked[0][0] <= min(auto.AFTER_A_GAP * 20.0, auto.AFTER_A_GAP_MAX_S)
