@@ -103,7 +103,7 @@ def test_budget_below_minimum_names_a_minimum_that_works() -> None:
     model = zoo.get("gpt", size="tiny")
     with pytest.raises(InfeasibleBudgetError, match=r"lowest peak found is [\d.]+ MiB") as info:
         optimize(model.model, model.example_inputs, budget_gb=1e-4, loss_fn=model.loss_fn,
-                 progress=False)
+                 progress=False, time_limit_s=10)
     error = info.value
     assert error.min_budget_bytes > 1e-4 * GIB
     assert error.lower_bound_bytes is None or error.lower_bound_bytes <= error.min_budget_bytes

@@ -75,10 +75,20 @@ def _half_budget_gb(model: torch.nn.Module, batch: dict, **options: Any) -> floa
 
 @pytest.mark.parametrize("lora_bf16", [False, True], ids=["fp32", "lora-bf16"])
 def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
-        tmp_path: Path, lora_bf16: bool) -> None:
+        tmp_path: Path, lora_bf16: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the callback, Trainer's steps run the plan made on its first batch, with its
-    precision and AdamW; each step peaks within the budget; losses and trained weights are
-    bit-identical to Trainer without it."""
+    precision and AdamW, its checkpoints rerunning inside them; each step peaks within the
+    budget; losses and trained weights are bit-identical to Trainer without it."""
+    import planner.emit
+
+    reruns: list[int] = []
+    real_checkpoint = planner.emit.checkpoint
+
+    def counting_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        reruns.append(1)
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(planner.emit, "checkpoint", counting_checkpoint)
     base = zoo.get("hf-llama", batch=4)
     model = base.model
     if lora_bf16:
@@ -97,6 +107,7 @@ def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
         losses, _ = _train(model, rows, tmp_path / "planned", [switch, peaks], **precision)
     plan = switch.plan
     assert isinstance(plan, Plan) and plan.checkpointing
+    assert reruns, "Trainer's steps did not run the plan's checkpoints"
     assert plan.autocast_dtype == ("bfloat16" if lora_bf16 else None)
     assert plan.profile.static.optimizer_state_bytes > 0  # AdamW's state is counted
     expected, _ = _train(unplanned, rows, tmp_path / "unplanned", [], **precision)

@@ -47,58 +47,6 @@ def test_lora_model_plans_and_trains_within_budget() -> None:
     assert not checkpointed_modules(model)
 
 
-def test_hf_trainer_trains_the_planned_lora_model_like_the_unplanned_one(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
-    """HF Trainer (AdamW, its own data loader and loss call) on the planned model: the
-    plan's checkpoints run inside Trainer's steps, and the losses and trained weights are
-    bit-identical to Trainer on the unplanned model."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    import copy
-
-    import torch
-
-    import planner.emit
-
-    base = zoo.get("hf-llama", batch=4)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                           task_type="CAUSAL_LM")
-    planned = peft.get_peft_model(base.model, lora)
-    unplanned = copy.deepcopy(planned)
-    ids = base.example_inputs["input_ids"]
-    first = optimize(planned, {"input_ids": ids, "labels": ids}, budget_gb=1e3,
-                     timing="estimate", progress=False)
-    plan = _half_of_the_activations(first)
-    apply(planned, plan)
-
-    reruns = []
-    real_checkpoint = planner.emit.checkpoint
-
-    def counting_checkpoint(*args: object, **kwargs: object) -> object:
-        reruns.append(1)
-        return real_checkpoint(*args, **kwargs)
-
-    monkeypatch.setattr(planner.emit, "checkpoint", counting_checkpoint)
-    rows = [{"input_ids": row, "labels": row} for row in torch.cat([ids, ids.flip(0)])]
-
-    def train(model: torch.nn.Module, out: str) -> list[float]:
-        args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=ids.shape[0], max_steps=2,
-            learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-            use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-    losses = train(planned, f"{tmp_path}/planned")
-    assert reruns, "Trainer's steps did not run the plan's checkpoints"
-    assert checkpointed_modules(planned)  # Trainer left the plan installed
-    assert losses == train(unplanned, f"{tmp_path}/unplanned") and len(losses) == 2
-    for (name, a), (_, b) in zip(planned.named_parameters(), unplanned.named_parameters(),
-                                 strict=True):
-        assert torch.equal(a, b), name
-
-
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_hf_gradient_checkpointing_already_on_is_refused(wrapped: bool) -> None:
     """HF's own checkpointing nested under a plan would double the reruns; it is found on
