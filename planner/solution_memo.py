@@ -53,8 +53,5 @@ class SolutionMemo:
         with self._lock:
             self._answers.clear()
 
-    def __len__(self) -> int:
-        return len(self._answers)
-
 
 ANSWERS = SolutionMemo()
