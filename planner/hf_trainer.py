@@ -21,6 +21,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from planner.api import apply, optimize
+from planner.loader import first_batch
 from planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,6 @@ class PlannedCheckpointing(TrainerCallback):
         apply(model, self.plan)
         if state.is_world_process_zero:
             log.info("%s", self.plan.summary())
-
-
-def first_batch(loader: Any) -> Any:
-    """The loader's first batch, leaving the random state as it was: taking it must not
-    change the order of the batches or the dropout masks training then sees."""
-    with torch.random.fork_rng(devices=[]):
-        return next(iter(loader))
 
 
 def _autocast(args: TrainingArguments) -> torch.dtype | None:

@@ -1,0 +1,202 @@
+"""One switch for Lightning: ``Trainer(..., callbacks=[PlannedCheckpointing(budget_gb=8)])``,
+and :func:`plan_in_configure_model` for ``configure_model`` under ``ModelParallelStrategy``.
+
+Lightning's step is the module's ``training_step(batch, batch_idx)``, not ``model(inputs)``:
+what is planned is that method on the trainer's first batch, seen as the forward of a small
+wrapper (:class:`TrainingStep`) whose children are the LightningModule's own modules. The
+plan's checkpoints sit on those modules; the wrapper's plan guard runs at each step because
+the module's ``training_step`` is, on the instance, the wrapper's call.
+
+The callback plans at ``on_fit_start``: the strategy has moved the model to its device and
+built the optimizers, and the data loader is known. ``self.log`` is silent while planning
+(the planned steps are not training steps). The step is planned with ``.grad`` allocated
+when it starts: Lightning zeroes gradients after ``training_step``, so each forward but the
+first runs beside the last step's gradients. Refused: the strategy's own activation
+checkpointing, manual optimization (the step is not one backward), and a run over several
+processes (the strategy wraps the model before ``on_fit_start``: plan in ``configure_model``
+with :func:`plan_in_configure_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.api import apply, optimize, replan
+from planner.loader import first_batch
+from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlannedCheckpointing", "TrainingStep", "plan_in_configure_model"]
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_DECIDED = frozenset({"autocast", "grad_accumulation", "loss_fn"})
+
+
+class TrainingStep(nn.Module):
+    """``training_step`` of a LightningModule as a forward over the batch's tensors, so
+    that the planner profiles, checks and checkpoints the step Lightning runs."""
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self.module = module
+        self._step = type(module).training_step.__get__(module)
+        self._spec: Any = None
+        self._batch_idx = 0
+
+    def forward(self, *leaves: Any) -> Any:
+        return self._step(tree_unflatten(list(leaves), self._spec), self._batch_idx)
+
+    def leaves(self, batch: Any, batch_idx: int = 0) -> tuple[Any, ...]:
+        """The batch's leaves as this forward takes them (and how to rebuild the batch)."""
+        leaves, self._spec = tree_flatten(batch)
+        self._batch_idx = batch_idx
+        return tuple(leaves)
+
+    def run(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        """What ``module.training_step`` is once planned: the step, under the plan's guard."""
+        if rest:
+            return self._step(batch, batch_idx, *rest)
+        return self(*self.leaves(batch, batch_idx))
+
+
+def _loss(output: Any) -> torch.Tensor:
+    loss = output["loss"] if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("the LightningModule's training_step returned no loss tensor (nor a "
+                        f"dict with 'loss'), but {type(output).__name__}: nothing to plan")
+    return loss
+
+
+@contextlib.contextmanager
+def _quiet_logging(module: LightningModule) -> Iterator[None]:
+    """``self.log`` outside Lightning's loop raises; planning runs the step outside it."""
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
+    precision = str(trainer.precision)
+    if precision not in _AUTOCAST and "mixed" in precision:
+        raise ValueError(f"PlannedCheckpointing plans precision '32-true', 'bf16-mixed', "
+                         f"'16-mixed' or a '-true' precision, not {precision!r}")
+    # Lightning's automatic optimization zeroes gradients after training_step's forward,
+    # so every step but the first runs its forward with the last step's .grad allocated
+    return {"autocast": _AUTOCAST.get(precision), "grad_accumulation": True}
+
+
+def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
+               settings: dict[str, Any], options: dict[str, Any]) -> Plan:
+    """Plan and install ``module``'s training step on ``batch`` (module docstring)."""
+    if not module.automatic_optimization:
+        raise ValueError("Planned checkpointing plans Lightning's automatic optimization (one "
+                         "backward of the loss training_step returns); this module sets "
+                         "automatic_optimization=False: plan its model with optimize()")
+    step = getattr(module.training_step, "__self__", None)
+    if not isinstance(step, TrainingStep):  # planned before: the same wrapper plans again
+        step = TrainingStep(module)
+    per_rank = options.get("parallelize") is not None
+    options = {"progress": False, **options}
+    with _quiet_logging(module):
+        plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
+                        **{**settings, "grad_accumulation": settings["grad_accumulation"]
+                           and not per_rank}, **options)
+    if per_rank and plan.checkpointing:
+        plan = _room_for_last_gradients(plan, options)
+    apply(step, plan)
+    module.training_step = step.run
+    return plan
+
+
+def _room_for_last_gradients(plan: Plan, options: dict[str, Any]) -> Plan:
+    """A rank's plan is made for a step that starts with no gradients (per-rank planning
+    has no other), but Lightning frees the last step's sharded gradients only after the
+    forward: plan for the budget less those, so that the forward beside them fits too."""
+    grads = plan.profile.static.grad_bytes
+    try:
+        return replan(plan, budget_bytes=plan.budget_bytes - grads,
+                      time_limit_s=options.get("time_limit_s", 60.0),
+                      offload=options.get("offload", False),
+                      op_ranges=options.get("op_ranges", True))
+    except InfeasibleBudgetError as error:
+        least = error.min_budget_bytes + grads
+        raise InfeasibleBudgetError(
+            f"No plan of this rank's Lightning step fits {format_bytes(plan.budget_bytes)} "
+            f"with the last step's {format_bytes(grads)} of sharded gradients beside its "
+            f"forward; the least that fits is {format_bytes(least)}: budget_gb={least / GIB!r}"
+            f"\n{error}", least) from error
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    decided = _DECIDED & set(options)
+    if decided:
+        raise TypeError(f"Lightning decides {sorted(decided)} (Trainer precision and "
+                        "accumulate_grad_batches, the module's training_step); set them there")
+
+
+class PlannedCheckpointing(Callback):
+    """Plan and install activation checkpointing at ``budget_gb`` GiB per device when
+    fitting starts; ``plan`` holds the plan after that. Other keyword arguments go to
+    :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); precision,
+    gradient accumulation, the optimizer and the loss come from the trainer and module."""
+
+    def __init__(self, budget_gb: float, **optimize_options: Any) -> None:
+        _check_options(optimize_options)
+        self.budget_gb = budget_gb
+        self.options = optimize_options
+        self.plan: Plan | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if getattr(trainer.strategy, "_activation_checkpointing_kwargs", None):
+            raise ValueError("PlannedCheckpointing plans activation checkpointing itself; the "
+                             "strategy's activation_checkpointing_policy would checkpoint its "
+                             "modules again under it: leave that policy unset")
+        if trainer.world_size > 1:
+            raise ValueError(
+                f"PlannedCheckpointing plans one process; this Trainer runs "
+                f"{trainer.world_size}, whose model the strategy wraps before fitting starts. "
+                "Plan in configure_model: planner.lightning.plan_in_configure_model(self, "
+                "batch, budget_gb=..., parallelize=...) before fully_shard (docs/recipes.md)")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.fit_loop.setup_data()
+        batch = trainer.strategy.batch_to_device(first_batch(trainer.train_dataloader))
+        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        self.plan = _plan_step(pl_module, batch, self.budget_gb, _trainer_settings(trainer),
+                               {"optimizer": optimizer, **self.options})
+        if trainer.is_global_zero:
+            log.info("%s", self.plan.summary())
+
+
+def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: float,
+                            parallelize: Any = None, **optimize_options: Any) -> Plan:
+    """Plan ``module.training_step`` on ``batch`` (one rank's) at ``budget_gb`` GiB per
+    rank, install the plan and return it; call it in ``configure_model`` before sharding.
+
+    ``parallelize(model, mesh)``, when given, is what ``configure_model`` then does to the
+    model (``fully_shard``, ``parallelize_module``): the plan is made for the step each rank
+    runs over the strategy's device mesh (its shape and dimension names), as
+    :func:`planner.optimize`'s ``parallelize`` (its first argument is the wrapper whose
+    ``module`` is this LightningModule). The optimizer is not built yet here: pass
+    ``optimizer=`` to count its state."""
+    _check_options(optimize_options)
+    trainer = module.trainer
+    options = dict(optimize_options)
+    if parallelize is not None:
+        mesh = module.device_mesh
+        options.update(parallelize=lambda step, mesh: parallelize(step.module, mesh),
+                       mesh_shape=tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+    return _plan_step(module, batch, budget_gb, _trainer_settings(trainer), options)

@@ -1,0 +1,198 @@
+"""`planner.lightning`: one callback plans and installs checkpointing inside Lightning's
+Trainer (its ``training_step``, precision and optimizer), and training is Lightning's own,
+within the budget; `plan_in_configure_model` does it under ``ModelParallelStrategy``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from planner import InfeasibleBudgetError, Plan, PlanMismatchWarning, optimize, replan, zoo
+from planner.measure import PeakTracker
+
+pl = pytest.importorskip("lightning.pytorch")
+from planner.lightning import (  # noqa: E402  (needs lightning)
+    PlannedCheckpointing,
+    TrainingStep,
+    plan_in_configure_model,
+)
+
+GIB = 2**30
+
+
+class CausalLM(pl.LightningModule):
+    """A Lightning module as users write one: a Hugging Face model inside, the loss from
+    ``training_step`` (a dict batch), ``self.log`` in the step, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, plan_gb: float | None = None,
+                 batch: Any = None) -> None:
+        super().__init__()
+        self.model = model
+        self.plan_gb, self.batch, self.plan = plan_gb, batch, None
+
+    def configure_model(self) -> None:
+        """As under ``ModelParallelStrategy``: plan, then shard each decoder layer."""
+        if self.device_mesh is None:  # another strategy
+            return
+        if self.plan_gb is not None and self.plan is None:
+            self.plan = plan_in_configure_model(self, self.batch, budget_gb=self.plan_gb,
+                                                parallelize=shard_layers,
+                                                timing="estimate", time_limit_s=10)
+        shard_layers(self, self.device_mesh)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def shard_layers(module: pl.LightningModule, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+
+
+class StepPeaks(pl.Callback):
+    """The peak allocated bytes of each training batch (forward, backward, optimizer step)
+    with the parameters, buffers and optimizer state counted, and its loss."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.losses: list[float] = []
+        self._tracker: PeakTracker | None = None
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+        state = [t for s in trainer.optimizers[0].state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        self._tracker = PeakTracker([*module.parameters(), *module.buffers(), *state])
+        self._tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        assert self._tracker is not None
+        self._tracker.__exit__(None, None, None)
+        self.peaks.append(self._tracker.peak_bytes)
+        self.losses.append(outputs["loss"].item())
+
+
+def _rows(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": row, "labels": row} for row in torch.cat([ids, ids.flip(0)])]
+
+
+def _fit(module: pl.LightningModule, rows: list, callbacks: list, **options: Any) -> None:
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, **options)
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=4))
+
+
+def _half_budget_gb(model: torch.nn.Module, batch: dict, adamw: bool = True,
+                    **options: Any) -> float:
+    """Static memory plus half the activations of Lightning's step with AdamW (gradients
+    allocated when it starts), or 2 % over the least budget a plan meets when that is
+    more, in GiB."""
+    first = optimize(model, batch, budget_gb=1e3, timing="estimate", progress=False,
+                     optimizer=torch.optim.AdamW(model.parameters()) if adamw else None,
+                     grad_accumulation=True,
+                     **options)
+    static = first.profile.static.total_bytes
+    half = static + (first.unplanned_peak_bytes - static) // 2
+    try:
+        return replan(first, budget_bytes=half, time_limit_s=10).budget_bytes / GIB
+    except InfeasibleBudgetError as error:
+        return 1.02 * error.min_budget_gb
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_callback_plans_training_step_and_trains_like_lightning(
+        precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the callback, Lightning's steps run the plan made on its first batch with its
+    precision and AdamW, checkpoints rerunning inside; each step peaks within the budget;
+    losses and trained weights are bit-identical to Lightning without it."""
+    import planner.emit
+
+    reruns: list[int] = []
+    real_checkpoint = planner.emit.checkpoint
+    monkeypatch.setattr(planner.emit, "checkpoint",
+                        lambda *a, **k: reruns.append(1) or real_checkpoint(*a, **k))
+    base = zoo.get("hf-llama", batch=4)
+    ids = base.example_inputs["input_ids"]
+    planned, unplanned = CausalLM(base.model), CausalLM(copy.deepcopy(base.model))
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    budget_gb = _half_budget_gb(base.model, {"input_ids": ids, "labels": ids},
+                                autocast=autocast)
+    switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, timing="estimate"), StepPeaks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)  # the step is the one planned
+        _fit(planned, _rows(ids), [switch, peaks], precision=precision)
+    plan = switch.plan
+    assert isinstance(plan, Plan) and plan.checkpointing and reruns
+    assert plan.autocast_dtype == ("bfloat16" if autocast else None)
+    assert plan.profile.static.optimizer_state_bytes > 0  # AdamW's state is counted
+    assert isinstance(planned.training_step.__self__, TrainingStep)
+    expected = StepPeaks()
+    _fit(unplanned, _rows(ids), [expected], precision=precision)
+    assert peaks.losses == expected.losses and len(peaks.losses) == 2
+    for (name, a), (_, b) in zip(planned.named_parameters(), unplanned.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    assert max(peaks.peaks) <= plan.budget_bytes, (peaks.peaks, plan.predicted_peak_bytes)
+
+
+def test_a_changed_batch_is_named_at_the_step() -> None:
+    """The plan's guard runs at Lightning's steps: a batch longer than planned warns."""
+    base = zoo.get("hf-llama", batch=4)
+    ids = base.example_inputs["input_ids"]
+    module = CausalLM(base.model)
+    _fit(module, _rows(ids), [PlannedCheckpointing(budget_gb=1.0, timing="estimate")])
+    longer = torch.cat([ids, ids], dim=1)
+    module.log = lambda *args, **kwargs: None  # outside Lightning's loop
+    with pytest.warns(PlanMismatchWarning, match="input_ids|larger|shape"):
+        module.training_step({"input_ids": longer, "labels": longer}, 0)
+
+
+def test_lightnings_own_checkpointing_or_manual_optimization_is_refused() -> None:
+    base = zoo.get("hf-llama", batch=4)
+    rows = _rows(base.example_inputs["input_ids"])
+    module = CausalLM(base.model)
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic_optimization=False"):
+        _fit(module, rows, [PlannedCheckpointing(budget_gb=1.0)])
+    with pytest.raises(TypeError, match="Lightning decides"):
+        PlannedCheckpointing(budget_gb=1.0, autocast=torch.bfloat16)
+
+
+def test_plan_in_configure_model_under_model_parallel_strategy() -> None:
+    """``configure_model`` plans the module's step before any sharding, under Lightning's
+    ``ModelParallelStrategy`` (one CPU process over gloo); training matches the unplanned
+    module's bit for bit."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    base = zoo.get("hf-llama", batch=4)
+    ids = base.example_inputs["input_ids"]
+    batch = {"input_ids": ids, "labels": ids}
+    grads = sum(p.numel() * p.element_size() for p in base.model.parameters())
+    planned = CausalLM(base.model, batch=batch,  # room for the last step's gradients
+                       plan_gb=_half_budget_gb(base.model, batch, adamw=False) + grads / GIB)
+    unplanned = CausalLM(copy.deepcopy(base.model))
+    seen, expected = StepPeaks(), StepPeaks()
+    for module, callback in ((planned, seen), (unplanned, expected)):
+        try:
+            _fit(module, _rows(ids), [callback], strategy=ModelParallelStrategy())
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    assert isinstance(planned.plan, Plan) and planned.plan.checkpointing
+    assert planned.plan.profile.parallel is not None  # each rank's sharded step
+    assert seen.losses == expected.losses and len(seen.losses) == 2
+    optimizer_state = sum(t.numel() * t.element_size() for p in planned.parameters()
+                          for t in (p, p))  # AdamW's exp_avg and exp_avg_sq, not planned
+    assert max(seen.peaks) <= planned.plan_gb * GIB + optimizer_state
