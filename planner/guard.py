@@ -168,7 +168,8 @@ class PlanGuard:
                 continue
             if dtype != was[1]:
                 return f"{name!r} is {dtype}, planned {was[1]} (e.g. .to(dtype) after apply)"
-            if device != was[2] and device not in self.devices:
+            if device != was[2] and device not in self.devices and was[2] != "meta":
+                # (a model planned on the meta device is materialised on a real one)
                 return f"{name!r} is on {device}, planned on {was[2]}"
         gone = [name for name in self.tensors if name not in now]
         return f"{gone[0]!r} was removed" if gone else ""

@@ -86,9 +86,23 @@ def _training_mode(model: nn.Module) -> Iterator[bool]:
 
 
 def _refuse_existing_checkpointing(model: nn.Module) -> None:
-    """HF's own checkpointing on the model or a wrapped one (PEFT) would nest with a plan."""
-    for module in model.modules():
+    """HF's own checkpointing on the model or a wrapped one (PEFT), or torch's
+    ``checkpoint_wrapper`` (torchtitan's ``FullAC``/``SelectiveAC``, FSDP's and Lightning's
+    policies), would nest with a plan."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            ActivationWrapper,
+        )
+    except ImportError:  # torch built without distributed
+        ActivationWrapper = ()
+    for path, module in model.named_modules():
         cls = type(module)
+        if isinstance(module, ActivationWrapper):
+            raise ValueError(
+                f"{path or 'the model'} is already wrapped by torch's {cls.__name__} "
+                "(checkpoint_wrapper: torchtitan's FullAC or SelectiveAC, an FSDP or Lightning "
+                "activation_checkpointing_policy); a plan replaces it. Build the model without "
+                "that checkpointing (activation_checkpoint=None in torchtitan), then plan.")
         flag = ("is_activation_checkpointing" if hasattr(cls, "is_activation_checkpointing")
                 else "is_gradient_checkpointing" if hasattr(cls, "is_gradient_checkpointing")
                 else None)  # transformers 5 renamed it
