@@ -404,6 +404,7 @@ class Plan(_Strict):
                          f"{self.profile.execution} tensors for {self.profile.device})")
         if self.note:
             lines.append(f"  {self.note}")
+        lines.extend(self._next_steps())
         lines.append(f"  {'nodes':<14} {'mode':<10} {'kept':>5}  module")
         for region in self.regions:
             lines.append(f"  [{region.start:>4}, {region.stop:>4}) {region.mode:<10} "
@@ -415,6 +416,28 @@ class Plan(_Strict):
                 lines.append(f"      nested [{child.start}, {child.stop}) keep "
                              f"{len(child.kept)}  {_module_label(child.module)}")
         return "\n".join(lines)
+
+    def _next_steps(self) -> list[str]:
+        """What to try next, in the simulator's numbers: the budget that needs no recompute,
+        how low fixed schedules and any schedule go, offload; or the budget left unused."""
+        from solvers.baselines import policy_schedule
+        from solvers.bounds import memory_lower_bound
+        from solvers.from_profile import host_link
+        from solvers.simulate import simulate
+
+        if not self.checkpointing:
+            spare = self.budget_bytes - self.unplanned_peak_bytes
+            return [f"  next: {format_bytes(spare)} of the budget is unused; a bigger batch "
+                    "may fit (plan it to know)"] if spare > 0 and not self.offloads else []
+        problem = self.problem()
+        every = simulate(problem, policy_schedule("every-layer", problem)).peak_bytes
+        hints = [f"no recompute at a {format_bytes(self.unplanned_peak_bytes)} budget"]
+        if every < self.predicted_peak_bytes:
+            hints.append(f"every block checkpointed peaks at {format_bytes(every)}")
+        hints.append(f"no schedule below {format_bytes(memory_lower_bound(problem))}")
+        if self.host_budget_bytes is None and host_link(self.profile.device) is not None:
+            hints.append("offload=True may trade recompute for copies to host memory")
+        return [f"  next: {'; '.join(hints)}"]
 
     def _offload_lines(self) -> list[str]:
         offloads = self.offloads

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from planner import Plan, PlanMismatchError, apply, optimize, remove, zoo
+from planner import Plan, PlanMismatchError, apply, optimize, remove, replan, zoo
 from planner.api import region_specs
 from planner.emit import (
     OpStreamWarning,
@@ -27,7 +27,7 @@ from planner.emit import (
     install_checkpoints,
     remove_checkpoints,
 )
-from planner.plan import FileFormatError
+from planner.plan import FileFormatError, format_bytes
 from profiles import GraphProfile
 from solvers import ModuleCall
 
@@ -274,7 +274,7 @@ def test_a_profile_file_that_is_not_one_names_the_file(tmp_path: Path) -> None:
 def test_a_plan_allowed_to_offload_says_why_it_offloads_nothing(plan: Plan,
                                                                 tmp_path: Path) -> None:
     assert not plan.offloads and plan.checkpointing
-    assert "offload" not in plan.summary()  # not allowed: nothing to say
+    assert "offload:" not in plan.summary()  # not allowed: no offload line
     allowed = plan.model_copy(update={"host_budget_bytes": 2**30})
     assert ("offload: allowed (host budget 1.000 GiB), but no call is offloaded"
             in allowed.summary()), allowed.summary()
@@ -285,6 +285,26 @@ def test_a_plan_allowed_to_offload_says_why_it_offloads_nothing(plan: Plan,
     del data["host_budget_bytes"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert Plan.load(tmp_path / "old.json") == plan
+
+
+def test_the_summary_says_what_to_try_next_in_the_simulators_numbers(
+        plan: Plan, model: zoo.ZooModel) -> None:
+    """A tight plan names the budget that needs no recompute, how low every block
+    checkpointed and any schedule go, and offload; a loose one the budget left unused."""
+    from solvers.baselines import policy_schedule
+    from solvers.bounds import memory_lower_bound
+    from solvers.simulate import simulate
+
+    problem = plan.problem()
+    every = simulate(problem, policy_schedule("every-layer", problem)).peak_bytes
+    line = next(x for x in plan.summary().splitlines() if x.strip().startswith("next:"))
+    assert format_bytes(plan.unplanned_peak_bytes) in line
+    assert format_bytes(memory_lower_bound(problem)) in line
+    assert (format_bytes(every) in line) == (every < plan.predicted_peak_bytes)
+    assert "offload=True" in line  # an H100 has a host link
+    loose = replan(plan, budget_bytes=plan.unplanned_peak_bytes + 2**20)
+    spare = format_bytes(loose.budget_bytes - loose.unplanned_peak_bytes)
+    assert f"next: {spare} of the budget is unused" in loose.summary()
 
 
 def test_a_plan_file_checkpointing_both_calls_of_one_module_is_refused_by_name(
