@@ -52,7 +52,8 @@ class PlannedCheckpointing(TrainerCallback):
             raise ValueError(
                 "PlannedCheckpointing plans activation checkpointing itself, and "
                 "TrainingArguments(gradient_checkpointing=True) would checkpoint every layer "
-                "again under it: set gradient_checkpointing=False")
+                "again under it: set gradient_checkpointing=False (TRL's SFTConfig turns it on "
+                "by default)")
         if args.world_size > 1:
             raise ValueError(
                 f"PlannedCheckpointing plans one process; this Trainer runs {args.world_size}, "
@@ -67,14 +68,44 @@ class PlannedCheckpointing(TrainerCallback):
         if model is None or train_dataloader is None:
             raise RuntimeError("PlannedCheckpointing: the Trainer gave no model or data loader "
                                "at on_train_begin; plan with optimize() and apply() instead")
-        batch = first_batch(train_dataloader)
+        inputs, loss_fn = _the_trainers_step(args, model, first_batch(train_dataloader))
         self.plan = optimize(
-            model, batch, budget_gb=self.budget_gb, autocast=_autocast(args),
+            model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args), loss_fn=loss_fn,
             grad_accumulation=args.gradient_accumulation_steps > 1,
             optimizer=getattr(optimizer, "optimizer", optimizer), **self.options)
         apply(model, self.plan)
         if state.is_world_process_zero:
             log.info("%s", self.plan.summary())
+
+
+def _the_trainers_step(args: TrainingArguments, model: torch.nn.Module,
+                       batch: dict) -> tuple[dict, Any]:
+    """The model call and loss a training step makes: ``model(**batch).loss`` for Trainer.
+    TRL's SFTTrainer (``trl.SFTTrainer.compute_loss``) calls the model with
+    ``use_cache=False, fused_lm_head=True`` (the LM head it fuses on the model in its
+    constructor: per-token log-probabilities, never the full logits) and takes the loss
+    from their sum."""
+    if type(args).__name__ != "SFTConfig" or not _forward_takes(model, "fused_lm_head"):
+        return batch, None
+    return {**batch, "use_cache": False, "fused_lm_head": True}, _fused_head_loss
+
+
+def _forward_takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the forward set on the instance (under accelerate's wrappers) names
+    ``argument``."""
+    forward = vars(model).get("forward")
+    for _ in range(8):
+        code = getattr(forward, "__code__", None)
+        if code is not None and argument in code.co_varnames:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return False
+    return False
+
+
+def _fused_head_loss(outputs: Any) -> torch.Tensor:
+    return -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
 
 
 def _autocast(args: TrainingArguments) -> torch.dtype | None:

@@ -298,8 +298,13 @@ class _ForwardRecorder(RuntimeAwareMode):
             elif sid is None:
                 sid = self.storages.add(tensor, "constant", None, "constant")
             if to_last:
-                self.records[last].saved.append(sid)
-                self.records[last].packed_after_running = True
+                record = self.records[last]
+                record.saved.append(sid)
+                record.packed_after_running = True
+                if sid not in record.reads and sid not in record.new_storages:
+                    # a custom Function's ctx.save_for_backward of a tensor made before its
+                    # last op: that op's save holds it, as if it read it
+                    record.reads.append(sid)
             else:
                 upcoming.append(sid)
         self.pending.clear()

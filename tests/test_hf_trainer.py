@@ -129,3 +129,64 @@ def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Pat
 def test_what_the_trainer_decides_is_not_an_option_of_the_switch() -> None:
     with pytest.raises(TypeError, match="from the Trainer"):
         PlannedCheckpointing(budget_gb=1.0, autocast=torch.bfloat16)
+
+
+def _word_tokenizer() -> Any:
+    """A tokenizer built in memory (no download): whitespace-split words w0 .. w999."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(1000))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+def test_the_switch_in_trls_sft_trainer(tmp_path: Path) -> None:
+    """TRL's SFTTrainer (a Trainer) with the switch: its collated text batches planned and
+    trained bit-identically to SFTTrainer without it, every step within the budget."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    generator = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{j}" for j in torch.randint(1000, (15,), generator=generator).tolist())
+             for _ in range(8)]
+    data = datasets.Dataset.from_dict({"text": texts})
+    base = zoo.get("hf-llama", batch=4)
+    unplanned = copy.deepcopy(base.model)
+
+    def train(model: torch.nn.Module, out: str, callbacks: list, **options: Any) -> list[float]:
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=4,
+                             max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                             dataloader_num_workers=0, **options)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=data,
+                                 processing_class=_word_tokenizer(), callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    # the budget: halfway into SFTTrainer's own step (its fused LM head), planned unbounded
+    probe = PlannedCheckpointing(budget_gb=1e3, timing="estimate")
+    train(copy.deepcopy(unplanned), "probe", [probe], gradient_checkpointing=False)
+    first = probe.plan
+    assert first is not None and "fused_lm_head" in [i.name for i in first.inputs]
+    static = first.profile.static.total_bytes
+    try:
+        budget_gb = replan(first, budget_bytes=(static + first.unplanned_peak_bytes) // 2,
+                           time_limit_s=10).budget_bytes / GIB
+    except InfeasibleBudgetError as error:
+        budget_gb = 1.02 * error.min_budget_gb
+    switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, timing="estimate"), StepPeaks()
+    with pytest.raises(ValueError, match="SFTConfig turns it on by default"):
+        train(base.model, "refused", [switch])  # SFTConfig's gradient_checkpointing=True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)
+        losses = train(base.model, "planned", [switch, peaks], gradient_checkpointing=False)
+    assert switch.plan is not None and switch.plan.checkpointing
+    assert losses == train(unplanned, "unplanned", [], gradient_checkpointing=False)
+    assert len(losses) == 2
+    for (name, a), (_, b) in zip(base.model.named_parameters(), unplanned.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    assert max(peaks.peaks) <= switch.plan.budget_bytes, (peaks.peaks,
+                                                          switch.plan.predicted_peak_bytes)

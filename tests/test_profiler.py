@@ -149,6 +149,44 @@ def test_saves_go_to_the_op_that_made_them() -> None:
     assert pool.saved_storages == []  # mean saves only a shape
 
 
+class _SavesAnEarlierTensor(torch.autograd.Function):
+    """As TRL's fused LM head: ``save_for_backward`` of a tensor the Function's last op
+    does not read."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        earlier = x.exp()
+        out = (x * 2).sum(-1)
+        ctx.save_for_backward(earlier)
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        (earlier,) = ctx.saved_tensors
+        return grad.unsqueeze(-1) * earlier
+
+
+def test_a_custom_function_saving_an_earlier_tensor_is_planned_and_measured() -> None:
+    """The save holds the earlier tensor until the Function's backward: the profile plans
+    it (it once failed: "saves storage that it neither reads nor allocates"), and the
+    predicted peak is the measured one."""
+    from planner import optimize, verify
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(_SavesAnEarlierTensor.apply(self.a(x)).unsqueeze(-1).expand(-1, 64))
+
+    model, x = Model(), torch.randn(32, 64)
+    plan = optimize(model, (x,), budget_gb=1.0, loss_fn=lambda y: y.sum(), timing="estimate",
+                    progress=False)
+    report = verify(model, plan, (x,), loss_fn=lambda y: y.sum())
+    assert report.measured_peak_bytes == report.predicted_peak_bytes, report.summary()
+
+
 def test_dropout_mask_is_saved_and_random() -> None:
     prof = _profile(zoo.get("gpt", size="tiny", batch=1, seq_len=8, dropout=0.5))
     mask_ops = [n for n in prof.nodes if n.module.endswith("attn_drop") and n.random]
