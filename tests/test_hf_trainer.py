@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from budgets import halfway_budget_gb
 
-from planner import InfeasibleBudgetError, Plan, PlanMismatchWarning, optimize, replan, zoo
+from planner import Plan, PlanMismatchWarning, optimize, zoo
 from planner.measure import PeakTracker
 
 transformers = pytest.importorskip("transformers")
@@ -65,12 +66,7 @@ def _half_budget_gb(model: torch.nn.Module, batch: dict, **options: Any) -> floa
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     first = optimize(model, batch, budget_gb=1e3, timing="estimate", progress=False,
                      optimizer=adamw, **options)
-    static = first.profile.static.total_bytes
-    half = static + (first.unplanned_peak_bytes - static) // 2
-    try:
-        return replan(first, budget_bytes=half, time_limit_s=10).budget_bytes / GIB
-    except InfeasibleBudgetError as error:
-        return 1.02 * error.min_budget_gb
+    return halfway_budget_gb(first)
 
 
 @pytest.mark.parametrize("lora_bf16", [False, True], ids=["fp32", "lora-bf16"])
@@ -170,12 +166,7 @@ def test_the_switch_in_trls_sft_trainer(tmp_path: Path) -> None:
     train(copy.deepcopy(unplanned), "probe", [probe], gradient_checkpointing=False)
     first = probe.plan
     assert first is not None and "fused_lm_head" in [i.name for i in first.inputs]
-    static = first.profile.static.total_bytes
-    try:
-        budget_gb = replan(first, budget_bytes=(static + first.unplanned_peak_bytes) // 2,
-                           time_limit_s=10).budget_bytes / GIB
-    except InfeasibleBudgetError as error:
-        budget_gb = 1.02 * error.min_budget_gb
+    budget_gb = halfway_budget_gb(first)
     switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, timing="estimate"), StepPeaks()
     with pytest.raises(ValueError, match="SFTConfig turns it on by default"):
         train(base.model, "refused", [switch])  # SFTConfig's gradient_checkpointing=True

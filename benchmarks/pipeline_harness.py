@@ -1,0 +1,180 @@
+"""Pipelines over gloo on the CPU: a small GPT cut into stages, run by torch's schedules in
+one process per stage, each rank's measured peak, the order it ran its microbatches in,
+its gradients and (last stage) its losses; and the planner's prediction of each peak.
+
+Used by `benchmarks/pipeline_stages.py` and `tests/test_pipeline.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from planner import InfeasibleBudgetError, Plan, apply, optimize, replan
+from planner.measure import PeakTracker
+from planner.pipeline import stage_loss, stage_peak_bytes
+from planner.zoo import GPTBlock
+from solvers.pipeline import StageSpec
+
+VOCAB, SEQ, WIDTH, HEADS, MICROBATCH, BLOCKS_PER_STAGE = 512, 64, 128, 4, 4, 2
+
+
+class Stage(nn.Module):
+    """Blocks of a GPT; the first stage embeds the tokens, the last projects to logits."""
+
+    def __init__(self, first: bool, last: bool, blocks: int = BLOCKS_PER_STAGE) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH) if first else None
+        self.blocks = nn.ModuleList(GPTBlock(WIDTH, HEADS, 0.0) for _ in range(blocks))
+        self.head = nn.Linear(WIDTH, VOCAB) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def build_stage(rank: int, world: int) -> Stage:
+    torch.manual_seed(100 + rank)
+    return Stage(rank == 0, rank == world - 1)
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def batch(n_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's tokens and targets, every microbatch of them."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (MICROBATCH * n_microbatches, SEQ)
+    return (torch.randint(VOCAB, shape, generator=generator),
+            torch.randint(VOCAB, shape, generator=generator))
+
+
+def microbatch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One microbatch of the stage's input (tokens, or a received activation, which
+    requires grad) and of the targets."""
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randint(VOCAB, (MICROBATCH, SEQ), generator=generator)
+    if rank == 0:
+        return torch.randint(VOCAB, (MICROBATCH, SEQ), generator=generator), target
+    return torch.randn(MICROBATCH, SEQ, WIDTH, generator=generator).requires_grad_(), target
+
+
+def _loss_of(spec: StageSpec, target: torch.Tensor) -> Any:
+    return (lambda logits: next_token_loss(logits, target)) if spec.last else None
+
+
+def predicted_peak(spec: StageSpec, plan: Plan | None = None) -> int:
+    """The planner's prediction of the stage's peak over one step."""
+    module = build_stage(spec.stage_index, spec.num_stages)
+    inputs, target = microbatch(spec.stage_index)
+    return stage_peak_bytes(module, (inputs,), spec, loss_fn=_loss_of(spec, target),
+                            target_bytes=target.nbytes if spec.last else 0,
+                            schedule=plan.schedule if plan else None, timing="estimate")
+
+
+def halfway_plan(spec: StageSpec) -> Plan:
+    """A plan of one microbatch's step of the stage, halfway between its static memory and
+    its unplanned peak (or at the least peak a plan reaches), gradients allocated when it
+    starts, as they are from the stage's first backward on."""
+    module = build_stage(spec.stage_index, spec.num_stages)
+    inputs, target = microbatch(spec.stage_index)
+    loss = stage_loss(module, (inputs,), spec, _loss_of(spec, target))
+    first = optimize(module, (inputs,), budget_gb=1e3, loss_fn=loss, timing="estimate",
+                     grad_accumulation=True, progress=False, time_limit_s=10)
+    static = first.profile.static.total_bytes
+    try:
+        return replan(first, budget_bytes=(static + first.unplanned_peak_bytes) // 2,
+                      time_limit_s=10)
+    except InfeasibleBudgetError as error:
+        return error.plan
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record_order(stage: Any, order: list[list[Any]]) -> None:
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        order.append(["F", chunk])
+        return forward(chunk, *args, **kwargs)
+
+    def backward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        order.append(["B", chunk])
+        return backward(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one, backward_one
+
+
+def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
+          plan_dir: str | None, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    module = build_stage(rank, world)
+    if plan_dir:  # a stage's plan is its own process's: installed before the group exists
+        apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
+            stage, n_microbatches=n_microbatches, loss_fn=next_token_loss)
+        tokens, targets = batch(n_microbatches)
+        if rank != 0:
+            del tokens
+        if rank != world - 1:
+            del targets
+        order: list[list[Any]] = []
+        _record_order(stage, order)
+        losses: list[torch.Tensor] = []
+        with PeakTracker([], follow_resizes=True) as tracker:  # all the process holds
+            if rank == 0:
+                runner.step(tokens)
+            elif rank == world - 1:
+                runner.step(target=targets, losses=losses)
+            else:
+                runner.step()
+        torch.save({"peak": tracker.peak_bytes, "order": order,
+                    "losses": [loss.item() for loss in losses],
+                    "grads": [p.grad.clone() for p in module.parameters()]},
+                   Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
+                 plans: list[Plan] | None = None) -> list[dict[str, Any]]:
+    """One step of the pipeline, one gloo process per stage; per rank: its measured peak
+    (everything the process holds, as a GPU allocator counts), its microbatch order, its
+    losses and gradients."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan_dir = None
+    if plans:
+        plan_dir = out / "plans"
+        plan_dir.mkdir(exist_ok=True)
+        for rank, plan in enumerate(plans):
+            plan.save(plan_dir / f"stage{rank}.json")
+    mp.spawn(_rank, args=(world, _free_port(), schedule, n_microbatches,
+                          str(plan_dir) if plan_dir else None, str(out)), nprocs=world)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+def spec_of(schedule: str, rank: int, world: int, n_microbatches: int) -> StageSpec:
+    return StageSpec(schedule=schedule, stage_index=rank, num_stages=world,
+                     n_microbatches=n_microbatches)

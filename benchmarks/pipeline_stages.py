@@ -1,0 +1,105 @@
+"""Pipeline stages' peaks, measured against the planner's replay (`solvers.pipeline`).
+
+    python benchmarks/pipeline_stages.py          # 2 and 3 stages, 2, 4 and 8 microbatches
+
+torch's GPipe and 1F1B run a small GPT cut into stages of two blocks, one gloo process per
+stage (`pipeline_harness`), once with nothing checkpointed and once with a plan per stage
+(one microbatch's step planned halfway between its static memory and its peak). Each
+rank's measured peak counts everything its process holds (`PeakTracker(follow_resizes=
+True)`, as a GPU allocator counts); the prediction replays the stage's microbatches in its
+schedule's order from the profile of one microbatch. Writes
+``benchmarks/results/pipeline-stages-cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+from pathlib import Path
+
+import pipeline_harness as harness
+import torch
+
+from planner.plan import format_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rows_of(schedule: str, world: int, n_microbatches: int, planned: bool,
+            scratch: Path) -> list[dict]:
+    specs = [harness.spec_of(schedule, r, world, n_microbatches) for r in range(world)]
+    plans = [harness.halfway_plan(spec) for spec in specs] if planned else None
+    ran = harness.run_pipeline(schedule, world, n_microbatches,
+                               scratch / f"{schedule}-{world}-{n_microbatches}-{planned}",
+                               plans)
+    rows = []
+    for rank, spec in enumerate(specs):
+        predicted = harness.predicted_peak(spec, plans[rank] if plans else None)
+        measured = ran[rank]["peak"]
+        rows.append({"schedule": schedule, "stages": world, "microbatches": n_microbatches,
+                     "stage": rank, "planned": planned, "in_flight": spec.in_flight(),
+                     "order_as_replayed": [tuple(a) for a in ran[rank]["order"]]
+                     == spec.order(),
+                     "measured_bytes": measured, "predicted_bytes": predicted,
+                     "error_pct": 100 * (predicted - measured) / measured})
+        print(f"{schedule:>5} {world} stages x {n_microbatches} microbatches, stage {rank}"
+              f"{' planned' if planned else ''}: measured {format_bytes(measured)}, "
+              f"predicted {format_bytes(predicted)} ({rows[-1]['error_pct']:+.2f} %)",
+              flush=True)
+    return rows
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
+    exact = sum(abs(r["measured_bytes"] - r["predicted_bytes"]) <= 64 for r in rows)
+    worst = max(rows, key=lambda r: abs(r["error_pct"]))
+    lines = [f"# Pipeline stages: measured and predicted peaks ({result['date']}, torch "
+             f"{result['torch']}, {result['machine']})", "",
+             "A GPT cut into stages of two blocks (width 128, 4 x 64 tokens per microbatch), "
+             "torch's schedules over gloo, one process per stage; measured: everything the "
+             "process holds. Predicted: `planner.pipeline.stage_peak_bytes`.", "",
+             f"{len(rows)} stage peaks: {exact} within 64 bytes, worst "
+             f"{worst['error_pct']:+.2f} % ({worst['schedule']}, {worst['stages']} stages, "
+             f"stage {worst['stage']}{', planned' if worst['planned'] else ''}); "
+             f"{sum(r['order_as_replayed'] for r in rows)} of {len(rows)} ran their "
+             "microbatches in the replayed order.", "",
+             "| schedule | stages | microbatches | stage | plan | in flight | measured | "
+             "predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | "
+                     f"{r['stage']} | {'yes' if r['planned'] else 'no'} | {r['in_flight']} | "
+                     f"{format_bytes(r['measured_bytes'])} | "
+                     f"{format_bytes(r['predicted_bytes'])} | {r['error_pct']:+.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for world in args.stages:
+            for m in args.microbatches:
+                for schedule in ("GPipe", "1F1B") if m >= world else ("GPipe",):
+                    for planned in (False, True):
+                        rows += rows_of(schedule, world, m, planned, Path(scratch))
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__,
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+              "rows": rows}
+    if not args.no_write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "pipeline-stages-cpu.json").write_text(json.dumps(result, indent=1))
+        (RESULTS / "pipeline-stages-cpu.md").write_text(render(result))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
