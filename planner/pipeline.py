@@ -15,14 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 from planner.profiling import profile_model
+from planner.solving import solve
 from profiles.inputs import normalize_inputs
 from solvers.pipeline import StageBoundary, StageSpec, held_after_forward, stage_peak
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
 
-__all__ = ["stage_loss", "stage_peak_bytes"]
+__all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes"]
 
 
 class _ReceivedGradient(torch.autograd.Function):
@@ -77,6 +79,38 @@ def _stage_loss(module: nn.Module, microbatch: Any, spec: StageSpec,
     return (lambda output: _ReceivedGradient.apply(output, received)), _bytes(received), 0
 
 
+class StageSteps:
+    """A stage's step for one microbatch, profiled twice: before the stage's first backward
+    (no parameter gradients yet) and after it (gradients allocated)."""
+
+    def __init__(self, module: nn.Module, microbatch: Any, spec: StageSpec,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
+                 **profile_options: Any) -> None:
+        args, kwargs = normalize_inputs(module, microbatch)
+        loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, spec, loss_fn)
+        self.spec = spec
+        self.steps = [profile_model(module, microbatch, loss_fn=loss, progress=False,
+                                    grad_accumulation=allocated, **profile_options)
+                      for allocated in (False, True)]
+        self.problems = [step.problem() if spec.last else
+                         _received_gradient_apart(step.problem()) for step in self.steps]
+        nodes = self.steps[0].profile.nodes
+        # the stage's output: what the received gradient's "loss" reads (its last op)
+        output = set() if spec.last else set(next(
+            n for n in reversed(nodes) if n.read_storages).read_storages)
+        self.boundary = StageBoundary(
+            held_bytes=0, input_bytes=_bytes((args, kwargs)), output_bytes=output_bytes,
+            target_bytes=target_bytes, loss_bytes=loss_bytes,
+            output_in_timeline=any(output & set(n.saved_storages) for n in nodes))
+
+    def peak(self, schedule: Schedule | None = None) -> int:
+        """The stage's peak over one step with ``schedule`` (default: no checkpoint)."""
+        before, after = (simulate(p, schedule or Schedule.store_all(p.n_nodes))
+                         for p in self.problems)
+        held = held_after_forward(before, self.problems[0].static_bytes)
+        return stage_peak(self.spec, before, after, self.boundary._replace(held_bytes=held))
+
+
 def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
                      loss_fn: Callable[[Any], torch.Tensor] | None = None,
                      target_bytes: int = 0, schedule: Schedule | None = None,
@@ -86,25 +120,71 @@ def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
     microbatch of the stage's input (on a stage after the first, a tensor that requires
     grad, as the received activation does). The last stage's ``loss_fn(output)`` computes
     its loss, reading a target of ``target_bytes`` per microbatch."""
-    args, kwargs = normalize_inputs(module, microbatch)
-    loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, spec, loss_fn)
-    timelines, problems = [], []
-    for grads_allocated in (False, True):
-        step = profile_model(module, microbatch, loss_fn=loss, progress=False,
-                             grad_accumulation=grads_allocated, **profile_options)
-        problem = step.problem() if spec.last else _received_gradient_apart(step.problem())
-        chosen = schedule or Schedule.store_all(problem.n_nodes)
-        problems.append(problem)
-        timelines.append(simulate(problem, chosen))
-    nodes = step.profile.nodes
-    # the stage's output: what the received gradient's "loss" reads (its last op)
-    output = set() if spec.last else set(next(
-        n for n in reversed(nodes) if n.read_storages).read_storages)
-    boundary = StageBoundary(
-        held_bytes=held_after_forward(timelines[0], problems[0].static_bytes),
-        input_bytes=_bytes((args, kwargs)),
-        output_bytes=output_bytes,
-        target_bytes=target_bytes, loss_bytes=loss_bytes,
-        output_in_timeline=any(output & set(n.saved_storages) for n in nodes))
-    return stage_peak(spec, timelines[0], timelines[1], boundary)
+    return StageSteps(module, microbatch, spec, loss_fn, target_bytes,
+                      **profile_options).peak(schedule)
 
+
+BISECTIONS = 8  # of the one-microbatch budget, each solve with 1/8 of the time limit
+
+
+def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb: float,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
+               time_limit_s: float = 60.0, **profile_options: Any) -> tuple[Plan, int]:
+    """A plan of the stage's step whose peak over one step of ``spec``'s schedule (every
+    microbatch it holds) is within ``budget_gb``; returns it and that peak. Arguments as
+    :func:`stage_peak_bytes`.
+
+    The plan is one microbatch's, made for steps that start with gradients allocated (as
+    they are from the stage's first backward on): the least recompute at the largest
+    one-microbatch budget whose plan fits the stage, found by bisection. Each plan is
+    optimal for its budget as the solver says; the stage objective itself is not proven.
+
+    Raises:
+        InfeasibleBudgetError: no plan tried fits; ``min_budget_bytes`` is the least stage
+            peak of those tried, ``plan`` the plan that peaks there.
+    """
+    steps = StageSteps(module, microbatch, spec, loss_fn, target_bytes, **profile_options)
+    budget = int(budget_gb * GIB)
+    per_try = time_limit_s / BISECTIONS
+
+    def attempt(one: int) -> tuple[Plan, int, bool]:
+        """The plan at one microbatch's budget ``one`` (or, where none fits ``one``, the
+        lowest-peak plan), its stage peak, and whether it fits ``one``."""
+        try:
+            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=per_try)
+        except InfeasibleBudgetError as error:
+            plan = error.plan or solve(steps.steps[1], budget_bytes=error.min_budget_bytes,
+                                       time_limit_s=per_try)
+            return plan, steps.peak(plan.schedule), False
+        return plan, steps.peak(plan.schedule if plan.checkpointing else None), True
+
+    best: tuple[Plan, int] | None = None
+    least: tuple[Plan, int] | None = None
+    low, high = 0, budget + 1  # one-microbatch budgets: below high, the stage may fit
+    for tries in range(BISECTIONS):
+        one = budget if tries == 0 else (low + high) // 2
+        plan, peak, at_one = attempt(one)
+        if least is None or peak < least[1]:
+            least = (plan, peak)
+        if peak <= budget and (at_one or best is None):
+            best = (plan, peak)
+        if not at_one and tries == 0:
+            break  # one microbatch alone does not fit the stage's budget
+        if at_one and peak > budget:
+            high = one
+        else:  # a fit, or a budget too small for one microbatch: go higher
+            low = one
+        if high - low <= 1:
+            break
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"No plan of this pipeline stage ({spec.schedule}, stage {spec.stage_index} of "
+            f"{spec.num_stages}, {spec.in_flight()} of {spec.n_microbatches} microbatches in "
+            f"flight) fits {format_bytes(budget)}; the least stage peak found is "
+            f"{format_bytes(least[1])} (error.plan).", least[1], plan=least[0])
+    plan, peak = best
+    note = (f"Pipeline stage {spec.stage_index} of {spec.num_stages} ({spec.schedule}, "
+            f"{spec.n_microbatches} microbatches, {spec.in_flight()} in flight): the stage "
+            f"peaks at {format_bytes(peak)} of its {format_bytes(budget)}; this plan is one "
+            f"microbatch's at {format_bytes(plan.budget_bytes)}.")
+    return plan.model_copy(update={"note": f"{note} {plan.note}".strip()}), peak
