@@ -151,3 +151,32 @@ def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
         return
     assert [hint for _, hint in asked] == [with_gap.schedule]
     assert 0 < asked[0][0] <= min(auto.AFTER_A_GAP * 20.0, auto.AFTER_A_GAP_MAX_S)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_cpsat_after_a_gap_runs_over_op_ranges_only_where_it_bounded_module_calls(
+        monkeypatch: pytest.MonkeyPatch, bounded: bool) -> None:
+    """Module calls first, then op ranges: CP-SAT after a DP gap that found no bound at all
+    over module calls (the smaller space) is not run again over op ranges, where it finds
+    none in the time either (Llama, 8 layers: 6 s each); one that bounded something is."""
+    from planner import profile_model, zoo
+
+    gpt = zoo.get("gpt", size="small")  # traced blocks: op ranges as well as calls
+    p = profile_model(gpt.model, gpt.example_inputs, loss_fn=gpt.loss_fn, timing="estimate",
+                      progress=False).problem()
+    assert auto.calls_only(p) is not p and 200 < p.n_nodes <= auto.LARGE_GRAPH_NODES
+    budget = baselines.every_block(p, 10**12, 1.0).peak_bytes
+    found = baselines.every_block(p, budget, 1.0)
+    with_gap = found.model_copy(update={"solver": "dp", "gap": 0.5,
+                                        "bound_ms": 0.5 * found.objective_ms})
+    monkeypatch.setattr(auto.dp, "solve", lambda *args, **kwargs: with_gap)
+    monkeypatch.setattr(auto.dp, "applies", lambda problem: False)  # the two-pass path
+    spaces: list[int] = []
+
+    def recorded(problem: Problem, budget_bytes: int, limit_s: float, hint=None):
+        spaces.append(len(problem.module_spans or ()))
+        return with_gap.model_copy(update={"solver": "cpsat", "gap": 0.3 if bounded else 1.0})
+
+    monkeypatch.setattr(auto.cpsat, "solve", recorded)
+    auto.solve(p, budget, 20.0)
+    assert len(spaces) == (2 if bounded else 1)
