@@ -112,7 +112,7 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
                         **{**settings, "grad_accumulation": settings["grad_accumulation"]
                            and not per_rank}, **options)
-    if per_rank and plan.checkpointing:
+    if per_rank:
         plan = _room_for_last_gradients(plan, options)
     apply(step, plan)
     module.training_step = step.run
@@ -135,7 +135,7 @@ def _room_for_last_gradients(plan: Plan, options: dict[str, Any]) -> Plan:
             f"No plan of this rank's Lightning step fits {format_bytes(plan.budget_bytes)} "
             f"with the last step's {format_bytes(grads)} of sharded gradients beside its "
             f"forward; the least that fits is {format_bytes(least)}: budget_gb={least / GIB!r}"
-            f"\n{error}", least) from error
+            f"\n{error}", least, plan=error.plan) from error
 
 
 def _check_options(options: dict[str, Any]) -> None:
