@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from solvers.simulate import OPTIMIZER_STEP, Timeline
 
-__all__ = ["STAGE_SCHEDULES", "StageBoundary", "StageSpec", "stage_peak"]
+__all__ = ["STAGE_SCHEDULES", "StageBoundary", "StageSpec", "held_after_forward", "stage_peak"]
 
 STAGE_SCHEDULES = ("GPipe", "1F1B")  # torch's ScheduleGPipe, Schedule1F1B
 
