@@ -86,7 +86,6 @@ class StageSteps:
     def __init__(self, module: nn.Module, microbatch: Any, spec: StageSpec,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
                  **profile_options: Any) -> None:
-        args, kwargs = normalize_inputs(module, microbatch)
         loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, spec, loss_fn)
         self.spec = spec
         self.steps = [profile_model(module, microbatch, loss_fn=loss, progress=False,
@@ -99,7 +98,8 @@ class StageSteps:
         output = set() if spec.last else set(next(
             n for n in reversed(nodes) if n.read_storages).read_storages)
         self.boundary = StageBoundary(
-            held_bytes=0, input_bytes=_bytes((args, kwargs)), output_bytes=output_bytes,
+            held_bytes=0, input_bytes=self.steps[0].profile.static.input_bytes,
+            output_bytes=output_bytes,
             target_bytes=target_bytes, loss_bytes=loss_bytes,
             output_in_timeline=any(output & set(n.saved_storages) for n in nodes))
 

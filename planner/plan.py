@@ -32,7 +32,9 @@ from profiles.schema import (
     read_model,
     write_atomic,
 )
-from solvers.from_profile import op_range_name, op_range_targets
+from solvers.baselines import policy_schedule
+from solvers.bounds import memory_lower_bound
+from solvers.from_profile import host_link, op_range_name, op_range_targets
 from solvers.problem import Problem
 from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
@@ -420,15 +422,12 @@ class Plan(_Strict):
     def _next_steps(self) -> list[str]:
         """What to try next, in the simulator's numbers: the budget that needs no recompute,
         how low fixed schedules and any schedule go, offload; or the budget left unused."""
-        from solvers.baselines import policy_schedule
-        from solvers.bounds import memory_lower_bound
-        from solvers.from_profile import host_link
-        from solvers.simulate import simulate
-
         if not self.checkpointing:
             spare = self.budget_bytes - self.unplanned_peak_bytes
             return [f"  next: {format_bytes(spare)} of the budget is unused; a bigger batch "
                     "may fit (plan it to know)"] if spare > 0 and not self.offloads else []
+        from solvers import simulate  # as _replay imports it
+
         problem = self.problem()
         every = simulate(problem, policy_schedule("every-layer", problem)).peak_bytes
         hints = [f"no recompute at a {format_bytes(self.unplanned_peak_bytes)} budget"]
