@@ -5,11 +5,12 @@ The callback plans on the trainer's own first batch, with the precision (``bf16`
 gradient accumulation and optimizer the trainer will use, and installs the plan before the
 first step: at ``on_train_begin``, the first event that sees the optimizer and the data
 loader (``accelerator.prepare`` has run, which on one process leaves the model as it is).
-It refuses, when the trainer is built, what it cannot plan: the trainer's own
-``gradient_checkpointing`` (a plan replaces it; both would rerun each layer twice), and a
-run over several processes (FSDP or DDP wrap the model before ``on_train_begin``: plan with
-``optimize(..., world_size=..., sharding=...)`` and ``apply`` before building the trainer,
-`docs/recipes.md`).
+Over several processes DDP or FSDP2 wrap the model before ``on_train_begin``, so the
+callback plans when the trainer is built (``on_init_end``), on ``example_batch`` (one
+rank's batch: no data loader exists yet), with the optimizer ``TrainingArguments.optim``
+names and each rank's DDP or FSDP2 step (``planner.hf_accelerate.plan_for_processes``).
+It refuses, when the trainer is built, the trainer's own ``gradient_checkpointing`` (a plan
+replaces it; both would rerun each layer twice).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ class PlannedCheckpointing(TrainerCallback):
     """Plan and install activation checkpointing at ``budget_gb`` GiB per device when
     training starts; ``plan`` holds the plan after that. Other keyword arguments go to
     :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); those the
-    trainer decides (``autocast``, ``grad_accumulation``, ``optimizer``) come from it."""
+    trainer decides (``autocast``, ``grad_accumulation``, ``optimizer``) come from it.
+    ``example_batch``: one rank's batch, needed over several processes (planned when the
+    Trainer is built, before its data loader exists)."""
 
-    def __init__(self, budget_gb: float, **optimize_options: Any) -> None:
+    def __init__(self, budget_gb: float, example_batch: dict | None = None,
+                 **optimize_options: Any) -> None:
         decided = {"autocast", "grad_accumulation", "optimizer", "loss_fn"} & set(
             optimize_options)
         if decided:
@@ -43,6 +47,7 @@ class PlannedCheckpointing(TrainerCallback):
                             "(TrainingArguments bf16/fp16 and gradient_accumulation_steps, its "
                             "optimizer and loss); set them there")
         self.budget_gb = budget_gb
+        self.example_batch = example_batch
         self.options = {"progress": False, **optimize_options}
         self.plan: Plan | None = None
 
@@ -55,16 +60,37 @@ class PlannedCheckpointing(TrainerCallback):
                 "again under it: set gradient_checkpointing=False (TRL's SFTConfig turns it on "
                 "by default)")
         if args.world_size > 1:
+            self._plan_each_rank(args, state, kwargs.get("model"))
+
+    def _plan_each_rank(self, args: TrainingArguments, state: TrainerState,
+                        model: torch.nn.Module | None) -> None:
+        """Over several processes: plan now, before accelerate wraps the model."""
+        from accelerate.state import AcceleratorState
+        from transformers import Trainer
+
+        from planner.hf_accelerate import plan_for_processes
+
+        if self.example_batch is None or model is None:
             raise ValueError(
-                f"PlannedCheckpointing plans one process; this Trainer runs {args.world_size}, "
-                "whose model is wrapped (FSDP, DDP) before training starts. Plan before building "
-                "the Trainer: optimize(model, batch, budget_gb=..., world_size=..., "
-                "sharding=...), then apply(model, plan) (docs/recipes.md)")
+                f"this Trainer runs {args.world_size} processes, whose model DDP or FSDP2 "
+                "wraps before training starts, so it is planned when the Trainer is built, "
+                "before a data loader exists: pass PlannedCheckpointing(budget_gb=..., "
+                "example_batch=one rank's batch)")
+        inputs, loss_fn = _the_trainers_step(args, model, self.example_batch)
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        self.plan = plan_for_processes(
+            AcceleratorState(), model, inputs, budget_gb=self.budget_gb, loss_fn=loss_fn,
+            grad_accumulation=args.gradient_accumulation_steps > 1,
+            optimizer=optimizer_cls(model.parameters(), **optimizer_kwargs), **self.options)
+        if state.is_world_process_zero:
+            log.info("%s", self.plan.summary())
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, *, model: torch.nn.Module | None = None,
                        optimizer: torch.optim.Optimizer | None = None,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
+        if args.world_size > 1:  # planned when the Trainer was built
+            return
         if model is None or train_dataloader is None:
             raise RuntimeError("PlannedCheckpointing: the Trainer gave no model or data loader "
                                "at on_train_begin; plan with optimize() and apply() instead")

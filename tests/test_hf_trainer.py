@@ -26,8 +26,9 @@ class StepPeaks(transformers.TrainerCallback):
     """The peak allocated bytes of each training step (forward, backward, optimizer step),
     counting the parameters, buffers, optimizer state and the batch for the whole step."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: bool = False) -> None:
         self.peaks: list[int] = []
+        self.ranks = ranks  # everything the process holds (DDP's buckets), as PeakTracker
         self._tracker: PeakTracker | None = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, *, model: torch.nn.Module,
@@ -35,13 +36,15 @@ class StepPeaks(transformers.TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)
         state_tensors = [t for s in inner.state.values() for t in s.values()
                          if isinstance(t, torch.Tensor)]
-        self._tracker = PeakTracker([*model.parameters(), *model.buffers(), *state_tensors])
+        self._tracker = PeakTracker([*model.parameters(), *model.buffers(), *state_tensors],
+                                    follow_resizes=self.ranks)
         self._tracker.__enter__()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self._tracker is not None
         self._tracker.__exit__(None, None, None)
-        self.peaks.append(self._tracker.peak_bytes)
+        self.peaks.append(self._tracker.own_peak_bytes if self.ranks else
+                          self._tracker.peak_bytes)
 
 
 def _rows(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
@@ -181,3 +184,57 @@ def test_the_switch_in_trls_sft_trainer(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
     assert max(peaks.peaks) <= switch.plan.budget_bytes, (peaks.peaks,
                                                           switch.plan.predicted_peak_bytes)
+
+
+def _rank_trains(rank: int, port: int, out: str) -> None:
+    """One of two DDP processes: Trainer with the switch, then without; saves losses,
+    peaks, weights and the plan."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    ids = zoo.get("hf-llama", batch=4).example_inputs["input_ids"]
+    batch = {"input_ids": ids, "labels": ids}
+    results = {}
+    for planned in (True, False):
+        AcceleratorState._reset_state(False)
+        GradientState._reset_state()
+        model = zoo.get("hf-llama", batch=4).model
+        switch, peaks = None, StepPeaks(ranks=True)
+        if planned:
+            budget_gb = _half_budget_gb(model, batch, world_size=2, sharding="ddp")
+            switch = PlannedCheckpointing(budget_gb=budget_gb, example_batch=batch,
+                                          timing="estimate")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PlanMismatchWarning)
+            losses, _ = _train(model, _rows(ids), Path(out).parent / f"run{planned}",
+                               [c for c in (switch, peaks) if c is not None])
+        results[planned] = {"losses": losses, "peaks": peaks.peaks,
+                            "weights": [p.detach().clone() for p in model.parameters()],
+                            "plan": switch.plan.model_dump_json() if switch else None}
+    torch.save(results, f"{out}.{rank}")
+
+
+def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path) -> None:
+    """Over several processes the callback plans when the Trainer is built, on the example
+    batch, for DDP's rank (two gloo processes); each rank within the budget, losses and
+    weights as Trainer's without the switch."""
+    import torch.multiprocessing as mp
+    from test_distributed import _free_port
+
+    out = str(tmp_path / "rank")
+    mp.spawn(_rank_trains, args=(_free_port(), out), nprocs=2)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    plan = Plan.model_validate_json(ranks[0][True]["plan"])
+    assert ranks[1][True]["plan"] == ranks[0][True]["plan"]
+    assert plan.checkpointing and plan.sharding is not None and plan.sharding.world_size == 2
+    for rank, result in enumerate(ranks):
+        assert result[True]["losses"] == result[False]["losses"] and \
+            len(result[True]["losses"]) == 2, rank
+        assert all(torch.equal(a, b) for a, b in zip(result[True]["weights"],
+                                                     result[False]["weights"], strict=True))
+        assert max(result[True]["peaks"]) <= plan.budget_bytes, (
+            rank, result[True]["peaks"], plan.budget_bytes, plan.predicted_peak_bytes)
