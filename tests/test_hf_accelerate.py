@@ -180,7 +180,7 @@ def _rank_steps(rank: int, kind: str, precision: str, port: int, out: str) -> No
     torch.save(results, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize(("kind", "precision"), [("ddp", "bf16"), ("fsdp2", "no")])
+@pytest.mark.parametrize(("kind", "precision"), [("fsdp2", "no")])  # DDP: test_hf_trainer
 def test_planned_over_two_processes_holds_each_ranks_budget_and_trains_alike(
         kind: str, precision: str, tmp_path: Any) -> None:
     """Two gloo processes, accelerate's DDP or FSDP2 (its ``fsdp2_prepare_model``, run on

@@ -205,13 +205,14 @@ def _rank_trains(rank: int, port: int, out: str) -> None:
         model = zoo.get("hf-llama", batch=4).model
         switch, peaks = None, StepPeaks(ranks=True)
         if planned:
-            budget_gb = _half_budget_gb(model, batch, world_size=2, sharding="ddp")
+            budget_gb = _half_budget_gb(model, batch, world_size=2, sharding="ddp",
+                                        autocast=torch.bfloat16)
             switch = PlannedCheckpointing(budget_gb=budget_gb, example_batch=batch,
                                           timing="estimate")
         with warnings.catch_warnings():
             warnings.simplefilter("error", PlanMismatchWarning)
             losses, _ = _train(model, _rows(ids), Path(out).parent / f"run{planned}",
-                               [c for c in (switch, peaks) if c is not None])
+                               [c for c in (switch, peaks) if c is not None], bf16=True)
         results[planned] = {"losses": losses, "peaks": peaks.peaks,
                             "weights": [p.detach().clone() for p in model.parameters()],
                             "plan": switch.plan.model_dump_json() if switch else None}
@@ -220,8 +221,8 @@ def _rank_trains(rank: int, port: int, out: str) -> None:
 
 def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path) -> None:
     """Over several processes the callback plans when the Trainer is built, on the example
-    batch, for DDP's rank (two gloo processes); each rank within the budget, losses and
-    weights as Trainer's without the switch."""
+    batch, for DDP's rank (two gloo processes, bf16 autocast); each rank within the budget,
+    losses and weights as Trainer's without the switch."""
     import torch.multiprocessing as mp
     from test_distributed import _free_port
 
@@ -231,6 +232,7 @@ def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path)
     plan = Plan.model_validate_json(ranks[0][True]["plan"])
     assert ranks[1][True]["plan"] == ranks[0][True]["plan"]
     assert plan.checkpointing and plan.sharding is not None and plan.sharding.world_size == 2
+    assert plan.autocast_dtype == "bfloat16"
     for rank, result in enumerate(ranks):
         assert result[True]["losses"] == result[False]["losses"] and \
             len(result[True]["losses"]) == 2, rank
