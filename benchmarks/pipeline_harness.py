@@ -95,10 +95,11 @@ def halfway_plan(spec: StageSpec) -> Plan:
                      grad_accumulation=True, progress=False, time_limit_s=10)
     static = first.profile.static.total_bytes
     try:
-        return replan(first, budget_bytes=(static + first.unplanned_peak_bytes) // 2,
+        plan = replan(first, budget_bytes=(static + first.unplanned_peak_bytes) // 2,
                       time_limit_s=10)
     except InfeasibleBudgetError as error:
-        return error.plan
+        plan = error.plan
+    return plan.model_copy(update={"pipeline": spec})
 
 
 def stage_plan(spec: StageSpec, budget_bytes: int) -> tuple[Plan, int]:
@@ -139,10 +140,10 @@ def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     module = build_stage(rank, world)
-    if plan_dir:  # a stage's plan is its own process's: installed before the group exists
-        apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
+            apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
         stage = PipelineStage(module, rank, world, torch.device("cpu"))
         runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
             stage, n_microbatches=n_microbatches, loss_fn=next_token_loss)

@@ -166,6 +166,14 @@ def _check_world_size(plan: Plan) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
+    stage = plan.pipeline
+    if stage is not None:  # one stage per rank of the pipeline's dimension
+        if world % stage.num_stages:
+            raise PlanMismatchError(
+                f"This plan of {plan.model_name} is for stage {stage.stage_index} of a "
+                f"{stage.num_stages}-stage pipeline, but this process group has {world} "
+                "ranks, not a multiple of the stages. Plan the stages of this pipeline.")
+        return
     parallel = plan.profile.parallel
     planned = parallel.world_size if parallel else \
         plan.sharding.world_size if plan.sharding else 1

@@ -110,6 +110,10 @@ class StageSteps:
         held = held_after_forward(before, self.problems[0].static_bytes)
         return stage_peak(self.spec, before, after, self.boundary._replace(held_bytes=held))
 
+    def plan(self, budget_bytes: int, time_limit_s: float = 60.0) -> tuple[Plan, int]:
+        """:func:`plan_stage` on these steps (profiled once, planned at many budgets)."""
+        return _plan_stage_steps(self, budget_bytes, time_limit_s)
+
 
 def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
                      loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -144,7 +148,13 @@ def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb
             peak of those tried, ``plan`` the plan that peaks there.
     """
     steps = StageSteps(module, microbatch, spec, loss_fn, target_bytes, **profile_options)
-    budget = int(budget_gb * GIB)
+    return steps.plan(int(budget_gb * GIB), time_limit_s)
+
+
+def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float
+                      ) -> tuple[Plan, int]:
+    """`plan_stage` on a stage's profiled steps, at ``budget`` bytes."""
+    spec = steps.spec
     per_try = time_limit_s / BISECTIONS
 
     def attempt(one: int) -> tuple[Plan, int, bool]:
@@ -187,4 +197,5 @@ def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb
             f"{spec.n_microbatches} microbatches, {spec.in_flight()} in flight): the stage "
             f"peaks at {format_bytes(peak)} of its {format_bytes(budget)}; this plan is one "
             f"microbatch's at {format_bytes(plan.budget_bytes)}.")
-    return plan.model_copy(update={"note": f"{note} {plan.note}".strip()}), peak
+    return plan.model_copy(update={"note": f"{note} {plan.note}".strip(),
+                                   "pipeline": spec}), peak

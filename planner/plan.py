@@ -35,6 +35,7 @@ from profiles.schema import (
 from solvers.baselines import policy_schedule
 from solvers.bounds import memory_lower_bound
 from solvers.from_profile import host_link, op_range_name, op_range_targets
+from solvers.pipeline import StageSpec
 from solvers.problem import Problem
 from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
@@ -181,6 +182,9 @@ class Plan(_Strict):
     host_budget_bytes: Bytes | None = Field(None, description="offload was allowed, within "
                                             "this much host memory; None: not allowed, or "
                                             "not recorded (files before it was)")
+    pipeline: StageSpec | None = Field(None, description="a pipeline stage's plan: one "
+                                       "microbatch's step, planned for what the stage holds "
+                                       "over its schedule (the note says its stage peak)")
 
     @field_validator("schema_version")
     @classmethod

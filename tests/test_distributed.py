@@ -94,7 +94,7 @@ def _rank(rank: int, kind: str, plan_path: str, port: int, out: str) -> None:
 
 
 @pytest.mark.parametrize(("kind", "offload"), [("fsdp2", False), ("ddp", False),
-                                               ("fsdp2", True), ("ddp", True)])
+                                               ("fsdp2", True)])  # DDP's offload: one process's
 def test_per_rank_plans_hold_under_fsdp2_and_ddp(kind: str, offload: bool,
                                                  tmp_path: Path) -> None:
     """With ``offload``, the plan also moves blocks' saved activations to the host (never

@@ -34,6 +34,7 @@ def test_each_stage_planned_for_its_schedule_holds_its_budget_and_trains_unchang
                       for spec, b in zip(specs, budgets, strict=True)]
     plans = [plan for plan, _ in planned_stages]
     assert all(plan.checkpointing for plan in plans)
+    assert [plan.pipeline for plan in plans] == specs  # installed in the 2-rank group
     planned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path / "planned", plans)
     unplanned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path / "unplanned")
     for spec, budget, (_, predicted), ran, plain in zip(
@@ -67,3 +68,26 @@ def test_in_flight_microbatches_are_torchs() -> None:
         StageSpec(schedule="1F1B", stage_index=4, num_stages=4, n_microbatches=8)
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         StageSpec(schedule="1F1B", stage_index=0, num_stages=4, n_microbatches=2)
+
+
+def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None:
+    """A stage's plan is installed on its rank after the process group exists (one stage
+    per rank); in a group whose size is no multiple of the stages it is refused."""
+    import torch.distributed as dist
+
+    from planner import PlanMismatchError, apply, optimize, zoo
+
+    zm = zoo.get("gpt", size="tiny")
+    plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    timing="estimate", progress=False)
+    stage = plan.model_copy(update={"pipeline": StageSpec(
+        schedule="1F1B", stage_index=0, num_stages=2, n_microbatches=4)})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(PlanMismatchError, match="stage 0 of a 2-stage pipeline, but "
+                                                    "this process group has 1 ranks"):
+            apply(zm.model, stage)
+        apply(zm.model, plan.model_copy(update={"pipeline": StageSpec(
+            schedule="GPipe", stage_index=0, num_stages=1, n_microbatches=4)}))
+    finally:
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ from solvers.problem import ModuleSpan
 from solvers.schedule import RECOMPUTE, Region
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(graphs(), st.data())
 def test_keeping_a_set_adds_up_its_nodes_terms(p: Problem, data: st.DataObject) -> None:
     n = p.n_nodes

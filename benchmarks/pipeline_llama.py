@@ -1,0 +1,231 @@
+"""A 16-layer Llama-style pipeline of 4 stages: one plan per stage and a balanced split,
+against checkpointing every layer of a uniform split (what users apply to every stage).
+
+    python benchmarks/pipeline_llama.py                      # 1F1B, 8 microbatches, 12/16/20 GiB
+    python benchmarks/pipeline_llama.py --budgets 16 --layers 2 6
+
+HF ``LlamaForCausalLM`` at the 7B width (hidden 4096, intermediate 11008) with 16 layers,
+built on the meta device in bf16; a stage is the first stage's embedding and layers, a middle
+stage's layers, or the last stage's layers, norm and LM head, run on one microbatch of
+1 x 4096 tokens (torchtitan's ``module_fqns_per_model_part``). Each stage's step is profiled
+on the meta device with the H100's estimated timing (``planner.pipeline.StageSteps``) and
+every number is the planner's replay of the stage over one 1F1B step
+(``solvers.pipeline``): stage r of p holds min(m, p - r) microbatches.
+
+Per budget (per GPU), three ways to run the pipeline:
+
+- **every layer, uniform split**: 4 layers per stage, each layer checkpointed (torchtitan's
+  full AC, applied to every model part);
+- **per-stage plans, uniform split**: each stage planned for what it holds
+  (``StageSteps.plan``: the least recompute whose stage peak fits);
+- **per-stage plans, balanced split**: the split of the layers (each stage between
+  ``--layers`` bounds) whose slowest stage is fastest, each stage planned.
+
+A stage's time is one microbatch's forward, backward and recompute; the pipeline's step is
+(m + p - 1) slots of the slowest stage (1F1B's bubble model: every slot waits for the
+slowest stage). Writes ``benchmarks/results/pipeline-llama.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from planner import zoo
+from planner.pipeline import StageSteps
+from planner.plan import GIB, InfeasibleBudgetError, format_bytes
+from solvers import Schedule, simulate
+from solvers.baselines import policy_schedule
+from solvers.pipeline import StageSpec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYERS, STAGES, SEQ = 16, 4, 4096
+
+
+class LlamaStage(nn.Module):
+    """Layers ``first..last`` of an HF Llama as a pipeline stage (embedding on the first,
+    norm and LM head on the last), as torchtitan's model parts cut it."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in layers)
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        rotary = self.rotary_emb(hidden, positions)
+        for layer in self.layers:  # no mask: sdpa's causal kernel
+            hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(self.norm(hidden))
+
+
+def _next_token_loss(logits: torch.Tensor) -> torch.Tensor:
+    target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+class StageCosts:
+    """Each (stage index, layer count)'s profiled steps, made once."""
+
+    def __init__(self, n_microbatches: int) -> None:
+        zm = zoo.get("hf-llama", size="7b", batch=1, seq_len=SEQ, device="meta",
+                     num_hidden_layers=LAYERS)
+        self.model = zm.model.to(torch.bfloat16)
+        self.hidden = zm.config["hidden_size"]
+        self.n_microbatches = n_microbatches
+        self._steps: dict[tuple[int, int], StageSteps] = {}
+
+    def steps(self, rank: int, layers: int) -> StageSteps:
+        if (rank, layers) not in self._steps:
+            first, last = rank == 0, rank == STAGES - 1
+            stage = LlamaStage(self.model, range(layers), first, last)
+            if first:
+                microbatch = (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
+            else:
+                microbatch = (torch.empty(1, SEQ, self.hidden, dtype=torch.bfloat16,
+                                          device="meta", requires_grad=True),)
+            spec = StageSpec(schedule="1F1B", stage_index=rank, num_stages=STAGES,
+                             n_microbatches=self.n_microbatches)
+            self._steps[rank, layers] = StageSteps(
+                stage, microbatch, spec, loss_fn=_next_token_loss if last else None,
+                target_bytes=8 * SEQ if last else 0, device="H100")
+        return self._steps[rank, layers]
+
+
+def every_layer(steps: StageSteps) -> dict:
+    """Every layer checkpointed: the stage's peak and one microbatch's time."""
+    problem = steps.problems[1]
+    schedule = policy_schedule("every-layer", problem)
+    timeline = simulate(problem, schedule)
+    return {"peak_bytes": steps.peak(schedule), "time_ms": timeline.total_time_ms,
+            "recompute_ms": timeline.recompute_time_ms}
+
+
+def planned(steps: StageSteps, budget: int, time_limit_s: float) -> dict | None:
+    """The stage's own plan at ``budget``: its peak and one microbatch's time (None: no
+    plan fits)."""
+    try:
+        plan, peak = steps.plan(budget, time_limit_s)
+    except InfeasibleBudgetError:
+        return None
+    return {"peak_bytes": peak, "time_ms": plan.baseline_step_ms + plan.recompute_ms,
+            "recompute_ms": plan.recompute_ms}
+
+
+def unplanned(steps: StageSteps) -> dict:
+    problem = steps.problems[1]
+    timeline = simulate(problem, Schedule.store_all(problem.n_nodes))
+    return {"peak_bytes": steps.peak(), "time_ms": timeline.total_time_ms, "recompute_ms": 0.0}
+
+
+def pipeline_of(stages: list[dict | None], split: list[int], n_microbatches: int) -> dict:
+    """The pipeline's numbers from its stages' (None where a stage does not fit)."""
+    fits = all(s is not None for s in stages)
+    slowest = max(s["time_ms"] for s in stages) if fits else None
+    return {"split": split, "fits": fits, "stages": stages,
+            "total_recompute_ms": sum(s["recompute_ms"] for s in stages) if fits else None,
+            "slowest_stage_ms": slowest,
+            "step_ms": (n_microbatches + STAGES - 1) * slowest if fits else None}
+
+
+def splits(low: int, high: int) -> list[list[int]]:
+    """Contiguous splits of the layers into the stages, each between low and high."""
+    return [list(s) for s in itertools.product(range(low, high + 1), repeat=STAGES)
+            if sum(s) == LAYERS]
+
+
+def rows_of(costs: StageCosts, budget_gib: float, args: argparse.Namespace) -> dict:
+    budget = int(budget_gib * GIB)
+    m, uniform = args.microbatches, [LAYERS // STAGES] * STAGES
+    row = {"budget_gib": budget_gib}
+    row["unplanned"] = pipeline_of(
+        [unplanned(costs.steps(r, k)) for r, k in enumerate(uniform)], uniform, m)
+    stages = [every_layer(costs.steps(r, k)) for r, k in enumerate(uniform)]
+    row["every_layer"] = pipeline_of(
+        [s if s["peak_bytes"] <= budget else None for s in stages], uniform, m)
+    plans: dict[tuple[int, int], dict | None] = {}
+
+    def plan_of(rank: int, layers: int) -> dict | None:
+        if (rank, layers) not in plans:
+            plans[rank, layers] = planned(costs.steps(rank, layers), budget, args.time_limit_s)
+        return plans[rank, layers]
+
+    row["per_stage"] = pipeline_of([plan_of(r, k) for r, k in enumerate(uniform)], uniform, m)
+    best = None
+    for split in splits(*args.layers):
+        stages = [plan_of(r, k) for r, k in enumerate(split)]
+        candidate = pipeline_of(stages, split, m)
+        if candidate["fits"] and (best is None or candidate["slowest_stage_ms"] <
+                                  best["slowest_stage_ms"]):
+            best = candidate
+    row["balanced"] = best
+    return row
+
+
+def _cell(pipeline: dict | None) -> str:
+    if pipeline is None or not pipeline["fits"]:
+        return "does not fit"
+    peaks = " / ".join(format_bytes(s["peak_bytes"]) for s in pipeline["stages"])
+    return (f"split {pipeline['split']}: recompute {pipeline['total_recompute_ms']:.1f} ms, "
+            f"slowest stage {pipeline['slowest_stage_ms']:.1f} ms, step "
+            f"{pipeline['step_ms']:.0f} ms; peaks {peaks}")
+
+
+def render(result: dict) -> str:
+    lines = [f"# A 16-layer Llama pipeline, 4 stages, 1F1B ({result['date']}, torch "
+             f"{result['torch']})", "",
+             f"7B width, bf16, microbatch 1 x {SEQ}, {result['microbatches']} microbatches, "
+             "H100 estimates, the planner's replay of each stage (`benchmarks/"
+             "pipeline_llama.py`). Times are one microbatch's forward + backward + recompute "
+             "per stage; the step is (m + p - 1) slots of the slowest stage.", "",
+             f"Unplanned (no budget): {_cell(result['rows'][0]['unplanned'])}.", "",
+             "| budget | every layer, uniform split | per-stage plans, uniform split | "
+             "per-stage plans, balanced split |", "|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['budget_gib']:g} GiB | {_cell(row['every_layer'])} | "
+                     f"{_cell(row['per_stage'])} | {_cell(row['balanced'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[12.0, 16.0, 20.0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, nargs=2, default=[2, 6],
+                        help="least and most layers a stage of the balanced split has")
+    parser.add_argument("--time-limit-s", type=float, default=16.0)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    costs = StageCosts(args.microbatches)
+    rows = []
+    for budget in args.budgets:
+        rows.append(rows_of(costs, budget, args))
+        print(f"{budget:g} GiB: every layer: {_cell(rows[-1]['every_layer'])}\n"
+              f"  per-stage: {_cell(rows[-1]['per_stage'])}\n"
+              f"  balanced: {_cell(rows[-1]['balanced'])}", flush=True)
+    result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "microbatches": args.microbatches, "rows": rows,
+              "seconds": round(time.perf_counter() - started)}
+    if not args.no_write:
+        (RESULTS / "pipeline-llama.json").write_text(json.dumps(result, indent=1))
+        (RESULTS / "pipeline-llama.md").write_text(render(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
