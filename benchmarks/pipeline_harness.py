@@ -134,47 +134,57 @@ def _record_order(stage: Any, order: list[list[Any]]) -> None:
 
 
 def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
-          plan_dir: str | None, out: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+          plan_dir: str | None, out: str, unplanned_too: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    module = build_stage(rank, world)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
-            apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
-            stage, n_microbatches=n_microbatches, loss_fn=next_token_loss)
-        tokens, targets = batch(n_microbatches)
-        if rank != 0:
-            del tokens
-        if rank != world - 1:
-            del targets
-        order: list[list[Any]] = []
-        _record_order(stage, order)
-        losses: list[torch.Tensor] = []
-        with PeakTracker([], follow_resizes=True) as tracker:  # all the process holds
-            if rank == 0:
-                runner.step(tokens)
-            elif rank == world - 1:
-                runner.step(target=targets, losses=losses)
-            else:
-                runner.step()
-        torch.save({"peak": tracker.peak_bytes, "order": order,
-                    "losses": [loss.item() for loss in losses],
-                    "grads": [p.grad.clone() for p in module.parameters()]},
-                   Path(out) / f"rank{rank}.pt")
+        runs = [plan_dir] + ([None] if plan_dir and unplanned_too else [])
+        for run, plans in enumerate(runs):  # the planned one first, nothing else alive
+            result = _one_step(rank, world, schedule, n_microbatches, plans)
+            torch.save(result, Path(out) / f"rank{rank}.{run}.pt")
+            del result
     finally:
         dist.destroy_process_group()
 
 
+def _one_step(rank: int, world: int, schedule: str, n_microbatches: int,
+              plan_dir: str | None) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    module = build_stage(rank, world)
+    if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
+        apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
+        stage, n_microbatches=n_microbatches, loss_fn=next_token_loss)
+    tokens, targets = batch(n_microbatches)
+    if rank != 0:
+        del tokens
+    if rank != world - 1:
+        del targets
+    order: list[list[Any]] = []
+    _record_order(stage, order)
+    losses: list[torch.Tensor] = []
+    with PeakTracker([], follow_resizes=True) as tracker:  # all the process holds
+        if rank == 0:
+            runner.step(tokens)
+        elif rank == world - 1:
+            runner.step(target=targets, losses=losses)
+        else:
+            runner.step()
+    return {"peak": tracker.peak_bytes, "order": order,
+            "losses": [loss.item() for loss in losses],
+            "grads": [p.grad.clone() for p in module.parameters()]}
+
+
 def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
-                 plans: list[Plan] | None = None) -> list[dict[str, Any]]:
+                 plans: list[Plan] | None = None, unplanned_too: bool = False
+                 ) -> list[dict[str, Any]] | tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One step of the pipeline, one gloo process per stage; per rank: its measured peak
     (everything the process holds, as a GPU allocator counts), its microbatch order, its
-    losses and gradients."""
+    losses and gradients. With ``plans`` and ``unplanned_too``, each process then runs the
+    step unplanned too (its peak is not the step's alone): returns both runs' results."""
     out.mkdir(parents=True, exist_ok=True)
     plan_dir = None
     if plans:
@@ -183,8 +193,11 @@ def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
         for rank, plan in enumerate(plans):
             plan.save(plan_dir / f"stage{rank}.json")
     mp.spawn(_rank, args=(world, _free_port(), schedule, n_microbatches,
-                          str(plan_dir) if plan_dir else None, str(out)), nprocs=world)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+                          str(plan_dir) if plan_dir else None, str(out), unplanned_too),
+             nprocs=world)
+    runs = [[torch.load(out / f"rank{rank}.{run}.pt") for rank in range(world)]
+            for run in range(2 if plans and unplanned_too else 1)]
+    return tuple(runs) if len(runs) == 2 else runs[0]
 
 
 def spec_of(schedule: str, rank: int, world: int, n_microbatches: int) -> StageSpec:

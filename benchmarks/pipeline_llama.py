@@ -1,13 +1,14 @@
 """A 16-layer Llama-style pipeline of 4 stages: one plan per stage and a balanced split,
 against checkpointing every layer of a uniform split (what users apply to every stage).
 
-    python benchmarks/pipeline_llama.py                      # 1F1B, 8 microbatches, 12/16/20 GiB
-    python benchmarks/pipeline_llama.py --budgets 16 --layers 2 6
+    python benchmarks/pipeline_llama.py            # 1F1B, 8 microbatches, 10/12/16/20 GiB
+    python benchmarks/pipeline_llama.py --budgets 16 --layers 3 5
 
 HF ``LlamaForCausalLM`` at the 7B width (hidden 4096, intermediate 11008) with 16 layers,
 built on the meta device in bf16; a stage is the first stage's embedding and layers, a middle
 stage's layers, or the last stage's layers, norm and LM head, run on one microbatch of
-1 x 4096 tokens (torchtitan's ``module_fqns_per_model_part``). Each stage's step is profiled
+1 x 4096 tokens (torchtitan's ``module_fqns_per_model_part``), trained with AdamW (its
+state counted, in the parameters' bf16). Each stage's step is profiled
 on the meta device with the H100's estimated timing (``planner.pipeline.StageSteps``) and
 every number is the planner's replay of the stage over one 1F1B step
 (``solvers.pipeline``): stage r of p holds min(m, p - r) microbatches.
@@ -19,7 +20,8 @@ Per budget (per GPU), three ways to run the pipeline:
 - **per-stage plans, uniform split**: each stage planned for what it holds
   (``StageSteps.plan``: the least recompute whose stage peak fits);
 - **per-stage plans, balanced split**: the split of the layers (each stage between
-  ``--layers`` bounds) whose slowest stage is fastest, each stage planned.
+  ``--layers`` bounds) whose slowest stage is fastest, each stage planned
+  (``planner.pipeline_split.plan_pipeline``).
 
 A stage's time is one microbatch's forward, backward and recompute; the pipeline's step is
 (m + p - 1) slots of the slowest stage (1F1B's bubble model: every slot waits for the
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from torch import nn
 
 from planner import zoo
 from planner.pipeline import StageSteps
+from planner.pipeline_split import PipelinePlan, plan_pipeline
 from planner.plan import GIB, InfeasibleBudgetError, format_bytes
 from solvers import Schedule, simulate
 from solvers.baselines import policy_schedule
@@ -102,7 +104,8 @@ class StageCosts:
                              n_microbatches=self.n_microbatches)
             self._steps[rank, layers] = StageSteps(
                 stage, microbatch, spec, loss_fn=_next_token_loss if last else None,
-                target_bytes=8 * SEQ if last else 0, device="H100")
+                target_bytes=8 * SEQ if last else 0, device="H100",
+                optimizer=torch.optim.AdamW(stage.parameters()))
         return self._steps[rank, layers]
 
 
@@ -113,17 +116,6 @@ def every_layer(steps: StageSteps) -> dict:
     timeline = simulate(problem, schedule)
     return {"peak_bytes": steps.peak(schedule), "time_ms": timeline.total_time_ms,
             "recompute_ms": timeline.recompute_time_ms}
-
-
-def planned(steps: StageSteps, budget: int, time_limit_s: float) -> dict | None:
-    """The stage's own plan at ``budget``: its peak and one microbatch's time (None: no
-    plan fits)."""
-    try:
-        plan, peak = steps.plan(budget, time_limit_s)
-    except InfeasibleBudgetError:
-        return None
-    return {"peak_bytes": peak, "time_ms": plan.baseline_step_ms + plan.recompute_ms,
-            "recompute_ms": plan.recompute_ms}
 
 
 def unplanned(steps: StageSteps) -> dict:
@@ -142,10 +134,10 @@ def pipeline_of(stages: list[dict | None], split: list[int], n_microbatches: int
             "step_ms": (n_microbatches + STAGES - 1) * slowest if fits else None}
 
 
-def splits(low: int, high: int) -> list[list[int]]:
-    """Contiguous splits of the layers into the stages, each between low and high."""
-    return [list(s) for s in itertools.product(range(low, high + 1), repeat=STAGES)
-            if sum(s) == LAYERS]
+def _of(pipeline: PipelinePlan, n_microbatches: int) -> dict:
+    stages = [{"peak_bytes": stage.peak_bytes, "time_ms": stage.time_ms,
+               "recompute_ms": stage.plan.recompute_ms} for stage in pipeline.stages]
+    return pipeline_of(stages, pipeline.split, n_microbatches)
 
 
 def rows_of(costs: StageCosts, budget_gib: float, args: argparse.Namespace) -> dict:
@@ -157,22 +149,14 @@ def rows_of(costs: StageCosts, budget_gib: float, args: argparse.Namespace) -> d
     stages = [every_layer(costs.steps(r, k)) for r, k in enumerate(uniform)]
     row["every_layer"] = pipeline_of(
         [s if s["peak_bytes"] <= budget else None for s in stages], uniform, m)
-    plans: dict[tuple[int, int], dict | None] = {}
-
-    def plan_of(rank: int, layers: int) -> dict | None:
-        if (rank, layers) not in plans:
-            plans[rank, layers] = planned(costs.steps(rank, layers), budget, args.time_limit_s)
-        return plans[rank, layers]
-
-    row["per_stage"] = pipeline_of([plan_of(r, k) for r, k in enumerate(uniform)], uniform, m)
-    best = None
-    for split in splits(*args.layers):
-        stages = [plan_of(r, k) for r, k in enumerate(split)]
-        candidate = pipeline_of(stages, split, m)
-        if candidate["fits"] and (best is None or candidate["slowest_stage_ms"] <
-                                  best["slowest_stage_ms"]):
-            best = candidate
-    row["balanced"] = best
+    for key, (least, most) in (("per_stage", (uniform[0], uniform[0])),
+                               ("balanced", tuple(args.layers))):
+        try:
+            row[key] = _of(plan_pipeline(costs.steps, LAYERS, STAGES, budget_gb=budget_gib,
+                                         least=least, most=most,
+                                         time_limit_s=args.time_limit_s), m)
+        except InfeasibleBudgetError:
+            row[key] = None
     return row
 
 
@@ -185,25 +169,43 @@ def _cell(pipeline: dict | None) -> str:
             f"{pipeline['step_ms']:.0f} ms; peaks {peaks}")
 
 
+WAYS = {"every_layer": "every layer, uniform split", "per_stage": "per-stage plans, uniform",
+        "balanced": "per-stage plans, balanced split"}
+
+
+def _row(budget: str, way: str, pipeline: dict | None, every: dict | None) -> str:
+    if pipeline is None or not pipeline["fits"]:
+        return f"| {budget} | {way} | does not fit | | | | | |"
+    versus = f"{pipeline['step_ms'] / every['step_ms']:.2f}" if every and every["fits"] \
+        else "-"
+    peaks = " / ".join(f"{s['peak_bytes'] / GIB:.2f}" for s in pipeline["stages"])
+    return (f"| {budget} | {way} | {pipeline['split']} | {pipeline['total_recompute_ms']:.1f} "
+            f"| {pipeline['slowest_stage_ms']:.1f} | {pipeline['step_ms']:.0f} | {versus} "
+            f"| {peaks} |")
+
+
 def render(result: dict) -> str:
     lines = [f"# A 16-layer Llama pipeline, 4 stages, 1F1B ({result['date']}, torch "
              f"{result['torch']})", "",
-             f"7B width, bf16, microbatch 1 x {SEQ}, {result['microbatches']} microbatches, "
-             "H100 estimates, the planner's replay of each stage (`benchmarks/"
-             "pipeline_llama.py`). Times are one microbatch's forward + backward + recompute "
-             "per stage; the step is (m + p - 1) slots of the slowest stage.", "",
-             f"Unplanned (no budget): {_cell(result['rows'][0]['unplanned'])}.", "",
-             "| budget | every layer, uniform split | per-stage plans, uniform split | "
-             "per-stage plans, balanced split |", "|---|---|---|---|"]
+             f"7B width, bf16, AdamW, microbatch 1 x {SEQ}, {result['microbatches']} "
+             "microbatches, H100 estimates; every number is the planner's replay of each "
+             "stage over one 1F1B step (`benchmarks/pipeline_llama.py`). Recompute is the "
+             "stages' total per microbatch; a stage's time is one microbatch's forward + "
+             "backward + recompute; the step is (m + p - 1) slots of the slowest stage. "
+             "Peaks per stage in GiB.", "",
+             "| budget | how | split | recompute (ms) | slowest stage (ms) | step (ms) | "
+             "step / every layer's | stage peaks (GiB) |", "|---|---|---|---|---|---|---|---|"]
+    first = result["rows"][0]
+    lines.append(_row("none", "unplanned", first["unplanned"], None))
     for row in result["rows"]:
-        lines.append(f"| {row['budget_gib']:g} GiB | {_cell(row['every_layer'])} | "
-                     f"{_cell(row['per_stage'])} | {_cell(row['balanced'])} |")
+        for key, way in WAYS.items():
+            lines.append(_row(f"{row['budget_gib']:g} GiB", way, row[key], row["every_layer"]))
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budgets", type=float, nargs="+", default=[12.0, 16.0, 20.0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[10.0, 12.0, 16.0, 20.0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 6],
                         help="least and most layers a stage of the balanced split has")

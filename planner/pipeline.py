@@ -110,9 +110,10 @@ class StageSteps:
         held = held_after_forward(before, self.problems[0].static_bytes)
         return stage_peak(self.spec, before, after, self.boundary._replace(held_bytes=held))
 
-    def plan(self, budget_bytes: int, time_limit_s: float = 60.0) -> tuple[Plan, int]:
+    def plan(self, budget_bytes: int, time_limit_s: float = 60.0,
+             solver: str = "auto") -> tuple[Plan, int]:
         """:func:`plan_stage` on these steps (profiled once, planned at many budgets)."""
-        return _plan_stage_steps(self, budget_bytes, time_limit_s)
+        return _plan_stage_steps(self, budget_bytes, time_limit_s, solver)
 
 
 def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
@@ -151,8 +152,8 @@ def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb
     return steps.plan(int(budget_gb * GIB), time_limit_s)
 
 
-def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float
-                      ) -> tuple[Plan, int]:
+def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
+                      solver: str = "auto") -> tuple[Plan, int]:
     """`plan_stage` on a stage's profiled steps, at ``budget`` bytes."""
     spec = steps.spec
     per_try = time_limit_s / BISECTIONS
@@ -161,10 +162,11 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float
         """The plan at one microbatch's budget ``one`` (or, where none fits ``one``, the
         lowest-peak plan), its stage peak, and whether it fits ``one``."""
         try:
-            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=per_try)
+            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=per_try,
+                         solver=solver)
         except InfeasibleBudgetError as error:
             plan = error.plan or solve(steps.steps[1], budget_bytes=error.min_budget_bytes,
-                                       time_limit_s=per_try)
+                                       time_limit_s=per_try, solver=solver)
             return plan, steps.peak(plan.schedule), False
         return plan, steps.peak(plan.schedule if plan.checkpointing else None), True
 

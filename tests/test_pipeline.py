@@ -6,7 +6,9 @@ of the same pipeline unplanned."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,8 +37,8 @@ def test_each_stage_planned_for_its_schedule_holds_its_budget_and_trains_unchang
     plans = [plan for plan, _ in planned_stages]
     assert all(plan.checkpointing for plan in plans)
     assert [plan.pipeline for plan in plans] == specs  # installed in the 2-rank group
-    planned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path / "planned", plans)
-    unplanned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path / "unplanned")
+    planned, unplanned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path, plans,
+                                              unplanned_too=True)
     for spec, budget, (_, predicted), ran, plain in zip(
             specs, budgets, planned_stages, planned, unplanned, strict=True):
         assert [tuple(a) for a in ran["order"]] == spec.order()
@@ -91,3 +93,70 @@ def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None
             schedule="GPipe", stage_index=0, num_stages=1, n_microbatches=4)}))
     finally:
         dist.destroy_process_group()
+
+
+def _small_stage_steps(num_stages: int, n_microbatches: int) -> Any:
+    """Stage r of the harness's GPT holding k blocks, profiled once per (r, k)."""
+    from planner.pipeline import StageSteps
+
+    @functools.cache
+    def steps(rank: int, blocks: int) -> StageSteps:
+        spec = harness.spec_of("1F1B", rank, num_stages, n_microbatches)
+        torch.manual_seed(0)
+        module = harness.Stage(spec.first, spec.last, blocks)
+        inputs, target = harness.microbatch(rank)
+        return StageSteps(module, (inputs,), spec, loss_fn=harness._loss_of(spec, target),
+                          target_bytes=target.nbytes if spec.last else 0, timing="estimate")
+
+    return steps
+
+
+def test_the_split_makes_the_slowest_stage_fastest_within_the_budget() -> None:
+    """Four blocks over two 1F1B stages (stage 0 holds two microbatches, stage 1 one and
+    the head) at a budget below the even split's unplanned stage 0: every stage of the
+    split found within the budget, planned as its stage; a budget no split meets names
+    a split and the least budget it was found to fit."""
+    from planner.pipeline_split import plan_pipeline
+
+    steps = _small_stage_steps(2, MICROBATCHES)
+    budget = int(0.9 * steps(0, 2).peak())
+    found = plan_pipeline(steps, 4, 2, budget_gb=budget / 2**30, least=1, most=3,
+                          solver="dp")
+    assert sum(found.split) == 4 and all(s.peak_bytes <= budget for s in found.stages)
+    assert found.layer_ranges() == [range(0, found.split[0]), range(found.split[0], 4)]
+    assert found.module_fqns(first=("embed",), last=("head",))[0][0] == "embed"
+    assert [s.plan.pipeline.stage_index for s in found.stages] == [0, 1]
+    assert found.step_ms(MICROBATCHES) == 5 * found.slowest_ms
+    with pytest.raises(InfeasibleBudgetError, match="fits") as caught:
+        plan_pipeline(steps, 4, 2, budget_gb=2**20 / 2**30, least=1, most=3, solver="dp")
+    # a split's least is its stages' least peaks (each held: the test above), at most the
+    # even split's unplanned peaks
+    assert 2**20 < caught.value.min_budget_bytes <= max(steps(r, 2).peak() for r in range(2))
+
+
+def test_the_split_search_is_the_best_of_every_split() -> None:
+    """The min-max search against every split, on random stage costs (inf: no plan)."""
+    import itertools
+    import math
+    import random
+
+    from planner.pipeline_split import _min_max_split
+
+    rng = random.Random(0)
+    for _ in range(200):
+        stages, layers = rng.randint(1, 4), rng.randint(4, 10)
+        least, most = rng.randint(1, 2), rng.randint(2, 5)
+        table = {(r, k): math.inf if rng.random() < 0.2 else float(rng.randint(1, 9))
+                 for r in range(stages) for k in range(least, most + 1)}
+        splits = [s for s in itertools.product(range(least, most + 1), repeat=stages)
+                  if sum(s) == layers]
+        best = min(((max(table[r, k] for r, k in enumerate(s)),
+                     sum(table[r, k] for r, k in enumerate(s))) for s in splits),
+                   default=(math.inf, math.inf))
+        found = _min_max_split(lambda r, k, t=table: t[r, k], layers, stages, least, most)
+        if best[0] == math.inf:
+            assert found is None
+            continue
+        assert sum(found) == layers and all(least <= k <= most for k in found)
+        assert (max(table[r, k] for r, k in enumerate(found)),
+                sum(table[r, k] for r, k in enumerate(found))) == best
