@@ -20,7 +20,8 @@ from torch import nn
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan
 from planner.measure import PeakTracker
-from planner.pipeline import plan_stage, stage_loss, stage_peak_bytes
+from planner.pipeline import stage_loss, stage_peak_bytes
+from planner.plan import PipelineStage
 from planner.zoo import GPTBlock
 from solvers.pipeline import StageSpec
 
@@ -99,18 +100,20 @@ def halfway_plan(spec: StageSpec) -> Plan:
                       time_limit_s=10)
     except InfeasibleBudgetError as error:
         plan = error.plan
-    return plan.model_copy(update={"pipeline": spec})
+    return plan.model_copy(update={"pipeline": PipelineStage(
+        spec=spec, budget_bytes=plan.budget_bytes, peak_bytes=predicted_peak(spec, plan))})
 
 
 def stage_plan(spec: StageSpec, budget_bytes: int) -> tuple[Plan, int]:
-    """`planner.pipeline.plan_stage` for the stage at ``budget_bytes``: the plan, and the
+    """``optimize(..., pipeline=...)`` for the stage at ``budget_bytes``: the plan, and the
     stage's predicted peak."""
     module = build_stage(spec.stage_index, spec.num_stages)
     inputs, target = microbatch(spec.stage_index)
-    return plan_stage(module, (inputs,), spec, budget_gb=budget_bytes / 2**30,
-                      loss_fn=_loss_of(spec, target),
-                      target_bytes=target.nbytes if spec.last else 0, timing="estimate",
-                      time_limit_s=16)
+    plan = optimize(module, (inputs,), budget_gb=budget_bytes / 2**30,
+                    loss_fn=_loss_of(spec, target), timing="estimate", time_limit_s=16,
+                    pipeline={**spec.model_dump(),
+                              "target_bytes": target.nbytes if spec.last else 0})
+    return plan, plan.pipeline.peak_bytes
 
 
 def _free_port() -> int:

@@ -63,6 +63,7 @@ def optimize(
     offload: bool = False,
     host_budget_gb: float | None = None,
     op_ranges: bool = True,
+    pipeline: Any = None,
 ) -> Plan:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
@@ -104,10 +105,26 @@ def optimize(
     ``op_ranges=False`` checkpoints module calls only: no op range inside a forward
     (:mod:`profiles.traced`), so no module's forward is replaced by its fx trace.
 
+    A pipeline stage: ``model`` is the stage's module, ``example_inputs`` one microbatch of
+    its input (after the first stage, a tensor that requires grad), and ``pipeline=dict(
+    schedule="1F1B", stage_index=r, num_stages=p, n_microbatches=m)`` (torch's names;
+    ``"GPipe"`` too; ``target_bytes``: the last stage's target per microbatch). The plan
+    keeps the stage's peak over one step of its schedule within ``budget_gb``: the
+    microbatches it holds, its receive buffers, and on the last stage ``loss_fn``'s
+    outputs (:mod:`planner.pipeline`); ``plan.pipeline`` says the stage and that peak.
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
     """
+    if pipeline is not None:
+        return _plan_stage(model, example_inputs, pipeline, budget_gb, loss_fn=loss_fn,
+                           solver=solver, time_limit_s=time_limit_s,
+                           refused={"grad_accumulation": grad_accumulation,
+                                    "world_size": world_size != 1, "sharding": sharding,
+                                    "parallelize": parallelize, "offload": offload},
+                           optimizer=optimizer, autocast=autocast, timing=timing,
+                           device=device, execution=execution)
     options = SolveOptions.checked(budget_bytes=_budget_bytes(budget_gb), solver=solver,
                                    time_limit_s=time_limit_s,
                                    offload=offload, host_budget_gb=host_budget_gb,
@@ -120,3 +137,23 @@ def optimize(
                              mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
                              progress=progress)
     return solve_profiled(profiled, options)
+
+
+def _plan_stage(model: nn.Module, microbatch: Any, pipeline: Any, budget_gb: float, *,
+                loss_fn: Callable[[Any], torch.Tensor] | None, solver: str,
+                time_limit_s: float, refused: dict[str, Any], **profile_options: Any) -> Plan:
+    """``optimize(..., pipeline=...)``: the stage planned for its schedule."""
+    from planner.pipeline import StageSteps, stage_spec
+
+    spec, target_bytes = stage_spec(pipeline)
+    given = sorted(name for name, value in refused.items() if value)
+    if given:
+        raise ValueError(f"pipeline= plans a stage on its own process; {given} with it is "
+                         "not planned yet (a stage's steps after its first backward start "
+                         "with gradients allocated: that is planned already)")
+    if loss_fn is not None and not spec.last:
+        raise ValueError(f"stage {spec.stage_index} of {spec.num_stages} is not the last: "
+                         "its backward starts from the gradient the next stage sends; "
+                         "give loss_fn to the last stage only")
+    steps = StageSteps(model, microbatch, spec, loss_fn, target_bytes, **profile_options)
+    return steps.plan(_budget_bytes(budget_gb), time_limit_s, solver)[0]

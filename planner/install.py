@@ -166,7 +166,7 @@ def _check_world_size(plan: Plan) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world = dist.get_world_size()
-    stage = plan.pipeline
+    stage = plan.pipeline.spec if plan.pipeline else None
     if stage is not None:  # one stage per rank of the pipeline's dimension
         if world % stage.num_stages:
             raise PlanMismatchError(

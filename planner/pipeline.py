@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
+from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
 from planner.profiling import profile_model
 from planner.solving import solve
 from profiles.inputs import normalize_inputs
@@ -24,7 +24,7 @@ from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
 
-__all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes"]
+__all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes", "stage_spec"]
 
 
 class _ReceivedGradient(torch.autograd.Function):
@@ -129,6 +129,19 @@ def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
                       **profile_options).peak(schedule)
 
 
+def stage_spec(pipeline: StageSpec | dict[str, Any]) -> tuple[StageSpec, int]:
+    """``optimize``'s ``pipeline=``: a :class:`StageSpec` or its fields as a dict (torch's
+    names), with the last stage's ``target_bytes`` per microbatch; returns both."""
+    if isinstance(pipeline, StageSpec):
+        return pipeline, 0
+    if not isinstance(pipeline, dict):
+        raise TypeError(f"pipeline= takes a dict of schedule, stage_index, num_stages, "
+                        f"n_microbatches (and target_bytes), not {type(pipeline).__name__}")
+    fields = dict(pipeline)
+    target_bytes = int(fields.pop("target_bytes", 0))
+    return StageSpec.model_validate(fields), target_bytes
+
+
 BISECTIONS = 8  # of the one-microbatch budget, each solve with 1/8 of the time limit
 
 
@@ -195,9 +208,5 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
             f"flight) fits {format_bytes(budget)}; the least stage peak found is "
             f"{format_bytes(least[1])} (error.plan).", least[1], plan=least[0])
     plan, peak = best
-    note = (f"Pipeline stage {spec.stage_index} of {spec.num_stages} ({spec.schedule}, "
-            f"{spec.n_microbatches} microbatches, {spec.in_flight()} in flight): the stage "
-            f"peaks at {format_bytes(peak)} of its {format_bytes(budget)}; this plan is one "
-            f"microbatch's at {format_bytes(plan.budget_bytes)}.")
-    return plan.model_copy(update={"note": f"{note} {plan.note}".strip(),
-                                   "pipeline": spec}), peak
+    stage = PipelineStage(spec=spec, budget_bytes=budget, peak_bytes=peak)
+    return plan.model_copy(update={"pipeline": stage}), peak

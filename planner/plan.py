@@ -159,6 +159,25 @@ class _Replay(NamedTuple):
     offloaded_bytes: int
 
 
+class PipelineStage(_Strict):
+    """The stage a plan is for, its budget, and its peak over one step of its schedule as
+    replayed when planned (from the stage's profiles before and after its first backward,
+    :mod:`planner.pipeline`); ``None`` once the schedule is edited."""
+
+    spec: StageSpec
+    budget_bytes: Bytes
+    peak_bytes: Bytes | None
+
+    def describe(self) -> str:
+        spec = self.spec
+        peak = "not replayed for this schedule" if self.peak_bytes is None else \
+            f"predicted {format_bytes(self.peak_bytes)}"
+        return (f"pipeline stage {spec.stage_index} of {spec.num_stages} ({spec.schedule}, "
+                f"{spec.in_flight()} of {spec.n_microbatches} microbatches in flight): stage "
+                f"budget {format_bytes(self.budget_bytes)}, {peak}; the numbers below are one "
+                "microbatch's")
+
+
 class Plan(_Strict):
     """An activation-checkpointing plan for one model, precision, input shapes and budget.
 
@@ -182,9 +201,9 @@ class Plan(_Strict):
     host_budget_bytes: Bytes | None = Field(None, description="offload was allowed, within "
                                             "this much host memory; None: not allowed, or "
                                             "not recorded (files before it was)")
-    pipeline: StageSpec | None = Field(None, description="a pipeline stage's plan: one "
-                                       "microbatch's step, planned for what the stage holds "
-                                       "over its schedule (the note says its stage peak)")
+    pipeline: PipelineStage | None = Field(None, description="a pipeline stage's plan: "
+                                           "one microbatch's step, planned for what the stage "
+                                           "holds over its schedule")
 
     @field_validator("schema_version")
     @classmethod
@@ -198,6 +217,10 @@ class Plan(_Strict):
                    deep: bool = False) -> Plan:
         """A copy; what it derives is derived again (``update`` may change the schedule)."""
         copied = super().model_copy(update=update, deep=deep)
+        if update and "schedule" in update and copied.pipeline is not None and \
+                "pipeline" not in update:  # the stage's replay was of the old schedule
+            copied.__dict__["pipeline"] = copied.pipeline.model_copy(
+                update={"peak_bytes": None})
         for derived in ("_replay", "_problem"):
             copied.__dict__.pop(derived, None)
         return copied
@@ -390,6 +413,7 @@ class Plan(_Strict):
             f"{', autocast ' + self.autocast_dtype if self.autocast_dtype else ''})",
             *([f"  {self.sharding.describe()}"] if self.sharding else []),
             *([f"  {self.profile.parallel.describe()}"] if self.profile.parallel else []),
+            *([f"  {self.pipeline.describe()}"] if self.pipeline else []),
             f"  budget {format_bytes(self.budget_bytes)}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",

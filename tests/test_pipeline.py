@@ -36,7 +36,10 @@ def test_each_stage_planned_for_its_schedule_holds_its_budget_and_trains_unchang
                       for spec, b in zip(specs, budgets, strict=True)]
     plans = [plan for plan, _ in planned_stages]
     assert all(plan.checkpointing for plan in plans)
-    assert [plan.pipeline for plan in plans] == specs  # installed in the 2-rank group
+    assert [plan.pipeline.spec for plan in plans] == specs  # installed in the 2-rank group
+    assert [plan.pipeline.peak_bytes for plan, _ in planned_stages] == \
+        [peak for _, peak in planned_stages]
+    assert "pipeline stage 0 of 2 (1F1B, 2 of 4 microbatches in flight)" in plans[0].summary()
     planned, unplanned = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path, plans,
                                               unplanned_too=True)
     for spec, budget, (_, predicted), ran, plain in zip(
@@ -78,19 +81,22 @@ def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None
     import torch.distributed as dist
 
     from planner import PlanMismatchError, apply, optimize, zoo
+    from planner.plan import PipelineStage
 
     zm = zoo.get("gpt", size="tiny")
     plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
                     timing="estimate", progress=False)
-    stage = plan.model_copy(update={"pipeline": StageSpec(
-        schedule="1F1B", stage_index=0, num_stages=2, n_microbatches=4)})
+    stage = plan.model_copy(update={"pipeline": PipelineStage(spec=StageSpec(
+        schedule="1F1B", stage_index=0, num_stages=2, n_microbatches=4),
+        budget_bytes=plan.budget_bytes, peak_bytes=None)})
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(PlanMismatchError, match="stage 0 of a 2-stage pipeline, but "
                                                     "this process group has 1 ranks"):
             apply(zm.model, stage)
-        apply(zm.model, plan.model_copy(update={"pipeline": StageSpec(
-            schedule="GPipe", stage_index=0, num_stages=1, n_microbatches=4)}))
+        apply(zm.model, plan.model_copy(update={"pipeline": PipelineStage(spec=StageSpec(
+            schedule="GPipe", stage_index=0, num_stages=1, n_microbatches=4),
+            budget_bytes=plan.budget_bytes, peak_bytes=None)}))
     finally:
         dist.destroy_process_group()
 
@@ -125,7 +131,7 @@ def test_the_split_makes_the_slowest_stage_fastest_within_the_budget() -> None:
     assert sum(found.split) == 4 and all(s.peak_bytes <= budget for s in found.stages)
     assert found.layer_ranges() == [range(0, found.split[0]), range(found.split[0], 4)]
     assert found.module_fqns(first=("embed",), last=("head",))[0][0] == "embed"
-    assert [s.plan.pipeline.stage_index for s in found.stages] == [0, 1]
+    assert [s.plan.pipeline.spec.stage_index for s in found.stages] == [0, 1]
     assert found.step_ms(MICROBATCHES) == 5 * found.slowest_ms
     with pytest.raises(InfeasibleBudgetError, match="fits") as caught:
         plan_pipeline(steps, 4, 2, budget_gb=2**20 / 2**30, least=1, most=3, solver="dp")
@@ -160,3 +166,17 @@ def test_the_split_search_is_the_best_of_every_split() -> None:
         assert sum(found) == layers and all(least <= k <= most for k in found)
         assert (max(table[r, k] for r, k in enumerate(found)),
                 sum(table[r, k] for r, k in enumerate(found))) == best
+
+
+def test_optimize_refuses_what_it_does_not_plan_for_a_stage() -> None:
+    from planner import optimize
+
+    spec = {"schedule": "1F1B", "stage_index": 0, "num_stages": 2, "n_microbatches": 4}
+    module, (inputs, target) = harness.build_stage(0, 2), harness.microbatch(0)
+    with pytest.raises(ValueError, match="is not the last"):
+        optimize(module, (inputs,), budget_gb=1, pipeline=spec,
+                 loss_fn=lambda out: harness.next_token_loss(out, target))
+    with pytest.raises(ValueError, match=r"\['offload'\] with it is not planned yet"):
+        optimize(module, (inputs,), budget_gb=1, pipeline=spec, offload=True)
+    with pytest.raises(ValueError, match="not below num_stages"):
+        optimize(module, (inputs,), budget_gb=1, pipeline={**spec, "stage_index": 2})
