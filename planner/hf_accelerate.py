@@ -13,7 +13,6 @@ recompute gathers parameters: ranks that checkpoint differently would wait on ea
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -90,13 +89,6 @@ def _processes(state: Any, mesh: Any) -> dict[str, Any]:
             raise ValueError(f"planned() plans accelerate's FSDP2 over one mesh dimension; "
                              f"this accelerator's mesh is {tuple(mesh.shape)}. Plan with "
                              "optimize(..., parallelize=..., mesh_shape=...) and apply")
-        policy = state.fsdp_plugin.mixed_precision_policy
-        if getattr(policy, "output_dtype", None) is not None:
-            warnings.warn(
-                f"FSDP2's output_dtype={policy.output_dtype} (accelerate's {state.mixed_precision} "
-                "policy casts the root's outputs): the profile of that cast counts less than "
-                "the step holds (2.3 % on the test model, docs/recipes.md); leave headroom in "
-                "the budget", stacklevel=4)
         # under FSDP2 accelerate casts with the policy, not autocast
         return {"parallelize": _accelerates_fsdp2(state), "mesh_shape": (ranks,),
                 "mesh_dim_names": ("dp_shard",), "autocast": None}

@@ -43,6 +43,7 @@ __all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "i
 # redistributions are the model's own ops: they run inside module calls and again in their
 # reruns, like any op
 _RUNTIME_DIRS = ("/torch/distributed/fsdp/", "/torch/distributed/_composable/")
+_ACTIVATION_CASTS = ("_cast_fp_tensor",)  # torch.distributed.fsdp._fully_shard._fsdp_common
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def is_runtime_op() -> bool:
     """Whether the op being dispatched now comes from FSDP2 (its hooks' all-gathers,
-    reduce-scatters and copies), not from the model's own code."""
+    reduce-scatters and copies), not from the model's own code. A cast of the activations
+    its mixed-precision policy makes (module inputs to ``param_dtype``, the root's outputs
+    to ``output_dtype``) is the model's: autograd records it like any op of the step."""
     frame = sys._getframe(2)
     while frame is not None:
+        if frame.f_code.co_name in _ACTIVATION_CASTS:
+            return False
         name = frame.f_code.co_filename
         if any(part in name for part in _RUNTIME_DIRS):
             return True
