@@ -81,7 +81,8 @@ class PlannedCheckpointing(TrainerCallback):
         self.plan = plan_for_processes(
             AcceleratorState(), model, inputs, budget_gb=self.budget_gb, loss_fn=loss_fn,
             grad_accumulation=args.gradient_accumulation_steps > 1,
-            optimizer=optimizer_cls(model.parameters(), **optimizer_kwargs), **self.options)
+            optimizer=optimizer_cls([p for p in model.parameters() if p.requires_grad],
+                                    **optimizer_kwargs), **self.options)
         if state.is_world_process_zero:
             log.info("%s", self.plan.summary())
 

@@ -240,3 +240,14 @@ def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path)
                                                      result[False]["weights"], strict=True))
         assert max(result[True]["peaks"]) <= plan.budget_bytes, (
             rank, result[True]["peaks"], plan.budget_bytes, plan.predicted_peak_bytes)
+
+
+def test_over_several_processes_the_switch_asks_for_a_batch() -> None:
+    """Over several processes the model is planned when the Trainer is built, before any
+    data loader: without ``example_batch`` the switch says so."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(gradient_checkpointing=False, world_size=2)
+    with pytest.raises(ValueError, match=r"example_batch=one rank's batch"):
+        PlannedCheckpointing(budget_gb=1.0).on_init_end(
+            args, None, None, model=zoo.get("hf-llama").model)

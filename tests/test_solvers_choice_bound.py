@@ -14,7 +14,7 @@ from solvers.choice_bound import choice_bound
 from solvers.problem import HostLink
 from solvers.testing import transformer
 
-MANY = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+MANY = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @MANY

@@ -98,7 +98,7 @@ def test_thinned_fronts_grow_until_the_gap_closes(monkeypatch: pytest.MonkeyPatc
     assert grown.bound_ms <= exact.objective_ms + 1e-9
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), max_size=30),
        st.sampled_from([0.0, 1e-12, 1.0]))
 def test_pareto_indices_keep_exactly_the_undominated_points(points, tol: float) -> None:

@@ -14,7 +14,7 @@ from solvers import Problem, Region, Schedule, simulate
 from solvers.accounting import Context, NestedRegionInfo, RegionInfo, evaluate, profile_parts
 from solvers.frame import region_rules
 
-MANY = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+MANY = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @st.composite

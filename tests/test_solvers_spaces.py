@@ -21,7 +21,7 @@ from solvers import (
 )
 from solvers.spaces import every_flat, flat_regions, matmul_keep
 
-FEW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+FEW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def _budget(p: Problem, frac: float) -> int:
