@@ -122,7 +122,10 @@ def optimize(
                            solver=solver, time_limit_s=time_limit_s,
                            refused={"grad_accumulation": grad_accumulation,
                                     "world_size": world_size != 1, "sharding": sharding,
-                                    "parallelize": parallelize, "offload": offload},
+                                    "shard_modules": shard_modules,
+                                    "parallelize": parallelize, "mesh_shape": mesh_shape,
+                                    "offload": offload, "host_budget_gb": host_budget_gb,
+                                    "op_ranges=False": not op_ranges},
                            optimizer=optimizer, autocast=autocast, timing=timing,
                            device=device, execution=execution)
     options = SolveOptions.checked(budget_bytes=_budget_bytes(budget_gb), solver=solver,

@@ -89,6 +89,11 @@ def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None
     stage = plan.model_copy(update={"pipeline": PipelineStage(spec=StageSpec(
         schedule="1F1B", stage_index=0, num_stages=2, n_microbatches=4),
         budget_bytes=plan.budget_bytes, peak_bytes=None)})
+    replayed = stage.model_copy(update={"pipeline": stage.pipeline.model_copy(
+        update={"peak_bytes": 12345})})
+    edited = replayed.model_copy(update={"schedule": plan.schedule})
+    assert edited.pipeline.peak_bytes is None  # its replay was of another schedule
+    assert "not replayed for this schedule" in edited.summary()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(PlanMismatchError, match="stage 0 of a 2-stage pipeline, but "
@@ -176,7 +181,8 @@ def test_optimize_refuses_what_it_does_not_plan_for_a_stage() -> None:
     with pytest.raises(ValueError, match="is not the last"):
         optimize(module, (inputs,), budget_gb=1, pipeline=spec,
                  loss_fn=lambda out: harness.next_token_loss(out, target))
-    with pytest.raises(ValueError, match=r"\['offload'\] with it is not planned yet"):
-        optimize(module, (inputs,), budget_gb=1, pipeline=spec, offload=True)
+    with pytest.raises(ValueError, match=r"\['offload', 'op_ranges=False'\] with it is not"):
+        optimize(module, (inputs,), budget_gb=1, pipeline=spec, offload=True,
+                 op_ranges=False)
     with pytest.raises(ValueError, match="not below num_stages"):
         optimize(module, (inputs,), budget_gb=1, pipeline={**spec, "stage_index": 2})
