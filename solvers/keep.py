@@ -123,8 +123,10 @@ class KeepSpace:
             return self.floor
         before = np.cumsum(weight, axis=0) - weight
         taken = np.clip((residue_bytes - before) / weight, 0.0, 1.0)
-        # past the cover, what only lowers a slot (a rerun temporary saved) is taken too
-        added = (taken * cost + (1.0 - taken) * np.minimum(cost, 0)).sum(axis=0)
+        # past the cover, what only lowers a slot (a rerun temporary saved) is taken too;
+        # whole (not taken * cost + (1 - taken) * cost, whose rounding made the floor of a
+        # larger residue one byte below a smaller one's)
+        added = np.where(cost < 0, cost, taken * cost).sum(axis=0)
         free = np.minimum(self.delta[np.asarray(self.residue) <= 0], 0).sum(axis=0)
         return self.base.local + free + np.floor(added).astype(np.int64)
 

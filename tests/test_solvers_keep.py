@@ -167,3 +167,24 @@ def test_choices_offer_each_export_subset_and_the_hand_policies() -> None:
     assert (0,) in {c.chosen for c in options}
     lower, _ = choices(space, optimistic=True, also=[[0]])
     assert len(lower) <= len(options)
+
+
+def test_a_larger_residue_never_lowers_the_floor() -> None:
+    """Found by the property above: a lowering term split as taken * cost + (1 - taken) *
+    cost rounded the floor for 15 residue bytes one byte below the floor for 7."""
+    p = Problem(
+        name="rounding", node_names=[f"v{i}" for i in range(7)], fwd_time_ms=[0.1] * 7,
+        bwd_time_ms=[1.0] * 7, fwd_temp_bytes=[0, 0, 30, 0, 0, 0, 0], bwd_temp_bytes=[0] * 7,
+        recomputable=[False, True, True, True, True, False, False],
+        node_inputs=[[], [0], [1], [2], [3], [4], [6]],
+        node_outputs=[[0], [1], [2], [3], [4, 5], [6], [7]], node_saved=[[]] * 7,
+        storage_bytes=[1, 1, 43, 1, 1, 14, 1, 1], storage_producer=[0, 1, 2, 3, 4, 4, 5, 6],
+        storage_grad_bytes=[1, 1, 43, 1, 1, 0, 1, 1], static_bytes=0,
+        param_grad_bytes=[0] * 7, optimizer_step_bytes=0, block_of_node=[0] * 7,
+        node_saves_static=[True] * 7, node_packs_before_running=[False] * 7,
+        node_grad_inputs=[[]] * 7, keepable=[False, False, True, False, True, False, False],
+        checkpoint_region_ms=0.0, checkpoint_pack_ms=0.0, checkpoint_sac_op_ms=0.0,
+        node_ops=[0] * 7)
+    space = KeepSpace.analyse(Context(p), 0, 7, 1, 5)
+    floors = [space.floor_for(r) for r in range(0, 40)]
+    assert all((a <= b).all() for a, b in itertools.pairwise(floors))
