@@ -47,6 +47,8 @@ are coarse and thinning, not the space, makes most of the gap.
 Not a chain (a storage read two or more stages later): `solvers.chain` pins, merges or
 detaches such storages; parameters, tied ones included, are static memory and their
 gradients schedule-independent constants, so a tied embedding read by the LM head is exact.
+The lower-bound pass counts a pinned storage as held to its saver's backward where only a
+region rerunning longer than the answer could free it earlier (`solvers.dp_pinned`).
 
 Speed on real graphs: window profiles are cached by a translation-invariant signature
 without gradient bytes, forward times or the storages left out of the windows, such as the
@@ -65,6 +67,7 @@ and other child splits are not searched.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +108,7 @@ from solvers.dp_options import (
     window_signature,
     window_spec,
 )
+from solvers.dp_pinned import PinnedHold, held_table, pinned_holds
 from solvers.front import Front
 from solvers.inner import inner_options
 from solvers.keep import KeepSpace, under_caps
@@ -172,6 +176,7 @@ class _Layout(NamedTuple):
     bounds: SpanBounds
     stop_limit: list[int]
     keep_front: bool = True
+    holds: tuple[PinnedHold, ...] = ()
 
     @property
     def outside(self) -> frozenset[int]:
@@ -184,7 +189,9 @@ def _layout(ctx: Context, keep_front: bool = True) -> _Layout:
     skips, st = long_skips(problem, pinned)
     up, low = _pin_tables(ctx, pinned, skips)
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
-                   _stop_limits(problem, st, skips), keep_front)
+                   _stop_limits(problem, st, skips), keep_front,
+                   tuple(pinned_holds(problem, st, pinned))
+                   if problem.n_nodes > SUBSET_MAX_NODES else ())  # tiny: segments keep any set
 
 
 def _stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
@@ -260,8 +267,8 @@ class _PassResult(NamedTuple):
 
 
 def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: bool,
-         deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False
-         ) -> _PassResult:
+         deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False,
+         table: np.ndarray | None = None) -> _PassResult:
     """One DP pass (`_PassResult`).
 
     Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
@@ -271,10 +278,11 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
     window leaves it out): each costs no more than any option of that window, so the pass's
     optimum is a lower bound of the full space. On long chains windows up to
     `TIGHT_SPANS * max_span` stages are relaxed tightly, and split-safe ones up to twice
-    that (longer windows split into those).
+    that (longer windows split into those). `table`: the lower-bound pass's own
+    positional bytes (`dp_pinned.held_table`) in place of the layout's.
     """
     return _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
-                 sure_lives).run()
+                 sure_lives, table).run()
 
 
 def _stage_signatures(ctx: Context, st: list[tuple[int, int]], outside: frozenset[int]
@@ -293,13 +301,15 @@ class _Pass:
 
     def __init__(self, ctx: Context, lay: _Layout, limit: int, max_front: int,
                  optimistic: bool, deadline: float, cache: dict, max_span: int,
-                 sure_lives: bool) -> None:
+                 sure_lives: bool, table: np.ndarray | None = None) -> None:
         p = self.p = ctx.p
         self.ctx, self.lay, self.limit, self.max_front = ctx, lay, limit, max_front
         self.optimistic, self.deadline, self.cache, self.max_span = (optimistic, deadline,
                                                                      cache, max_span)
         self.st, self.outside, self.bounds = lay.stages, lay.outside, lay.bounds
         self.table = lay.lower_table if optimistic or sure_lives else lay.upper_table
+        if table is not None:
+            self.table = table
         m = self.m = len(self.st)
         # relaxed windows up to `tight` stages count every kept output in their residue;
         # longer ones, up to 2 * tight + 1 stages, leave the unsaved ones out so that any
@@ -629,6 +639,23 @@ class _Proof:
         return self.final or _proven(self.best, self.bound)
 
 
+def _lower_pass(ctx: Context, lay: _Layout, limit: int, max_front: int, deadline: float,
+                cache: dict, span: int, best: Solution | None
+                ) -> tuple[float | None, bool, bool]:
+    """The lower-bound pass's bound (None: nothing fits even relaxed), whether it thinned a
+    front and whether a relaxed window is on its path. With an answer of `best` ms, the
+    pinned storages that a region could only free by rerunning at least that long are
+    counted as held (`dp_pinned`): the bound is then the smaller of the pass's and `best`'s,
+    and a pass that fits nothing proves `best`."""
+    floor = best.objective_ms if best is not None else math.inf
+    table = held_table(ctx.p, lay.lower_table, ctx.last_read, list(lay.holds), floor)
+    lower, rounded, relaxed, _ = _run(ctx, lay, limit, max_front, True, deadline, cache, span,
+                                      table=table)
+    if table is None:
+        return (None if lower is None else lower[0]), rounded, relaxed
+    return (floor if lower is None else min(lower[0], floor)), rounded, relaxed
+
+
 def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans: list[int],
             deadline: float, cache: dict, t0: float, proof: _Proof) -> None:
     """The upper and lower passes for each segment-length cap in `spans`, widest last, into
@@ -643,15 +670,15 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
         if time.perf_counter() > deadline:
             return
         try:
-            lower, rounded, relaxed, _ = _run(ctx, lay, budget_bytes - problem.static_bytes,
-                                              max_front, True, deadline, cache, span)
+            bound, rounded, relaxed = _lower_pass(ctx, lay, budget_bytes - problem.static_bytes,
+                                                  max_front, deadline, cache, span, proof.best)
         except TimeoutError:
             return
-        if lower is None:  # even the relaxed space has no schedule: infeasible
+        if bound is None:  # even the relaxed space has no schedule: infeasible
             return
-        proof.bound, proof.rounded = max(proof.bound, lower[0]), rounded
+        proof.bound, proof.rounded = max(proof.bound, bound), rounded
         if span >= len(lay.stages):
-            proof.nested = max(proof.nested or 0.0, lower[0])
+            proof.nested = max(proof.nested or 0.0, bound)
         if lay.outside and not proof.proven:
             # the left-out storages counted by their sure lives may fit a faster schedule
             # (the conservative lives hold them longest); simulate checks it
