@@ -171,24 +171,26 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
     spec = steps.spec
     per_try = time_limit_s / BISECTIONS
 
-    def attempt(one: int) -> tuple[Plan, int, bool]:
+    def attempt(one: int) -> tuple[Plan, int, int]:
         """The plan at one microbatch's budget ``one`` (or, where none fits ``one``, the
-        lowest-peak plan), its stage peak, and whether it fits ``one``."""
+        lowest-peak plan), its stage peak, and the least one-microbatch budget known to
+        fit (``one``, or the minimum the error named)."""
         try:
             plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=per_try,
                          solver=solver)
         except InfeasibleBudgetError as error:
             plan = error.plan or solve(steps.steps[1], budget_bytes=error.min_budget_bytes,
                                        time_limit_s=per_try, solver=solver)
-            return plan, steps.peak(plan.schedule), False
-        return plan, steps.peak(plan.schedule if plan.checkpointing else None), True
+            return plan, steps.peak(plan.schedule), error.min_budget_bytes
+        return plan, steps.peak(plan.schedule if plan.checkpointing else None), one
 
     best: tuple[Plan, int] | None = None
     least: tuple[Plan, int] | None = None
     low, high = 0, budget + 1  # one-microbatch budgets: below high, the stage may fit
     for tries in range(BISECTIONS):
         one = budget if tries == 0 else (low + high) // 2
-        plan, peak, at_one = attempt(one)
+        plan, peak, fits_from = attempt(one)
+        at_one = fits_from <= one
         if least is None or peak < least[1]:
             least = (plan, peak)
         if peak <= budget and (at_one or best is None):
@@ -197,8 +199,8 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
             break  # one microbatch alone does not fit the stage's budget
         if at_one and peak > budget:
             high = one
-        else:  # a fit, or a budget too small for one microbatch: go higher
-            low = one
+        else:  # a fit, or a budget too small for one microbatch: go higher (below the
+            low = max(one, fits_from - 1)  # minimum the error named, nothing fits)
         if high - low <= 1:
             break
     if best is None:
