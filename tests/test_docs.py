@@ -34,7 +34,7 @@ def test_the_readme_is_a_front_page_that_reaches_every_page() -> None:
     assert len(README.encode()) <= FRONT_PAGE_MAX_BYTES, "README.md: keep it a front page"
     first_screen = "\n".join(README.splitlines()[:15])
     assert "scripts/bootstrap.sh && .venv/bin/python -m planner demo" in first_screen
-    assert "scripts/bootstrap.sh && .venv/bin/python -m pytest -q" in first_screen
+    assert "scripts/bootstrap.sh && .venv/bin/python -m pytest -q -n 2" in first_screen
     unreached = [name for name in DOCS if name != "README.md" and name not in README]
     assert not unreached, f"README.md does not lead to {unreached}"
     for name in DOCS:  # and each page leads back
