@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from solvers import baselines, bruteforce, cpsat, dp
+from solvers.accounting import Context
 from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -56,7 +57,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     no bound.
     """
     calls = calls_only(problem)
-    if calls is problem or dp.applies(problem) or problem.n_nodes > LARGE_GRAPH_NODES:
+    if (calls is problem or dp.applies(problem) or problem.n_nodes > LARGE_GRAPH_NODES
+            or _dp_is_final(problem, budget_bytes, time_limit_s)):
         return _solve(problem, budget_bytes, time_limit_s)[0]
     # op ranges multiply CP-SAT's candidates: on graphs that are not chains (no DP over
     # every module-call segmentation to start from) module calls alone are solved first
@@ -123,6 +125,10 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     gap_left = bounded and d.gap > 0
     chain_done = bounded and (not gap_left or problem.n_nodes > LARGE_GRAPH_NODES
                               or not after_a_gap)
+    # a DP answer proven over a space that holds CP-SAT's is final at any size (the zoo
+    # MLP: CP-SAT took 5 s to prove it again)
+    chain_done = chain_done or (d.status == Status.OPTIMAL and use_cpsat
+                                and _dp_holds_cpsat(problem))
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
     unbounded = False
     if use_cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
@@ -144,6 +150,29 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0}), unbounded
+
+
+DP_FIRST_MAX_NODES = 200  # small graphs: the DP over op ranges first, final where proven
+
+
+def _dp_is_final(problem: Problem, budget_bytes: int, time_limit_s: float) -> bool:
+    """On a small graph, whether the DP over op ranges proves its answer over a space that
+    holds CP-SAT's: then nothing searches module calls first or CP-SAT after it (the zoo
+    MLP took 5 s in CP-SAT over module calls for a budget only op ranges meet, which the DP
+    proves in 0.03 s)."""
+    if problem.n_nodes > DP_FIRST_MAX_NODES:
+        return False
+    found = dp.solve(problem, budget_bytes, DP_FIRST_SHARE * time_limit_s)
+    return found.status == Status.OPTIMAL and _dp_holds_cpsat(problem)
+
+
+DP_FIRST_SHARE = 0.1
+
+
+def _dp_holds_cpsat(problem: Problem) -> bool:
+    """Whether the DP's space holds every schedule of CP-SAT's candidate regions."""
+    regions, _ = cpsat.candidates(Context(problem))
+    return dp.holds_regions(problem, [(r.a, r.b, frozenset(r.keep)) for r in regions])
 
 
 def _best_proven(problem: Problem, best: Solution, found: list[Solution],

@@ -110,17 +110,18 @@ from solvers.dp_options import (
 )
 from solvers.dp_pinned import PinnedHold, held_table, pinned_holds
 from solvers.front import Front
-from solvers.inner import inner_options
+from solvers.inner import every_set, inner_options
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Region, Schedule
-from solvers.spaces import SearchSpace, chain_segments
+from solvers.spaces import SearchSpace, chain_segments, matmul_keep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["applies", "chain_stages", "compact_stages", "pinned_storages", "solve"]
+__all__ = ["applies", "chain_stages", "compact_stages", "holds_regions", "pinned_storages",
+           "solve"]
 
 SUBSET_MAX_NODES = 8  # problems this small try every kept subset per segment
 # chains of up to this many stages get the full segment space in one pass; longer ones grow
@@ -533,6 +534,28 @@ def _backtrack(f: Front, fronts: list[dict[tuple, Front]], st: list[tuple[int, i
             regions.extend(regions_at(spec_of(step), st[step.start][0]))
         pos, f = int(f.idx[pos]), fronts[step.start][step.held_rel]
     return sorted(regions, key=lambda r: r.start), relaxed
+
+
+def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]]]) -> bool:
+    """Whether every set of these non-overlapping regions, each keeping as given, is a
+    schedule of the DP's space: each starts and stops at stages of the DP's chain and
+    keeps nothing or its matmul-like nodes (a segment of those stages recomputed), or lies
+    inside a stage that offers every set of its inner regions (`inner.every_set`)."""
+    ctx = Context(problem)
+    stages = _layout(ctx).stages
+    cuts = {a for a, _ in stages} | {problem.n_nodes}
+    inner_sets: dict[tuple[int, int], set | None] = {}
+
+    def inside(a: int, b: int, keep: frozenset[int]) -> bool:
+        x, y = next(((x, y) for x, y in stages if x <= a and b <= y), (a, a))
+        if (x, y) not in inner_sets:
+            every = every_set(ctx, x, y) if problem.module_spans is not None else None
+            inner_sets[x, y] = None if every is None else {
+                (r.a, r.b, frozenset(r.keep)) for regions in every for r in regions}
+        return inner_sets[x, y] is not None and (a, b, keep) in inner_sets[x, y]
+
+    return all((a in cuts and b in cuts and (not keep or keep == matmul_keep(problem, a, b)))
+               or inside(a, b, keep) for a, b, keep in regions)
 
 
 def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:

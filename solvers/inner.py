@@ -11,7 +11,8 @@ or op ranges at any depth, each keeping nothing or its matmul-like nodes.
 Which sets are offered: each candidate region alone is profiled over the stage
 (`profile_parts`), giving the bytes it frees past the forward and its rerun time; an interval
 DP over the stage's nodes combines disjoint candidates, adding those two terms, and keeps the
-Pareto front of (bytes freed, rerun time), thinned to `INNER_POINTS` sets. Each set is then
+Pareto front of (bytes freed, rerun time), thinned to `INNER_POINTS` sets (a stage with no
+more sets than that offers every one, `every_set`). Each set is then
 an ordinary option of the stage, which the DP profiles exactly like any other: the sum only
 chooses which sets are offered, it never enters a reported number or a bound.
 """
@@ -25,7 +26,7 @@ from solvers.frame import worth_checkpointing
 from solvers.front import pareto
 from solvers.spaces import matmul_keep
 
-__all__ = ["INNER_POINTS", "Piece", "inner_front", "inner_options"]
+__all__ = ["INNER_POINTS", "Piece", "every_set", "inner_front", "inner_options"]
 
 INNER_POINTS = 24  # sets offered per stage (the front of bytes freed against rerun time)
 _FRONT = 64  # points kept per position of the interval DP
@@ -62,8 +63,30 @@ def _front(points: Sequence[Piece], size: int) -> list[Piece]:
 def inner_options(ctx: Context, a: int, b: int,
                   outside: frozenset[int] = frozenset()) -> list[tuple[RegionInfo, ...]]:
     """Sets of disjoint regions inside stage `[a, b)` (module doc), each sorted, none empty;
-    `outside`: storages the caller accounts for by position (left out of the profiles)."""
+    `outside`: storages the caller accounts for by position (left out of the profiles).
+    A stage with at most `INNER_POINTS` such sets offers all of them (`every_set`)."""
+    every = every_set(ctx, a, b)
+    if every is not None:
+        return every
     return [regions for _, _, regions in inner_front(ctx, a, b, outside)]
+
+
+def every_set(ctx: Context, a: int, b: int) -> list[tuple[RegionInfo, ...]] | None:
+    """Every non-empty set of disjoint candidate regions inside stage `[a, b)`, or None
+    where there are more than `INNER_POINTS` (then a front of them is offered): a small
+    stage's options then hold every flat choice of regions inside it, CP-SAT's included."""
+    by_stop: dict[int, list[RegionInfo]] = {}
+    for info in _candidates(ctx, a, b):
+        by_stop.setdefault(info.b, []).append(info)
+    sets: list[list[tuple[RegionInfo, ...]]] = [[()]]  # per position: the sets ending by it
+    for pos in range(a + 1, b + 1):
+        here = list(sets[-1])
+        for info in by_stop.get(pos, ()):
+            here += [(*regions, info) for regions in sets[info.a - a]]
+        if len(here) > INNER_POINTS + 1:
+            return None
+        sets.append(here)
+    return [regions for regions in sets[-1] if regions]
 
 
 def inner_front(ctx: Context, a: int, b: int, outside: frozenset[int] = frozenset(),

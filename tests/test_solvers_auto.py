@@ -180,3 +180,49 @@ def test_cpsat_after_a_gap_runs_over_op_ranges_only_where_it_bounded_module_call
     monkeypatch.setattr(auto.cpsat, "solve", recorded)
     auto.solve(p, budget, 20.0)
     assert len(spaces) == (2 if bounded else 1)
+
+
+def _mlp_problem() -> Problem:
+    """The zoo MLP (the suite's size): 20 nodes, module calls and op ranges."""
+    from conftest import ZOO_CASES
+
+    from planner import profile_model, zoo
+
+    mlp = zoo.get("mlp", **ZOO_CASES["mlp"])
+    return profile_model(mlp.model, mlp.example_inputs, loss_fn=mlp.loss_fn,
+                         timing="estimate", progress=False).problem()
+
+
+def test_the_dp_space_holds_each_cpsat_candidate_it_says_it_holds() -> None:
+    """`dp.holds_regions` on the MLP, checked against the DP itself: for each of CP-SAT's
+    candidate regions alone, whole stages and regions inside one, the DP at that
+    schedule's peak proves a recompute time no larger than the region's."""
+    from solvers import cpsat
+    from solvers.accounting import Context
+
+    p = _mlp_problem()
+    regions, _ = cpsat.candidates(Context(p))
+    assert dp.holds_regions(p, [(r.a, r.b, frozenset(r.keep)) for r in regions])
+    inside = 0
+    for r in regions:
+        alone = simulate(p, Schedule.from_segments(p.n_nodes, [(r.a, r.b)], keep=r.keep))
+        sol = dp.solve(p, alone.peak_bytes, math.inf)
+        assert sol.status == Status.OPTIMAL, (r.a, r.b)
+        assert sol.objective_ms <= alone.recompute_time_ms + 1e-9, (r.a, r.b, sol.schedule)
+        inside += not any(a == r.a and b == r.b for a, b in dp._layout(Context(p)).stages)
+    assert inside  # regions inside a stage, not only whole stages
+
+
+def test_a_small_graph_the_dp_proves_over_cpsats_space_is_not_searched_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLP at a budget only op ranges meet: the DP's proof over a space holding
+    CP-SAT's is final, neither module calls first nor CP-SAT run (CP-SAT took 5 s over
+    module calls to find what the DP proves at once)."""
+    p = _mlp_problem()
+    assert auto.calls_only(p) is not p and not dp.applies(p)
+    budget = (simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+              + memory_lower_bound(p)) // 2
+    assert not dp.solve(auto.calls_only(p), budget, math.inf).feasible  # op ranges only
+    monkeypatch.setattr(auto.cpsat, "solve", lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
+    sol = auto.solve(p, budget, 60.0)
+    assert sol.solver == "auto/dp" and sol.status == Status.OPTIMAL
