@@ -43,5 +43,6 @@ def _no_remembered_plans() -> None:
 @pytest.fixture(autouse=True)
 def _quiet_threads() -> None:
     """One torch thread per test process where the suite runs in two (``pytest -n 2``, the
-    README's command: 383 s on 2 cores, 760 s in one process with two threads), else two."""
+    README's command: 357 to 365 s on 2 cores, 760 s in one process with two threads), else
+    two."""
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
