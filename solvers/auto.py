@@ -153,6 +153,7 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
 
 
 DP_FIRST_MAX_NODES = 200  # small graphs: the DP over op ranges first, final where proven
+DP_FIRST_SHARE = 0.1  # of the limit, for that first DP
 
 
 def _dp_is_final(problem: Problem, budget_bytes: int, time_limit_s: float) -> bool:
@@ -164,9 +165,6 @@ def _dp_is_final(problem: Problem, budget_bytes: int, time_limit_s: float) -> bo
         return False
     found = dp.solve(problem, budget_bytes, DP_FIRST_SHARE * time_limit_s)
     return found.status == Status.OPTIMAL and _dp_holds_cpsat(problem)
-
-
-DP_FIRST_SHARE = 0.1
 
 
 def _dp_holds_cpsat(problem: Problem) -> bool:
