@@ -56,23 +56,31 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     proved over a space that holds the answer (`_proven_over_a_space`); none: FEASIBLE with
     no bound.
     """
+    t0 = time.perf_counter()
     calls = calls_only(problem)
-    if (calls is problem or dp.applies(problem) or problem.n_nodes > LARGE_GRAPH_NODES
-            or _dp_is_final(problem, budget_bytes, time_limit_s)):
+    if calls is problem or dp.applies(problem) or problem.n_nodes > LARGE_GRAPH_NODES:
         return _solve(problem, budget_bytes, time_limit_s)[0]
+    # a small graph gets the DP over op ranges first: proven over a space that holds
+    # CP-SAT's, its answer is final (the zoo MLP took 5 s in CP-SAT over module calls for
+    # a budget only op ranges meet, which the DP proves in 0.03 s)
+    proven = _small_graph_dp(problem, budget_bytes, time_limit_s)
+    if proven is not None and _dp_holds_cpsat(problem):
+        left = max(0.0, time_limit_s - (time.perf_counter() - t0))
+        best, _ = _solve(problem, budget_bytes, left, dp_answer=proven)
+        return best.model_copy(update={"solve_time_s": time.perf_counter() - t0})
     # op ranges multiply CP-SAT's candidates: on graphs that are not chains (no DP over
     # every module-call segmentation to start from) module calls alone are solved first
     # (in CALLS_FIRST of the time), and their answer warm-starts the search with op
     # ranges, so that op ranges never answer worse than module calls; large graphs go
     # straight to the DP, whose space holds the module calls' (CP-SAT rarely runs there)
-    t0 = time.perf_counter()
     first, unbounded = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s)
     left = max(0.0, time_limit_s - (time.perf_counter() - t0))
     # CP-SAT after a DP answer with a gap that found no bound at all over module calls,
     # the smaller space, finds none over op ranges in the time either (Llama, 8 layers:
     # 6 s each, no bound); where it bounded something it runs again (conformance: 10 of
     # its proofs come from the op-range pass)
-    best, _ = _solve(problem, budget_bytes, left, given=[first], after_a_gap=not unbounded)
+    best, _ = _solve(problem, budget_bytes, left, given=[first], after_a_gap=not unbounded,
+                     dp_answer=proven)
     return best.model_copy(update={"solve_time_s": time.perf_counter() - t0})
 
 
@@ -88,11 +96,13 @@ AFTER_A_GAP_MAX_S = 6.0  # and at most this: the proofs it finds come in 1 to 5 
 
 
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
-           given: Sequence[Solution] = (), after_a_gap: bool = True) -> tuple[Solution, bool]:
+           given: Sequence[Solution] = (), after_a_gap: bool = True,
+           dp_answer: Solution | None = None) -> tuple[Solution, bool]:
     """`solve` over ``problem``'s own regions; ``given``: answers found otherwise (kept
     with their own proofs), one of which may warm-start CP-SAT; ``after_a_gap``: CP-SAT
-    may follow a DP answer with a gap on a mid-size graph. Also returns whether CP-SAT ran
-    there and found no bound."""
+    may follow a DP answer with a gap on a mid-size graph; ``dp_answer``: the DP's proven
+    answer on this problem, if it ran already. Also returns whether CP-SAT ran there and
+    found no bound."""
     t0 = time.perf_counter()
     exact: list[Solution] = []
     # baselines first: on very large graphs they take seconds, and the exact solvers get
@@ -111,7 +121,7 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     share = (0.5 if dp.applies(problem) else 0.3) if use_cpsat else 1.0
     if problem.n_nodes > LARGE_GRAPH_NODES:
         share = max(share, LARGE_GRAPH_DP_SHARE)
-    d = dp.solve(problem, budget_bytes, left * share)
+    d = dp_answer or dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
     left = time_limit_s - reserve - (time.perf_counter() - t0)
     # a DP answer proven optimal on a graph of over 200 nodes is final (its space holds
@@ -156,15 +166,14 @@ DP_FIRST_MAX_NODES = 200  # small graphs: the DP over op ranges first, final whe
 DP_FIRST_SHARE = 0.1  # of the limit, for that first DP
 
 
-def _dp_is_final(problem: Problem, budget_bytes: int, time_limit_s: float) -> bool:
-    """On a small graph, whether the DP over op ranges proves its answer over a space that
-    holds CP-SAT's: then nothing searches module calls first or CP-SAT after it (the zoo
-    MLP took 5 s in CP-SAT over module calls for a budget only op ranges meet, which the DP
-    proves in 0.03 s)."""
+def _small_graph_dp(problem: Problem, budget_bytes: int, time_limit_s: float
+                    ) -> Solution | None:
+    """On a graph of at most `DP_FIRST_MAX_NODES` nodes, the DP's answer if it proves it
+    optimal over its space in `DP_FIRST_SHARE` of the limit; else None."""
     if problem.n_nodes > DP_FIRST_MAX_NODES:
-        return False
+        return None
     found = dp.solve(problem, budget_bytes, DP_FIRST_SHARE * time_limit_s)
-    return found.status == Status.OPTIMAL and _dp_holds_cpsat(problem)
+    return found if found.status == Status.OPTIMAL else None
 
 
 def _dp_holds_cpsat(problem: Problem) -> bool:

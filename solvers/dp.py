@@ -542,7 +542,7 @@ def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]
     keeps nothing or its matmul-like nodes (a segment of those stages recomputed), or lies
     inside a stage that offers every set of its inner regions (`inner.every_set`)."""
     ctx = Context(problem)
-    stages = _layout(ctx).stages
+    _, stages = long_skips(problem, pinned_storages(problem))  # `_layout`'s stages
     cuts = {a for a, _ in stages} | {problem.n_nodes}
     inner_sets: dict[tuple[int, int], set | None] = {}
 
@@ -671,7 +671,7 @@ def _lower_pass(ctx: Context, lay: _Layout, limit: int, max_front: int, deadline
     counted as held (`dp_pinned`): the bound is then the smaller of the pass's and `best`'s,
     and a pass that fits nothing proves `best`."""
     floor = best.objective_ms if best is not None else math.inf
-    table = held_table(ctx.p, lay.lower_table, ctx.last_read, list(lay.holds), floor)
+    table = held_table(ctx.p, lay.lower_table, ctx.last_read, lay.holds, floor)
     lower, rounded, relaxed, _ = _run(ctx, lay, limit, max_front, True, deadline, cache, span,
                                       table=table)
     if table is None:

@@ -25,6 +25,7 @@ smaller of that pass's bound and `floor_ms`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -95,7 +96,7 @@ class _CoverCost:
 
 
 def held_table(problem: Problem, table: np.ndarray, last_read: tuple[int, ...],
-               holds: list[PinnedHold], floor_ms: float) -> np.ndarray | None:
+               holds: Sequence[PinnedHold], floor_ms: float) -> np.ndarray | None:
     """`table` (pinned storages live up to their last forward reader) with the longer life
     of every hold whose `cover_ms` is at least `floor_ms`; None: no hold is."""
     n = problem.n_nodes
