@@ -203,13 +203,14 @@ def test_the_dp_space_holds_each_cpsat_candidate_it_says_it_holds() -> None:
     p = _mlp_problem()
     regions, _ = cpsat.candidates(Context(p))
     assert dp.holds_regions(p, [(r.a, r.b, frozenset(r.keep)) for r in regions])
+    stages = dp._layout(Context(p)).stages
     inside = 0
     for r in regions:
         alone = simulate(p, Schedule.from_segments(p.n_nodes, [(r.a, r.b)], keep=r.keep))
         sol = dp.solve(p, alone.peak_bytes, math.inf)
         assert sol.status == Status.OPTIMAL, (r.a, r.b)
         assert sol.objective_ms <= alone.recompute_time_ms + 1e-9, (r.a, r.b, sol.schedule)
-        inside += not any(a == r.a and b == r.b for a, b in dp._layout(Context(p)).stages)
+        inside += not any(a == r.a and b == r.b for a, b in stages)
     assert inside  # regions inside a stage, not only whole stages
 
 
