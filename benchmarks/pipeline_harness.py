@@ -20,7 +20,8 @@ from torch import nn
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan
 from planner.measure import PeakTracker
-from planner.pipeline import stage_loss, stage_peak_bytes
+from planner.pipeline import StageSteps, stage_loss, stage_peak_bytes
+from planner.pipeline_rank import RankSteps
 from planner.plan import PipelineStage
 from planner.zoo import GPTBlock
 from solvers.pipeline import StageSpec
@@ -122,29 +123,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _record_order(stage: Any, order: list[list[Any]]) -> None:
+def _record_order(stage: Any, local: int, order: list[list[Any]]) -> None:
+    """Record each pass of the rank's chunk ``local``: [pass, chunk, microbatch]."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        order.append(["F", chunk])
+        order.append(["F", local, chunk])
         return forward(chunk, *args, **kwargs)
 
     def backward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        order.append(["B", chunk])
+        order.append(["B", local, chunk])
         return backward(chunk, *args, **kwargs)
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one, backward_one
 
 
 def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
-          plan_dir: str | None, out: str, unplanned_too: bool) -> None:
+          plan_dir: str | None, out: str, unplanned_too: bool, chunks: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         runs = [plan_dir] + ([None] if plan_dir and unplanned_too else [])
         for run, plans in enumerate(runs):  # the planned one first, nothing else alive
-            result = _one_step(rank, world, schedule, n_microbatches, plans)
+            result = _one_step(rank, world, schedule, n_microbatches, plans, chunks)
             torch.save(result, Path(out) / f"rank{rank}.{run}.pt")
             del result
     finally:
@@ -152,57 +154,90 @@ def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
 
 
 def _one_step(rank: int, world: int, schedule: str, n_microbatches: int,
-              plan_dir: str | None) -> dict[str, Any]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+              plan_dir: str | None, chunks: int = 1) -> dict[str, Any]:
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
-    module = build_stage(rank, world)
-    if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
-        apply(module, Plan.load(Path(plan_dir) / f"stage{rank}.json"))
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
-        stage, n_microbatches=n_microbatches, loss_fn=next_token_loss)
+    stages_total = world * chunks
+    indices = [c * world + rank for c in range(chunks)]  # the rank's stages, chunk by chunk
+    modules = [build_stage(g, stages_total) for g in indices]
+    for g, module in zip(indices, modules, strict=True):
+        if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
+            apply(module, Plan.load(Path(plan_dir) / f"stage{g}.json"))
+    stages = [PipelineStage(module, g, stages_total, torch.device("cpu"))
+              for g, module in zip(indices, modules, strict=True)]
+    if schedule == "Interleaved1F1B":
+        runner = ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches,
+                                         loss_fn=next_token_loss)
+    else:
+        runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
+            stages[0], n_microbatches=n_microbatches, loss_fn=next_token_loss)
     tokens, targets = batch(n_microbatches)
-    if rank != 0:
+    holds_first, holds_last = 0 in indices, stages_total - 1 in indices
+    if not holds_first:
         del tokens
-    if rank != world - 1:
+    if not holds_last:
         del targets
     order: list[list[Any]] = []
-    _record_order(stage, order)
+    for local, stage in enumerate(stages):
+        _record_order(stage, local, order)
     losses: list[torch.Tensor] = []
     with PeakTracker([], follow_resizes=True) as tracker:  # all the process holds
-        if rank == 0:
-            runner.step(tokens)
-        elif rank == world - 1:
+        if holds_first:
+            runner.step(tokens, **(dict(target=targets, losses=losses) if holds_last else {}))
+        elif holds_last:
             runner.step(target=targets, losses=losses)
         else:
             runner.step()
     return {"peak": tracker.peak_bytes, "order": order,
             "losses": [loss.item() for loss in losses],
-            "grads": [p.grad.clone() for p in module.parameters()]}
+            "grads": [p.grad.clone() for module in modules for p in module.parameters()]}
 
 
 def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
-                 plans: list[Plan] | None = None, unplanned_too: bool = False
+                 plans: list[Plan] | None = None, unplanned_too: bool = False,
+                 chunks: int = 1
                  ) -> list[dict[str, Any]] | tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One step of the pipeline, one gloo process per stage; per rank: its measured peak
-    (everything the process holds, as a GPU allocator counts), its microbatch order, its
-    losses and gradients. With ``plans`` and ``unplanned_too``, each process then runs the
-    step unplanned too (its peak is not the step's alone): returns both runs' results."""
+    """One step of the pipeline, one gloo process per rank (each running ``chunks``
+    stages); per rank: its measured peak (everything the process holds, as a GPU allocator
+    counts), its passes in order, its losses and gradients. ``plans[g]`` is stage ``g``'s.
+    With ``plans`` and ``unplanned_too``, each process then runs the step unplanned too
+    (its peak is not the step's alone): returns both runs' results."""
     out.mkdir(parents=True, exist_ok=True)
     plan_dir = None
     if plans:
         plan_dir = out / "plans"
         plan_dir.mkdir(exist_ok=True)
-        for rank, plan in enumerate(plans):
-            plan.save(plan_dir / f"stage{rank}.json")
+        for stage, plan in enumerate(plans):
+            plan.save(plan_dir / f"stage{stage}.json")
     mp.spawn(_rank, args=(world, _free_port(), schedule, n_microbatches,
-                          str(plan_dir) if plan_dir else None, str(out), unplanned_too),
+                          str(plan_dir) if plan_dir else None, str(out), unplanned_too, chunks),
              nprocs=world)
     runs = [[torch.load(out / f"rank{rank}.{run}.pt") for rank in range(world)]
             for run in range(2 if plans and unplanned_too else 1)]
     return tuple(runs) if len(runs) == 2 else runs[0]
 
 
-def spec_of(schedule: str, rank: int, world: int, n_microbatches: int) -> StageSpec:
+def spec_of(schedule: str, rank: int, world: int, n_microbatches: int,
+            chunks: int = 1) -> StageSpec:
     return StageSpec(schedule=schedule, stage_index=rank, num_stages=world,
-                     n_microbatches=n_microbatches)
+                     n_microbatches=n_microbatches, num_chunks=chunks)
+
+
+def rank_steps(spec: StageSpec) -> RankSteps:
+    """The rank's chunks, each stage ``c·p + r`` of the harness's model, profiled."""
+    steps = []
+    for c in range(spec.num_chunks):
+        g = spec.chunk_stage(c)
+        module = build_stage(g, spec.num_chunks * spec.num_stages)
+        inputs, target = microbatch(g)
+        last = spec.chunk_last(c)
+        steps.append(StageSteps(module, (inputs,), spec,
+                                (lambda logits, t=target: next_token_loss(logits, t))
+                                if last else None, target.nbytes if last else 0, chunk=c,
+                                timing="estimate"))
+    return RankSteps(steps)

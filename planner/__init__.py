@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         solve,
         verify,
     )
+    from planner.pipeline_rank import plan_rank
     from planner.plan import (
         FileFormatError,
         InfeasibleBudgetError,
@@ -46,6 +47,7 @@ _LAZY = {
     "apply": "planner.api",
     "measure_step": "planner.api",
     "optimize": "planner.api",
+    "plan_rank": "planner.pipeline_rank",
     "remove": "planner.api",
     "replan": "planner.api",
     "verify": "planner.api",
@@ -57,8 +59,8 @@ _LAZY = {
 
 __all__ = ["FileFormatError", "InfeasibleBudgetError", "Plan", "PlanMismatchError",
            "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning",
-           "VerifyReport", "apply", "measure_step", "optimize", "profile_model", "remove",
-           "replan", "solve", "verify"]
+           "VerifyReport", "apply", "measure_step", "optimize", "plan_rank", "profile_model",
+           "remove", "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:

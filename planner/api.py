@@ -149,6 +149,11 @@ def _plan_stage(model: nn.Module, microbatch: Any, pipeline: Any, budget_gb: flo
     from planner.pipeline import StageSteps, stage_spec
 
     spec, target_bytes = stage_spec(pipeline)
+    if spec.num_chunks > 1:
+        raise ValueError(f"pipeline= with num_chunks={spec.num_chunks}: a rank of several "
+                         "model chunks is planned as a whole, its chunks together: "
+                         "planner.plan_rank([chunk modules], [their microbatches], "
+                         "pipeline=..., budget_gb=...) returns one plan per chunk")
     given = sorted(name for name, value in refused.items() if value)
     if given:
         raise ValueError(f"pipeline= plans a stage on its own process; {given} with it is "

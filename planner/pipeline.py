@@ -19,7 +19,7 @@ from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format
 from planner.profiling import profile_model
 from planner.solving import solve
 from profiles.inputs import normalize_inputs
-from solvers.pipeline import StageBoundary, StageSpec, held_after_forward, stage_peak
+from solvers.pipeline import ChunkReplay, StageBoundary, StageSpec, held_after_forward, stage_peak
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
@@ -56,21 +56,22 @@ def _bytes(tree: Any) -> int:
 
 
 def stage_loss(module: nn.Module, microbatch: Any, spec: StageSpec,
-               loss_fn: Callable[[Any], torch.Tensor] | None = None
+               loss_fn: Callable[[Any], torch.Tensor] | None = None, chunk: int = 0
                ) -> Callable[[Any], torch.Tensor]:
-    """The loss to profile (or plan) a stage's step with: ``loss_fn`` on the last stage,
-    elsewhere the gradient the next stage sends (made here, once, in the output's shape)."""
-    return _stage_loss(module, microbatch, spec, loss_fn)[0]
+    """The loss to profile (or plan) a stage's step (the rank's ``chunk``) with:
+    ``loss_fn`` on the pipeline's last stage, elsewhere the gradient the next stage sends
+    (made here, once, in the output's shape)."""
+    return _stage_loss(module, microbatch, spec.chunk_last(chunk), loss_fn)[0]
 
 
-def _stage_loss(module: nn.Module, microbatch: Any, spec: StageSpec,
+def _stage_loss(module: nn.Module, microbatch: Any, last: bool,
                 loss_fn: Callable[[Any], torch.Tensor] | None
                 ) -> tuple[Callable[[Any], torch.Tensor], int, int]:
     """`stage_loss`, the bytes of one microbatch's output and of its loss."""
     args, kwargs = normalize_inputs(module, microbatch)
     with torch.no_grad():
         received = torch.zeros_like(module(*args, **kwargs))  # the output's shape
-    if spec.last:
+    if last:
         if loss_fn is None:
             raise ValueError("the last stage computes the loss: pass loss_fn")
         with torch.no_grad():
@@ -80,22 +81,24 @@ def _stage_loss(module: nn.Module, microbatch: Any, spec: StageSpec,
 
 
 class StageSteps:
-    """A stage's step for one microbatch, profiled twice: before the stage's first backward
-    (no parameter gradients yet) and after it (gradients allocated)."""
+    """A stage's step for one microbatch (the rank's ``chunk`` under an interleaved
+    schedule), profiled twice: before the stage's first backward (no parameter gradients
+    yet) and after it (gradients allocated)."""
 
     def __init__(self, module: nn.Module, microbatch: Any, spec: StageSpec,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
-                 **profile_options: Any) -> None:
-        loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, spec, loss_fn)
-        self.spec = spec
+                 chunk: int = 0, **profile_options: Any) -> None:
+        last = spec.chunk_last(chunk)
+        loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, last, loss_fn)
+        self.spec, self.chunk = spec, chunk
         self.steps = [profile_model(module, microbatch, loss_fn=loss, progress=False,
                                     grad_accumulation=allocated, **profile_options)
                       for allocated in (False, True)]
-        self.problems = [step.problem() if spec.last else
+        self.problems = [step.problem() if last else
                          _received_gradient_apart(step.problem()) for step in self.steps]
         nodes = self.steps[0].profile.nodes
         # the stage's output: what the received gradient's "loss" reads (its last op)
-        output = set() if spec.last else set(next(
+        output = set() if last else set(next(
             n for n in reversed(nodes) if n.read_storages).read_storages)
         self.boundary = StageBoundary(
             held_bytes=0, input_bytes=self.steps[0].profile.static.input_bytes,
@@ -103,12 +106,18 @@ class StageSteps:
             target_bytes=target_bytes, loss_bytes=loss_bytes,
             output_in_timeline=any(output & set(n.saved_storages) for n in nodes))
 
-    def peak(self, schedule: Schedule | None = None) -> int:
-        """The stage's peak over one step with ``schedule`` (default: no checkpoint)."""
+    def replay(self, schedule: Schedule | None = None) -> ChunkReplay:
+        """The stage's timelines with ``schedule`` (default: no checkpoint), for the replay."""
         before, after = (simulate(p, schedule or Schedule.store_all(p.n_nodes))
                          for p in self.problems)
         held = held_after_forward(before, self.problems[0].static_bytes)
-        return stage_peak(self.spec, before, after, self.boundary._replace(held_bytes=held))
+        return ChunkReplay(before, after, self.boundary._replace(held_bytes=held),
+                           self.problems[0].static_bytes, self.problems[1].static_bytes)
+
+    def peak(self, schedule: Schedule | None = None) -> int:
+        """The stage's peak over one step with ``schedule`` (default: no checkpoint)."""
+        replay = self.replay(schedule)
+        return stage_peak(self.spec, replay.before_grads, replay.with_grads, replay.boundary)
 
     def plan(self, budget_bytes: int, time_limit_s: float = 60.0,
              solver: str = "auto") -> tuple[Plan, int]:

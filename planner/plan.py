@@ -167,11 +167,19 @@ class PipelineStage(_Strict):
     spec: StageSpec
     budget_bytes: Bytes
     peak_bytes: Bytes | None
+    chunk: int = 0  # the rank's model chunk this plan is for (interleaved schedules)
 
     def describe(self) -> str:
         spec = self.spec
         peak = "not replayed for this schedule" if self.peak_bytes is None else \
             f"predicted {format_bytes(self.peak_bytes)}"
+        if spec.num_chunks > 1:
+            return (f"pipeline rank {spec.stage_index} of {spec.num_stages}, chunk "
+                    f"{self.chunk} of {spec.num_chunks} (stage {spec.chunk_stage(self.chunk)} "
+                    f"of {spec.num_chunks * spec.num_stages}; {spec.schedule}, "
+                    f"{spec.in_flight()} chunk microbatches in flight): rank budget "
+                    f"{format_bytes(self.budget_bytes)}, {peak}; the numbers below are one "
+                    "microbatch's of this chunk")
         return (f"pipeline stage {spec.stage_index} of {spec.num_stages} ({spec.schedule}, "
                 f"{spec.in_flight()} of {spec.n_microbatches} microbatches in flight): stage "
                 f"budget {format_bytes(self.budget_bytes)}, {peak}; the numbers below are one "

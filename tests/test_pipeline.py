@@ -7,6 +7,7 @@ of the same pipeline unplanned."""
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def test_each_stage_planned_for_its_schedule_holds_its_budget_and_trains_unchang
                                               unplanned_too=True)
     for spec, budget, (_, predicted), ran, plain in zip(
             specs, budgets, planned_stages, planned, unplanned, strict=True):
-        assert [tuple(a) for a in ran["order"]] == spec.order()
+        assert [tuple(a) for a in ran["order"]] == spec.actions()
         assert ran["peak"] <= budget
         # above the prediction by a loss scalar at most, below by one boundary activation
         assert predicted - BOUNDARY <= ran["peak"] <= predicted + 8, (spec, ran["peak"],
@@ -186,3 +187,76 @@ def test_optimize_refuses_what_it_does_not_plan_for_a_stage() -> None:
                  op_ranges=False)
     with pytest.raises(ValueError, match="not below num_stages"):
         optimize(module, (inputs,), budget_gb=1, pipeline={**spec, "stage_index": 2})
+
+
+def test_interleaved_order_is_torchs_on_every_rank() -> None:
+    """Each rank's passes under Interleaved1F1B, as the replay orders them, are those torch's
+    schedule computes (its own ``_calculate_single_rank_operations``, no-ops left out)."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleInterleaved1F1B,
+        _ComputationType,
+    )
+
+    cases = 0
+    for ranks, chunks, microbatches in itertools.product((2, 3, 4), (1, 2, 3), range(1, 13)):
+        rounds = max(1, microbatches // ranks)
+        if microbatches % rounds:
+            continue
+        torchs = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)  # no stages needed
+        torchs.n_local_stages, torchs.pp_group_size = chunks, ranks
+        torchs._n_microbatches, torchs.number_of_rounds = microbatches, rounds
+        torchs.microbatches_per_round = microbatches // rounds
+        for rank in range(ranks):
+            expected = [("F" if a.computation_type == _ComputationType.FORWARD else "B",
+                         a.stage_index // ranks, a.microbatch_index)
+                        for a in torchs._calculate_single_rank_operations(rank) if a]
+            assert StageSpec(schedule="Interleaved1F1B", stage_index=rank, num_stages=ranks,
+                             n_microbatches=microbatches, num_chunks=chunks
+                             ).actions() == expected, (ranks, chunks, microbatches, rank)
+            cases += 1
+    assert cases > 200
+    with pytest.raises(ValueError, match="needs schedule='Interleaved1F1B'"):
+        StageSpec(schedule="1F1B", stage_index=0, num_stages=2, n_microbatches=4, num_chunks=2)
+
+
+def test_an_interleaved_rank_planned_as_a_whole_holds_its_budget_and_trains_unchanged(
+        tmp_path: Path) -> None:
+    """Interleaved1F1B over 2 gloo ranks of 2 chunks each (stages c·2 + r of 4): each rank's
+    chunks planned together at 75 % of the rank's unplanned peak. Each rank runs its passes
+    in the replayed order, peaks within its budget and at the predicted peak (above it by a
+    loss scalar at most, below by one boundary activation), and trains as unplanned: every
+    send is kept until the step ends, which the replay counts."""
+    chunks, schedule = 2, "Interleaved1F1B"
+    specs = [harness.spec_of(schedule, r, WORLD, MICROBATCHES, chunks) for r in range(WORLD)]
+    ranks = [harness.rank_steps(spec) for spec in specs]
+    budgets = [int(0.75 * rank.peak()) for rank in ranks]
+    planned = [rank.plan(budget, time_limit_s=16) for rank, budget in zip(ranks, budgets,
+                                                                          strict=True)]
+    assert all(any(plan.checkpointing for plan in plans) for plans, _ in planned)
+    assert [plans[1].pipeline.chunk for plans, _ in planned] == [1, 1]
+    assert "pipeline rank 0 of 2, chunk 1 of 2 (stage 2 of 4" in planned[0][0][1].summary()
+    by_stage = [planned[g % WORLD][0][g // WORLD] for g in range(WORLD * chunks)]
+    ran, plain = harness.run_pipeline(schedule, WORLD, MICROBATCHES, tmp_path, by_stage,
+                                      unplanned_too=True, chunks=chunks)
+    for spec, budget, (_, predicted), measured, unplanned in zip(
+            specs, budgets, planned, ran, plain, strict=True):
+        assert [tuple(a) for a in measured["order"]] == spec.actions()
+        assert measured["peak"] <= budget, (spec.stage_index, measured["peak"], budget)
+        assert predicted - BOUNDARY - 64 <= measured["peak"] <= predicted + 8, \
+            (spec.stage_index, measured["peak"], predicted)
+        assert all(torch.equal(a, b) for a, b in zip(measured["grads"], unplanned["grads"],
+                                                     strict=True))
+    assert ran[-1]["losses"] == plain[-1]["losses"] and len(ran[-1]["losses"]) == MICROBATCHES
+
+
+def test_a_rank_of_several_chunks_is_planned_by_plan_rank_with_one_module_per_chunk() -> None:
+    from planner import optimize, plan_rank
+
+    spec = dict(schedule="Interleaved1F1B", stage_index=0, num_stages=2, n_microbatches=4,
+                num_chunks=2)
+    module = harness.build_stage(0, 4)
+    inputs, _ = harness.microbatch(0)
+    with pytest.raises(ValueError, match=r"planner.plan_rank\(\[chunk modules\]"):
+        optimize(module, (inputs,), budget_gb=1, pipeline=spec)
+    with pytest.raises(ValueError, match="give as many modules and microbatches"):
+        plan_rank([module], [(inputs,)], pipeline=spec, budget_gb=1)
