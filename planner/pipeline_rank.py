@@ -48,6 +48,7 @@ class RankSteps:
             raise ValueError(f"give the rank's {self.spec.num_chunks} chunks in order, each "
                              "profiled with the rank's StageSpec")
         self.chunks = list(chunks)
+        self._ladders: dict[tuple[float, str], list[list[_Rung]]] = {}
 
     def peak(self, plans: Sequence[Plan | None] | None = None) -> int:
         """The rank's peak over one step, each chunk with its plan (None: unplanned)."""
@@ -59,7 +60,10 @@ class RankSteps:
              solver: str = "auto") -> tuple[list[Plan], int]:
         """:func:`plan_rank` on these chunks (profiled once, planned at many budgets)."""
         per_solve = time_limit_s / (len(self.chunks) * (RUNGS + 1))
-        ladders = [_ladder(steps, per_solve, solver) for steps in self.chunks]
+        if (per_solve, solver) not in self._ladders:  # the same at every budget
+            self._ladders[per_solve, solver] = [_ladder(steps, per_solve, solver)
+                                                for steps in self.chunks]
+        ladders = self._ladders[per_solve, solver]
         least: tuple[int, tuple[_Rung, ...]] | None = None
         for combination in sorted(itertools.product(*ladders),
                                   key=lambda rungs: sum(r.time_ms for r in rungs)):
