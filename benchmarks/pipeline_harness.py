@@ -241,3 +241,15 @@ def rank_steps(spec: StageSpec) -> RankSteps:
                                 if last else None, target.nbytes if last else 0, chunk=c,
                                 timing="estimate"))
     return RankSteps(steps)
+
+
+def halfway_rank_plans(steps: RankSteps) -> list[Plan]:
+    """The rank's chunk plans at the budget halfway between the rank's static memory (its
+    chunks' parameters and gradients) and its unplanned peak, or at the least rank peak
+    its chunks' plans reach."""
+    static = sum(chunk.problems[1].static_bytes for chunk in steps.chunks)
+    try:
+        return steps.plan((static + steps.peak()) // 2, time_limit_s=16)[0]
+    except InfeasibleBudgetError as error:
+        return steps.plan(error.min_budget_bytes, time_limit_s=16)[0]
+

@@ -25,7 +25,14 @@ Per budget (per GPU), three ways to run the pipeline:
 
 A stage's time is one microbatch's forward, backward and recompute; the pipeline's step is
 (m + p - 1) slots of the slowest stage (1F1B's bubble model: every slot waits for the
-slowest stage). Writes ``benchmarks/results/pipeline-llama.{json,md}``.
+slowest stage).
+
+Interleaved1F1B (``--chunks``, default 2): the same 16 layers as 4 ranks x 2 chunks of 2
+layers (stage c·4 + r on rank r), every rank's chunks replayed together over one step
+(``solvers.pipeline.rank_peak``); every layer checkpointed on every chunk against each
+rank's chunks planned together (``planner.pipeline_rank.RankSteps.plan``). A rank's time is
+its chunks' times for one microbatch; the step is m + (p - 1)/v slots of the slowest rank
+(the interleaved bubble). Writes ``benchmarks/results/pipeline-llama.{json,md}``.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ from torch import nn
 
 from planner import zoo
 from planner.pipeline import StageSteps
+from planner.pipeline_rank import RankSteps
 from planner.pipeline_split import PipelinePlan, plan_pipeline
 from planner.plan import GIB, InfeasibleBudgetError, format_bytes
 from solvers import Schedule, simulate
 from solvers.baselines import policy_schedule
-from solvers.pipeline import StageSpec
+from solvers.pipeline import StageSpec, rank_peak
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS, STAGES, SEQ = 16, 4, 4096
@@ -91,15 +99,17 @@ class StageCosts:
         self.n_microbatches = n_microbatches
         self._steps: dict[tuple[int, int], StageSteps] = {}
 
+    def _microbatch(self, first: bool) -> tuple[torch.Tensor]:
+        if first:
+            return (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
+        return (torch.empty(1, SEQ, self.hidden, dtype=torch.bfloat16, device="meta",
+                            requires_grad=True),)
+
     def steps(self, rank: int, layers: int) -> StageSteps:
         if (rank, layers) not in self._steps:
             first, last = rank == 0, rank == STAGES - 1
             stage = LlamaStage(self.model, range(layers), first, last)
-            if first:
-                microbatch = (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
-            else:
-                microbatch = (torch.empty(1, SEQ, self.hidden, dtype=torch.bfloat16,
-                                          device="meta", requires_grad=True),)
+            microbatch = self._microbatch(first)
             spec = StageSpec(schedule="1F1B", stage_index=rank, num_stages=STAGES,
                              n_microbatches=self.n_microbatches)
             self._steps[rank, layers] = StageSteps(
@@ -107,6 +117,72 @@ class StageCosts:
                 target_bytes=8 * SEQ if last else 0, device="H100",
                 optimizer=torch.optim.AdamW(stage.parameters()))
         return self._steps[rank, layers]
+
+
+class ChunkCosts(StageCosts):
+    """Each interleaved rank's chunks (``chunks`` per rank, the layers split evenly),
+    profiled once."""
+
+    def __init__(self, n_microbatches: int, chunks: int) -> None:
+        super().__init__(n_microbatches)
+        self.chunks = chunks
+        self._ranks: dict[int, RankSteps] = {}
+
+    def rank(self, rank: int) -> RankSteps:
+        if rank not in self._ranks:
+            spec = StageSpec(schedule="Interleaved1F1B", stage_index=rank, num_stages=STAGES,
+                             n_microbatches=self.n_microbatches, num_chunks=self.chunks)
+            layers = LAYERS // (STAGES * self.chunks)
+            chunks = []
+            for c in range(self.chunks):
+                first, last = spec.chunk_first(c), spec.chunk_last(c)
+                stage = LlamaStage(self.model, range(layers), first, last)
+                chunks.append(StageSteps(
+                    stage, self._microbatch(first), spec,
+                    loss_fn=_next_token_loss if last else None,
+                    target_bytes=8 * SEQ if last else 0, chunk=c, device="H100",
+                    optimizer=torch.optim.AdamW(stage.parameters())))
+            self._ranks[rank] = RankSteps(chunks)
+        return self._ranks[rank]
+
+
+def interleaved_rows(costs: ChunkCosts, budget_gib: float, time_limit_s: float) -> dict:
+    """Every layer checkpointed on every chunk, and each rank's chunks planned together."""
+    budget, m = int(budget_gib * GIB), costs.n_microbatches
+    slots = m + (STAGES - 1) / costs.chunks
+    row: dict = {"budget_gib": budget_gib}
+    for key in ("unplanned", "every_layer", "planned"):
+        ranks = []
+        for r in range(STAGES):
+            rank = costs.rank(r)
+            if key == "planned":
+                try:
+                    plans = rank.plan(budget, time_limit_s)[0]
+                except InfeasibleBudgetError:
+                    ranks.append(None)
+                    continue
+                timelines = [simulate(c.problems[1], p.schedule)
+                             for c, p in zip(rank.chunks, plans, strict=True)]
+                peak = plans[0].pipeline.peak_bytes
+            else:
+                schedules = [policy_schedule("every-layer", c.problems[1])
+                             if key == "every_layer" else Schedule.store_all(c.problems[1].n_nodes)
+                             for c in rank.chunks]
+                timelines = [simulate(c.problems[1], s)
+                             for c, s in zip(rank.chunks, schedules, strict=True)]
+                peak = rank_peak(rank.spec, [c.replay(s) for c, s in zip(
+                    rank.chunks, schedules, strict=True)])
+            ranks.append(None if peak > budget and key != "unplanned" else {
+                "peak_bytes": peak, "time_ms": sum(t.total_time_ms for t in timelines),
+                "recompute_ms": sum(t.recompute_time_ms for t in timelines)})
+        fits = all(r is not None for r in ranks)
+        slowest = max(r["time_ms"] for r in ranks) if fits else None
+        row[key] = {"split": [LAYERS // (STAGES * costs.chunks)] * (STAGES * costs.chunks),
+                    "fits": fits, "stages": ranks,
+                    "total_recompute_ms": sum(r["recompute_ms"] for r in ranks) if fits
+                    else None, "slowest_stage_ms": slowest,
+                    "step_ms": slots * slowest if fits else None}
+    return row
 
 
 def every_layer(steps: StageSteps) -> dict:
@@ -200,6 +276,23 @@ def render(result: dict) -> str:
     for row in result["rows"]:
         for key, way in WAYS.items():
             lines.append(_row(f"{row['budget_gib']:g} GiB", way, row[key], row["every_layer"]))
+    if result.get("interleaved"):
+        v = result["chunks"]
+        lines += ["", f"## Interleaved1F1B: 4 ranks x {v} chunks of {LAYERS // (STAGES * v)} "
+                  "layers", "",
+                  "Each rank's chunks replayed together over one step; a rank's time is its "
+                  "chunks' for one microbatch, the step m + (p - 1)/v slots of the slowest "
+                  "rank. Peaks per rank in GiB.", "",
+                  "| budget | how | chunk layers | recompute (ms) | slowest rank (ms) | step (ms) "
+                  "| step / every layer's | rank peaks (GiB) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        rows = result["interleaved"]
+        lines.append(_row("none", "unplanned", rows[0]["unplanned"], None))
+        for row in rows:
+            for key, way in (("every_layer", "every layer, every chunk"),
+                             ("planned", "each rank's chunks planned together")):
+                lines.append(_row(f"{row['budget_gib']:g} GiB", way, row[key],
+                                  row["every_layer"]))
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 6],
                         help="least and most layers a stage of the balanced split has")
     parser.add_argument("--time-limit-s", type=float, default=16.0)
+    parser.add_argument("--chunks", type=int, default=2,
+                        help="Interleaved1F1B's chunks per rank (0: leave it out)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -220,8 +315,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{budget:g} GiB: every layer: {_cell(rows[-1]['every_layer'])}\n"
               f"  per-stage: {_cell(rows[-1]['per_stage'])}\n"
               f"  balanced: {_cell(rows[-1]['balanced'])}", flush=True)
+    interleaved = []
+    if args.chunks:
+        chunk_costs = ChunkCosts(args.microbatches, args.chunks)
+        for budget in args.budgets:
+            interleaved.append(interleaved_rows(chunk_costs, budget, args.time_limit_s))
+            print(f"{budget:g} GiB, interleaved: every layer: "
+                  f"{_cell(interleaved[-1]['every_layer'])}\n"
+                  f"  planned: {_cell(interleaved[-1]['planned'])}", flush=True)
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "microbatches": args.microbatches, "rows": rows,
+              "microbatches": args.microbatches, "rows": rows, "chunks": args.chunks,
+              "interleaved": interleaved,
               "seconds": round(time.perf_counter() - started)}
     if not args.no_write:
         (RESULTS / "pipeline-llama.json").write_text(json.dumps(result, indent=1))

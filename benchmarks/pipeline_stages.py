@@ -1,14 +1,16 @@
 """Pipeline stages' peaks, measured against the planner's replay (`solvers.pipeline`).
 
-    python benchmarks/pipeline_stages.py          # 2 and 3 stages, 2, 4 and 8 microbatches
+    python benchmarks/pipeline_stages.py   # 2, 3 and 4 ranks, 2, 4 and 8 microbatches
 
 torch's GPipe and 1F1B run a small GPT cut into stages of two blocks, one gloo process per
 stage (`pipeline_harness`), once with nothing checkpointed and once with a plan per stage
-(one microbatch's step planned halfway between its static memory and its peak). Each
-rank's measured peak counts everything its process holds (`PeakTracker(follow_resizes=
-True)`, as a GPU allocator counts); the prediction replays the stage's microbatches in its
-schedule's order from the profile of one microbatch. Writes
-``benchmarks/results/pipeline-stages-cpu.{json,md}``.
+(one microbatch's step planned halfway between its static memory and its peak).
+Interleaved1F1B runs two stages (chunks) per rank, cut the same way, unplanned and with
+the rank's chunks planned together (`planner.plan_rank`) halfway between the rank's static
+memory and its unplanned peak. Each rank's measured peak counts everything its process
+holds (`PeakTracker(follow_resizes=True)`, as a GPU allocator counts); the prediction
+replays the rank's passes in its schedule's order from the profile of one microbatch per
+chunk. Writes ``benchmarks/results/pipeline-stages-cpu.{json,md}``.
 """
 
 from __future__ import annotations
@@ -28,21 +30,37 @@ from planner.plan import format_bytes
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _predicted(specs: list, planned: bool) -> tuple[list[int], list | None]:
+    """Each rank's predicted peak, and the plans by pipeline stage (None: unplanned)."""
+    if specs[0].num_chunks == 1:
+        plans = [harness.halfway_plan(spec) for spec in specs] if planned else None
+        return [harness.predicted_peak(spec, plans[r] if plans else None)
+                for r, spec in enumerate(specs)], plans
+    ranks = [harness.rank_steps(spec) for spec in specs]
+    by_rank = [harness.halfway_rank_plans(rank) if planned else None for rank in ranks]
+    world = len(specs)
+    by_stage = [by_rank[g % world][g // world] for g in range(world * specs[0].num_chunks)] \
+        if planned else None
+    return [rank.peak(plans) for rank, plans in zip(ranks, by_rank, strict=True)], by_stage
+
+
 def rows_of(schedule: str, world: int, n_microbatches: int, planned: bool,
-            scratch: Path) -> list[dict]:
-    specs = [harness.spec_of(schedule, r, world, n_microbatches) for r in range(world)]
-    plans = [harness.halfway_plan(spec) for spec in specs] if planned else None
+            scratch: Path, chunks: int = 1) -> list[dict]:
+    specs = [harness.spec_of(schedule, r, world, n_microbatches, chunks)
+             for r in range(world)]
+    predicted_peaks, plans = _predicted(specs, planned)
     ran = harness.run_pipeline(schedule, world, n_microbatches,
                                scratch / f"{schedule}-{world}-{n_microbatches}-{planned}",
-                               plans)
+                               plans, chunks=chunks)
     rows = []
     for rank, spec in enumerate(specs):
-        predicted = harness.predicted_peak(spec, plans[rank] if plans else None)
+        predicted = predicted_peaks[rank]
         measured = ran[rank]["peak"]
         rows.append({"schedule": schedule, "stages": world, "microbatches": n_microbatches,
+                     "chunks": chunks,
                      "stage": rank, "planned": planned, "in_flight": spec.in_flight(),
                      "order_as_replayed": [tuple(a) for a in ran[rank]["order"]]
-                     == spec.order(),
+                     == spec.actions(),
                      "measured_bytes": measured, "predicted_bytes": predicted,
                      "error_pct": 100 * (predicted - measured) / measured})
         print(f"{schedule:>5} {world} stages x {n_microbatches} microbatches, stage {rank}"
@@ -59,17 +77,20 @@ def render(result: dict) -> str:
     lines = [f"# Pipeline stages: measured and predicted peaks ({result['date']}, torch "
              f"{result['torch']}, {result['machine']})", "",
              "A GPT cut into stages of two blocks (width 128, 4 x 64 tokens per microbatch), "
-             "torch's schedules over gloo, one process per stage; measured: everything the "
-             "process holds. Predicted: `planner.pipeline.stage_peak_bytes`.", "",
+             "torch's schedules over gloo, one process per rank (Interleaved1F1B: two "
+             "stages per rank, `stages` counts ranks, `stage` is the rank); measured: "
+             "everything the process holds. Predicted: `planner.pipeline.stage_peak_bytes`, "
+             "for a rank of chunks `planner.pipeline_rank.RankSteps.peak`.", "",
              f"{len(rows)} stage peaks: {exact} within 64 bytes, worst "
              f"{worst['error_pct']:+.2f} % ({worst['schedule']}, {worst['stages']} stages, "
              f"stage {worst['stage']}{', planned' if worst['planned'] else ''}); "
              f"{sum(r['order_as_replayed'] for r in rows)} of {len(rows)} ran their "
-             "microbatches in the replayed order.", "",
+             "passes in the replayed order.", "",
              "| schedule | stages | microbatches | stage | plan | in flight | measured | "
              "predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | "
+        schedule = r["schedule"] + (f" x{r['chunks']}" if r.get("chunks", 1) > 1 else "")
+        lines.append(f"| {schedule} | {r['stages']} | {r['microbatches']} | "
                      f"{r['stage']} | {'yes' if r['planned'] else 'no'} | {r['in_flight']} | "
                      f"{format_bytes(r['measured_bytes'])} | "
                      f"{format_bytes(r['predicted_bytes'])} | {r['error_pct']:+.2f} % |")
@@ -79,7 +100,7 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    parser.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
@@ -90,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
                 for schedule in ("GPipe", "1F1B") if m >= world else ("GPipe",):
                     for planned in (False, True):
                         rows += rows_of(schedule, world, m, planned, Path(scratch))
+                if m % max(1, m // world) == 0:  # torch's Interleaved1F1B takes it
+                    for planned in (False, True):
+                        rows += rows_of("Interleaved1F1B", world, m, planned, Path(scratch),
+                                        chunks=2)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
