@@ -42,7 +42,7 @@ stage-boundary activation the replay counts and the stage had let go of).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -57,6 +57,7 @@ STAGE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 Action = tuple[Literal["F", "B"], int]
 ChunkAction = tuple[Literal["F", "B"], int, int]  # pass, the rank's chunk, microbatch
 RUNTIME_SCHEDULES = ("Interleaved1F1B",)  # torch's _PipelineScheduleRuntime subclasses
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class StageSpec(BaseModel):
@@ -72,6 +73,17 @@ class StageSpec(BaseModel):
     n_microbatches: int = Field(ge=1)
     return_outputs: bool = True  # ``schedule.step(..., return_outputs=...)``
     num_chunks: int = Field(default=1, ge=1)  # model chunks on this rank (local stages)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_planned(cls, fields: Any) -> Any:
+        schedule = fields.get("schedule") if isinstance(fields, dict) else None
+        if schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(
+                f"{schedule} is not planned yet: it splits each backward into the input's "
+                "gradient and, later, the weights' (what a stage keeps between the two is "
+                "not profiled). Plan with GPipe, 1F1B or Interleaved1F1B")
+        return fields
 
     @model_validator(mode="after")
     def _stage_in_range(self) -> StageSpec:

@@ -74,6 +74,9 @@ def test_in_flight_microbatches_are_torchs() -> None:
         StageSpec(schedule="1F1B", stage_index=4, num_stages=4, n_microbatches=8)
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         StageSpec(schedule="1F1B", stage_index=0, num_stages=4, n_microbatches=2)
+    with pytest.raises(ValueError, match="ZBVZeroBubble is not planned yet: it splits each "
+                                         "backward"):
+        StageSpec(schedule="ZBVZeroBubble", stage_index=0, num_stages=2, n_microbatches=4)
 
 
 def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None:
