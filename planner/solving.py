@@ -208,8 +208,9 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
     proof = ""
     if lowest.least_peak_bytes is not None and lowest.least_peak_space is not None:
         least, space = lowest.least_peak_bytes, lowest.least_peak_space
-        proof = (f" It is the least peak of {space} (proven by CP-SAT)." if least == peak else
-                 f" No plan of {space} peaks below {format_bytes(least)} (proven by CP-SAT).")
+        by = lowest.least_peak_prover or "CP-SAT"
+        proof = (f" It is the least peak of {space} (proven by {by})." if least == peak else
+                 f" No plan of {space} peaks below {format_bytes(least)} (proven by {by}).")
     if bound is not None and bound < peak:
         what = ("the optimizer's step" if bound == floor else
                 "static memory plus the largest working set of one op")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Schedule
 from solvers.simulate import optimizer_step_peak, share_unplanned, simulate
-from solvers.spaces import every_schedule
+from solvers.spaces import SearchSpace, every_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
         return _solve(problem, budget_bytes, time_limit_s)[0]
     # a small graph gets the DP over op ranges first: proven over a space that holds
     # CP-SAT's, its answer is final (the zoo MLP took 5 s in CP-SAT over module calls for
-    # a budget only op ranges meet, which the DP proves in 0.03 s)
+    # a budget only op ranges meet, which the DP proves in 0.03 s; and 8 s to find that
+    # nothing fits a budget where the DP proves it)
     proven = _small_graph_dp(problem, budget_bytes, time_limit_s)
     if proven is not None and _dp_holds_cpsat(problem):
         left = max(0.0, time_limit_s - (time.perf_counter() - t0))
@@ -137,8 +139,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
                               or not after_a_gap)
     # a DP answer proven over a space that holds CP-SAT's is final at any size (the zoo
     # MLP: CP-SAT took 5 s to prove it again)
-    chain_done = chain_done or (d.status == Status.OPTIMAL and use_cpsat
-                                and _dp_holds_cpsat(problem))
+    chain_done = chain_done or ((d.status == Status.OPTIMAL or _proven_infeasible(d))
+                                and use_cpsat and _dp_holds_cpsat(problem))
     nothing_to_beat = d.feasible and d.objective_ms == 0  # no recompute: optimal anywhere
     unbounded = False
     if use_cpsat and left > 0.1 and not chain_done and not nothing_to_beat:
@@ -169,11 +171,17 @@ DP_FIRST_SHARE = 0.1  # of the limit, for that first DP
 def _small_graph_dp(problem: Problem, budget_bytes: int, time_limit_s: float
                     ) -> Solution | None:
     """On a graph of at most `DP_FIRST_MAX_NODES` nodes, the DP's answer if it proves it
-    optimal over its space in `DP_FIRST_SHARE` of the limit; else None."""
+    optimal over its space (or that nothing of it fits) in `DP_FIRST_SHARE` of the limit;
+    else None."""
     if problem.n_nodes > DP_FIRST_MAX_NODES:
         return None
     found = dp.solve(problem, budget_bytes, DP_FIRST_SHARE * time_limit_s)
-    return found if found.status == Status.OPTIMAL else None
+    return found if found.status == Status.OPTIMAL or _proven_infeasible(found) else None
+
+
+def _proven_infeasible(solution: Solution) -> bool:
+    """No schedule of the solution's space fits its budget (the DP proved it)."""
+    return not solution.feasible and solution.space is not None
 
 
 def _dp_holds_cpsat(problem: Problem) -> bool:
@@ -303,10 +311,14 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     # the optimizer step (if counted) peaks the same under every schedule
     floor = optimizer_step_peak(problem)
     bound = max(memory_lower_bound(problem), floor)
+    # where the DP's space holds CP-SAT's, the DP's bisection below proves the least peak
+    # over it (the zoo MLP: 13 s of CP-SAT, for what the DP proves in a fraction of one)
+    dp_proves = problem.n_nodes > bruteforce.EXACT_BUDGET_MAX_NODES and cpsat_fits(problem) \
+        and _dp_holds_cpsat(problem)
     if problem.n_nodes <= bruteforce.EXACT_BUDGET_MAX_NODES:
         for schedule in bruteforce.enumerate_schedules(problem):
             found.append((simulate(problem, schedule).peak_bytes, "bruteforce", schedule))
-    elif cpsat_fits(problem):
+    elif cpsat_fits(problem) and not dp_proves:
         # deterministic time is not seconds, but CP-SAT's own measure of work (about 1 s);
         # with op ranges, module calls alone first: their fewer candidates are searched
         # further in the time, so op ranges never answer above module calls
@@ -320,18 +332,10 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                 least = minimum if minimum.optimal_over is not None else least
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None:  # chains, and graphs whose merged stages make one (ResNets)
-        lo, hi = bound - 1, best[0] - 1  # lo: infeasible; is anything at or below hi?
-        per_call = 0.5 * time_limit_s / 8
-        for _ in range(8):
-            if hi <= lo or time.perf_counter() + per_call > deadline:
-                break
-            mid = hi if hi - lo <= 1 else (lo + hi) // 2
-            sol = dp.solve(problem, mid, per_call)
-            if sol.feasible and sol.schedule is not None and sol.peak_bytes is not None:
-                found.append((sol.peak_bytes, "dp", sol.schedule))
-                hi = sol.peak_bytes - 1
-            else:
-                lo = mid
+        proof = _dp_bisection(problem, bound, best[0], found, time_limit_s, deadline,
+                              exact=dp_proves)
+        if proof is not None:
+            least = cpsat.MinPeak(min(peak for peak, _, _ in found), None, proof)
         best = min(found, key=lambda f: (f[0], f[1]))
     if best is None:
         return Solution(solver="lowest-peak", status=Status.INFEASIBLE, schedule=None,
@@ -345,4 +349,29 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                                   "min_feasible_budget_exact": False,
                                   "least_peak_bytes": max(least.bytes, floor) if proven
                                   else None,
-                                  "least_peak_space": least.optimal_over})
+                                  "least_peak_space": least.optimal_over,
+                                  "least_peak_prover": None if not proven else
+                                  "the DP" if dp_proves else "CP-SAT"})
+
+
+def _dp_bisection(problem: Problem, bound: int, best: int,
+                  found: list[tuple[int, str, Schedule]], time_limit_s: float,
+                  deadline: float, exact: bool) -> SearchSpace | None:
+    """Budgets bisected between ``bound`` (no schedule peaks below it) and ``best`` (the
+    lowest peak found) with the DP, its schedules added to ``found``: 8 steps, or with
+    ``exact`` until it proves that no schedule of its space peaks below the lowest found
+    (then returns that space; else None)."""
+    lo, hi = bound - 1, best - 1  # lo: infeasible; is anything at or below hi?
+    per_call = 0.5 * time_limit_s / 8
+    proof: SearchSpace | None = None  # over which lo is proven infeasible (the DP's space)
+    for step in itertools.count():
+        if hi <= lo or (step >= 8 and not exact) or time.perf_counter() + per_call > deadline:
+            break
+        mid = hi if hi - lo <= 1 else (lo + hi) // 2
+        sol = dp.solve(problem, mid, per_call)
+        if sol.feasible and sol.schedule is not None and sol.peak_bytes is not None:
+            found.append((sol.peak_bytes, "dp", sol.schedule))
+            hi = sol.peak_bytes - 1
+        else:
+            lo, proof = mid, sol.space if _proven_infeasible(sol) else None
+    return proof if exact and hi <= lo else None

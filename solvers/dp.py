@@ -656,6 +656,7 @@ class _Proof:
     nested: float | None = None
     rounded: bool = False
     final: bool = False
+    infeasible_over: SearchSpace | None = None  # a lower pass fit nothing: none of it fits
 
     @property
     def proven(self) -> bool:
@@ -698,6 +699,8 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
         except TimeoutError:
             return
         if bound is None:  # even the relaxed space has no schedule: infeasible
+            if proof.best is None:
+                proof.infeasible_over = _space(problem, lay, nested=span >= len(lay.stages))
             return
         proof.bound, proof.rounded = max(proof.bound, bound), rounded
         if span >= len(lay.stages):
@@ -749,4 +752,5 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
                     budget_bytes=budget_bytes, objective_ms=None,
                     solve_time_s=time.perf_counter() - t0,
-                    min_feasible_budget_bytes=mfb, min_feasible_budget_exact=False)
+                    min_feasible_budget_bytes=mfb, min_feasible_budget_exact=False,
+                    space=proof.infeasible_over)

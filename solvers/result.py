@@ -36,7 +36,7 @@ class Solution(BaseModel):
     (None: nothing is proven but the trivial bound 0). When INFEASIBLE, `schedule` is the
     lowest-peak schedule the solver found (or None) and `min_feasible_budget_bytes` the
     smallest budget that could work (exact when `min_feasible_budget_exact`, else a lower
-    bound).
+    bound); with a `space`, no schedule of that space fits the budget (proven).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -57,6 +57,7 @@ class Solution(BaseModel):
     # `auto.lowest_peak`: no schedule of `least_peak_space` peaks below `least_peak_bytes`
     least_peak_bytes: int | None = None
     least_peak_space: SearchSpace | None = None
+    least_peak_prover: str | None = None  # the solver that proved it ("CP-SAT", "the DP")
 
     @property
     def feasible(self) -> bool:

@@ -227,3 +227,28 @@ def test_a_small_graph_the_dp_proves_over_cpsats_space_is_not_searched_again(
     monkeypatch.setattr(auto.cpsat, "solve", lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
     sol = auto.solve(p, budget, 60.0)
     assert sol.solver == "auto/dp" and sol.status == Status.OPTIMAL
+
+
+def test_a_budget_the_dp_proves_nothing_fits_is_not_searched_by_cpsat_and_names_its_least(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLP below its lowest peak: the DP proves that nothing of its space (which holds
+    CP-SAT's) fits, and the lowest-peak search bisects with the DP to the least peak of
+    that space; CP-SAT, which took 13 s there, does not run. CP-SAT's least peak proven
+    over its own space, found apart, is no lower."""
+    from solvers import cpsat
+
+    p = _mlp_problem()
+    budget = memory_lower_bound(p)
+    real_min_peak = cpsat.min_peak
+    monkeypatch.setattr(auto.cpsat, "solve", lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
+    monkeypatch.setattr(auto.cpsat, "min_peak",
+                        lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
+    sol = auto.solve(p, budget, 60.0)
+    assert not sol.feasible and sol.space is not None  # proven, over the DP's space
+    lowest = auto.lowest_peak(p, 30.0)
+    assert lowest.least_peak_prover == "the DP"
+    assert lowest.least_peak_bytes == lowest.peak_bytes > budget
+    assert lowest.least_peak_space == sol.space or lowest.least_peak_space.nested
+    assert dp.solve(p, lowest.peak_bytes, 30.0).feasible
+    cpsat_least = real_min_peak(p, 10.0, deterministic=True)  # proven over its own space
+    assert cpsat_least.optimal_over is not None and cpsat_least.bytes >= lowest.peak_bytes
