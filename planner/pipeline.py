@@ -9,12 +9,14 @@ is (no allocation of its own, as in the pipeline).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from planner.arguments import MIN_BUDGET_BYTES
 from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
 from planner.profiling import profile_model
 from planner.solving import solve
@@ -151,7 +153,8 @@ def stage_spec(pipeline: StageSpec | dict[str, Any]) -> tuple[StageSpec, int]:
     return StageSpec.model_validate(fields), target_bytes
 
 
-BISECTIONS = 8  # of the one-microbatch budget, each solve with 1/8 of the time limit
+BISECTIONS = 8  # of the one-microbatch budget, each solve with its share of the time left
+LOWEST_SHARE = 0.4  # of the time left, for the lowest-peak plan
 
 
 def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb: float,
@@ -178,18 +181,17 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
                       solver: str = "auto") -> tuple[Plan, int]:
     """`plan_stage` on a stage's profiled steps, at ``budget`` bytes."""
     spec = steps.spec
-    per_try = time_limit_s / BISECTIONS
+    deadline = time.perf_counter() + time_limit_s
 
-    def attempt(one: int) -> tuple[Plan, int, int]:
+    def attempt(one: int, limit: float) -> tuple[Plan, int, int]:
         """The plan at one microbatch's budget ``one`` (or, where none fits ``one``, the
         lowest-peak plan), its stage peak, and the least one-microbatch budget known to
         fit (``one``, or the minimum the error named)."""
         try:
-            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=per_try,
-                         solver=solver)
+            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=limit, solver=solver)
         except InfeasibleBudgetError as error:
             plan = error.plan or solve(steps.steps[1], budget_bytes=error.min_budget_bytes,
-                                       time_limit_s=per_try, solver=solver)
+                                       time_limit_s=limit, solver=solver)
             return plan, steps.peak(plan.schedule), error.min_budget_bytes
         return plan, steps.peak(plan.schedule if plan.checkpointing else None), one
 
@@ -197,8 +199,15 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
     least: tuple[Plan, int] | None = None
     low, high = 0, budget + 1  # one-microbatch budgets: below high, the stage may fit
     for tries in range(BISECTIONS):
-        one = budget if tries == 0 else (low + high) // 2
-        plan, peak, fits_from = attempt(one)
+        # the budget first; then, where its plan does not fit the stage, the lowest-peak
+        # plan, whose search gets LOWEST_SHARE of the time left (the floor of the
+        # bisection: a 4-layer Llama stage at 10 GiB fits when that search has 8 s, not
+        # 2); then halves between. A try that ends early leaves its time to the next
+        left = deadline - time.perf_counter()
+        lowest = tries == 1 and low == 0
+        one = budget if tries == 0 else MIN_BUDGET_BYTES if lowest else (low + high) // 2
+        limit = max(0.05, LOWEST_SHARE * left if lowest else left / (BISECTIONS - tries))
+        plan, peak, fits_from = attempt(one, limit)
         at_one = fits_from <= one
         if least is None or peak < least[1]:
             least = (plan, peak)
