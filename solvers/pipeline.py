@@ -106,10 +106,12 @@ class StageSpec(BaseModel):
 
     @property
     def first(self) -> bool:
-        return self.chunk_first(self.num_chunks - 1)
+        """This rank holds the pipeline's first stage."""
+        return self.chunk_first(0)
 
     @property
     def last(self) -> bool:
+        """This rank holds the pipeline's last stage."""
         return self.chunk_last(self.num_chunks - 1)
 
     def chunk_stage(self, chunk: int) -> int:
