@@ -32,7 +32,9 @@ layers (stage c·4 + r on rank r), every rank's chunks replayed together over on
 (``solvers.pipeline.rank_peak``); every layer checkpointed on every chunk against each
 rank's chunks planned together (``planner.pipeline_rank.RankSteps.plan``). A rank's time is
 its chunks' times for one microbatch; the step is m + (p - 1)/v slots of the slowest rank
-(the interleaved bubble). Writes ``benchmarks/results/pipeline-llama.{json,md}``.
+(the interleaved bubble); and the chunks' layers balanced (1 to 3 a chunk,
+``planner.pipeline_split.plan_interleaved``). Writes
+``benchmarks/results/pipeline-llama.{json,md}``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from torch import nn
 from planner import zoo
 from planner.pipeline import StageSteps
 from planner.pipeline_rank import RankSteps
-from planner.pipeline_split import PipelinePlan, plan_pipeline
+from planner.pipeline_split import PipelinePlan, plan_interleaved, plan_pipeline
 from planner.plan import GIB, InfeasibleBudgetError, format_bytes
 from solvers import Schedule, simulate
 from solvers.baselines import policy_schedule
@@ -120,30 +122,35 @@ class StageCosts:
 
 
 class ChunkCosts(StageCosts):
-    """Each interleaved rank's chunks (``chunks`` per rank, the layers split evenly),
+    """Each interleaved rank's chunks (``chunks`` per rank), each (rank, chunk, layers)
     profiled once."""
 
     def __init__(self, n_microbatches: int, chunks: int) -> None:
         super().__init__(n_microbatches)
         self.chunks = chunks
-        self._ranks: dict[int, RankSteps] = {}
+        self._chunks: dict[tuple[int, int, int], StageSteps] = {}
+        self._ranks: dict[tuple[int, tuple[int, ...]], RankSteps] = {}
 
-    def rank(self, rank: int) -> RankSteps:
-        if rank not in self._ranks:
+    def chunk(self, rank: int, chunk: int, layers: int) -> StageSteps:
+        if (rank, chunk, layers) not in self._chunks:
             spec = StageSpec(schedule="Interleaved1F1B", stage_index=rank, num_stages=STAGES,
                              n_microbatches=self.n_microbatches, num_chunks=self.chunks)
-            layers = LAYERS // (STAGES * self.chunks)
-            chunks = []
-            for c in range(self.chunks):
-                first, last = spec.chunk_first(c), spec.chunk_last(c)
-                stage = LlamaStage(self.model, range(layers), first, last)
-                chunks.append(StageSteps(
-                    stage, self._microbatch(first), spec,
-                    loss_fn=_next_token_loss if last else None,
-                    target_bytes=8 * SEQ if last else 0, chunk=c, device="H100",
-                    optimizer=torch.optim.AdamW(stage.parameters())))
-            self._ranks[rank] = RankSteps(chunks)
-        return self._ranks[rank]
+            first, last = spec.chunk_first(chunk), spec.chunk_last(chunk)
+            stage = LlamaStage(self.model, range(layers), first, last)
+            self._chunks[rank, chunk, layers] = StageSteps(
+                stage, self._microbatch(first), spec,
+                loss_fn=_next_token_loss if last else None,
+                target_bytes=8 * SEQ if last else 0, chunk=chunk, device="H100",
+                optimizer=torch.optim.AdamW(stage.parameters()))
+        return self._chunks[rank, chunk, layers]
+
+    def rank(self, rank: int, layers: tuple[int, ...] | None = None) -> RankSteps:
+        """Rank ``rank`` with its chunks holding ``layers`` (default: the even split)."""
+        layers = layers or (LAYERS // (STAGES * self.chunks),) * self.chunks
+        if (rank, layers) not in self._ranks:
+            self._ranks[rank, layers] = RankSteps(
+                [self.chunk(rank, c, k) for c, k in enumerate(layers)])
+        return self._ranks[rank, layers]
 
 
 def interleaved_rows(costs: ChunkCosts, budget_gib: float, time_limit_s: float) -> dict:
@@ -151,6 +158,20 @@ def interleaved_rows(costs: ChunkCosts, budget_gib: float, time_limit_s: float) 
     budget, m = int(budget_gib * GIB), costs.n_microbatches
     slots = m + (STAGES - 1) / costs.chunks
     row: dict = {"budget_gib": budget_gib}
+    try:
+        found = plan_interleaved(costs.rank, LAYERS, STAGES, costs.chunks,
+                                 budget_gb=budget_gib, least=1, most=3,
+                                 time_limit_s=time_limit_s)
+        ranks = [{"peak_bytes": r.peak_bytes, "time_ms": r.time_ms,
+                  "recompute_ms": sum(p.recompute_ms for p in r.plans)} for r in found]
+        row["balanced"] = {"split": [found[g % STAGES].layers[g // STAGES]
+                                     for g in range(STAGES * costs.chunks)],
+                           "fits": True, "stages": ranks,
+                           "total_recompute_ms": sum(r["recompute_ms"] for r in ranks),
+                           "slowest_stage_ms": max(r["time_ms"] for r in ranks),
+                           "step_ms": slots * max(r["time_ms"] for r in ranks)}
+    except InfeasibleBudgetError:
+        row["balanced"] = None
     for key in ("unplanned", "every_layer", "planned"):
         ranks = []
         for r in range(STAGES):
@@ -290,7 +311,8 @@ def render(result: dict) -> str:
         lines.append(_row("none", "unplanned", rows[0]["unplanned"], None))
         for row in rows:
             for key, way in (("every_layer", "every layer, every chunk"),
-                             ("planned", "each rank's chunks planned together")):
+                             ("planned", "each rank's chunks planned together"),
+                             ("balanced", "chunk layers balanced, planned together")):
                 lines.append(_row(f"{row['budget_gib']:g} GiB", way, row[key],
                                   row["every_layer"]))
     return "\n".join(lines) + "\n"
@@ -322,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
             interleaved.append(interleaved_rows(chunk_costs, budget, args.time_limit_s))
             print(f"{budget:g} GiB, interleaved: every layer: "
                   f"{_cell(interleaved[-1]['every_layer'])}\n"
-                  f"  planned: {_cell(interleaved[-1]['planned'])}", flush=True)
+                  f"  planned: {_cell(interleaved[-1]['planned'])}\n"
+                  f"  balanced: {_cell(interleaved[-1]['balanced'])}", flush=True)
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "microbatches": args.microbatches, "rows": rows, "chunks": args.chunks,
               "interleaved": interleaved,

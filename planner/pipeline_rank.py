@@ -14,6 +14,7 @@ one-microbatch budget as the solver says.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -48,7 +49,6 @@ class RankSteps:
             raise ValueError(f"give the rank's {self.spec.num_chunks} chunks in order, each "
                              "profiled with the rank's StageSpec")
         self.chunks = list(chunks)
-        self._ladders: dict[tuple[float, str], list[list[_Rung]]] = {}
 
     def peak(self, plans: Sequence[Plan | None] | None = None) -> int:
         """The rank's peak over one step, each chunk with its plan (None: unplanned)."""
@@ -60,10 +60,7 @@ class RankSteps:
              solver: str = "auto") -> tuple[list[Plan], int]:
         """:func:`plan_rank` on these chunks (profiled once, planned at many budgets)."""
         per_solve = time_limit_s / (len(self.chunks) * (RUNGS + 1))
-        if (per_solve, solver) not in self._ladders:  # the same at every budget
-            self._ladders[per_solve, solver] = [_ladder(steps, per_solve, solver)
-                                                for steps in self.chunks]
-        ladders = self._ladders[per_solve, solver]
+        ladders = [_ladder(steps, per_solve, solver) for steps in self.chunks]
         least: tuple[int, tuple[_Rung, ...]] | None = None
         for combination in sorted(itertools.product(*ladders),
                                   key=lambda rungs: sum(r.time_ms for r in rungs)):
@@ -86,9 +83,22 @@ class RankSteps:
             for c, rung in enumerate(rungs)]
 
 
+# each chunk's ladders, by (seconds per solve, solver): the same at every budget and in
+# every rank candidate that holds the chunk
+_LADDERS: weakref.WeakKeyDictionary[StageSteps, dict[tuple[float, str], list[_Rung]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def _ladder(steps: StageSteps, per_solve: float, solver: str) -> list[_Rung]:
     """The chunk's rungs: unplanned, its lowest-peak plan, and plans between (distinct
-    schedules only)."""
+    schedules only), made once per chunk."""
+    made = _LADDERS.setdefault(steps, {})
+    if (per_solve, solver) not in made:
+        made[per_solve, solver] = _new_ladder(steps, per_solve, solver)
+    return made[per_solve, solver]
+
+
+def _new_ladder(steps: StageSteps, per_solve: float, solver: str) -> list[_Rung]:
     profiled = steps.steps[1]  # the steps after the first backward, gradients allocated
     unplanned = solve(profiled, budget_bytes=2**60, time_limit_s=per_solve, solver=solver)
     try:

@@ -13,15 +13,17 @@ splits picks the split.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from functools import cache
 from typing import NamedTuple
 
 from planner.pipeline import StageSteps
+from planner.pipeline_rank import RankSteps
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 
-__all__ = ["PipelinePlan", "StagePlan", "plan_pipeline"]
+__all__ = ["PipelinePlan", "RankPlan", "StagePlan", "plan_interleaved", "plan_pipeline"]
 
 
 class StagePlan(NamedTuple):
@@ -114,6 +116,78 @@ def plan_pipeline(stage_steps: Callable[[int, int], StageSteps], n_layers: int,
             f"fits {format_bytes(budget)} per stage; split {fitting} fits "
             f"{format_bytes(int(need))}.", int(need))
     return PipelinePlan(split, [outcome(r, k) for r, k in enumerate(split)])
+
+
+class RankPlan(NamedTuple):
+    """One rank of an interleaved split: its chunks' layers, their plans, the rank's
+    predicted peak over the step and one microbatch's time on all its chunks."""
+
+    layers: tuple[int, ...]
+    plans: list[Plan]
+    peak_bytes: int
+    time_ms: float
+
+
+def plan_interleaved(rank_steps: Callable[[int, tuple[int, ...]], RankSteps],
+                     n_layers: int, num_ranks: int, num_chunks: int, *, budget_gb: float,
+                     least: int = 1, most: int | None = None, time_limit_s: float = 60.0,
+                     solver: str = "auto") -> list[RankPlan]:
+    """The layers of each rank's chunks under an interleaved schedule (chunk ``c`` of rank
+    ``r`` is the pipeline's stage ``c·num_ranks + r``, so the split in stage order is
+    ``[ranks[g % p].layers[g // p] for g in range(v·p)]``), between ``least`` and ``most``
+    layers a chunk (default: one either side of an even split), and each rank's chunk
+    plans, that make the slowest rank fastest with every rank within ``budget_gb``.
+    ``rank_steps(r, layers)`` is rank ``r`` with its chunks holding ``layers`` layers
+    (:class:`planner.pipeline_rank.RankSteps`); each is planned once, on ladders of plans
+    its chunks share with the other candidates that hold them.
+
+    Raises:
+        InfeasibleBudgetError: no split fits; ``min_budget_bytes`` is the least budget
+            some split was found to fit (each rank at its least peak found).
+    """
+    budget = int(budget_gb * GIB)
+    stages = num_ranks * num_chunks
+    most = n_layers // stages + 1 if most is None else most
+    if not 1 <= least <= most or least * stages > n_layers or most * stages < n_layers:
+        raise ValueError(f"{n_layers} layers do not split into {stages} chunks of {least} to "
+                         f"{most} layers")
+    outcomes: dict[tuple[int, tuple[int, ...]], RankPlan | int] = {}
+
+    def outcome(rank: int, layers: tuple[int, ...]) -> RankPlan | int:
+        if (rank, layers) not in outcomes:
+            try:
+                plans, peak = rank_steps(rank, layers).plan(budget, time_limit_s, solver)
+                outcomes[rank, layers] = RankPlan(layers, plans, peak, sum(
+                    p.baseline_step_ms * (1 + p.predicted_overhead) for p in plans))
+            except InfeasibleBudgetError as error:
+                outcomes[rank, layers] = error.min_budget_bytes
+        return outcomes[rank, layers]
+
+    @cache
+    def best_of(rank: int, total: int, key: str) -> tuple[float, tuple[int, ...]]:
+        """The rank's least time (or peak) over its chunks' layers adding up to ``total``."""
+        found: tuple[float, tuple[int, ...]] = (math.inf, ())
+        for layers in itertools.product(range(least, most + 1), repeat=num_chunks):
+            if sum(layers) == total:
+                got = outcome(rank, layers)
+                cost = (got.time_ms if key == "time" else got.peak_bytes) \
+                    if isinstance(got, RankPlan) else (math.inf if key == "time" else got)
+                found = min(found, (cost, layers))
+        return found
+
+    per_rank = (least * num_chunks, most * num_chunks)
+    totals = _min_max_split(lambda r, k: best_of(r, k, "time")[0], n_layers, num_ranks,
+                            *per_rank)
+    if totals is None:
+        fitting = _min_max_split(lambda r, k: best_of(r, k, "peak")[0], n_layers,
+                                 num_ranks, *per_rank)
+        need = int(max(best_of(r, k, "peak")[0] for r, k in enumerate(fitting)))
+        raise InfeasibleBudgetError(
+            f"No split of {n_layers} layers into {num_ranks} ranks of {num_chunks} chunks "
+            f"({least}-{most} layers each) fits {format_bytes(budget)} per rank; layers "
+            f"{[best_of(r, k, 'peak')[1] for r, k in enumerate(fitting)]} per rank fit "
+            f"{format_bytes(need)}.", need)
+    return [outcome(r, best_of(r, k, "time")[1]) for r, k in enumerate(totals)]
 
 
 def _min_max_split(cost: Callable[[int, int], float], n_layers: int, num_stages: int,
