@@ -251,6 +251,12 @@ def test_an_interleaved_rank_planned_as_a_whole_holds_its_budget_and_trains_unch
         assert all(torch.equal(a, b) for a, b in zip(measured["grads"], unplanned["grads"],
                                                      strict=True))
     assert ran[-1]["losses"] == plain[-1]["losses"] and len(ran[-1]["losses"]) == MICROBATCHES
+    # a rank budget no plans meet names the least rank peak found, and that budget holds
+    with pytest.raises(InfeasibleBudgetError, match="least rank peak found") as caught:
+        ranks[0].plan(2**20, time_limit_s=16)
+    least = caught.value.min_budget_bytes
+    assert least > 2**20 and caught.value.plan.pipeline.chunk == 0
+    assert ranks[0].plan(least, time_limit_s=16)[1] <= least
 
 
 def test_a_rank_of_several_chunks_is_planned_by_plan_rank_with_one_module_per_chunk() -> None:
