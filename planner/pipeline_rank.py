@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from planner.arguments import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
 from planner.pipeline import StageSteps, stage_spec
 from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
 from planner.solving import solve
@@ -100,9 +101,11 @@ def _ladder(steps: StageSteps, per_solve: float, solver: str) -> list[_Rung]:
 
 def _new_ladder(steps: StageSteps, per_solve: float, solver: str) -> list[_Rung]:
     profiled = steps.steps[1]  # the steps after the first backward, gradients allocated
-    unplanned = solve(profiled, budget_bytes=2**60, time_limit_s=per_solve, solver=solver)
+    unplanned = solve(profiled, budget_bytes=MAX_BUDGET_BYTES,
+                      time_limit_s=per_solve, solver=solver)
     try:
-        lowest = solve(profiled, budget_bytes=1024, time_limit_s=per_solve, solver=solver)
+        lowest = solve(profiled, budget_bytes=MIN_BUDGET_BYTES,
+                       time_limit_s=per_solve, solver=solver)
     except InfeasibleBudgetError as error:
         lowest = error.plan or solve(profiled, budget_bytes=error.min_budget_bytes,
                                      time_limit_s=per_solve, solver=solver)

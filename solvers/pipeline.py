@@ -226,7 +226,7 @@ class _Chunk:
         # torch's runtime schedules (Interleaved1F1B) keep each send until the step ends
         self.sends_kept = spec.schedule in RUNTIME_SCHEDULES
         self.held: set[int] = set()
-        self.kept, self.backward_done, self.backwards = 0, False, 0
+        self.kept, self.backwards = 0, 0  # forwards and backwards run so far
         self.pass_peaks = {(kind, grads): max(
             (e.peak_bytes for e in timeline.events if e.label != OPTIMIZER_STEP
              and (e.phase == "forward") == (kind == "F")), default=0)
@@ -260,6 +260,11 @@ class _Chunk:
             return 0
         return self.last_input_grad * (self.backwards if self.sends_kept else 1)
 
+    @property
+    def backward_done(self) -> bool:
+        """Its first backward ran: its gradients exist."""
+        return self.backwards > 0
+
     def run(self, kind: str, microbatch: int) -> int:
         """The chunk's peak during this pass, beside what it holds; then its state after."""
         if kind == "B":
@@ -269,7 +274,6 @@ class _Chunk:
             self.held.add(microbatch)
             self.kept += 1
         else:
-            self.backward_done = True
             self.backwards += 1
         return peak
 
