@@ -154,56 +154,50 @@ class ChunkCosts(StageCosts):
 
 
 def interleaved_rows(costs: ChunkCosts, budget_gib: float, time_limit_s: float) -> dict:
-    """Every layer checkpointed on every chunk, and each rank's chunks planned together."""
+    """Every layer checkpointed on every chunk, each rank's chunks planned together, and
+    the chunks' layers balanced."""
     budget, m = int(budget_gib * GIB), costs.n_microbatches
     slots = m + (STAGES - 1) / costs.chunks
+    even = [LAYERS // (STAGES * costs.chunks)] * (STAGES * costs.chunks)
     row: dict = {"budget_gib": budget_gib}
+    for key in ("unplanned", "every_layer", "planned"):
+        ranks = [_rank_numbers(costs.rank(r), key, budget, time_limit_s)
+                 for r in range(STAGES)]
+        row[key] = pipeline_of(ranks, even, slots)
     try:
         found = plan_interleaved(costs.rank, LAYERS, STAGES, costs.chunks,
                                  budget_gb=budget_gib, least=1, most=3,
                                  time_limit_s=time_limit_s)
-        ranks = [{"peak_bytes": r.peak_bytes, "time_ms": r.time_ms,
-                  "recompute_ms": sum(p.recompute_ms for p in r.plans)} for r in found]
-        row["balanced"] = {"split": [found[g % STAGES].layers[g // STAGES]
-                                     for g in range(STAGES * costs.chunks)],
-                           "fits": True, "stages": ranks,
-                           "total_recompute_ms": sum(r["recompute_ms"] for r in ranks),
-                           "slowest_stage_ms": max(r["time_ms"] for r in ranks),
-                           "step_ms": slots * max(r["time_ms"] for r in ranks)}
+        row["balanced"] = pipeline_of(
+            [{"peak_bytes": r.peak_bytes, "time_ms": r.time_ms,
+              "recompute_ms": sum(p.recompute_ms for p in r.plans)} for r in found],
+            [found[g % STAGES].layers[g // STAGES] for g in range(len(even))], slots)
     except InfeasibleBudgetError:
         row["balanced"] = None
-    for key in ("unplanned", "every_layer", "planned"):
-        ranks = []
-        for r in range(STAGES):
-            rank = costs.rank(r)
-            if key == "planned":
-                try:
-                    plans = rank.plan(budget, time_limit_s)[0]
-                except InfeasibleBudgetError:
-                    ranks.append(None)
-                    continue
-                timelines = [simulate(c.problems[1], p.schedule)
-                             for c, p in zip(rank.chunks, plans, strict=True)]
-                peak = plans[0].pipeline.peak_bytes
-            else:
-                schedules = [policy_schedule("every-layer", c.problems[1])
-                             if key == "every_layer" else Schedule.store_all(c.problems[1].n_nodes)
-                             for c in rank.chunks]
-                timelines = [simulate(c.problems[1], s)
-                             for c, s in zip(rank.chunks, schedules, strict=True)]
-                peak = rank_peak(rank.spec, [c.replay(s) for c, s in zip(
-                    rank.chunks, schedules, strict=True)])
-            ranks.append(None if peak > budget and key != "unplanned" else {
-                "peak_bytes": peak, "time_ms": sum(t.total_time_ms for t in timelines),
-                "recompute_ms": sum(t.recompute_time_ms for t in timelines)})
-        fits = all(r is not None for r in ranks)
-        slowest = max(r["time_ms"] for r in ranks) if fits else None
-        row[key] = {"split": [LAYERS // (STAGES * costs.chunks)] * (STAGES * costs.chunks),
-                    "fits": fits, "stages": ranks,
-                    "total_recompute_ms": sum(r["recompute_ms"] for r in ranks) if fits
-                    else None, "slowest_stage_ms": slowest,
-                    "step_ms": slots * slowest if fits else None}
     return row
+
+
+def _rank_numbers(rank: RankSteps, key: str, budget: int, time_limit_s: float
+                  ) -> dict | None:
+    """A rank's peak, time and recompute unplanned, with every layer checkpointed, or with
+    its chunks planned together (None: over the budget)."""
+    if key == "planned":
+        try:
+            plans = rank.plan(budget, time_limit_s)[0]
+        except InfeasibleBudgetError:
+            return None
+        schedules = [p.schedule for p in plans]
+    else:
+        schedules = [policy_schedule("every-layer", c.problems[1]) if key == "every_layer"
+                     else Schedule.store_all(c.problems[1].n_nodes) for c in rank.chunks]
+    timelines = [simulate(c.problems[1], s) for c, s in zip(rank.chunks, schedules,
+                                                            strict=True)]
+    peak = rank_peak(rank.spec, [c.replay(s) for c, s in zip(rank.chunks, schedules,
+                                                             strict=True)])
+    if peak > budget and key != "unplanned":
+        return None
+    return {"peak_bytes": peak, "time_ms": sum(t.total_time_ms for t in timelines),
+            "recompute_ms": sum(t.recompute_time_ms for t in timelines)}
 
 
 def every_layer(steps: StageSteps) -> dict:
@@ -221,31 +215,32 @@ def unplanned(steps: StageSteps) -> dict:
     return {"peak_bytes": steps.peak(), "time_ms": timeline.total_time_ms, "recompute_ms": 0.0}
 
 
-def pipeline_of(stages: list[dict | None], split: list[int], n_microbatches: int) -> dict:
-    """The pipeline's numbers from its stages' (None where a stage does not fit)."""
+def pipeline_of(stages: list[dict | None], split: list[int], slots: float) -> dict:
+    """The pipeline's numbers from its stages' (or ranks'; None where one does not fit):
+    the step is ``slots`` times the slowest."""
     fits = all(s is not None for s in stages)
     slowest = max(s["time_ms"] for s in stages) if fits else None
     return {"split": split, "fits": fits, "stages": stages,
             "total_recompute_ms": sum(s["recompute_ms"] for s in stages) if fits else None,
-            "slowest_stage_ms": slowest,
-            "step_ms": (n_microbatches + STAGES - 1) * slowest if fits else None}
+            "slowest_stage_ms": slowest, "step_ms": slots * slowest if fits else None}
 
 
 def _of(pipeline: PipelinePlan, n_microbatches: int) -> dict:
     stages = [{"peak_bytes": stage.peak_bytes, "time_ms": stage.time_ms,
                "recompute_ms": stage.plan.recompute_ms} for stage in pipeline.stages]
-    return pipeline_of(stages, pipeline.split, n_microbatches)
+    return pipeline_of(stages, pipeline.split, n_microbatches + STAGES - 1)
 
 
 def rows_of(costs: StageCosts, budget_gib: float, args: argparse.Namespace) -> dict:
     budget = int(budget_gib * GIB)
     m, uniform = args.microbatches, [LAYERS // STAGES] * STAGES
+    slots = m + STAGES - 1  # 1F1B's: every slot waits for the slowest stage
     row = {"budget_gib": budget_gib}
     row["unplanned"] = pipeline_of(
-        [unplanned(costs.steps(r, k)) for r, k in enumerate(uniform)], uniform, m)
+        [unplanned(costs.steps(r, k)) for r, k in enumerate(uniform)], uniform, slots)
     stages = [every_layer(costs.steps(r, k)) for r, k in enumerate(uniform)]
     row["every_layer"] = pipeline_of(
-        [s if s["peak_bytes"] <= budget else None for s in stages], uniform, m)
+        [s if s["peak_bytes"] <= budget else None for s in stages], uniform, slots)
     for key, (least, most) in (("per_stage", (uniform[0], uniform[0])),
                                ("balanced", tuple(args.layers))):
         try:
