@@ -46,9 +46,9 @@ class Stage(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def build_stage(rank: int, world: int) -> Stage:
+def build_stage(rank: int, world: int, blocks: int = BLOCKS_PER_STAGE) -> Stage:
     torch.manual_seed(100 + rank)
-    return Stage(rank == 0, rank == world - 1)
+    return Stage(rank == 0, rank == world - 1, blocks)
 
 
 def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -228,19 +228,21 @@ def spec_of(schedule: str, rank: int, world: int, n_microbatches: int,
                      n_microbatches=n_microbatches, num_chunks=chunks)
 
 
+def chunk_steps(spec: StageSpec, chunk: int, blocks: int = BLOCKS_PER_STAGE) -> StageSteps:
+    """The rank's ``chunk``, stage ``c·p + r`` of the harness's model with ``blocks``
+    blocks, profiled."""
+    g = spec.chunk_stage(chunk)
+    module = build_stage(g, spec.num_chunks * spec.num_stages, blocks)
+    inputs, target = microbatch(g)
+    last = spec.chunk_last(chunk)
+    return StageSteps(module, (inputs,), spec,
+                      (lambda logits: next_token_loss(logits, target)) if last else None,
+                      target.nbytes if last else 0, chunk=chunk, timing="estimate")
+
+
 def rank_steps(spec: StageSpec) -> RankSteps:
     """The rank's chunks, each stage ``c·p + r`` of the harness's model, profiled."""
-    steps = []
-    for c in range(spec.num_chunks):
-        g = spec.chunk_stage(c)
-        module = build_stage(g, spec.num_chunks * spec.num_stages)
-        inputs, target = microbatch(g)
-        last = spec.chunk_last(c)
-        steps.append(StageSteps(module, (inputs,), spec,
-                                (lambda logits, t=target: next_token_loss(logits, t))
-                                if last else None, target.nbytes if last else 0, chunk=c,
-                                timing="estimate"))
-    return RankSteps(steps)
+    return RankSteps([chunk_steps(spec, c) for c in range(spec.num_chunks)])
 
 
 def halfway_rank_plans(steps: RankSteps) -> list[Plan]:

@@ -287,14 +287,7 @@ def test_an_interleaved_split_makes_the_slowest_rank_fastest_within_the_budget()
 
     @functools.cache
     def chunk_steps(rank: int, chunk: int, layers: int) -> StageSteps:
-        s, g = spec[rank], spec[rank].chunk_stage(chunk)
-        torch.manual_seed(0)
-        module = harness.Stage(s.chunk_first(chunk), s.chunk_last(chunk), layers)
-        inputs, target = harness.microbatch(g)
-        last = s.chunk_last(chunk)
-        return StageSteps(module, (inputs,), s, loss_fn=(
-            lambda logits, t=target: harness.next_token_loss(logits, t)) if last else None,
-            target_bytes=target.nbytes if last else 0, chunk=chunk, timing="estimate")
+        return harness.chunk_steps(spec[rank], chunk, layers)
 
     @functools.cache
     def rank_steps(rank: int, layers: tuple[int, ...]) -> RankSteps:
