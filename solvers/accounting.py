@@ -195,11 +195,17 @@ class WindowParts:
 def profile_parts(ctx: Context, a0: int, b0: int,
                   regions: Sequence[RegionInfo | NestedRegionInfo],
                   external: frozenset[int] = frozenset(),
-                  skip: frozenset[int] = frozenset()) -> WindowParts:
+                  skip: frozenset[int] = frozenset(),
+                  after_forward: frozenset[int] = frozenset(),
+                  held_on: frozenset[int] = frozenset()) -> WindowParts:
     """`profile`'s computation, returned as position-independent parts (`WindowParts`).
 
     Storages in `skip` are left out (their original instance; copies a rerun regenerates
     still count): the caller accounts for them by position (`WindowParts.peak`'s table).
+    Storages in `after_forward` count only where this window's own savers and regions hold
+    them after its forward, and in its residue only those in `held_on` (a lower bound's
+    use: the caller counts their forward by position, and another window may hold them
+    too, except those in `held_on`). Neither is ever part of `held_out`.
     Slots are `simulate`'s events in order: the forward of the window's nodes, then per
     backward node j (descending) the steps of the reruns it triggers (a parent's before its
     child's) and j's own event.
@@ -240,13 +246,15 @@ def profile_parts(ctx: Context, a0: int, b0: int,
             end = max(end, bwd_slot[node - a0] if kind == BWD else
                       node - a0 if kind == FWD else off[pi][ri] + node)
         nbytes = p.storage_bytes[s]
+        if s in after_forward:
+            start = max(start, n_fw)
         if end >= start and nbytes:
             starts.append(start)
             ends.append(end + 1)
             sizes.append(nbytes)
-        if end >= n_fw:  # held through the end of the forward
-            residue += nbytes
-            if lr >= b0:
+        if end >= n_fw and (s not in after_forward or s in held_on):
+            residue += nbytes  # held through the end of the forward
+            if lr >= b0 and s not in after_forward:
                 held_out.add(s)
     diff = np.zeros(len(const) + 1, dtype=np.int64)
     if sizes:

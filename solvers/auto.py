@@ -240,12 +240,13 @@ def _proven_over_a_space(problem: Problem, best: Solution, exact: list[Solution]
 
 def _nested_minimum(problem: Problem, flat: int, time_limit_s: float) -> int:
     """Least budget below `flat` at which the dp (nested schedules included) is feasible."""
-    if not dp.applies(problem) or not dp.solve(problem, flat - 1, time_limit_s).feasible:
+    if not dp.applies(problem) or not dp.solve(problem, flat - 1, time_limit_s,
+                                               first_fit=True).feasible:
         return flat
     lo, hi = memory_lower_bound(problem) - 1, flat - 1  # lo infeasible, hi feasible
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if dp.solve(problem, mid, time_limit_s).feasible:
+        if dp.solve(problem, mid, time_limit_s, first_fit=True).feasible:
             hi = mid
         else:
             lo = mid
@@ -368,7 +369,7 @@ def _dp_bisection(problem: Problem, bound: int, best: int,
         if hi <= lo or (step >= 8 and not exact) or time.perf_counter() + per_call > deadline:
             break
         mid = hi if hi - lo <= 1 else (lo + hi) // 2
-        sol = dp.solve(problem, mid, per_call)
+        sol = dp.solve(problem, mid, per_call, first_fit=True)
         if sol.feasible and sol.schedule is not None and sol.peak_bytes is not None:
             found.append((sol.peak_bytes, "dp", sol.schedule))
             hi = sol.peak_bytes - 1
