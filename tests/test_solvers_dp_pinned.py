@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import pytest
 
 from solvers import dp
 from solvers.accounting import Context
 from solvers.problem import ModuleSpan, Problem
-from solvers.result import Status
+from solvers.result import Solution, Status
 from solvers.schedule import Region, Schedule
 from solvers.simulate import simulate
 from solvers.testing import MiB, transformer
@@ -70,6 +71,15 @@ def test_the_table_is_held_down_to_the_first_block_unless_body_reruns() -> None:
     assert 1.0 < hold.cover_ms < sum(p.fwd_time_ms)
 
 
+def _at_every_budget(p: Problem) -> Iterator[tuple[float, Solution]]:
+    """Per peak of an enumerated schedule, as a budget: the least recompute time of the
+    enumerated schedules within it, and the DP's answer (`keep_front=False`)."""
+    sims = [simulate(p, s) for s in _schedules(p)]
+    for budget in sorted({t.peak_bytes for t in sims}):
+        best = min(t.recompute_time_ms for t in sims if t.peak_bytes <= budget)
+        yield best, dp.solve(p, budget, math.inf, keep_front=False)
+
+
 def test_the_bound_holds_over_the_space_and_proves_what_it_could_not() -> None:
     """At every budget the bound is at most the best enumerated schedule; at the budgets
     where rerunning `body` costs more than the answer, the answer is proven (before the
@@ -77,16 +87,13 @@ def test_the_bound_holds_over_the_space_and_proves_what_it_could_not() -> None:
     backward)."""
     p = _rotary_model(300)
     cover_ms = dp._layout(Context(p)).holds[0].cover_ms
-    sims = [simulate(p, s) for s in _schedules(p)]
     proven = 0
-    for budget in sorted({t.peak_bytes for t in sims}):
-        best = min(t.recompute_time_ms for t in sims if t.peak_bytes <= budget)
-        sol = dp.solve(p, budget, math.inf, keep_front=False)
+    for best, sol in _at_every_budget(p):
         if not sol.feasible:
             continue
-        assert sol.bound_ms is not None and sol.bound_ms <= best + 1e-9, (budget, sol, best)
+        assert sol.bound_ms is not None and sol.bound_ms <= best + 1e-9, (sol, best)
         if sol.status == Status.OPTIMAL:  # the space holds the enumerated best
-            assert sol.objective_ms <= best + 1e-9, (budget, sol, best)
+            assert sol.objective_ms <= best + 1e-9, (sol, best)
             proven += 0 < best < cover_ms
     assert proven >= 3
 
@@ -102,14 +109,11 @@ def test_a_cheap_cover_is_found_and_proven(table_mib: int) -> None:
     budget the answer is the enumerated best, proven."""
     p = _rotary_model(table_mib)
     cover_ms = dp._layout(Context(p)).holds[0].cover_ms
-    sims = [simulate(p, s) for s in _schedules(p)]
     above = 0
-    for budget in sorted({t.peak_bytes for t in sims}):
-        best = min(t.recompute_time_ms for t in sims if t.peak_bytes <= budget)
-        sol = dp.solve(p, budget, math.inf, keep_front=False)
+    for best, sol in _at_every_budget(p):
         assert sol.feasible and sol.bound_ms is not None
-        assert abs(sol.objective_ms - best) <= 1e-9, (budget, sol.objective_ms, best)
-        assert sol.status == Status.OPTIMAL, (budget, sol.objective_ms, sol.bound_ms)
+        assert abs(sol.objective_ms - best) <= 1e-9, (sol.objective_ms, best)
+        assert sol.status == Status.OPTIMAL, (sol.objective_ms, sol.bound_ms)
         above += best > cover_ms
     assert above >= 5
 
@@ -137,12 +141,9 @@ def test_a_storage_one_stage_holds_counts_in_its_residue_and_the_bound_holds(
     p = _cast_model(table_mib)
     lay = dp._layout(Context(p))
     assert len(lay.one_stage) == 1 and lay.one_stage < lay.pinned
-    sims = [simulate(p, s) for s in _schedules(p)]
     proven = 0
-    for budget in sorted({t.peak_bytes for t in sims}):
-        best = min(t.recompute_time_ms for t in sims if t.peak_bytes <= budget)
-        sol = dp.solve(p, budget, math.inf, keep_front=False)
+    for best, sol in _at_every_budget(p):
         if sol.feasible:
-            assert sol.bound_ms is not None and sol.bound_ms <= best + 1e-9, (budget, best)
+            assert sol.bound_ms is not None and sol.bound_ms <= best + 1e-9, (sol, best)
             proven += sol.status == Status.OPTIMAL and best > 0
     assert proven >= 8
