@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from planner.plan import (
         FileFormatError,
         InfeasibleBudgetError,
+        InfeasibleRankBudgetError,
         Plan,
         PlanMismatchError,
         PlanMismatchWarning,
@@ -52,12 +53,14 @@ _LAZY = {
     "replan": "planner.api",
     "verify": "planner.api",
     "InfeasibleBudgetError": "planner.plan",
+    "InfeasibleRankBudgetError": "planner.plan",
     "Plan": "planner.plan",
     "PlanMismatchError": "planner.plan",
     "ProfileError": "profiles.errors",
 }
 
-__all__ = ["FileFormatError", "InfeasibleBudgetError", "Plan", "PlanMismatchError",
+__all__ = ["FileFormatError", "InfeasibleBudgetError", "InfeasibleRankBudgetError", "Plan",
+           "PlanMismatchError",
            "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning",
            "VerifyReport", "apply", "measure_step", "optimize", "plan_rank", "profile_model",
            "remove", "replan", "solve", "verify"]

@@ -23,7 +23,14 @@ from torch import nn
 
 from planner.arguments import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
 from planner.pipeline import StageSteps, stage_spec
-from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
+from planner.plan import (
+    GIB,
+    InfeasibleBudgetError,
+    InfeasibleRankBudgetError,
+    PipelineStage,
+    Plan,
+    format_bytes,
+)
 from planner.solving import solve
 from solvers.pipeline import ChunkReplay, StageSpec, rank_peak
 
@@ -71,12 +78,12 @@ class RankSteps:
             if least is None or peak < least[0]:
                 least = (peak, combination)
         spec = self.spec
-        raise InfeasibleBudgetError(
+        raise InfeasibleRankBudgetError(
             f"No plans of the {spec.num_chunks} chunks of pipeline rank {spec.stage_index} of "
             f"{spec.num_stages} ({spec.schedule}, {spec.n_microbatches} microbatches) fit "
             f"{format_bytes(budget_bytes)}; the least rank peak found is "
-            f"{format_bytes(least[0])} (error.plan: chunk 0's plan of it).", least[0],
-            plan=self._stamped(least[1], budget_bytes, least[0])[0])
+            f"{format_bytes(least[0])} (error.plans: each chunk's plan of it).", least[0],
+            self._stamped(least[1], budget_bytes, least[0]))
 
     def _stamped(self, rungs: Sequence[_Rung], budget: int, peak: int) -> list[Plan]:
         return [rung.plan.model_copy(update={"pipeline": PipelineStage(
@@ -140,8 +147,8 @@ def plan_rank(chunks: Sequence[nn.Module], microbatches: Sequence[Any], *,
     stage, where this rank holds it.
 
     Raises:
-        InfeasibleBudgetError: no combination of the chunks' plans fits; it names the least
-            rank peak found.
+        InfeasibleRankBudgetError: no combination of the chunks' plans fits; it names the
+            least rank peak found, and ``plans`` holds each chunk's plan of it.
     """
     spec, target_bytes = stage_spec(pipeline)
     if len(chunks) != spec.num_chunks or len(microbatches) != spec.num_chunks:

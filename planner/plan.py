@@ -81,6 +81,18 @@ class InfeasibleBudgetError(ValueError):
         return self.min_budget_bytes / GIB
 
 
+class InfeasibleRankBudgetError(InfeasibleBudgetError):
+    """No plans of a pipeline rank's chunks fit its budget (``planner.plan_rank``).
+
+    ``plans``: one per chunk, together the lowest rank peak found (``min_budget_bytes``);
+    ``plan`` is chunk 0's, as for one module.
+    """
+
+    def __init__(self, message: str, min_budget_bytes: int, plans: list[Plan]) -> None:
+        super().__init__(message, min_budget_bytes, plan=plans[0])
+        self.plans = plans
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

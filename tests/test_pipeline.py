@@ -256,6 +256,8 @@ def test_an_interleaved_rank_planned_as_a_whole_holds_its_budget_and_trains_unch
         ranks[0].plan(2**20, time_limit_s=16)
     least = caught.value.min_budget_bytes
     assert least > 2**20 and caught.value.plan.pipeline.chunk == 0
+    assert [p.pipeline.chunk for p in caught.value.plans] == [0, 1]
+    assert ranks[0].peak(caught.value.plans) == least  # the chunks' plans, together
     assert ranks[0].plan(least, time_limit_s=16)[1] <= least
 
 
