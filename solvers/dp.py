@@ -192,7 +192,7 @@ class _Layout(NamedTuple):
     keep_front: bool = True
     holds: tuple[PinnedHold, ...] = ()
     one_stage: frozenset[int] = frozenset()
-    bound_table: np.ndarray | None = None
+    bound_table: np.ndarray | None = None  # `lower_table` cut for `one_stage` (`cut_table`)
 
     @property
     def outside(self) -> frozenset[int]:
@@ -205,7 +205,7 @@ def _layout(ctx: Context, keep_front: bool = True) -> _Layout:
     skips, st = long_skips(problem, pinned)
     up, low = _pin_tables(ctx, pinned, skips)
     tiny = problem.n_nodes <= SUBSET_MAX_NODES  # segments keep any set
-    one_stage = frozenset() if tiny else one_stage_holders(ctx, st, pinned)
+    one_stage = {} if tiny else one_stage_holders(ctx, st, pinned)
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
                    _stop_limits(problem, st, skips), keep_front,
                    () if tiny else tuple(pinned_holds(problem, st, pinned)),

@@ -219,35 +219,38 @@ def held_table(problem: Problem, table: np.ndarray, last_read: tuple[int, ...],
 
 
 def one_stage_holders(ctx: Context, stages: list[tuple[int, int]],
-                      pinned: frozenset[int]) -> frozenset[int]:
-    """The pinned storages that only one stage can hold after the forward: their savers,
-    their recomputable readers (a region reading one holds it as its input) and, where it
-    may be kept, their producer, all in one stage (autocast's cast weights, which its cache
-    holds to the end of the forward). The window holding that stage is then the only one
-    that may hold them on, so the lower-bound pass counts them in its residue."""
+                      pinned: frozenset[int]) -> dict[int, int]:
+    """The pinned storages that only one stage can hold after the forward, each with that
+    stage: their savers, their recomputable readers (a region reading one holds it as its
+    input) and, where it may be kept, their producer, all in one stage (autocast's cast
+    weights, which its cache holds to the end of the forward). The window holding that
+    stage is then the only one that may hold them on, so the lower-bound pass counts them
+    in its residue."""
     p = ctx.p
     stage_of = stage_index(p, stages)
-    out = set()
+    out = {}
     for s in pinned:
         holders = {*ctx.savers[s], *(r for r in p.consumers[s] if p.recomputable[r])}
         prod = p.storage_producer[s]
         if p.recomputable[prod]:
             holders.add(prod)
-        if len({stage_of[h] for h in holders}) == 1:
-            out.add(s)
-    return frozenset(out)
+        held_in = {stage_of[h] for h in holders}
+        if len(held_in) == 1:
+            out[s] = held_in.pop()
+    return out
 
 
 def cut_table(ctx: Context, table: np.ndarray, stages: list[tuple[int, int]],
-              one_stage: frozenset[int]) -> np.ndarray:
+              one_stage: dict[int, int]) -> np.ndarray:
     """`table` without the forward events after the holding stage of each `one_stage`
-    storage (the residue of the window holding that stage counts it there)."""
+    storage (storage -> stage; the residue of the window holding that stage counts it
+    there); `table` itself where there are none."""
+    if not one_stage:
+        return table
     p, n = ctx.p, ctx.n
-    stage_of = stage_index(p, stages)
     out = table.copy()
-    for s in one_stage:
-        holder = next(iter({*ctx.savers[s], *p.consumers[s]}))
-        stop, last = stages[stage_of[holder]][1], ctx.last_read[s]
+    for s, stage in one_stage.items():
+        stop, last = stages[stage][1], ctx.last_read[s]
         if last >= stop:
             out[table_slice(n, FORWARD, stop, last + 1)] -= p.storage_bytes[s]
     return out
