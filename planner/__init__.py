@@ -60,10 +60,9 @@ _LAZY = {
 }
 
 __all__ = ["FileFormatError", "InfeasibleBudgetError", "InfeasibleRankBudgetError", "Plan",
-           "PlanMismatchError",
-           "PlanMismatchWarning", "ProfileError", "ProfiledStep", "ToyBatchWarning",
-           "VerifyReport", "apply", "measure_step", "optimize", "plan_rank", "profile_model",
-           "remove", "replan", "solve", "verify"]
+           "PlanMismatchError", "PlanMismatchWarning", "ProfileError", "ProfiledStep",
+           "ToyBatchWarning", "VerifyReport", "apply", "measure_step", "optimize", "plan_rank",
+           "profile_model", "remove", "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:
