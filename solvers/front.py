@@ -34,16 +34,30 @@ def pareto(points: Iterable[T], cost: Callable[[T], Any], loss: Callable[[T], fl
     return front
 
 
+PREFILTER_MIN = 16_384  # points from which `pareto_indices` first drops the far-dominated
+PREFILTER_CELLS = 8_192  # cells of cost the prefilter compares points across
+
+
 def pareto_indices(cost: np.ndarray, loss: np.ndarray, tol: float = 0.0) -> np.ndarray:
     """`pareto` over arrays: the indices of the front, by ascending cost (each point's loss
     below that of every cheaper point by more than `tol`; of equal costs, the least loss,
     then the earlier point).
 
     Sorted by cost alone (stable), not by (cost, loss): a chained front is the union of a few
-    sorted runs, which a stable sort merges in about linear time.
+    sorted runs, which a stable sort merges in about linear time. Long inputs first lose
+    the points a cheaper cell of cost dominates (`_undominated`), without a sort.
     """
     if not len(cost):
         return np.zeros(0, dtype=np.int64)
+    candidates = (_undominated(cost, loss, tol) if len(cost) >= PREFILTER_MIN
+                  and np.issubdtype(cost.dtype, np.integer) else None)
+    if candidates is None:
+        return _sorted_front(cost, loss, tol)
+    return candidates[_sorted_front(cost[candidates], loss[candidates], tol)]
+
+
+def _sorted_front(cost: np.ndarray, loss: np.ndarray, tol: float) -> np.ndarray:
+    """`pareto_indices` by one stable sort of every point."""
     order = np.argsort(cost, kind="stable")
     sorted_cost, sorted_loss = cost[order], loss[order]
     starts = np.concatenate([[True], sorted_cost[1:] != sorted_cost[:-1]])
@@ -54,6 +68,29 @@ def pareto_indices(cost: np.ndarray, loss: np.ndarray, tol: float = 0.0) -> np.n
                             & (sorted_loss == group_min[group]))
     earliest = np.concatenate([[True], group[wanted][1:] != group[wanted][:-1]])
     return order[wanted[earliest]]
+
+
+def _undominated(cost: np.ndarray, loss: np.ndarray, tol: float) -> np.ndarray | None:
+    """The indices, in order, of the points no point of a cheaper cell of cost dominates
+    (None: one cell). Cells split the cost range evenly and a point's cell never precedes a
+    cheaper point's, so a point of an earlier cell is cheaper: a point dropped here has a
+    cheaper point that loses at most `tol` less, and is off the front. The front of the
+    rest, in the same order, is the front of all, ties broken alike.
+
+    Integer costs; `tol` is taken off the few cells' losses, as `_sorted_front` takes it
+    off the least loss before a point, not added to every point's.
+    """
+    lo, hi = int(cost.min()), int(cost.max())
+    if hi <= lo:
+        return None
+    shift = ((hi - lo) // PREFILTER_CELLS).bit_length()  # cells of 2**shift costs
+    cell = (cost - lo) >> shift
+    least = np.full(((hi - lo) >> shift) + 1, np.inf)
+    np.minimum.at(least, cell, loss)
+    before = np.empty_like(least)  # the least loss of every earlier cell
+    before[0] = np.inf
+    np.minimum.accumulate(least[:-1], out=before[1:])
+    return np.flatnonzero((before - tol)[cell] > loss)
 
 
 def bucket_ends(cost: np.ndarray | Sequence[int], buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,10 +147,11 @@ class Front:
     def prune(self, max_front: int, optimistic: bool) -> bool:
         held = np.concatenate([c[0] for c in self.chunks])
         tms = np.concatenate([c[1] for c in self.chunks])
-        src = np.repeat(np.arange(len(self.chunks)), [len(c[0]) for c in self.chunks])
-        idx = np.concatenate([c[2] for c in self.chunks])
         keep = pareto_indices(held, tms, tol=1e-12)
-        held, tms, src, idx = held[keep], tms[keep], src[keep], idx[keep]
+        ends = np.cumsum([len(c[0]) for c in self.chunks])
+        src = np.searchsorted(ends, keep, side="right")  # the chunk of each kept entry
+        idx = np.concatenate([c[2] for c in self.chunks])[keep]
+        held, tms = held[keep], tms[keep]
         rounded = False
         if len(held) > max_front:
             # thin to one entry per memory bucket: the bucket's fastest entry (the last: times

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import unittest.mock
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from test_solvers_properties import check_reported_numbers
 
 import solvers.dp as dp_module
-from solvers import SOLVERS, Schedule, dp, simulate
+from solvers import SOLVERS, Schedule, dp, front, simulate
 from solvers.accounting import Context
 from solvers.front import pareto_indices
 from solvers.testing import transformer
@@ -102,6 +103,21 @@ def test_thinned_fronts_grow_until_the_gap_closes(monkeypatch: pytest.MonkeyPatc
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), max_size=30),
        st.sampled_from([0.0, 1e-12, 1.0]))
 def test_pareto_indices_keep_exactly_the_undominated_points(points, tol: float) -> None:
+    _assert_front(points, tol)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60_000), st.integers(0, 40)), max_size=60),
+       st.sampled_from([0.0, 1e-12, 3.0]))
+def test_long_fronts_prefiltered_by_cells_lose_no_point(points, tol: float) -> None:
+    """The prefilter of long inputs (`front._undominated`, forced here on short ones, over
+    cells of several costs) keeps every front point and breaks ties alike."""
+    with unittest.mock.patch.object(front, "PREFILTER_MIN", 1), \
+            unittest.mock.patch.object(front, "PREFILTER_CELLS", 16):
+        _assert_front(points, tol)
+
+
+def _assert_front(points: list[tuple[int, int]], tol: float) -> None:
     cost = np.asarray([c for c, _ in points], dtype=np.int64)
     loss = np.asarray([float(v) for _, v in points])
     kept = pareto_indices(cost, loss, tol)
