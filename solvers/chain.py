@@ -63,14 +63,19 @@ def pinned_storages(problem: Problem) -> frozenset[int]:
     return frozenset(out)
 
 
-def chain_stages(problem: Problem,
-                 pinned: frozenset[int] = frozenset()) -> tuple[list[tuple[int, int]], bool]:
+def chain_stages(problem: Problem, pinned: frozenset[int] = frozenset(),
+                 calls_first: bool = True) -> tuple[list[tuple[int, int]], bool]:
     """Stages, merged until the problem is a chain of them; True if nothing was merged.
 
-    Storages in `pinned` (see `pinned_storages`) are ignored when looking for skips.
+    Storages in `pinned` (see `pinned_storages`) are ignored when looking for skips. Of the
+    boundaries a storage spans one may stay: with `calls_first` the one most module calls
+    start or stop at, else the first after its producer's stage (two chains, each with
+    schedules the other lacks: Inception-v3's stem keeps whole calls in the first, timm's
+    ResNet-18d its lowest peak in the second).
     """
     st = problem.stages()
     merged = False
+    score = _cut_scores(problem) if calls_first else [0] * (problem.n_nodes + 1)
     while True:
         stage_of = stage_index(problem, st)
         cut = [True] * len(st)  # cut[t]: boundary before stage t kept
@@ -81,8 +86,13 @@ def chain_stages(problem: Problem,
             t, u = stage_of[problem.storage_producer[s]], stage_of[cons[-1]]
             if u > t + 1:
                 bad = True
-                for v in range(t + 2, u + 1):
-                    cut[v] = False
+                # one boundary between the producer's stage and the last reader's may stay
+                # (the first of equal scores): with calls first, stages stay whole calls
+                # where a call ends in an in-place op its argument's storage outlives
+                kept = max(range(t + 1, u + 1), key=lambda v: (score[st[v][0]], -v))
+                for v in range(t + 1, u + 1):
+                    if v != kept:
+                        cut[v] = False
         if not bad:
             return st, not merged
         merged = True
@@ -95,6 +105,15 @@ def chain_stages(problem: Problem,
         logger.debug("chain: %s is not a chain of its stages; merged %d stages into %d",
                      problem.name, len(st), len(new))
         st = new
+
+
+def _cut_scores(problem: Problem) -> list[int]:
+    """Per node index: how many module spans start or stop there (0 without spans)."""
+    score = [0] * (problem.n_nodes + 1)
+    for span in problem.module_spans or ():
+        score[span.start] += 1
+        score[span.stop] += 1
+    return score
 
 
 def applies(problem: Problem) -> bool:
@@ -148,7 +167,7 @@ def checkpoint_runs(problem: Problem, a: int, b: int) -> list[tuple[int, int]]:
     return out
 
 
-def long_skips(problem: Problem, pinned: frozenset[int]
+def long_skips(problem: Problem, pinned: frozenset[int], calls_first: bool = True
                ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
     """Storages detached as long skips with their far readers, and the DP's stages.
 
@@ -162,13 +181,13 @@ def long_skips(problem: Problem, pinned: frozenset[int]
     (`_Layout.stop_limit`), so each far reader that saves it holds it under every schedule
     (`_pin_tables`). With module spans, CP-SAT over module calls handles such graphs.
     """
-    merged = compact_stages(problem, chain_stages(problem, pinned)[0])
+    merged = compact_stages(problem, chain_stages(problem, pinned, calls_first)[0])
     if problem.module_spans is not None or len(merged) >= FUSED_STAGES:
         return {}, merged
     outside = set(problem.caller_held) | set(pinned)
     long = frozenset(s for s, cons in enumerate(problem.readers) if cons and s not in outside
                      and cons[-1] - problem.storage_producer[s] > LONG_SKIP_NODES)
-    st = compact_stages(problem, chain_stages(problem, pinned | long)[0])
+    st = compact_stages(problem, chain_stages(problem, pinned | long, calls_first)[0])
     stage_of = stage_index(problem, st)
     skips = {}
     for s in long:

@@ -45,8 +45,11 @@ fronts (`solve`): on a long chain the held bytes span a wide range, so the memor
 are coarse and thinning, not the space, makes most of the gap.
 
 Not a chain (a storage read two or more stages later): `solvers.chain` pins, merges or
-detaches such storages; parameters, tied ones included, are static memory and their
-gradients schedule-independent constants, so a tied embedding read by the LM head is exact.
+detaches such storages (merging stages so as to keep the boundaries at module calls; where
+nothing of that chain fits, the chain that keeps the first boundary after each producer is
+solved too, `_other_chain_differs`);
+parameters, tied ones included, are static memory and their gradients schedule-independent
+constants, so a tied embedding read by the LM head is exact.
 The lower-bound pass counts a pinned storage as held to its saver's backward where only a
 region rerunning longer than the answer could free it earlier, and splits the schedules
 where a cheaper region could (`solvers.dp_pinned`); the upper passes, which count it by its
@@ -199,10 +202,10 @@ class _Layout(NamedTuple):
         return self.pinned | frozenset(self.skips)
 
 
-def _layout(ctx: Context, keep_front: bool = True) -> _Layout:
+def _layout(ctx: Context, keep_front: bool = True, calls_first: bool = True) -> _Layout:
     problem = ctx.p
     pinned = pinned_storages(problem)
-    skips, st = long_skips(problem, pinned)
+    skips, st = long_skips(problem, pinned, calls_first)
     up, low = _pin_tables(ctx, pinned, skips)
     tiny = problem.n_nodes <= SUBSET_MAX_NODES  # segments keep any set
     one_stage = {} if tiny else one_stage_holders(ctx, st, pinned)
@@ -210,6 +213,46 @@ def _layout(ctx: Context, keep_front: bool = True) -> _Layout:
                    _stop_limits(problem, st, skips), keep_front,
                    () if tiny else tuple(pinned_holds(problem, st, pinned)),
                    frozenset(one_stage), cut_table(ctx, low, st, one_stage))
+
+
+def _other_chain_differs(ctx: Context, lay: _Layout) -> bool:
+    """Whether the chain that keeps each storage's first boundary differs from `lay`'s,
+    which keeps the boundaries at module calls (`chain.chain_stages`)."""
+    p = ctx.p
+    return (p.module_spans is not None
+            and long_skips(p, lay.pinned, calls_first=False)[1] != lay.stages)
+
+
+def _either(problem: Problem, first: Solution, second: Solution, budget_bytes: int,
+            t0: float) -> Solution:
+    """The faster of two layouts' answers, bounded by the lesser of their bounds (a layout
+    proven to fit nothing bounds nothing away; one not proven bounds nothing)."""
+    def bound(sol: Solution) -> float:
+        if not sol.feasible:
+            return math.inf if sol.space is not None else 0.0
+        return sol.bound_ms if sol.bound_ms is not None and sol.space is not None else 0.0
+
+    least = min(bound(first), bound(second))
+    found = [sol for sol in (first, second) if sol.feasible]
+    if not found:
+        return first.model_copy(update={
+            "space": _either_space(first.space, second.space) if least == math.inf else None,
+            "solve_time_s": time.perf_counter() - t0})
+    best = min(found, key=lambda sol: sol.objective_ms)
+    least = min(least, best.objective_ms)
+    return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
+                           proven_optimal=_proven(best, least), bound_ms=least,
+                           space=_either_space(first.space, second.space)
+                           if least > 0 else None)
+
+
+def _either_space(a: SearchSpace | None, b: SearchSpace | None) -> SearchSpace | None:
+    if a is None or b is None:
+        return None
+    return a.model_copy(update={
+        "text": f"{a.text}; over either of two chains of stages (a storage read two stages on "
+                "merges them: keeping the boundaries at module calls, or the first after it)",
+        "nested": a.nested and b.nested})
 
 
 def _stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
@@ -598,9 +641,10 @@ def _backtrack(f: Front, fronts: list[dict[tuple, Front]], st: list[tuple[int, i
 
 def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]]]) -> bool:
     """Whether every set of these non-overlapping regions, each keeping as given, is a
-    schedule of the DP's space: each starts and stops at stages of the DP's chain and
-    keeps nothing or its matmul-like nodes (a segment of those stages recomputed), or lies
-    inside a stage that offers every set of its inner regions (`inner.every_set`)."""
+    schedule of the DP's space: each starts and stops at stages of the DP's chain (the
+    calls' one, over which it proves the answers it finds) and keeps nothing or its
+    matmul-like nodes (a segment of those stages recomputed), or lies inside a stage that
+    offers every set of its inner regions (`inner.every_set`)."""
     ctx = Context(problem)
     _, stages = long_skips(problem, pinned_storages(problem))  # `_layout`'s stages
     cuts = {a for a, _ in stages} | {problem.n_nodes}
@@ -885,9 +929,23 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     thinning, not the space, is then what the gap measures (a long chain's held bytes span
     a wide range, so its memory buckets are coarse)."""
     t0 = time.perf_counter()
-    deadline = t0 + time_limit_s
     ctx = Context(problem)
     lay = _layout(ctx, keep_front)
+    first = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit, t0)
+    if first.feasible or not _other_chain_differs(ctx, lay):
+        return first
+    # nothing of the calls' chain fits: the other chain, in the time left, may hold a
+    # schedule that does (timm's ResNet-18d at its lowest peak); its answer is bounded by
+    # its own bound only where the first proved that nothing of its chain fits
+    second = _solve_layout(ctx, _layout(ctx, keep_front, calls_first=False), budget_bytes,
+                           t0 + time_limit_s, max_front, first_fit, t0)
+    return _either(problem, first, second, budget_bytes, t0)
+
+
+def _solve_layout(ctx: Context, lay: _Layout, budget_bytes: int, deadline: float,
+                  max_front: int, first_fit: bool, t0: float) -> Solution:
+    """`solve` over one chain of stages."""
+    problem = ctx.p
     cache: dict = {}
     proof = _Proof(first_fit=first_fit)
     spans = _spans(len(lay.stages))
