@@ -932,7 +932,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     ctx = Context(problem)
     lay = _layout(ctx, keep_front)
     first = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit, t0)
-    if first.feasible or not _other_chain_differs(ctx, lay):
+    if (first.feasible or time.perf_counter() >= t0 + time_limit_s
+            or not _other_chain_differs(ctx, lay)):
         return first
     # nothing of the calls' chain fits: the other chain, in the time left, may hold a
     # schedule that does (timm's ResNet-18d at its lowest peak); its answer is bounded by
