@@ -223,27 +223,19 @@ def _other_chain_differs(ctx: Context, lay: _Layout) -> bool:
             and long_skips(p, lay.pinned, calls_first=False)[1] != lay.stages)
 
 
-def _either(problem: Problem, first: Solution, second: Solution, budget_bytes: int,
-            t0: float) -> Solution:
-    """The faster of two layouts' answers, bounded by the lesser of their bounds (a layout
-    proven to fit nothing bounds nothing away; one not proven bounds nothing)."""
-    def bound(sol: Solution) -> float:
-        if not sol.feasible:
-            return math.inf if sol.space is not None else 0.0
-        return sol.bound_ms if sol.bound_ms is not None and sol.space is not None else 0.0
-
-    least = min(bound(first), bound(second))
-    found = [sol for sol in (first, second) if sol.feasible]
-    if not found:
-        return first.model_copy(update={
-            "space": _either_space(first.space, second.space) if least == math.inf else None,
-            "solve_time_s": time.perf_counter() - t0})
-    best = min(found, key=lambda sol: sol.objective_ms)
-    least = min(least, best.objective_ms)
-    return Solution.scored(problem, best.schedule, budget_bytes, solver="dp", started_s=t0,
-                           proven_optimal=_proven(best, least), bound_ms=least,
-                           space=_either_space(first.space, second.space)
-                           if least > 0 else None)
+def _other_chain_answer(problem: Problem, first: Solution, second: Solution,
+                        budget_bytes: int, t0: float) -> Solution:
+    """The other chain's answer where nothing of the calls' chain fits (`first`): bounded
+    over both chains where the first proved that nothing of its chain fits and the second
+    proved its bound, else with no bound."""
+    both = _either_space(first.space, second.space)
+    if not second.feasible:
+        return first.model_copy(update={"space": both,
+                                        "solve_time_s": time.perf_counter() - t0})
+    bound = second.bound_ms if both is not None and second.bound_ms is not None else 0.0
+    return Solution.scored(problem, second.schedule, budget_bytes, solver="dp", started_s=t0,
+                           proven_optimal=_proven(second, bound), bound_ms=bound,
+                           space=both if bound > 0 else None)
 
 
 def _either_space(a: SearchSpace | None, b: SearchSpace | None) -> SearchSpace | None:
@@ -940,7 +932,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     # its own bound only where the first proved that nothing of its chain fits
     second = _solve_layout(ctx, _layout(ctx, keep_front, calls_first=False), budget_bytes,
                            t0 + time_limit_s, max_front, first_fit, t0)
-    return _either(problem, first, second, budget_bytes, t0)
+    return _other_chain_answer(problem, first, second, budget_bytes, t0)
 
 
 def _solve_layout(ctx: Context, lay: _Layout, budget_bytes: int, deadline: float,
