@@ -85,7 +85,7 @@ class PeakTracker(TorchDispatchMode):
         for tensor in static_tensors:
             self._keep_static(tensor)
         self._live: dict[StorageWeakRef, int] = {}
-        self.live_bytes = self.static_bytes
+        self._live_bytes = self.static_bytes
         self.peak_bytes = self.static_bytes
         # FSDP2 frees and re-allocates unsharded parameters by resizing their storages
         # (``untyped_storage().resize_``, no op a dispatch mode sees): with
@@ -102,6 +102,13 @@ class PeakTracker(TorchDispatchMode):
         self._host: dict[StorageWeakRef, int] = {}
         self.host_bytes = 0
         self.host_peak_bytes = 0
+
+    @property
+    def live_bytes(self) -> int:
+        """The bytes alive now. Deaths are otherwise noticed at the next op: a tensor freed
+        after the step's last op (``del`` of what a backward left) would still count."""
+        self._forget_dead()
+        return self._live_bytes
 
     def __enter__(self) -> PeakTracker:
         if self.follow_resizes:
@@ -122,8 +129,8 @@ class PeakTracker(TorchDispatchMode):
         ``follow_resizes``) leaves out the tensors alive when the step began that it never
         reads, writes or resizes (a device mesh, another model), each only while it lives:
         one freed half-way (by a collective's worker thread, a cache) was never the step's."""
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.own_peak_bytes = max(self.own_peak_bytes, self.live_bytes - self._bystander_bytes)
+        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.own_peak_bytes = max(self.own_peak_bytes, self._live_bytes - self._bystander_bytes)
 
     def _touch(self, ref: StorageWeakRef) -> None:
         """The step used a storage it found (a loss target, DDP's buckets): it was the
@@ -136,7 +143,7 @@ class PeakTracker(TorchDispatchMode):
         for ref, old in self._live.items():
             nbytes = storage_nbytes(ref)
             if nbytes != old:
-                self.live_bytes += nbytes - old
+                self._live_bytes += nbytes - old
                 self._live[ref] = nbytes
                 self._touch(ref)
 
@@ -145,7 +152,7 @@ class PeakTracker(TorchDispatchMode):
         if ref not in self._live:
             nbytes = _storage(tensor).nbytes()
             self._live[ref] = nbytes
-            self.live_bytes += nbytes
+            self._live_bytes += nbytes
 
     def _keep_static(self, tensor: torch.Tensor) -> None:
         ref = StorageWeakRef(_storage(tensor))
@@ -156,7 +163,7 @@ class PeakTracker(TorchDispatchMode):
     def _forget_dead(self) -> None:
         dead = [ref for ref in self._live if ref.expired()]
         for ref in dead:
-            self.live_bytes -= self._live.pop(ref)
+            self._live_bytes -= self._live.pop(ref)
             self._bystander_bytes -= self._bystanders.pop(ref, 0)
         for ref in [ref for ref in self._host if ref.expired()]:
             self.host_bytes -= self._host.pop(ref)
@@ -194,7 +201,7 @@ class PeakTracker(TorchDispatchMode):
             elif ref not in self._live:
                 before = self.static_bytes
                 self._keep_static(tensor)
-                self.live_bytes += self.static_bytes - before
+                self._live_bytes += self.static_bytes - before
         self._note_peak()
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):

@@ -136,3 +136,15 @@ def test_a_storage_freed_on_another_thread_reads_as_zero_bytes() -> None:
     assert storage_nbytes(ref) == 40
     del tensor
     assert storage_nbytes(ref) == 0
+
+
+def test_live_bytes_drops_as_soon_as_the_last_tensor_dies() -> None:
+    """What a step leaves alive, read after its last op: a tensor let go since (``del`` of
+    what a backward kept) no longer counts, though no op has run to notice its death."""
+    static = torch.ones(256)
+    with PeakTracker([static]) as tracker:
+        made = static * 2  # 1 KiB, the step's last op
+        assert tracker.live_bytes == 2 * 1024
+        del made
+        assert tracker.live_bytes == 1024
+    assert tracker.peak_bytes == 2 * 1024
