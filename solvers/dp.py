@@ -636,10 +636,12 @@ def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]
     schedule of the DP's space: each starts and stops at stages of the DP's chain (the
     calls' one, over which it proves the answers it finds) and keeps nothing or its
     matmul-like nodes (a segment of those stages recomputed), or lies inside a stage that
-    offers every set of its inner regions (`inner.every_set`)."""
+    offers every set of its inner regions (`inner.every_set`); no segment holds a long
+    skip's producer and one of its far readers (`_stop_limits`)."""
     ctx = Context(problem)
-    _, stages = long_skips(problem, pinned_storages(problem))  # `_layout`'s stages
-    cuts = {a for a, _ in stages} | {problem.n_nodes}
+    skips, stages = long_skips(problem, pinned_storages(problem))  # `_layout`'s stages
+    stage_at = {a: t for t, (a, _) in enumerate(stages)} | {problem.n_nodes: len(stages)}
+    stop_limit = _stop_limits(problem, stages, skips)
     inner_sets: dict[tuple[int, int], set | None] = {}
 
     def inside(a: int, b: int, keep: frozenset[int]) -> bool:
@@ -650,8 +652,11 @@ def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]
                 (r.a, r.b, frozenset(r.keep)) for regions in every for r in regions}
         return inner_sets[x, y] is not None and (a, b, keep) in inner_sets[x, y]
 
-    return all((a in cuts and b in cuts and (not keep or keep == matmul_keep(problem, a, b)))
-               or inside(a, b, keep) for a, b, keep in regions)
+    def segment(a: int, b: int, keep: frozenset[int]) -> bool:
+        return (a in stage_at and b in stage_at and stage_at[b] <= stop_limit[stage_at[a]]
+                and (not keep or keep == matmul_keep(problem, a, b)))
+
+    return all(segment(a, b, keep) or inside(a, b, keep) for a, b, keep in regions)
 
 
 def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:

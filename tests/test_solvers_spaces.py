@@ -151,3 +151,45 @@ def test_a_near_tie_is_broken_by_the_stronger_proof(monkeypatch: pytest.MonkeyPa
         answer = auto.solve(p, budget, 30.0)
         assert answer.solver == winner  # beyond a near tie, recompute time decides
         assert (answer.gap == 0.0) == (winner == "auto/dp")
+
+
+def test_the_dps_space_holds_no_segment_across_a_long_skip() -> None:
+    """Without module spans a storage read far on is detached, and no DP segment holds its
+    producer and a far reader (`_stop_limits`): a region across one, though it starts and
+    stops at the chain's stages, is not in the space, so CP-SAT's candidates that include
+    it are not the DP's to prove."""
+    from solvers.chain import long_skips, pinned_storages
+    from solvers.testing import random_dag
+
+    p = random_dag(30, seed=0)
+    skips, stages = long_skips(p, pinned_storages(p))
+    assert skips and {0, 17} <= {a for a, _ in stages}  # both ends at the chain's stages
+    assert p.emittable(0, 17) and dp.holds_regions(p, [(0, 7, frozenset()), (7, 17, frozenset())])
+    assert not dp.holds_regions(p, [(0, 17, frozenset())])
+
+
+def test_a_proof_over_module_calls_alone_outlives_a_near_tie_without_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (T5 at 80 %): the DP over module calls alone proved 0.21290 ms; over op
+    ranges CP-SAT then found another schedule 1e-15 ms faster with no bound, and the
+    answer carried a gap of 100 %: the first answer's proof was not among those weighed."""
+    from solvers.testing import transformer
+
+    p = transformer(4, 1)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    budget = (every + store) // 2
+    first = dp.solve(p, budget, 30.0)
+    assert first.status == Status.OPTIMAL
+    first = first.model_copy(update={"solver": "auto/dp"})
+    unproven = first.model_copy(update={"solver": "dp", "bound_ms": None, "gap": None,
+                                        "status": Status.FEASIBLE, "space": None,
+                                        "objective_ms": first.objective_ms * 1.5})
+    near_tie = first.model_copy(update={
+        "solver": "cpsat", "bound_ms": 0.0, "gap": 1.0, "status": Status.FEASIBLE,
+        "space": every_flat(p), "objective_ms": first.objective_ms * (1 - 1e-15),
+        "schedule": Schedule.store_all(p.n_nodes)})
+    monkeypatch.setattr(auto.cpsat, "solve", lambda *a, **k: near_tie)
+    answer, _ = auto._solve(p, budget, 30.0, given=[first], dp_answer=unproven)
+    assert answer.status == Status.OPTIMAL and answer.gap == 0.0
+    assert answer.schedule == first.schedule and str(answer.space) == str(first.space)
