@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite cut to fit one short device lease (about 8 minutes of one call): our offload
+# The GPU suite cut to fit one short device lease (about 8 minutes of one call): where the
+# GPU's peaks and the simulator's differ (gpu_peak_gaps.py, 30 s); our offload
 # plans at the H100 anchors against offloading every block and save_on_cpu (peaks of the
 # first and of a second step); offload plans run twice each (offload_release_check.py: the
 # same peak on every run); the fp32 frontier of GPT-2-medium against the hand-written peers
@@ -33,6 +34,9 @@ part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at 
   echo "== lease part $name exit $? at $(date +%T)"
 }
 
+echo "== lease part peak gaps (timeout 90 s) at $(date +%T)"
+timeout 90 python3 benchmarks/gpu_peak_gaps.py --out "$R"
+echo "== lease part peak gaps exit $? at $(date +%T)"
 part offload 180 --time-limit 140 --solve-time-limit 15
 echo "== lease part release check (timeout 150 s) at $(date +%T)"
 timeout 150 python3 benchmarks/offload_release_check.py --out "$R" --solve-time-limit 20

@@ -118,3 +118,18 @@ def test_offload_part_measures_our_offload_plans(suite_run: tuple[Path, dict[str
     # on the CPU the hooks copy synchronously, as the plan (timed for the CPU) predicts
     assert all(r["peak_bytes"] == r["predicted_peak_bytes"] <= r["budget_bytes"] for r in ours)
     assert any(r["label"].startswith("save_on_cpu") for r in measured)
+
+
+def test_peak_gaps_part_runs_on_the_cpu_where_the_simulator_is_exact(tmp_path: Path) -> None:
+    """benchmarks/gpu_peak_gaps.py (the lease's first part) on the CPU at a small size: its
+    files are written, and the unplanned step, first and second, peaks where the simulator
+    says (the CPU's `PeakTracker` counts the loss target the step reads, as it does)."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_peak_gaps_bench", SUITE.parent / "gpu_peak_gaps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--device", "cpu", "--size", "small", "--batch", "2",
+                          "--out", str(tmp_path)])
+    assert result["gap_unplanned_first"] == 0 and result["gap_unplanned_second"] == 0
+    assert (tmp_path / "gpu-peak-gaps-cpu.md").read_text().startswith("# Where the GPU")
+    assert json.loads((tmp_path / "gpu-peak-gaps-cpu.json").read_text())["batch"] == 2
