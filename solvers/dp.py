@@ -196,6 +196,7 @@ class _Layout(NamedTuple):
     holds: tuple[PinnedHold, ...] = ()
     one_stage: frozenset[int] = frozenset()
     bound_table: np.ndarray | None = None  # `lower_table` cut for `one_stage` (`cut_table`)
+    calls_first: bool = True  # the chain over module calls (`chain.chain_stages`)
 
     @property
     def outside(self) -> frozenset[int]:
@@ -212,7 +213,7 @@ def _layout(ctx: Context, keep_front: bool = True, calls_first: bool = True) -> 
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
                    _stop_limits(problem, st, skips), keep_front,
                    () if tiny else tuple(pinned_holds(problem, st, pinned)),
-                   frozenset(one_stage), cut_table(ctx, low, st, one_stage))
+                   frozenset(one_stage), cut_table(ctx, low, st, one_stage), calls_first)
 
 
 def _other_chain_differs(ctx: Context, lay: _Layout) -> bool:
@@ -662,7 +663,7 @@ def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]
 def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:
     return chain_segments(problem, nested=nested, any_keep=problem.n_nodes <= SUBSET_MAX_NODES,
                           long_skips=len(lay.skips), long_skip_nodes=chain.LONG_SKIP_NODES,
-                          stage_keep=lay.keep_front)
+                          stage_keep=lay.keep_front, calls_chain=lay.calls_first)
 
 
 def _same_ms(a: float, b: float) -> bool:
