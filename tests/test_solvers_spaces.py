@@ -113,16 +113,23 @@ def test_membership_follows_cuts_keeps_and_nesting() -> None:
     assert not every_flat(p).contains(p, nested)
 
 
-def test_a_bound_holds_for_the_same_schedule_found_by_another_solver() -> None:
-    """Regression (DenseNet-121 at its least peak + 10 %): CP-SAT and the DP returned the same
-    schedule; auto took CP-SAT's copy and reported CP-SAT's bound (gap 100 %), not the DP's
-    bound over a space that holds that very schedule (gap 10.7 %)."""
+def _halfway_transformer() -> tuple[Problem, int]:
+    """Four transformer blocks, and a budget halfway between every block checkpointed and
+    nothing (the DP proves its answer there)."""
     from solvers.testing import transformer
 
     p = transformer(4, 1)
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
-    by_dp = dp.solve(p, (every + store) // 2, 30.0)
+    return p, (every + store) // 2
+
+
+def test_a_bound_holds_for_the_same_schedule_found_by_another_solver() -> None:
+    """Regression (DenseNet-121 at its least peak + 10 %): CP-SAT and the DP returned the same
+    schedule; auto took CP-SAT's copy and reported CP-SAT's bound (gap 100 %), not the DP's
+    bound over a space that holds that very schedule (gap 10.7 %)."""
+    p, budget = _halfway_transformer()
+    by_dp = dp.solve(p, budget, 30.0)
     assert by_dp.feasible and by_dp.bound_ms and by_dp.bound_ms > 0
     same = by_dp.model_copy(update={"solver": "cpsat", "bound_ms": 0.0, "gap": 1.0,
                                     "status": Status.FEASIBLE, "space": every_flat(p)})
@@ -135,12 +142,7 @@ def test_a_near_tie_is_broken_by_the_stronger_proof(monkeypatch: pytest.MonkeyPa
     """Regression (DenseNet-121 at its least peak): CP-SAT's 2.853 ms came with a gap of
     65 % over its space, the DP's 2.854 ms with 17 % over its own; the answer 0.035 %
     faster won and the user was told far less."""
-    from solvers.testing import transformer
-
-    p = transformer(4, 1)
-    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
-    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
-    budget = (every + store) // 2
+    p, budget = _halfway_transformer()
     by_dp = dp.solve(p, budget, 30.0)
     assert by_dp.status == Status.OPTIMAL
     # where CP-SAT's space is one the DP's holds, a proven DP answer is final (CP-SAT does
@@ -178,12 +180,7 @@ def test_a_proof_over_module_calls_alone_outlives_a_near_tie_without_one(
     """Regression (T5 at 80 %): the DP over module calls alone proved 0.21290 ms; over op
     ranges CP-SAT then found another schedule 1e-15 ms faster with no bound, and the
     answer carried a gap of 100 %: the first answer's proof was not among those weighed."""
-    from solvers.testing import transformer
-
-    p = transformer(4, 1)
-    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
-    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
-    budget = (every + store) // 2
+    p, budget = _halfway_transformer()
     first = dp.solve(p, budget, 30.0)
     assert first.status == Status.OPTIMAL
     first = first.model_copy(update={"solver": "auto/dp"})
