@@ -19,7 +19,10 @@ container's call or its op ranges: most of the model). So every schedule either 
 that long or recomputes at least `cover_ms`: for any `floor_ms`, the lower-bound pass with
 the longer life counted for every storage whose `cover_ms` is at least `floor_ms`
 (`held_table`) bounds every schedule below `floor_ms`, and the optimum is at least the
-smaller of that pass's bound and `floor_ms`.
+smaller of that pass's bound and `floor_ms`. Where the first such `j` is cheap to cover
+(RegNet's stem: its ReLU saves the batch norm's output, both in a 0.01 ms call), a later
+saver whose cover is not still holds `s` to its own backward (`sure_holds`): covers only
+grow with the saver, so the first saver at or above `floor_ms` is the one counted.
 
 Where `cover_ms` is below the answer (BERT's attention mask: rerunning the whole encoder
 keeping its matmuls costs 0.26 ms of a 0.80 ms answer), the schedules are split instead
@@ -64,6 +67,7 @@ class PinnedHold(NamedTuple):
     holder: int
     nbytes: int
     cover_ms: float
+    later: tuple[tuple[int, float], ...] = ()  # the savers after `holder`, each with its cover
 
 
 def pinned_holds(problem: Problem, stages: list[tuple[int, int]],
@@ -75,10 +79,12 @@ def pinned_holds(problem: Problem, stages: list[tuple[int, int]],
     cover = _CoverCost(problem)
     for s in sorted(pinned):
         prod = problem.storage_producer[s]
-        holder = next((j for j in problem.consumers[s] if stage_of[j] > stage_of[prod]
-                       and s in problem.saved[j]), None)
-        if holder is not None:
-            out.append(PinnedHold(s, holder, problem.storage_bytes[s], cover(prod, holder)))
+        savers = [j for j in problem.consumers[s] if stage_of[j] > stage_of[prod]
+                  and s in problem.saved[j]]
+        if savers:
+            out.append(PinnedHold(s, savers[0], problem.storage_bytes[s],
+                                  cover(prod, savers[0]),
+                                  tuple((j, cover(prod, j)) for j in savers[1:])))
     return out
 
 
@@ -116,8 +122,18 @@ class _CoverCost:
 
 def sure_holds(holds: Sequence[PinnedHold], floor_ms: float) -> list[PinnedHold]:
     """The holds that bound every schedule faster than `floor_ms`: only a region rerunning
-    at least that long could free their storages early."""
-    return [h for h in holds if h.cover_ms >= floor_ms]
+    at least that long could free their storages early. Where a region rerunning less could
+    free a storage from its first holder, a later saver that no such region holds still
+    holds it to its own backward (covers grow with the saver)."""
+    out = []
+    for h in holds:
+        if h.cover_ms >= floor_ms:
+            out.append(h)
+            continue
+        saver = next(((j, c) for j, c in h.later if c >= floor_ms), None)
+        if saver is not None:
+            out.append(PinnedHold(h.storage, saver[0], h.nbytes, saver[1]))
+    return out
 
 
 class Cover(NamedTuple):
@@ -149,7 +165,7 @@ def bound_over_holds(run: HeldRun, problem: Problem, stages: list[tuple[int, int
     the floor, then, while a gap is left, `split_bound` over the others."""
     sure = sure_holds(holds, floor_ms)
     lower, rounded, relaxed = run(sure, ())
-    cheap = [h for h in holds if h not in sure]
+    cheap = [h for h in holds if h.cover_ms < floor_ms]
     if cheap and lower < floor_ms:
         try:
             split = split_bound(run, problem, stages, sure, cheap, lower)
@@ -195,7 +211,9 @@ def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
             break
         earlier = range(len(groups)) if len(groups) <= EVERY_SPLIT_GROUPS or not case \
             else range(case[0])  # the ordered split holds the groups before its one
-        held = sure + [h for i in earlier if i not in case for h in groups[i][1]]
+        first = [h for i in earlier if i not in case for h in groups[i][1]]
+        longer = {h.storage for h in first}  # held from their first holder: drop the later
+        held = [h for h in sure if h.storage not in longer] + first
         found, thinned, through = run(held, tuple(covers[i] for i in case))
         rounded |= thinned
         if found < lower:
