@@ -166,6 +166,9 @@ def bound_over_holds(run: HeldRun, problem: Problem, stages: list[tuple[int, int
     sure = sure_holds(holds, floor_ms)
     lower, rounded, relaxed = run(sure, ())
     cheap = [h for h in holds if h.cover_ms < floor_ms]
+    levels = [level for h in cheap for level in _cheap_levels(h, floor_ms)]
+    if len(_groups(problem, stages, levels)) <= EVERY_SPLIT_GROUPS:
+        cheap = levels
     if cheap and lower < floor_ms:
         try:
             split = split_bound(run, problem, stages, sure, cheap, lower)
@@ -174,6 +177,27 @@ def bound_over_holds(run: HeldRun, problem: Problem, stages: list[tuple[int, int
         if split is not None and split[0] > lower:
             lower, rounded, relaxed = split
     return (min(lower, floor_ms) if sure else lower), rounded, relaxed
+
+
+def _cheap_levels(hold: PinnedHold, floor_ms: float) -> list[PinnedHold]:
+    """`hold` and each later saver of its storage whose cover is dearer than the one
+    before and still below `floor_ms`: covering one saver leaves the later ones holding."""
+    out = [hold]
+    for saver, cover_ms in hold.later:
+        if out[-1].cover_ms < cover_ms < floor_ms:
+            out.append(PinnedHold(hold.storage, saver, hold.nbytes, cover_ms))
+    return out
+
+
+def _groups(problem: Problem, stages: list[tuple[int, int]], cheap: Sequence[PinnedHold]
+            ) -> list[tuple[tuple[int, int], list[PinnedHold]]]:
+    """`cheap` grouped by the stages of their producer and holder, costliest cover first."""
+    stage_of = stage_index(problem, stages)
+    by_stages: dict[tuple[int, int], list[PinnedHold]] = {}
+    for h in cheap:
+        key = (stage_of[problem.storage_producer[h.storage]], stage_of[h.holder])
+        by_stages.setdefault(key, []).append(h)
+    return sorted(by_stages.items(), key=lambda g: -max(h.cover_ms for h in g[1]))
 
 
 def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
@@ -186,18 +210,15 @@ def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
     exactly one set of groups and holds the storages of the others: a pass per set. Beyond,
     costliest cover first, a schedule has none (and holds every cheap storage) or one for
     a first group i (and holds the storages of the groups before it): a pass per group.
-    The least of those passes, stopping once they cannot beat `beat`.
+    The least of those passes, stopping once they cannot beat `beat`. `cheap` may hold a
+    storage more than once, from each of its savers (`_cheap_levels`): a pass counts it
+    from the first of them its schedules leave holding it.
 
     BERT at 30 %: the attention mask every layer saves, freed early only by rerunning the
     whole encoder with its matmuls kept (0.26 ms, under the 0.80 ms answer), bounded the
     answer at 0.69 ms counted to its last forward reader; no schedule that fits reruns it.
     """
-    stage_of = stage_index(problem, stages)
-    by_stages: dict[tuple[int, int], list[PinnedHold]] = {}
-    for h in cheap:
-        key = (stage_of[problem.storage_producer[h.storage]], stage_of[h.holder])
-        by_stages.setdefault(key, []).append(h)
-    groups = sorted(by_stages.items(), key=lambda g: -max(h.cover_ms for h in g[1]))
+    groups = _groups(problem, stages, cheap)
     covers = [Cover(first, last, max(problem.storage_producer[h.storage] for h in hs),
                     min(h.holder for h in hs)) for (first, last), hs in groups]
     if len(groups) <= EVERY_SPLIT_GROUPS:
@@ -211,9 +232,11 @@ def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
             break
         earlier = range(len(groups)) if len(groups) <= EVERY_SPLIT_GROUPS or not case \
             else range(case[0])  # the ordered split holds the groups before its one
-        first = [h for i in earlier if i not in case for h in groups[i][1]]
-        longer = {h.storage for h in first}  # held from their first holder: drop the later
-        held = [h for h in sure if h.storage not in longer] + first
+        first: dict[int, PinnedHold] = {}  # per storage, its first holder left holding it
+        for h in (h for i in earlier if i not in case for h in groups[i][1]):
+            if h.storage not in first or h.holder < first[h.storage].holder:
+                first[h.storage] = h
+        held = [h for h in sure if h.storage not in first] + list(first.values())
         found, thinned, through = run(held, tuple(covers[i] for i in case))
         rounded |= thinned
         if found < lower:
