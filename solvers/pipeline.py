@@ -82,7 +82,9 @@ class StageSpec(BaseModel):
             raise ValueError(
                 f"{schedule} is not planned yet: it splits each backward into the input's "
                 "gradient and, later, the weights' (what a stage keeps between the two is "
-                "not profiled). Plan with GPipe, 1F1B or Interleaved1F1B")
+                "not profiled, and torch reruns a checkpointed region once more for each "
+                "parameter group in it when the weights' pass runs). Plan with GPipe, "
+                "1F1B or Interleaved1F1B")
         return fields
 
     @model_validator(mode="after")
