@@ -81,12 +81,18 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # the smaller space, finds none over op ranges in the time either (Llama, 8 layers:
     # 6 s each, no bound); where it bounded something it runs again (conformance: 10 of
     # its proofs come from the op-range pass)
+    no_bound = first.feasible and (first.gap is None or first.gap >= 1.0)
     best, _ = _solve(problem, budget_bytes, left, given=[first], after_a_gap=not unbounded,
-                     dp_answer=proven)
+                     dp_answer=proven, dp_share=NO_BOUND_DP_SHARE if no_bound else None)
     return best.model_copy(update={"solve_time_s": time.perf_counter() - t0})
 
 
 CALLS_FIRST = 0.4
+# where CP-SAT found no bound over module calls, the DP over op ranges gets this share of
+# what is left (not 0.3): CP-SAT rarely bounds the larger space then, and the DP needs the
+# time (DeepLabV3 under bf16: 0.367 ms where CP-SAT answered 0.56 with no bound; MobileNetV3
+# under bf16 proven optimal where CP-SAT's answers had none)
+NO_BOUND_DP_SHARE = 0.7
 # graphs larger than this go straight to the DP over op ranges, which gets most of the time:
 # on a 126-layer Llama (9,372 nodes) solving module calls first took 23 of the 60 s and the
 # gap stayed at 3.1 % (0.2 % without); below it, module calls first still answer better on
@@ -99,7 +105,8 @@ AFTER_A_GAP_MAX_S = 6.0  # and at most this: the proofs it finds come in 1 to 5 
 
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
            given: Sequence[Solution] = (), after_a_gap: bool = True,
-           dp_answer: Solution | None = None) -> tuple[Solution, bool]:
+           dp_answer: Solution | None = None, dp_share: float | None = None
+           ) -> tuple[Solution, bool]:
     """`solve` over ``problem``'s own regions; ``given``: answers found otherwise (kept
     with their own proofs), one of which may warm-start CP-SAT; ``after_a_gap``: CP-SAT
     may follow a DP answer with a gap on a mid-size graph; ``dp_answer``: the DP's proven
@@ -123,6 +130,7 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     share = (0.5 if dp.applies(problem) else 0.3) if use_cpsat else 1.0
     if problem.n_nodes > LARGE_GRAPH_NODES:
         share = max(share, LARGE_GRAPH_DP_SHARE)
+    share = max(share, dp_share or 0.0)
     d = dp_answer or dp.solve(problem, budget_bytes, left * share)
     exact.append(d)
     left = time_limit_s - reserve - (time.perf_counter() - t0)
