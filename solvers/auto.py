@@ -111,8 +111,7 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     with their own proofs), one of which may warm-start CP-SAT; ``after_a_gap``: CP-SAT
     may follow a DP answer with a gap on a mid-size graph; ``dp_answer``: the DP's proven
     answer on this problem, if it ran already; ``dp_share``: at least this share of the
-    time for the DP. Also returns whether CP-SAT ran there and
-    found no bound."""
+    time for the DP. Also returns whether CP-SAT ran there and found no bound."""
     t0 = time.perf_counter()
     exact: list[Solution] = []
     # baselines first: on very large graphs they take seconds, and the exact solvers get
