@@ -117,11 +117,15 @@ from solvers.dp_options import (
 from solvers.dp_pinned import (
     Cover,
     PinnedHold,
+    ReaderHold,
     bound_over_holds,
     cut_table,
     held_table,
     one_stage_holders,
     pinned_holds,
+    reader_holds,
+    reader_split_bound,
+    reader_table,
     sure_holds,
 )
 from solvers.front import Front
@@ -197,6 +201,7 @@ class _Layout(NamedTuple):
     one_stage: frozenset[int] = frozenset()
     bound_table: np.ndarray | None = None  # `lower_table` cut for `one_stage` (`cut_table`)
     calls_first: bool = True  # the chain over module calls (`chain.chain_stages`)
+    readers: tuple[ReaderHold, ...] = ()  # pinned storages only reading regions hold
 
     @property
     def outside(self) -> frozenset[int]:
@@ -210,10 +215,13 @@ def _layout(ctx: Context, keep_front: bool = True, calls_first: bool = True) -> 
     up, low = _pin_tables(ctx, pinned, skips)
     tiny = problem.n_nodes <= SUBSET_MAX_NODES  # segments keep any set
     one_stage = {} if tiny else one_stage_holders(ctx, st, pinned)
+    holds = () if tiny else tuple(pinned_holds(problem, st, pinned))
+    readers = () if tiny else tuple(reader_holds(
+        problem, st, pinned, frozenset(one_stage) | {h.storage for h in holds}))
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
-                   _stop_limits(problem, st, skips), keep_front,
-                   () if tiny else tuple(pinned_holds(problem, st, pinned)),
-                   frozenset(one_stage), cut_table(ctx, low, st, one_stage), calls_first)
+                   _stop_limits(problem, st, skips), keep_front, holds,
+                   frozenset(one_stage), cut_table(ctx, low, st, one_stage), calls_first,
+                   readers)
 
 
 def _other_chain_differs(ctx: Context, lay: _Layout) -> bool:
@@ -331,7 +339,8 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
          deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False,
          table: np.ndarray | None = None, charged: frozenset[int] = frozenset(),
          held_on: frozenset[int] = frozenset(), local: frozenset[int] = frozenset(),
-         covers: tuple[Cover, ...] = ()) -> _PassResult:
+         covers: tuple[Cover, ...] = (), left_out: tuple[ReaderHold, ...] = ()
+         ) -> _PassResult:
     """One DP pass (`_PassResult`).
 
     Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
@@ -348,10 +357,11 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
     `local`: storages left out that the windows count as their own (`table` leaves them
     out: the segment holding all their nodes counts them exactly); `covers`: no segment
     ends between the stages of any, and in the lower-bound pass the one holding them has a
-    region that covers it.
+    region that covers it; `left_out`: the lower-bound pass leaves out the options that
+    hold any of these storages after the forward (`ReaderHold.held_by`).
     """
     return _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
-                 sure_lives, table, (charged, held_on, local), covers).run()
+                 sure_lives, table, (charged, held_on, local), covers, left_out).run()
 
 
 def _stage_signatures(ctx: Context, st: list[tuple[int, int]], outside: frozenset[int]
@@ -372,7 +382,8 @@ class _Pass:
                  optimistic: bool, deadline: float, cache: dict, max_span: int,
                  sure_lives: bool, table: np.ndarray | None = None,
                  counted: tuple[frozenset[int], ...] = (frozenset(),) * 3,
-                 covers: tuple[Cover, ...] = ()) -> None:
+                 covers: tuple[Cover, ...] = (), left_out: tuple[ReaderHold, ...] = ()
+                 ) -> None:
         p = self.p = ctx.p
         self.ctx, self.lay, self.limit, self.max_front = ctx, lay, limit, max_front
         self.optimistic, self.deadline, self.cache, self.max_span = (optimistic, deadline,
@@ -383,6 +394,7 @@ class _Pass:
             self.table = table
         self.charged, self.held_on, self.local = counted
         self.skip, self.covers = self.outside - self.charged - self.local, covers
+        self.left_out = left_out if optimistic else ()
         m = self.m = len(self.st)
         # relaxed windows up to `tight` stages count every kept output in their residue;
         # longer ones, up to 2 * tight + 1 stages, leave the unsaved ones out so that any
@@ -601,7 +613,8 @@ class _Pass:
         straddled = [c for c in self.covers if t <= c.first < u] if self.optimistic else []
         for oi, (parts, out_rel, reruns, spec, saved_ms) in enumerate(
                 self._profiles(t, u, held_rel, flat, nested)):
-            if not all(c.by(spec, a) for c in straddled):
+            if not all(c.by(spec, a) for c in straddled) or any(
+                    h.held_by(spec, a) for h in self.left_out):
                 continue
             peak = parts.peak(self.ctx, a, self.table)
             # recompute time by position (the window's structure is shared)
@@ -791,14 +804,17 @@ def _lower_pass(ctx: Context, lay: _Layout, limit: int, max_front: int, deadline
 
 
 def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadline: float,
-                 cache: dict, span: int, floor: float) -> tuple[float, bool, bool]:
+                 cache: dict, span: int, floor: float, readers_only: bool = False
+                 ) -> tuple[float, bool, bool]:
     """Lower-bound passes that also count where each window holds the pinned storages
     after the forward, and split the schedules by the holds whose cover is cheaper than
     `floor` (`dp_pinned.bound_over_holds`); and, where some pinned storages only one
     stage can hold (`dp_pinned.one_stage_holders`), the same counting those in that
-    stage's residue instead. The higher bound (inf: nothing fits). Their windows are
-    profiled anew (they count more than the upper passes' do), so `_passes` runs them
-    last, in the time left.
+    stage's residue instead. Where pinned storages are held only by regions reading them,
+    `_reader_bound`'s split first (its passes reuse the lower pass's windows). The highest
+    bound (inf: nothing fits; -inf: none came in the time). The other windows are profiled
+    anew (they count more than the upper passes' do), so `_passes` runs these last, in the
+    time left (`readers_only`: not at all).
     """
     def counting(table: np.ndarray, held_on: frozenset[int]) -> Callable:
         def run(holds: list[PinnedHold], covers: tuple[Cover, ...] = ()
@@ -811,15 +827,44 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
             return (math.inf if found is None else found[0]), rounded, relaxed
         return run
 
-    found = bound_over_holds(counting(lay.lower_table, frozenset()), ctx.p, lay.stages,
-                             lay.holds, floor)
-    if lay.one_stage and found[0] < floor:
-        holds = [h for h in lay.holds if h.storage not in lay.one_stage]
-        other = bound_over_holds(counting(lay.bound_table, lay.one_stage), ctx.p,
-                                 lay.stages, holds, floor)
+    found = (-math.inf, False, False)
+    if lay.readers:
+        found = (_reader_bound(ctx, lay, limit, max_front, deadline, cache, span, floor),
+                 False, False)
+    others = [] if readers_only else [(lay.lower_table, frozenset(), lay.holds)]
+    if lay.one_stage and not readers_only:
+        others.append((lay.bound_table, lay.one_stage,
+                       [h for h in lay.holds if h.storage not in lay.one_stage]))
+    for table, held_on, holds in others:
+        if found[0] >= floor:
+            break
+        try:
+            other = bound_over_holds(counting(table, held_on), ctx.p, lay.stages, holds, floor)
+        except TimeoutError:
+            if found[0] == -math.inf:
+                raise
+            break
         if other[0] > found[0]:
             found = other
     return found
+
+
+def _reader_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadline: float,
+                  cache: dict, span: int, floor: float) -> float:
+    """`dp_pinned.reader_split_bound` over `lay.readers`, each pass counting the holds
+    sure below `floor` as `_lower_pass` does (so the optimum is at least the smaller of
+    the bound and `floor` where one counted)."""
+    sure = sure_holds(lay.holds, floor)
+    base = held_table(ctx.p, lay.lower_table, ctx.last_read, sure)
+
+    def run(held: tuple[ReaderHold, ...], left_out: tuple[ReaderHold, ...]) -> float:
+        found = _run(ctx, lay, limit, max_front, True, deadline, cache, span,
+                     table=reader_table(ctx.p, base, ctx.last_read, held),
+                     left_out=left_out)[0]
+        return math.inf if found is None else found[0]
+
+    lower = reader_split_bound(run, lay.readers, floor)
+    return min(lower, floor) if sure else lower
 
 
 def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans: list[int],
@@ -857,6 +902,9 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
                                   t0, proof)
         if lay.pinned and proof.best is not None and not proof.proven:
             _raise_bound(ctx, lay, budget_bytes, max_front, deadline, cache, span, proof)
+        if lay.readers and not proof.proven and time.perf_counter() < deadline:
+            _covered_upper_passes(ctx, lay, budget_bytes, max_front, deadline, cache, span,
+                                  t0, proof, readers=True)
         if proof.best is not None:
             logger.debug("dp: segments of <= %d stages, fronts of <= %d: %.3f ms, lower bound "
                          "%.3f ms%s", span, max_front, proof.best.objective_ms, proof.bound,
@@ -871,12 +919,13 @@ def _raise_bound(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
     graphs over `FINER_MAX_NODES` nodes only where it splits or counts a residue: its
     counting alone raised no bound there (80-layer Llama: 5 s more, the same gap)."""
     best = proof.best.objective_ms if proof.best is not None else math.inf
-    if ctx.n > FINER_MAX_NODES and not lay.one_stage and all(
-            h.cover_ms >= best for h in lay.holds):
+    counting_raises_nothing = ctx.n > FINER_MAX_NODES and not lay.one_stage and all(
+        h.cover_ms >= best for h in lay.holds)
+    if counting_raises_nothing and not lay.readers:
         return
     try:
         finer = _finer_bound(ctx, lay, budget_bytes - ctx.p.static_bytes, max_front, deadline,
-                             cache, span, best)
+                             cache, span, best, readers_only=counting_raises_nothing)
     except TimeoutError:
         return
     if min(finer[0], best) > proof.bound:
@@ -887,12 +936,15 @@ def _raise_bound(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
 
 def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
                           deadline: float, cache: dict, span: int, t0: float,
-                          proof: _Proof) -> None:
+                          proof: _Proof, readers: bool = False) -> None:
     """Upper passes over the schedules whose segments keep together all the nodes of a
     pinned storage that a region rerunning less than the answer could free (a hold's),
     so that the segment holding them counts it exactly (`local`), not by its conservative
     life: the three-block rotary model with a 300 MiB table answered 5.17 ms where
-    rerunning every block together keeping the matmuls costs 1.42 ms and fits."""
+    rerunning every block together keeping the matmuls costs 1.42 ms and fits. `readers`:
+    the same over the stages of the storages only reading regions hold (`lay.readers`),
+    the widest spans only (one per DenseNet block: a segment holding it holds those
+    inside)."""
     p = ctx.p
     floor = proof.best.objective_ms if proof.best is not None else math.inf
     stage_of = stage_index(p, lay.stages)
@@ -900,7 +952,13 @@ def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_fro
     def stages_of(s: int) -> tuple[int, int]:
         return stage_of[p.storage_producer[s]], stage_of[ctx.last_read[s]]
 
-    for first, last in sorted({stages_of(h.storage) for h in lay.holds if h.cover_ms < floor}):
+    if readers:
+        read = {stages_of(h.storage) for h in lay.readers}
+        spans = {(a, b) for a, b in read
+                 if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in read)}
+    else:
+        spans = {stages_of(h.storage) for h in lay.holds if h.cover_ms < floor}
+    for first, last in sorted(spans):
         local = frozenset(s for s in lay.pinned
                           if first <= stages_of(s)[0] and stages_of(s)[1] <= last)
         table = lay.upper_table.copy()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from solvers import dp
+from solvers import dp_pinned as dpp
 from solvers.accounting import Context
 from solvers.problem import ModuleSpan, Problem
 from solvers.result import Solution, Status
@@ -187,3 +188,61 @@ def test_a_later_saver_holds_the_table_when_only_the_first_is_cheap_to_cover() -
             budget, best, sol.objective_ms, sol.bound_ms)
         answers += best > hold.cover_ms
     assert answers == 12
+
+
+def _reader_model(table_mib: int) -> Problem:
+    """`_rotary_model` whose blocks read the table and save none of it (DenseNet's
+    features, which later concatenations read): after the forward only a recomputed block
+    (or `body`'s rerun) holds it, as its checkpoint's input."""
+    data = _rotary_model(table_mib).model_dump()
+    data["node_saved"] = [[s for s in saved if s != 0] for saved in data["node_saved"]]
+    return Problem.model_validate(data)
+
+
+def test_a_storage_only_reading_regions_hold_is_split_on_and_the_bound_holds() -> None:
+    """The bound branches on whether a region holds the table (counted held to the last
+    block's backward) or none does (options holding it left out),
+    `dp_pinned.reader_split_bound`. At every budget it stays at most the enumerated best;
+    the four answers from 5.17 to 13.17 ms are proven (before, counted to its last forward
+    reader only, their bounds were 0.78-5.17 ms and none was)."""
+    p = _reader_model(300)
+    lay = dp._layout(Context(p))
+    assert not lay.holds and [h.storage for h in lay.readers] == [0]
+    proven = 0
+    for best, sol in _at_every_budget(p):
+        if not sol.feasible:
+            continue
+        assert sol.bound_ms is not None and sol.bound_ms <= best + 1e-9, (sol, best)
+        if sol.status == Status.OPTIMAL:
+            assert abs(sol.objective_ms - best) <= 1e-9, (sol.objective_ms, best)
+            proven += best > 0
+    assert proven >= 4
+
+
+def test_the_reader_split_never_bounds_above_the_best_schedule() -> None:
+    """`reader_split_bound` over storages on a line of nodes, where a schedule is a set of
+    regions and holds a storage when a region starting after its producer holds one of
+    its readers; each pass answers its branch exactly (the least cost of the schedules in
+    it). Whichever set of held storages the cheapest schedule has, the bound is at most
+    its cost, under every `beat`, and with passes to spare equal to it: a branch that
+    ruled out a schedule it holds (a wrong implication) would bound above it. The first
+    storages nest as DenseNet's features (each read by every later reader); the last is
+    read once."""
+    readers = [dpp.ReaderHold(s, producer=2 * s, readers=tuple(range(2 * s + 1, 9)), nbytes=1)
+               for s in range(4)]
+    readers.append(dpp.ReaderHold(4, producer=3, readers=(4,), nbytes=1))
+    intervals = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    reachable = {frozenset(h.storage for h in readers
+                           if any(h.producer < a and any(a <= r < b for r in h.readers)
+                                  for a, b in chosen))
+                 for k in range(4) for chosen in itertools.combinations(intervals, k)}
+    assert len(reachable) >= 8
+    for cheapest in reachable:
+        def run(held: tuple, left_out: tuple, cheapest: frozenset[int] = cheapest) -> float:
+            return min((1.0 if s == cheapest else 2.0 for s in reachable
+                        if {h.storage for h in held} <= s
+                        and not s & {h.storage for h in left_out}), default=math.inf)
+
+        for beat in (0.5, 1.5, math.inf):
+            assert dpp.reader_split_bound(run, readers, beat) <= 1.0, (cheapest, beat)
+        assert dpp.reader_split_bound(run, readers, math.inf) == 1.0
