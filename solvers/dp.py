@@ -125,7 +125,6 @@ from solvers.dp_pinned import (
     pinned_holds,
     reader_holds,
     reader_split_bound,
-    reader_table,
     sure_holds,
 )
 from solvers.front import Front
@@ -859,7 +858,7 @@ def _reader_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadli
 
     def run(held: tuple[ReaderHold, ...], left_out: tuple[ReaderHold, ...]) -> float:
         found = _run(ctx, lay, limit, max_front, True, deadline, cache, span,
-                     table=reader_table(ctx.p, base, ctx.last_read, held),
+                     table=held_table(ctx.p, base, ctx.last_read, [h.as_hold() for h in held]),
                      left_out=left_out)[0]
         return math.inf if found is None else found[0]
 

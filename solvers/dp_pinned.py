@@ -68,7 +68,7 @@ from solvers.problem import Problem
 
 __all__ = ["Cover", "PinnedHold", "ReaderHold", "bound_over_holds", "cut_table", "held_table",
            "one_stage_holders", "pinned_holds", "reader_holds", "reader_split_bound",
-           "reader_table", "split_bound", "sure_holds"]
+           "split_bound", "sure_holds"]
 
 
 class PinnedHold(NamedTuple):
@@ -325,6 +325,12 @@ class ReaderHold(NamedTuple):
         return any(a + rx > self.producer and any(a + rx <= r < a + ry for r in self.readers)
                    for rx, ry, _, _ in spec)
 
+    def as_hold(self) -> PinnedHold:
+        """Where a region holds it: live as `held_table` counts a hold, through the end of
+        the forward and at the reruns and backward events of every node after its last
+        reader (the region's backward comes after those)."""
+        return PinnedHold(self.storage, max(self.readers) + 1, self.nbytes, math.inf)
+
 
 def reader_holds(problem: Problem, stages: list[tuple[int, int]], pinned: frozenset[int],
                  exclude: frozenset[int]) -> list[ReaderHold]:
@@ -339,20 +345,6 @@ def reader_holds(problem: Problem, stages: list[tuple[int, int]], pinned: frozen
                         if problem.recomputable[r] and stage_of[r] > stage_of[prod])
         if readers and problem.storage_bytes[s]:
             out.append(ReaderHold(s, prod, readers, problem.storage_bytes[s]))
-    return out
-
-
-def reader_table(problem: Problem, table: np.ndarray, last_read: tuple[int, ...],
-                 held: Sequence[ReaderHold]) -> np.ndarray:
-    """`table` (each storage live to its last forward reader) with each of `held` also
-    live through the end of the forward and at the reruns and backward events of every
-    node after its last reader."""
-    n = problem.n_nodes
-    out = table.copy()
-    for h in held:
-        out[table_slice(n, FORWARD, last_read[h.storage] + 1, n)] += h.nbytes
-        out[table_slice(n, RERUN, max(h.readers) + 1, n)] += h.nbytes
-        out[table_slice(n, BACKWARD, max(h.readers) + 1, n)] += h.nbytes
     return out
 
 
