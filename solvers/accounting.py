@@ -179,6 +179,7 @@ class WindowParts:
     residue_bytes: int
     held_out: frozenset[int]
     time_ms: float
+    by_position_bytes: int = 0  # of `residue_bytes`: `profile_parts`' `by_position` storages
 
     def peak(self, ctx: Context, a0: int, table: np.ndarray | None = None) -> int:
         """Local peak of the window placed at `a0` (what `profile` reports).
@@ -191,13 +192,21 @@ class WindowParts:
         g = ctx.g_table if table is None else table
         return max(0, int((self.local + g[self.g_index + a0]).max()))
 
+    def peaks(self, a0: int, table: np.ndarray, n_forward: int) -> tuple[int, int]:
+        """`peak` split: over the window's first `n_forward` slots (its forward) and over
+        the rest (its reruns and backward)."""
+        live = self.local + table[self.g_index + a0]
+        return (max(0, int(live[:n_forward].max(initial=0))),
+                max(0, int(live[n_forward:].max(initial=0))))
+
 
 def profile_parts(ctx: Context, a0: int, b0: int,
                   regions: Sequence[RegionInfo | NestedRegionInfo],
                   external: frozenset[int] = frozenset(),
                   skip: frozenset[int] = frozenset(),
                   after_forward: frozenset[int] = frozenset(),
-                  held_on: frozenset[int] = frozenset()) -> WindowParts:
+                  held_on: frozenset[int] = frozenset(),
+                  by_position: frozenset[int] = frozenset()) -> WindowParts:
     """`profile`'s computation, returned as position-independent parts (`WindowParts`).
 
     Storages in `skip` are left out (their original instance; copies a rerun regenerates
@@ -205,7 +214,9 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     Storages in `after_forward` count only where this window's own savers and regions hold
     them after its forward, and in its residue only those in `held_on` (a lower bound's
     use: the caller counts their forward by position, and another window may hold them
-    too, except those in `held_on`). Neither is ever part of `held_out`.
+    too, except those in `held_on`). Neither is ever part of `held_out`. Of those in its
+    residue, the bytes of the ones in `by_position` (which the caller also counts by position
+    at the later windows' forward events) are reported apart (`by_position_bytes`).
     Slots are `simulate`'s events in order: the forward of the window's nodes, then per
     backward node j (descending) the steps of the reruns it triggers (a parent's before its
     child's) and j's own event.
@@ -227,7 +238,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     for pi, r in enumerate(plans):
         for s, pt in r.held.items():
             held_by.setdefault(s, []).append((pi, pt))
-    residue = 0
+    residue = by_position_bytes = 0
     held_out: set[int] = set()
     last_read, savers_of, producer = ctx.last_read, ctx.savers, p.storage_producer
     for s in local:
@@ -254,6 +265,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
             sizes.append(nbytes)
         if end >= n_fw and (s not in after_forward or s in held_on):
             residue += nbytes  # held through the end of the forward
+            by_position_bytes += nbytes if s in by_position else 0
             if lr >= b0 and s not in after_forward:
                 held_out.add(s)
     diff = np.zeros(len(const) + 1, dtype=np.int64)
@@ -265,7 +277,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     live = np.cumsum(diff[:-1])
     return WindowParts(np.asarray(const, dtype=np.int64) + live,
                        np.asarray(slots.gidx, dtype=np.int64), residue, frozenset(held_out),
-                       slots.time_ms)
+                       slots.time_ms, by_position_bytes)
 
 
 @dataclass

@@ -153,6 +153,7 @@ TIGHT_SPANS = 3  # beyond SPLIT_RELAXED_STAGES: relaxed windows up to 3 spans lo
 MAX_FRONT_GROWTH = 4  # a gap left by thinned fronts: passes again with fronts up to 4x longer
 GROWN_GAP = 0.01  # ... while the gap is above 1 % and the last growth raised the bound
 FINER_MAX_NODES = 2000  # `_raise_bound`
+BOUND_PATHS = "bound paths"  # the cache's key for the lower-bound passes' schedules (`_run`)
 
 
 class _Option(NamedTuple):
@@ -199,6 +200,7 @@ class _Layout(NamedTuple):
     holds: tuple[PinnedHold, ...] = ()
     one_stage: frozenset[int] = frozenset()
     bound_table: np.ndarray | None = None  # `lower_table` cut for `one_stage` (`cut_table`)
+    through_forward: frozenset[int] = frozenset()  # of `one_stage`: read in the last stage
     calls_first: bool = True  # the chain over module calls (`chain.chain_stages`)
     readers: tuple[ReaderHold, ...] = ()  # pinned storages only reading regions hold
 
@@ -214,12 +216,17 @@ def _layout(ctx: Context, keep_front: bool = True, calls_first: bool = True) -> 
     up, low = _pin_tables(ctx, pinned, skips)
     tiny = problem.n_nodes <= SUBSET_MAX_NODES  # segments keep any set
     one_stage = {} if tiny else one_stage_holders(ctx, st, pinned)
+    # read in the last stage (autocast's casts, which its cache keeps to the end of the
+    # forward): the bound pass counts them by position at every forward event, `cut_table`
+    # the others
+    through = frozenset(s for s in one_stage if ctx.last_read[s] + 1 >= st[-1][0])
+    cut = {s: t for s, t in one_stage.items() if s not in through}
     holds = () if tiny else tuple(pinned_holds(problem, st, pinned))
     readers = () if tiny else tuple(reader_holds(
         problem, st, pinned, frozenset(one_stage) | {h.storage for h in holds}))
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
                    _stop_limits(problem, st, skips), keep_front, holds,
-                   frozenset(one_stage), cut_table(ctx, low, st, one_stage), calls_first,
+                   frozenset(one_stage), cut_table(ctx, low, st, cut), through, calls_first,
                    readers)
 
 
@@ -338,8 +345,8 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
          deadline: float, cache: dict, max_span: int, *, sure_lives: bool = False,
          table: np.ndarray | None = None, charged: frozenset[int] = frozenset(),
          held_on: frozenset[int] = frozenset(), local: frozenset[int] = frozenset(),
-         covers: tuple[Cover, ...] = (), left_out: tuple[ReaderHold, ...] = ()
-         ) -> _PassResult:
+         covers: tuple[Cover, ...] = (), left_out: tuple[ReaderHold, ...] = (),
+         by_position: frozenset[int] = frozenset()) -> _PassResult:
     """One DP pass (`_PassResult`).
 
     Segments span at most `max_span` stages. `sure_lives`: count the storages left out of
@@ -357,10 +364,21 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
     out: the segment holding all their nodes counts them exactly); `covers`: no segment
     ends between the stages of any, and in the lower-bound pass the one holding them has a
     region that covers it; `left_out`: the lower-bound pass leaves out the options that
-    hold any of these storages after the forward (`ReaderHold.held_by`).
+    hold any of these storages after the forward (`ReaderHold.held_by`); `by_position`: of
+    `held_on`, the storages `table` also counts at the forward events after their stage
+    (each window's forward then counts the residues without them, `Front.fwd`).
+
+    A lower-bound pass's own path, where no relaxed window is on it, is a schedule of the
+    space (its keep corners keep less than they count): it goes to `cache[BOUND_PATHS]`
+    for `_try_bound_paths` to score.
     """
-    return _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
-                 sure_lives, table, (charged, held_on, local), covers, left_out).run()
+    found = _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
+                  sure_lives, table, (charged, held_on, local, by_position), covers,
+                  left_out).run()
+    if optimistic and found.found is not None and not found.relaxed:
+        cache.setdefault(BOUND_PATHS, {}).setdefault(
+            tuple(r.describe() for r in found.found[1]), found.found)
+    return found
 
 
 def _stage_signatures(ctx: Context, st: list[tuple[int, int]], outside: frozenset[int]
@@ -380,7 +398,7 @@ class _Pass:
     def __init__(self, ctx: Context, lay: _Layout, limit: int, max_front: int,
                  optimistic: bool, deadline: float, cache: dict, max_span: int,
                  sure_lives: bool, table: np.ndarray | None = None,
-                 counted: tuple[frozenset[int], ...] = (frozenset(),) * 3,
+                 counted: tuple[frozenset[int], ...] = (frozenset(),) * 4,
                  covers: tuple[Cover, ...] = (), left_out: tuple[ReaderHold, ...] = ()
                  ) -> None:
         p = self.p = ctx.p
@@ -391,7 +409,7 @@ class _Pass:
         self.table = lay.lower_table if optimistic or sure_lives else lay.upper_table
         if table is not None:
             self.table = table
-        self.charged, self.held_on, self.local = counted
+        self.charged, self.held_on, self.local, self.by_position = counted
         self.skip, self.covers = self.outside - self.charged - self.local, covers
         self.left_out = left_out if optimistic else ()
         m = self.m = len(self.st)
@@ -510,9 +528,10 @@ class _Pass:
                 continue  # plain (no residue): split-dominated, see SpanBounds
             cnt = int(np.searchsorted(front.held, self.limit - peak, side="right"))
             if cnt:
-                held, times, idx = thinned(cnt)
+                held, times, idx, fwd = thinned(cnt)
                 self._front(u, self._read_after(u)).add(
-                    held + residue, times + tms, _Step(t, held_rel, u, -1, True, False), idx)
+                    held + residue, times + tms, _Step(t, held_rel, u, -1, True, False), idx,
+                    fwd + residue)
 
     def _spec_of(self, step: _Step) -> Spec:
         return self._profiles(step.start, step.stop, step.held_rel, step.flat,
@@ -535,7 +554,8 @@ class _Pass:
             for regions in self.options(t, u, flat, nested):
                 self._check_deadline()
                 parts = profile_parts(self.ctx, a, b, regions, held_in, self.skip,
-                                      after_forward=self.charged, held_on=self.held_on)
+                                      after_forward=self.charged, held_on=self.held_on,
+                                      by_position=self.by_position)
                 profs.append(_Option(parts, self._out_rel(parts, a), reruns_rel(regions, a),
                                      window_spec(regions, a)))
             self.cache[key] = profs
@@ -556,7 +576,7 @@ class _Pass:
         cache key)."""
         if not self.charged and self.skip == self.outside:
             return ()
-        key = ("charged", t, u, self.charged, self.held_on, self.skip)
+        key = ("charged", t, u, self.charged, self.held_on, self.skip, self.by_position)
         found = self.cache.get(key)
         if found is None:
             p = self.p
@@ -564,7 +584,8 @@ class _Pass:
             touched = dict.fromkeys(s for i in range(a, b) for s in (*p.uses[i], *p.outputs[i])
                                     if s in self.outside)
             found = self.cache[key] = tuple((s in self.charged, s in self.held_on,
-                                             s in self.skip) for s in touched)
+                                             s in self.skip, s in self.by_position)
+                                            for s in touched)
         return found
 
     def _out_rel(self, parts: WindowParts, a: int) -> tuple:
@@ -615,15 +636,28 @@ class _Pass:
             if not all(c.by(spec, a) for c in straddled) or any(
                     h.held_by(spec, a) for h in self.left_out):
                 continue
-            peak = parts.peak(self.ctx, a, self.table)
             # recompute time by position (the window's structure is shared)
             tms = _rerun_ms(self.p, a, self.fwd_sum, self.fwd, reruns) - saved_ms
-            cnt = int(np.searchsorted(front.held, self.limit - peak, side="right"))
-            if cnt:
+            fits = self._fitting(front, parts, a, self.st[u - 1][1] - a)
+            if len(fits):
                 state = tuple((r - shift, k) for r, k in out_rel)
-                self._front(u, state).add(front.held[:cnt] + parts.residue_bytes,
-                                          front.time[:cnt] + tms,
-                                          _Step(t, held_rel, u, oi, flat, nested))
+                self._front(u, state).add(
+                    front.held[fits] + parts.residue_bytes, front.time[fits] + tms,
+                    _Step(t, held_rel, u, oi, flat, nested), fits,
+                    front.fwd[fits] + (parts.residue_bytes - parts.by_position_bytes))
+
+    def _fitting(self, front: Front, parts: WindowParts, a: int, n_forward: int
+                 ) -> np.ndarray:
+        """The indices of `front`'s entries after which the window of `parts` at node `a`
+        fits. Where the windows count storages in their residue that the table also counts
+        by position at the forward events (`by_position`), an entry's `fwd` stands for its
+        held bytes at the window's forward."""
+        if not self.by_position:
+            peak = parts.peak(self.ctx, a, self.table)
+            return np.arange(int(np.searchsorted(front.held, self.limit - peak, side="right")))
+        forward, rest = parts.peaks(a, self.table, n_forward)
+        cnt = int(np.searchsorted(front.held, self.limit - rest, side="right"))
+        return np.flatnonzero(front.fwd[:cnt] <= self.limit - forward)
 
 
 def _backtrack(f: Front, fronts: list[dict[tuple, Front]], st: list[tuple[int, int]],
@@ -822,7 +856,8 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
             found, rounded, relaxed, _ = _run(
                 ctx, lay, limit, max_front, True, deadline, cache, span,
                 table=held_table(ctx.p, table, ctx.last_read, holds), charged=charged,
-                held_on=held_on & charged, covers=covers)
+                held_on=held_on & charged, covers=covers,
+                by_position=held_on & charged & lay.through_forward)
             return (math.inf if found is None else found[0]), rounded, relaxed
         return run
 
@@ -891,6 +926,7 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
         proof.bound, proof.rounded = max(proof.bound, bound), rounded
         if span >= len(lay.stages):
             proof.nested = max(proof.nested or 0.0, bound)
+        _try_bound_paths(problem, budget_bytes, cache, t0, proof)
         if lay.outside and not proof.proven:
             # the left-out storages counted by their sure lives may fit a faster schedule
             # (the conservative lives hold them longest); simulate checks it
@@ -901,6 +937,7 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
                                   t0, proof)
         if lay.pinned and proof.best is not None and not proof.proven:
             _raise_bound(ctx, lay, budget_bytes, max_front, deadline, cache, span, proof)
+            _try_bound_paths(problem, budget_bytes, cache, t0, proof)
         if lay.readers and not proof.proven and time.perf_counter() < deadline:
             _covered_upper_passes(ctx, lay, budget_bytes, max_front, deadline, cache, span,
                                   t0, proof, readers=True)
@@ -910,6 +947,23 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
                          " (relaxed windows)" if relaxed else "")
             if proof.proven:
                 return
+
+
+def _try_bound_paths(problem: Problem, budget_bytes: int, cache: dict, t0: float,
+                     proof: _Proof) -> None:
+    """The lower-bound passes' own schedules (`_run`) scored by `simulate`, the fastest that
+    fits into `proof`: a pass that counts the pinned storages by their sure lives may find
+    one faster than every upper pass, which counts them by their conservative ones
+    (ConvNeXt-atto under bf16: the pass counting the cast weights in the residues finds
+    its bound's schedule, and it fits). A path no faster than the answer is not scored
+    (the pass's time is at most its real one)."""
+    for found in cache.pop(BOUND_PATHS, {}).values():
+        if proof.best is not None and found[0] >= proof.best.objective_ms:
+            continue
+        sched = Schedule.from_segments(problem.n_nodes, found[1])
+        sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0)
+        if sol.feasible:
+            proof.best = _faster(proof.best, sol)
 
 
 def _raise_bound(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,

@@ -34,6 +34,8 @@ def pareto(points: Iterable[T], cost: Callable[[T], Any], loss: Callable[[T], fl
     return front
 
 
+DOMINANCE_BLOCK = 512  # entries `_with_fwd_front` checks against the kept ones at once
+DOMINANCE_CELLS = 2_000_000  # ... and at most this many pairs in all, else it merges them
 PREFILTER_MIN = 16_384  # points from which `pareto_indices` first drops the far-dominated
 PREFILTER_CELLS = 8_192  # cells of cost the prefilter compares points across
 
@@ -107,47 +109,70 @@ def bucket_ends(cost: np.ndarray | Sequence[int], buckets: int) -> tuple[np.ndar
 
 
 class Front:
-    """Pareto front of (held bytes, recompute ms) with back-pointers, as numpy arrays."""
+    """Pareto front of (held bytes, recompute ms) with back-pointers, as numpy arrays.
+
+    Each entry also carries `fwd`, at most its held bytes: what it holds at the later
+    windows' forward events beyond what those count by position (`solvers.dp`'s passes that
+    count pinned storages in the residue; otherwise equal to `held`). Where the two differ
+    (lower-bound passes only, `optimistic`), the front keeps the entries on either the
+    (held, time) or the (fwd, time) front, and gives each entry it drops to the (held,
+    time) entry dominating it, which takes the least `fwd` of the two: every entry dropped
+    is then dominated in all three. Times then need not fall along the held bytes
+    (`monotone` False).
+    """
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any]] = []
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, Any, np.ndarray]] = []
         self.held = np.zeros(0, dtype=np.int64)
+        self.fwd = np.zeros(0, dtype=np.int64)
         self.time = np.zeros(0)
         self.src = np.zeros(0, dtype=np.int64)  # chunk index of each entry
         self.idx = np.zeros(0, dtype=np.int64)  # entry index in the chunk's source front
         self.info: list[Any] = []  # per chunk; None: the chain's start
+        self.monotone = True  # times fall along the held bytes
 
     def add(self, held: np.ndarray, tms: np.ndarray, info: Any,
-            idx: np.ndarray | None = None) -> None:
-        self.chunks.append((held, tms, np.arange(len(held)) if idx is None else idx, info))
+            idx: np.ndarray | None = None, fwd: np.ndarray | None = None) -> None:
+        self.chunks.append((held, tms, np.arange(len(held)) if idx is None else idx, info,
+                            held if fwd is None else fwd))
 
     def corners(self, buckets: int) -> Callable[[int], tuple[np.ndarray, np.ndarray,
-                                                             np.ndarray]]:
+                                                             np.ndarray, np.ndarray]]:
         """Lower-bound thinning of any prefix of this (pruned) front to <= `buckets` entries.
 
-        Returns `prefix(cnt) -> (held, time, idx)`: per memory bucket the least held bytes
-        with the least time (the bucket's last entry; `idx` points to it), an optimistic
-        corner that no entry of the bucket beats. For the relaxed windows of the lower-bound
-        pass, which add a prefix of one front to up to a whole chain of later fronts.
+        Returns `prefix(cnt) -> (held, time, idx, fwd)`: per memory bucket the least held
+        bytes, the least time (`idx` points to its entry) and the least `fwd`, an
+        optimistic corner that no entry of the bucket beats. For the relaxed windows of the
+        lower-bound pass, which add a prefix of one front to up to a whole chain of later
+        fronts.
         """
-        held, tms = self.held, self.time
+        held, tms, fwd = self.held, self.time, self.fwd
         if len(held) <= buckets:
-            return lambda cnt: (held[:cnt], tms[:cnt], np.arange(cnt))
+            return lambda cnt: (held[:cnt], tms[:cnt], np.arange(cnt), fwd[:cnt])
         first, last = bucket_ends(held, buckets)
         slot = np.repeat(np.arange(len(first)), last - first + 1)
+        least_fwd = np.minimum.reduceat(fwd, first)
+        fastest = last if self.monotone else _least_in_buckets(tms, first)
 
-        def prefix(cnt: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def prefix(cnt: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             k = int(slot[cnt - 1]) + 1
-            idx = last[:k].copy()
-            idx[-1] = cnt - 1  # the prefix may end inside its last bucket
-            return held[first[:k]], tms[idx], idx
+            idx = fastest[:k].copy()
+            if self.monotone:
+                idx[-1] = cnt - 1  # the prefix may end inside its last bucket
+            return held[first[:k]], tms[idx], idx, least_fwd[:k]
 
         return prefix
 
     def prune(self, max_front: int, optimistic: bool) -> bool:
         held = np.concatenate([c[0] for c in self.chunks])
         tms = np.concatenate([c[1] for c in self.chunks])
+        every_fwd = np.concatenate([c[4] for c in self.chunks])
         keep = pareto_indices(held, tms, tol=1e-12)
+        self.monotone = not (optimistic and bool(np.any(every_fwd != held)))
+        if self.monotone:
+            fwd = every_fwd[keep]
+        else:
+            keep, fwd = _with_fwd_front(held, tms, every_fwd, keep)
         ends = np.cumsum([len(c[0]) for c in self.chunks])
         src = np.searchsorted(ends, keep, side="right")  # the chunk of each kept entry
         idx = np.concatenate([c[2] for c in self.chunks])[keep]
@@ -161,9 +186,57 @@ class Front:
             # bytes to a grid edge, which compounded the error stage after stage.
             rounded = True
             first, last = bucket_ends(held, max_front)
+            fastest = last if self.monotone else _least_in_buckets(tms, first)
             corner = held[first] if optimistic else held[last]
-            held, tms, src, idx = corner, tms[last], src[last], idx[last]
-        self.held, self.time, self.src, self.idx = held, tms, src, idx
+            fwd = np.minimum.reduceat(fwd, first) if optimistic else fwd[last]
+            held, tms, src, idx = corner, tms[fastest], src[fastest], idx[fastest]
+        self.held, self.fwd, self.time, self.src, self.idx = held, fwd, tms, src, idx
         self.info = [c[3] for c in self.chunks]
         self.chunks = []
         return rounded
+
+
+def _with_fwd_front(held: np.ndarray, tms: np.ndarray, fwd: np.ndarray, keep: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`Front.prune`'s entries where `fwd` differs from `held`, by ascending held bytes, and
+    their `fwd`: those of the (held, time) front `keep`, of the (fwd, time) one, and every
+    other that none of those dominates in all three. Where the others are too many to
+    check (`DOMINANCE_CELLS`), each is dropped and its `fwd` given to the (held, time)
+    entry dominating it instead: an optimistic corner, as a thinned front's."""
+    by_fwd = pareto_indices(fwd, tms, tol=1e-12)
+    union = np.union1d(keep, by_fwd)
+    rest = np.setdiff1d(np.arange(len(held)), union)
+    # most are dominated by the fastest entry at or below their held bytes on the first
+    # front, or at or below their fwd on the second (`_owner`)
+    owner = _owner(held, keep, rest)
+    rest, owner = (a[(fwd[owner] > fwd[rest]) & (held[_owner(fwd, by_fwd, rest)] > held[rest])]
+                   for a in (rest, owner))
+    merged = len(rest) * len(union) > DOMINANCE_CELLS
+    if len(rest) and not merged:
+        alive = np.ones(len(rest), dtype=bool)
+        for lo in range(0, len(rest), DOMINANCE_BLOCK):
+            r = rest[lo:lo + DOMINANCE_BLOCK]
+            alive[lo:lo + len(r)] = ~((held[union][None, :] <= held[r][:, None])
+                                      & (fwd[union][None, :] <= fwd[r][:, None])
+                                      & (tms[union][None, :] <= tms[r][:, None] + 1e-12)
+                                      ).any(axis=1)
+        union = np.concatenate([union, rest[alive]])
+    union = union[np.lexsort((tms[union], fwd[union], held[union]))]
+    out = fwd[union]
+    if merged:
+        pos = np.full(len(held), -1, dtype=np.int64)
+        pos[union] = np.arange(len(union))
+        np.minimum.at(out, pos[owner], fwd[rest])
+    return union, out
+
+
+def _owner(cost: np.ndarray, front: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Per point, the last entry of `front` (indices by ascending cost, falling loss) at or
+    below its cost: the front's least loss there."""
+    return front[np.searchsorted(cost[front], cost[points], side="right") - 1]
+
+
+def _least_in_buckets(values: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """The index of the least value in each run `first[k]..first[k+1]-1` of `values`."""
+    bucket = np.repeat(np.arange(len(first)), np.diff(np.append(first, len(values))))
+    return np.lexsort((values, bucket))[first]
