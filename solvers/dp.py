@@ -54,7 +54,9 @@ The lower-bound pass counts a pinned storage as held to its saver's backward whe
 region rerunning longer than the answer could free it earlier, and splits the schedules
 where a cheaper region could (`solvers.dp_pinned`); the upper passes, which count it by its
 conservative life, also try the schedules whose segments keep all its nodes together, where
-it is counted exactly (`_covered_upper_passes`).
+it is counted exactly (`_covered_upper_passes`); and a lower-bound pass's own path, which
+counts it by its sure life, is a schedule of the space too: `simulate` scores those faster
+than the answer, and the fastest that fits is taken (`_try_bound_paths`).
 
 Speed on real graphs: window profiles are cached by a translation-invariant signature
 without gradient bytes, forward times or the storages left out of the windows, such as the
@@ -62,7 +64,7 @@ rotary tables every layer reads (`dp_options.window_signature`;
 `accounting.WindowParts` adds gradients by position, `_run` the recompute time), so
 identical blocks are profiled once per window length; a segment from stage t stops growing
 once the saved bytes of its largest recomputed run exceed the room left. `simulate` is
-called once, on the final schedule, whose numbers are reported. Measured speed and gaps:
+called on the passes' answers only, whose numbers are reported. Measured speed and gaps:
 `benchmarks/solver_scaling.py` and its results.
 
 OPTIMAL means optimal over this schedule space (flat segments, plus two-level nesting with
@@ -867,8 +869,10 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
                  False, False)
     others = [] if readers_only else [(lay.lower_table, frozenset(), lay.holds)]
     if lay.one_stage and not readers_only:
-        others.append((lay.bound_table, lay.one_stage,
-                       [h for h in lay.holds if h.storage not in lay.one_stage]))
+        apart = [h for h in lay.holds if h.storage not in lay.one_stage]
+        if len(apart) == len(lay.holds) and lay.one_stage <= lay.through_forward:
+            others = []  # the pass below counts all the first does, and more
+        others.append((lay.bound_table, lay.one_stage, apart))
     for table, held_on, holds in others:
         if found[0] >= floor:
             break

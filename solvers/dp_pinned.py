@@ -28,7 +28,8 @@ Where `cover_ms` is below the answer (BERT's attention mask: rerunning the whole
 keeping its matmuls costs 0.26 ms of a 0.80 ms answer), the schedules are split instead
 (`split_bound`): those with no region holding a producer and its holder hold every such
 storage, and those with one are bounded by a pass over them alone (`Cover`: no segment
-ends between the two stages, and the one holding both has such a region).
+ends between the two stages, and the one holding both has such a region); with many such
+storages, a branch and bound over them (`branch_bound`).
 
 Two more counts, each true under every schedule: a window's own savers and regions hold
 a pinned storage after its forward (the windows count that part, `profile_parts`'
@@ -38,7 +39,12 @@ forward, saved by the one layer that reads them) is held on through every later 
 exactly when that stage's window holds it, so the lower-bound pass may count it in that
 window's residue instead of by position (`cut_table`). That count loses the forward events
 after the stage when the window does not hold it, so `solvers.dp` takes it only where it
-bounds higher (conformance: autocast's MobileNetV3 and EfficientNet proven, T5 not).
+bounds higher (conformance: autocast's MobileNetV3 and EfficientNet proven, T5 not). A
+cast read to the end of the forward lives through every later forward event whether held
+or not: that pass counts it there by position, and held in the residue only at the
+reruns and backward events (`solvers.front.Front`'s `fwd`: what an entry holds at later
+forwards beyond the table). Under bf16 that proved RegNet-Y, ConvNeXt-T, Swin-T, ViT-B
+and ConvNeXt-atto at half their activations.
 
 A pinned storage no later node saves but later stages' recomputable nodes read (DenseNet's
 features, which every later concatenation of the block reads) is held after the forward
@@ -183,7 +189,7 @@ def bound_over_holds(run: HeldRun, problem: Problem, stages: list[tuple[int, int
         cheap = levels
     if cheap and lower < floor_ms:
         try:
-            split = split_bound(run, problem, stages, sure, cheap, lower)
+            split = split_bound(run, problem, stages, sure, cheap, lower, floor_ms)
         except TimeoutError:
             split = None
         if split is not None and split[0] > lower:
@@ -213,47 +219,52 @@ def _groups(problem: Problem, stages: list[tuple[int, int]], cheap: Sequence[Pin
 
 
 def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
-                sure: list[PinnedHold], cheap: list[PinnedHold], beat: float
-                ) -> tuple[float, bool, bool]:
+                sure: list[PinnedHold], cheap: list[PinnedHold], beat: float,
+                floor_ms: float = math.inf) -> tuple[float, bool, bool]:
     """A bound from splitting the schedules by the `cheap` holds (whose storages a region
     rerunning less than the answer could free). The holds are grouped by the stages their
     producer and holder are in (`Cover`: a region holding the group's latest producer and
-    earliest holder). Up to `EVERY_SPLIT_GROUPS` groups, a schedule has such regions for
-    exactly one set of groups and holds the storages of the others: a pass per set. Beyond,
-    costliest cover first, a schedule has none (and holds every cheap storage) or one for
-    a first group i (and holds the storages of the groups before it): a pass per group.
-    The least of those passes, stopping once they cannot beat `beat`. `cheap` may hold a
-    storage more than once, from each of its savers (`_cheap_levels`): a pass counts it
-    from the first of them its schedules leave holding it.
+    earliest holder); a schedule has such a region for each group of a set and holds the
+    storages of the others. Up to `EVERY_SPLIT_GROUPS` groups, a pass per set, stopping
+    once they cannot beat `beat` (the unsplit bound); beyond, `branch_bound` over the
+    groups, costliest cover first, whose leaves are the branches bounding at or above
+    `floor_ms`. `cheap` may hold a storage more than once, from each of its savers
+    (`_cheap_levels`): a pass counts it from the first of them its schedules leave holding.
 
     BERT at 30 %: the attention mask every layer saves, freed early only by rerunning the
     whole encoder with its matmuls kept (0.26 ms, under the 0.80 ms answer), bounded the
     answer at 0.69 ms counted to its last forward reader; no schedule that fits reruns it.
+    DeepLabV3 under bf16: ten holds in eight groups, each cheap to cover.
     """
     groups = _groups(problem, stages, cheap)
     covers = [Cover(first, last, max(problem.storage_producer[h.storage] for h in hs),
                     min(h.holder for h in hs)) for (first, last), hs in groups]
-    if len(groups) <= EVERY_SPLIT_GROUPS:
-        cases = [c for k in range(len(groups) + 1)
-                 for c in itertools.combinations(range(len(groups)), k)]
-    else:
-        cases = [(), *((i,) for i in range(len(groups)))]
-    lower, rounded, relaxed = math.inf, False, False
-    for case in cases:
-        if lower <= beat:
-            break
-        earlier = range(len(groups)) if len(groups) <= EVERY_SPLIT_GROUPS or not case \
-            else range(case[0])  # the ordered split holds the groups before its one
+    flags = [False, False]  # a pass thinned a front; the least one's path is relaxed
+    lower = math.inf
+
+    def covered(case: frozenset[int], held: frozenset[int]) -> float:
+        nonlocal lower
         first: dict[int, PinnedHold] = {}  # per storage, its first holder left holding it
-        for h in (h for i in earlier if i not in case for h in groups[i][1]):
+        for h in (h for i in sorted(held) for h in groups[i][1]):
             if h.storage not in first or h.holder < first[h.storage].holder:
                 first[h.storage] = h
-        held = [h for h in sure if h.storage not in first] + list(first.values())
-        found, thinned, through = run(held, tuple(covers[i] for i in case))
-        rounded |= thinned
+        holds = [h for h in sure if h.storage not in first] + list(first.values())
+        found, thinned, through = run(holds, tuple(covers[i] for i in sorted(case)))
+        flags[0] |= thinned
         if found < lower:
-            lower, relaxed = found, through
-    return lower, rounded, relaxed
+            lower, flags[1] = found, through
+        return found
+
+    every = frozenset(range(len(groups)))
+    if len(groups) > EVERY_SPLIT_GROUPS:
+        ones = [frozenset({i}) for i in range(len(groups))]
+        return branch_bound(covered, len(groups), floor_ms, ones, ones), flags[0], flags[1]
+    for k in range(len(groups) + 1):
+        for case in map(frozenset, itertools.combinations(range(len(groups)), k)):
+            if lower <= beat:
+                break
+            covered(case, every - case)
+    return lower, flags[0], flags[1]
 
 
 def held_table(problem: Problem, table: np.ndarray, last_read: tuple[int, ...],
@@ -351,40 +362,51 @@ def reader_holds(problem: Problem, stages: list[tuple[int, int]], pinned: frozen
 # a lower-bound pass over the schedules that hold the first storages (a region holds a
 # reader) and none of the second: its bound (inf: nothing fits)
 ReaderRun = Callable[[tuple[ReaderHold, ...], tuple[ReaderHold, ...]], float]
-READER_BRANCH_PASSES = 24  # passes per split; past them, open branches keep their parent's
+BRANCH_PASSES = 24  # passes per branch and bound; past them, open branches keep their parent's
 
 
 def reader_split_bound(run: ReaderRun, readers: Sequence[ReaderHold], beat: float) -> float:
-    """A lower bound over every schedule: branches over `readers` in order, each either
-    holding the next undecided storage or leaving out every option that would, the branch
-    with the lowest bound so far passed first; a branch whose pass bounds at or above
-    `beat` (or with every storage decided) is a leaf. The least bound of the leaves and of
-    the branches still open after `READER_BRANCH_PASSES` passes or at the deadline (each at
-    its parent's). A region that holds a storage holds every earlier one whose readers
-    include all of its own (`_implied`: DenseNet's concatenations read every earlier
-    feature of the block), so each branch decides those too.
+    """A lower bound over every schedule (`branch_bound`): per storage of `readers` in
+    order, the schedules holding it and those leaving out every option that would. A region
+    that holds a storage holds every earlier one whose readers include all of its own
+    (`_implied`: DenseNet's concatenations read every earlier feature of the block), so
+    each branch decides those too.
     DenseNet-121 at 50 %: 0.432 ms counted to the last forward reader; schedules that hold
     none of the first block's input bound 0.558 ms, those that hold it and not the next
     feature 0.440 ms, under a 0.442 ms answer."""
     held_too, out_too = _implied(readers)
+    return branch_bound(lambda held, out: run(tuple(readers[i] for i in sorted(held)),
+                                              tuple(readers[i] for i in sorted(out))),
+                        len(readers), beat, held_too, out_too)
+
+
+def branch_bound(run: Callable[[frozenset[int], frozenset[int]], float], n: int,
+                 beat: float, yes_too: Sequence[frozenset[int]],
+                 no_too: Sequence[frozenset[int]]) -> float:
+    """A lower bound over every schedule from `n` yes/no questions about it: `run(yes,
+    no)` bounds the schedules answering yes to those in `yes` and no to those in `no`.
+    Best-first: the branch with the lowest bound so far is passed next, then split on its
+    first open question (a yes to i also answers `yes_too[i]`, a no `no_too[i]`); a branch
+    whose pass bounds at or above `beat` (or with every question answered) is a leaf. The
+    least bound of the leaves and of the branches still open after `BRANCH_PASSES` passes
+    or at the deadline (each at its parent's)."""
     Branch = tuple[float, int, frozenset[int], frozenset[int]]
     open_: list[Branch] = [(-math.inf, 0, frozenset(), frozenset())]
     lower, made = math.inf, 1
-    for _ in range(READER_BRANCH_PASSES):
+    for _ in range(BRANCH_PASSES):
         if not open_ or open_[0][0] >= lower:
             break
-        parent, order, held, left_out = heapq.heappop(open_)
+        parent, order, yes, no = heapq.heappop(open_)
         try:
-            found = run(tuple(readers[i] for i in sorted(held)),
-                        tuple(readers[i] for i in sorted(left_out)))
+            found = run(yes, no)
         except TimeoutError:  # the branches passed so far still bound
-            heapq.heappush(open_, (parent, order, held, left_out))
+            heapq.heappush(open_, (parent, order, yes, no))
             break
-        nxt = next((i for i in range(len(readers)) if i not in held | left_out), None)
+        nxt = next((i for i in range(n) if i not in yes | no), None)
         if found >= beat * (1 - 1e-12) or nxt is None:
             lower = min(lower, found)
             continue
-        for child in ((held | held_too[nxt], left_out), (held, left_out | out_too[nxt])):
+        for child in ((yes | yes_too[nxt], no), (yes, no | no_too[nxt])):
             if not child[0] & child[1]:  # else no schedule is in both
                 heapq.heappush(open_, (found, made, *child))
                 made += 1

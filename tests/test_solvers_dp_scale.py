@@ -130,3 +130,33 @@ def _assert_front(points: list[tuple[int, int]], tol: float) -> None:
         first_best = min(same, key=lambda j: (loss[j], j))
         on_front = i == first_best and all(loss[i] < loss[j] - tol for j in cheaper)
         assert (i in kept) == on_front, (points, tol, i, kept)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 8)),
+                         min_size=1, max_size=20), min_size=1, max_size=4),
+       st.sampled_from([(10_000, 10**9), (10_000, 0), (3, 10**9)]))
+def test_lower_fronts_with_forward_bytes_drop_only_what_they_dominate(chunks, limits) -> None:
+    """Where an entry's bytes at later forwards (`fwd`) differ from its held bytes, a
+    lower-bound front keeps every entry that no kept one dominates in all three (held,
+    fwd, time), each a real entry with its back-pointer; where too many to check
+    (`DOMINANCE_CELLS` 0) or thinned (`max_front` 3), it keeps optimistic corners that
+    still dominate every entry. Before, a two-way front lowered an entry's `fwd` to that
+    of one it dominated only in held bytes and time: a corner, though none was needed."""
+    max_front, cells = limits
+    f = front.Front()
+    entries = []
+    for c, chunk in enumerate(chunks):
+        held = np.asarray([h + d for h, d, _ in chunk], dtype=np.int64)
+        f.add(held, np.asarray([float(t) for _, _, t in chunk]), c,
+              fwd=np.asarray([h for h, _, _ in chunk], dtype=np.int64))
+        entries += [(h + d, h, float(t), c, i) for i, (h, d, t) in enumerate(chunk)]
+    with unittest.mock.patch.object(front, "DOMINANCE_CELLS", cells):
+        f.prune(max_front, optimistic=True)
+    kept = list(zip(f.held.tolist(), f.fwd.tolist(), f.time.tolist(),
+                    [f.info[s] for s in f.src], f.idx.tolist(), strict=True))
+    assert list(f.held) == sorted(f.held)
+    for held, fwd, tms, _, _ in entries:
+        assert any(k[0] <= held and k[1] <= fwd and k[2] <= tms for k in kept), (held, fwd, tms)
+    if max_front > len(entries) and cells:
+        assert all(k in entries for k in kept)
