@@ -156,6 +156,7 @@ MAX_FRONT_GROWTH = 4  # a gap left by thinned fronts: passes again with fronts u
 GROWN_GAP = 0.01  # ... while the gap is above 1 % and the last growth raised the bound
 FINER_MAX_NODES = 2000  # `_raise_bound`
 BOUND_PATHS = "bound paths"  # the cache's key for the lower-bound passes' schedules (`_run`)
+BOUND_PATHS_SCORED = 4  # of those, the most `_try_bound_paths` scores at a time
 
 
 class _Option(NamedTuple):
@@ -533,7 +534,7 @@ class _Pass:
                 held, times, idx, fwd = thinned(cnt)
                 self._front(u, self._read_after(u)).add(
                     held + residue, times + tms, _Step(t, held_rel, u, -1, True, False), idx,
-                    fwd + residue)
+                    fwd + residue if self.by_position else None)
 
     def _spec_of(self, step: _Step) -> Spec:
         return self._profiles(step.start, step.stop, step.held_rel, step.flat,
@@ -641,22 +642,25 @@ class _Pass:
             # recompute time by position (the window's structure is shared)
             tms = _rerun_ms(self.p, a, self.fwd_sum, self.fwd, reruns) - saved_ms
             fits = self._fitting(front, parts, a, self.st[u - 1][1] - a)
-            if len(fits):
-                state = tuple((r - shift, k) for r, k in out_rel)
-                self._front(u, state).add(
-                    front.held[fits] + parts.residue_bytes, front.time[fits] + tms,
-                    _Step(t, held_rel, u, oi, flat, nested), fits,
-                    front.fwd[fits] + (parts.residue_bytes - parts.by_position_bytes))
+            prefix = isinstance(fits, slice)
+            if (fits.stop if prefix else len(fits)) == 0:
+                continue
+            state = tuple((r - shift, k) for r, k in out_rel)
+            self._front(u, state).add(
+                front.held[fits] + parts.residue_bytes, front.time[fits] + tms,
+                _Step(t, held_rel, u, oi, flat, nested), None if prefix else fits,
+                front.fwd[fits] + (parts.residue_bytes - parts.by_position_bytes)
+                if self.by_position else None)
 
     def _fitting(self, front: Front, parts: WindowParts, a: int, n_forward: int
-                 ) -> np.ndarray:
-        """The indices of `front`'s entries after which the window of `parts` at node `a`
-        fits. Where the windows count storages in their residue that the table also counts
-        by position at the forward events (`by_position`), an entry's `fwd` stands for its
-        held bytes at the window's forward."""
+                 ) -> slice | np.ndarray:
+        """`front`'s entries after which the window of `parts` at node `a` fits: a prefix
+        (a slice), or where the windows count storages in their residue that the table also
+        counts by position at the forward events (`by_position`), their indices: an entry's
+        `fwd` stands for its held bytes at the window's forward."""
         if not self.by_position:
             peak = parts.peak(self.ctx, a, self.table)
-            return np.arange(int(np.searchsorted(front.held, self.limit - peak, side="right")))
+            return slice(0, int(np.searchsorted(front.held, self.limit - peak, side="right")))
         forward, rest = parts.peaks(a, self.table, n_forward)
         cnt = int(np.searchsorted(front.held, self.limit - rest, side="right"))
         return np.flatnonzero(front.fwd[:cnt] <= self.limit - forward)
@@ -941,7 +945,8 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
                                   t0, proof)
         if lay.pinned and proof.best is not None and not proof.proven:
             _raise_bound(ctx, lay, budget_bytes, max_front, deadline, cache, span, proof)
-            _try_bound_paths(problem, budget_bytes, cache, t0, proof)
+            if ctx.n <= FINER_MAX_NODES:  # beyond, none fitted (80-layer Llama: 2 s lost)
+                _try_bound_paths(problem, budget_bytes, cache, t0, proof)
         if lay.readers and not proof.proven and time.perf_counter() < deadline:
             _covered_upper_passes(ctx, lay, budget_bytes, max_front, deadline, cache, span,
                                   t0, proof, readers=True)
@@ -960,8 +965,11 @@ def _try_bound_paths(problem: Problem, budget_bytes: int, cache: dict, t0: float
     one faster than every upper pass, which counts them by their conservative ones
     (ConvNeXt-atto under bf16: the pass counting the cast weights in the residues finds
     its bound's schedule, and it fits). A path no faster than the answer is not scored
-    (the pass's time is at most its real one)."""
-    for found in cache.pop(BOUND_PATHS, {}).values():
+    (the pass's time is at most its real one); of the others, the `BOUND_PATHS_SCORED`
+    slowest (the least optimistic, the likeliest to fit), as `simulate` takes 0.25 s on an
+    80-layer Llama."""
+    paths = sorted(cache.pop(BOUND_PATHS, {}).values(), key=lambda f: -f[0])
+    for found in paths[:BOUND_PATHS_SCORED]:
         if proof.best is not None and found[0] >= proof.best.objective_ms:
             continue
         sched = Schedule.from_segments(problem.n_nodes, found[1])

@@ -166,11 +166,12 @@ class Front:
     def prune(self, max_front: int, optimistic: bool) -> bool:
         held = np.concatenate([c[0] for c in self.chunks])
         tms = np.concatenate([c[1] for c in self.chunks])
-        every_fwd = np.concatenate([c[4] for c in self.chunks])
         keep = pareto_indices(held, tms, tol=1e-12)
-        self.monotone = not (optimistic and bool(np.any(every_fwd != held)))
+        apart = not all(c[4] is c[0] for c in self.chunks)  # else `fwd` is `held`
+        every_fwd = np.concatenate([c[4] for c in self.chunks]) if apart else held
+        self.monotone = not (optimistic and apart and bool(np.any(every_fwd != held)))
         if self.monotone:
-            fwd = every_fwd[keep]
+            fwd = every_fwd[keep] if apart else None
         else:
             keep, fwd = _with_fwd_front(held, tms, every_fwd, keep)
         ends = np.cumsum([len(c[0]) for c in self.chunks])
@@ -188,9 +189,11 @@ class Front:
             first, last = bucket_ends(held, max_front)
             fastest = last if self.monotone else _least_in_buckets(tms, first)
             corner = held[first] if optimistic else held[last]
-            fwd = np.minimum.reduceat(fwd, first) if optimistic else fwd[last]
+            if fwd is not None:
+                fwd = np.minimum.reduceat(fwd, first) if optimistic else fwd[last]
             held, tms, src, idx = corner, tms[fastest], src[fastest], idx[fastest]
-        self.held, self.fwd, self.time, self.src, self.idx = held, fwd, tms, src, idx
+        self.held, self.time, self.src, self.idx = held, tms, src, idx
+        self.fwd = held if fwd is None else fwd
         self.info = [c[3] for c in self.chunks]
         self.chunks = []
         return rounded
