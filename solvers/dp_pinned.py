@@ -234,7 +234,7 @@ def split_bound(run: HeldRun, problem: Problem, stages: list[tuple[int, int]],
     BERT at 30 %: the attention mask every layer saves, freed early only by rerunning the
     whole encoder with its matmuls kept (0.26 ms, under the 0.80 ms answer), bounded the
     answer at 0.69 ms counted to its last forward reader; no schedule that fits reruns it.
-    DeepLabV3 under bf16: ten holds in eight groups, each cheap to cover.
+    DeepLabV3 under bf16 has ten such holds in eight groups.
     """
     groups = _groups(problem, stages, cheap)
     covers = [Cover(first, last, max(problem.storage_producer[h.storage] for h in hs),

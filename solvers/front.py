@@ -113,12 +113,10 @@ class Front:
 
     Each entry also carries `fwd`, at most its held bytes: what it holds at the later
     windows' forward events beyond what those count by position (`solvers.dp`'s passes that
-    count pinned storages in the residue; otherwise equal to `held`). Where the two differ
-    (lower-bound passes only, `optimistic`), the front keeps the entries on either the
-    (held, time) or the (fwd, time) front, and gives each entry it drops to the (held,
-    time) entry dominating it, which takes the least `fwd` of the two: every entry dropped
-    is then dominated in all three. Times then need not fall along the held bytes
-    (`monotone` False).
+    count pinned storages in the residue; otherwise `held` itself). Where the two differ
+    (lower-bound passes only, `optimistic`), the front is three-way: it keeps every entry
+    that no kept one dominates in held bytes, `fwd` and time (`_with_fwd_front`), so times
+    need not fall along the held bytes (`monotone` False).
     """
 
     def __init__(self) -> None:
@@ -212,8 +210,8 @@ def _with_fwd_front(held: np.ndarray, tms: np.ndarray, fwd: np.ndarray, keep: np
     # most are dominated by the fastest entry at or below their held bytes on the first
     # front, or at or below their fwd on the second (`_owner`)
     owner = _owner(held, keep, rest)
-    rest, owner = (a[(fwd[owner] > fwd[rest]) & (held[_owner(fwd, by_fwd, rest)] > held[rest])]
-                   for a in (rest, owner))
+    open_ = (fwd[owner] > fwd[rest]) & (held[_owner(fwd, by_fwd, rest)] > held[rest])
+    rest, owner = rest[open_], owner[open_]
     merged = len(rest) * len(union) > DOMINANCE_CELLS
     if len(rest) and not merged:
         alive = np.ones(len(rest), dtype=bool)

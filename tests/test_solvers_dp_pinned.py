@@ -170,8 +170,8 @@ def test_a_cast_held_to_the_loss_is_answered_at_the_enumerated_best(
     count it by its conservative life, so the schedule freeing it (its block rerun) came
     only from the bound passes' own paths, which `simulate` scores (`dp._try_bound_paths`).
     At every budget the answer is the enumerated best, proven, but at the two lowest with
-    the largest table, where nothing is found (as before). Before: 4 to 11 budgets of 17 or 18 were answered above it,
-    up to 5.17 ms where 1.17 ms fits."""
+    the largest table, where nothing is found (as before). Before: 4 to 11 budgets of 17
+    or 18 were answered above it, up to 5.17 ms where 1.17 ms fits."""
     p = _cache_model(table_mib, cast_scale)
     lay = dp._layout(Context(p))
     assert lay.through_forward and lay.through_forward == lay.one_stage
