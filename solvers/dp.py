@@ -968,10 +968,10 @@ def _try_bound_paths(problem: Problem, budget_bytes: int, cache: dict, t0: float
     (the pass's time is at most its real one); of the others, the `BOUND_PATHS_SCORED`
     slowest (the least optimistic, the likeliest to fit), as `simulate` takes 0.25 s on an
     80-layer Llama."""
-    paths = sorted(cache.pop(BOUND_PATHS, {}).values(), key=lambda f: -f[0])
+    beat = proof.best.objective_ms if proof.best is not None else math.inf
+    paths = sorted((f for f in cache.pop(BOUND_PATHS, {}).values() if f[0] < beat),
+                   key=lambda f: -f[0])
     for found in paths[:BOUND_PATHS_SCORED]:
-        if proof.best is not None and found[0] >= proof.best.objective_ms:
-            continue
         sched = Schedule.from_segments(problem.n_nodes, found[1])
         sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0)
         if sol.feasible:
