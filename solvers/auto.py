@@ -75,7 +75,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     # (in CALLS_FIRST of the time), and their answer warm-starts the search with op
     # ranges, so that op ranges never answer worse than module calls; large graphs go
     # straight to the DP, whose space holds the module calls' (CP-SAT rarely runs there)
-    first, unbounded = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s)
+    first, unbounded = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s, last=False)
     left = max(0.0, time_limit_s - (time.perf_counter() - t0))
     # CP-SAT after a DP answer with a gap that found no bound at all over module calls,
     # the smaller space, finds none over op ranges in the time either (Llama, 8 layers:
@@ -105,13 +105,14 @@ AFTER_A_GAP_MAX_S = 6.0  # and at most this: the proofs it finds come in 1 to 5 
 
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
            given: Sequence[Solution] = (), after_a_gap: bool = True,
-           dp_answer: Solution | None = None, dp_share: float | None = None
-           ) -> tuple[Solution, bool]:
+           dp_answer: Solution | None = None, dp_share: float | None = None,
+           last: bool = True) -> tuple[Solution, bool]:
     """`solve` over ``problem``'s own regions; ``given``: answers found otherwise (kept
     with their own proofs), one of which may warm-start CP-SAT; ``after_a_gap``: CP-SAT
     may follow a DP answer with a gap on a mid-size graph; ``dp_answer``: the DP's proven
     answer on this problem, if it ran already; ``dp_share``: at least this share of the
-    time for the DP. Also returns whether CP-SAT ran there and found no bound."""
+    time for the DP; ``last``: no search follows (what this one leaves goes unused). Also
+    returns whether CP-SAT ran there and found no bound."""
     t0 = time.perf_counter()
     exact: list[Solution] = []
     # baselines first: on very large graphs they take seconds, and the exact solvers get
@@ -131,7 +132,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     if problem.n_nodes > LARGE_GRAPH_NODES:
         share = max(share, LARGE_GRAPH_DP_SHARE)
     share = max(share, dp_share or 0.0)
-    d = dp_answer or dp.solve(problem, budget_bytes, left * share)
+    answered = _answered(problem, left, time_limit_s, use_cpsat, after_a_gap) if last else None
+    d = dp_answer or dp.solve(problem, budget_bytes, left * share, answered_limit_s=answered)
     exact.append(d)
     left = time_limit_s - reserve - (time.perf_counter() - t0)
     # a DP answer proven optimal on a graph of over 200 nodes is final (its space holds
@@ -170,6 +172,23 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0}), unbounded
+
+
+def _answered(problem: Problem, left: float, time_limit_s: float, use_cpsat: bool,
+              after_a_gap: bool) -> float | None:
+    """How long `_solve`'s DP may search for a proof once it has a bounded answer: all of
+    `left` less what CP-SAT then gets (none on large graphs, or after module calls that
+    bounded; `AFTER_A_GAP` of the limit on mid-size graphs), which would otherwise go
+    unused (DeepLabV3 at 30 %: module calls fit nothing, the DP got 5.5 s of 19 and CP-SAT
+    6, and the DP's split needed 7 s to prove its answer). None on small graphs, where
+    CP-SAT gets all of what the DP leaves. Only where no search follows `_solve` (module
+    calls first: what they leave goes to op ranges; Inception-v3 under bf16 found nothing
+    over op ranges when the calls' DP took the time)."""
+    if problem.n_nodes <= 200:
+        return None
+    if not use_cpsat or problem.n_nodes > LARGE_GRAPH_NODES or not after_a_gap:
+        return left
+    return left - min(AFTER_A_GAP * time_limit_s, AFTER_A_GAP_MAX_S)
 
 
 def _own_proofs(given: Sequence[Solution]) -> list[Solution]:

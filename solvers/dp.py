@@ -74,6 +74,7 @@ and other child splits are not searched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -456,7 +457,14 @@ class _Pass:
             raise TimeoutError
 
     def options(self, t: int, u: int, flat: bool, nested: bool) -> list[tuple]:
-        """The window `t..u-1`'s options: tuples of regions (`()`: STORE)."""
+        """The window `t..u-1`'s options: tuples of regions (`()`: STORE), once per solve
+        (a window is profiled anew for each set of storages held into it)."""
+        key = ("options", t, u, flat, nested)
+        if key not in self.cache:
+            self.cache[key] = self._options(t, u, flat, nested)
+        return self.cache[key]
+
+    def _options(self, t: int, u: int, flat: bool, nested: bool) -> list[tuple]:
         ctx, st = self.ctx, self.st
         a, b = st[t][0], st[u - 1][1]
         if self.p.module_spans is not None:
@@ -582,13 +590,21 @@ class _Pass:
         key = ("charged", t, u, self.charged, self.held_on, self.skip, self.by_position)
         found = self.cache.get(key)
         if found is None:
-            p = self.p
-            a, b = self.st[t][0], self.st[u - 1][1]
-            touched = dict.fromkeys(s for i in range(a, b) for s in (*p.uses[i], *p.outputs[i])
-                                    if s in self.outside)
             found = self.cache[key] = tuple((s in self.charged, s in self.held_on,
                                              s in self.skip, s in self.by_position)
-                                            for s in touched)
+                                            for s in self._touched(t, u))
+        return found
+
+    def _touched(self, t: int, u: int) -> tuple[int, ...]:
+        """The storages left out of the windows that window t..u-1 touches, in order of
+        first touch, once per solve (each pass counting others apart asks again)."""
+        key = ("touched", t, u)
+        found = self.cache.get(key)
+        if found is None:
+            p, (a, b) = self.p, (self.st[t][0], self.st[u - 1][1])
+            found = self.cache[key] = tuple(dict.fromkeys(
+                s for i in range(a, b) for s in (*p.uses[i], *p.outputs[i])
+                if s in self.outside))
         return found
 
     def _out_rel(self, parts: WindowParts, a: int) -> tuple:
@@ -816,6 +832,15 @@ class _Proof:
     final: bool = False
     infeasible_over: SearchSpace | None = None  # a lower pass fit nothing: none of it fits
     first_fit: bool = False  # any schedule that fits ends the search (`solve`'s)
+    answered_deadline: float = 0.0  # `solve`'s `answered_limit_s`, from its start
+
+    def deadline(self, deadline: float) -> float:
+        """The deadline of what follows: `answered_deadline` once an answer is bounded."""
+        return max(deadline, self.answered_deadline) if self.bounded else deadline
+
+    @property
+    def bounded(self) -> bool:
+        return self.best is not None and self.bound > 0
 
     @property
     def proven(self) -> bool:
@@ -850,7 +875,7 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
     `floor` (`dp_pinned.bound_over_holds`); and, where some pinned storages only one
     stage can hold (`dp_pinned.one_stage_holders`), the same counting those in that
     stage's residue instead. Where pinned storages are held only by regions reading them,
-    `_reader_bound`'s split first (its passes reuse the lower pass's windows). The highest
+    `_reader_bound`'s split too. The highest
     bound (inf: nothing fits; -inf: none came in the time). The other windows are profiled
     anew (they count more than the upper passes' do), so `_passes` runs these last, in the
     time left (`readers_only`: not at all).
@@ -867,21 +892,31 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
             return (math.inf if found is None else found[0]), rounded, relaxed
         return run
 
-    found = (-math.inf, False, False)
-    if lay.readers:
-        found = (_reader_bound(ctx, lay, limit, max_front, deadline, cache, span, floor),
-                 False, False)
     others = [] if readers_only else [(lay.lower_table, frozenset(), lay.holds)]
     if lay.one_stage and not readers_only:
         apart = [h for h in lay.holds if h.storage not in lay.one_stage]
         if len(apart) == len(lay.holds) and lay.one_stage <= lay.through_forward:
             others = []  # the pass below counts all the first does, and more
         others.append((lay.bound_table, lay.one_stage, apart))
-    for table, held_on, holds in others:
+    bounds: list[Callable[[], tuple[float, bool, bool]]] = [
+        functools.partial(bound_over_holds, counting(table, held_on), ctx.p, lay.stages, holds,
+                          floor) for table, held_on, holds in others]
+    if lay.readers:
+        def reader() -> tuple[float, bool, bool]:
+            return _reader_bound(ctx, lay, limit, max_front, deadline, cache, span, floor), \
+                False, False
+
+        # the reader split's passes reuse the lower pass's windows, so it goes first, but
+        # after a split over cheap holds (Inception-v3 at its lowest peak: 64 reader passes
+        # in 18 s bound nothing, the holds' three passes prove the answer)
+        cheap = any(h.cover_ms < floor for h in lay.holds)
+        bounds = [*bounds, reader] if cheap else [reader, *bounds]
+    found = (-math.inf, False, False)
+    for bound in bounds:
         if found[0] >= floor:
             break
         try:
-            other = bound_over_holds(counting(table, held_on), ctx.p, lay.stages, holds, floor)
+            other = bound()
         except TimeoutError:
             if found[0] == -math.inf:
                 raise
@@ -934,6 +969,7 @@ def _passes(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, spans
         proof.bound, proof.rounded = max(proof.bound, bound), rounded
         if span >= len(lay.stages):
             proof.nested = max(proof.nested or 0.0, bound)
+        deadline = proof.deadline(deadline)
         _try_bound_paths(problem, budget_bytes, cache, t0, proof)
         if lay.outside and not proof.proven:
             # the left-out storages counted by their sure lives may fit a faster schedule
@@ -1023,7 +1059,15 @@ def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_fro
                  if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in read)}
     else:
         spans = {stages_of(h.storage) for h in lay.holds if h.cover_ms < floor}
+    sure = held_table(p, lay.lower_table, ctx.last_read, sure_holds(lay.holds, floor))
     for first, last in sorted(spans):
+        try:  # a lower-bound pass over the same schedules first: most cannot beat the answer
+            found = _run(ctx, lay, budget_bytes - p.static_bytes, max_front, True, deadline,
+                         cache, span, table=sure, covers=(Cover(first, last, -1, -1),)).found
+        except TimeoutError:
+            return
+        if found is None or found[0] >= floor:
+            continue
         local = frozenset(s for s in lay.pinned
                           if first <= stages_of(s)[0] and stages_of(s)[1] <= last)
         table = lay.upper_table.copy()
@@ -1037,12 +1081,14 @@ def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_fro
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
-          *, max_front: int = 2000, keep_front: bool = True, first_fit: bool = False
-          ) -> Solution:
+          *, max_front: int = 2000, keep_front: bool = True, first_fit: bool = False,
+          answered_limit_s: float | None = None) -> Solution:
     """Least recompute time within the budget over chain segmentations (see module doc);
     `keep_front=False` lets regions keep only nothing or their matmuls; `first_fit`: the
     first schedule found that fits, with no search for a faster one or a bound (a search
-    for the least budget that fits asks only that, or a proof that nothing does).
+    for the least budget that fits asks only that, or a proof that nothing does);
+    `answered_limit_s`: once an answer and a lower bound are found, the search for a proof
+    may go on to this limit instead (`auto`: the time no other solver would get then).
 
     When the widest pass thinned its fronts and left a gap, both passes run again with
     fronts twice as long (up to `MAX_FRONT_GROWTH` times `max_front`) while time is left,
@@ -1052,7 +1098,9 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     t0 = time.perf_counter()
     ctx = Context(problem)
     lay = _layout(ctx, keep_front)
-    first = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit, t0)
+    answered = t0 + (answered_limit_s or 0.0)
+    first = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit, t0,
+                          answered)
     if (first.feasible or time.perf_counter() >= t0 + time_limit_s
             or not _other_chain_differs(ctx, lay)):
         return first
@@ -1060,24 +1108,27 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     # schedule that does (timm's ResNet-18d at its lowest peak); its answer is bounded by
     # its own bound only where the first proved that nothing of its chain fits
     second = _solve_layout(ctx, _layout(ctx, keep_front, calls_first=False), budget_bytes,
-                           t0 + time_limit_s, max_front, first_fit, t0)
+                           t0 + time_limit_s, max_front, first_fit, t0, answered)
     return _other_chain_answer(problem, first, second, budget_bytes, t0)
 
 
 def _solve_layout(ctx: Context, lay: _Layout, budget_bytes: int, deadline: float,
-                  max_front: int, first_fit: bool, t0: float) -> Solution:
+                  max_front: int, first_fit: bool, t0: float, answered_deadline: float = 0.0
+                  ) -> Solution:
     """`solve` over one chain of stages."""
     problem = ctx.p
     cache: dict = {}
-    proof = _Proof(first_fit=first_fit)
+    proof = _Proof(first_fit=first_fit, answered_deadline=answered_deadline)
     spans = _spans(len(lay.stages))
     front = max_front
     while True:
         before = proof.bound
-        _passes(ctx, lay, budget_bytes, front, spans, deadline, cache, t0, proof)
+        _passes(ctx, lay, budget_bytes, front, spans, proof.deadline(deadline), cache, t0,
+                proof)
         if (proof.proven or not proof.rounded or proof.best is None or proof.bound <= before
                 or proof.best.objective_ms - proof.bound <= GROWN_GAP * proof.best.objective_ms
-                or front >= MAX_FRONT_GROWTH * max_front or time.perf_counter() > deadline):
+                or front >= MAX_FRONT_GROWTH * max_front
+                or time.perf_counter() > proof.deadline(deadline)):
             break
         front, spans = 2 * front, spans[-1:]
     if proof.final:

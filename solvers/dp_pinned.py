@@ -156,7 +156,8 @@ def sure_holds(holds: Sequence[PinnedHold], floor_ms: float) -> list[PinnedHold]
 
 class Cover(NamedTuple):
     """Schedules with a region that holds nodes `x` and `y` (stages `first` < `last`): no
-    segment ends between those stages, and the one holding both has such a region."""
+    segment ends between those stages, and the one holding both has such a region (`x`
+    negative: any segment holding those stages)."""
 
     first: int
     last: int
@@ -165,7 +166,7 @@ class Cover(NamedTuple):
 
     def by(self, spec: Spec, a: int) -> bool:
         """Whether an option of the window starting at node `a` has such a region."""
-        return any(a + rx <= self.x and a + ry > self.y for rx, ry, _, _ in spec)
+        return self.x < 0 or any(a + rx <= self.x and a + ry > self.y for rx, ry, _, _ in spec)
 
 
 # a lower-bound pass counting these holds as held, over the schedules with regions that
@@ -362,7 +363,7 @@ def reader_holds(problem: Problem, stages: list[tuple[int, int]], pinned: frozen
 # a lower-bound pass over the schedules that hold the first storages (a region holds a
 # reader) and none of the second: its bound (inf: nothing fits)
 ReaderRun = Callable[[tuple[ReaderHold, ...], tuple[ReaderHold, ...]], float]
-BRANCH_PASSES = 24  # passes per branch and bound; past them, open branches keep their parent's
+BRANCH_PASSES = 64  # passes per branch and bound; past them, open branches keep their parent's
 
 
 def reader_split_bound(run: ReaderRun, readers: Sequence[ReaderHold], beat: float) -> float:

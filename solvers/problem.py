@@ -412,6 +412,11 @@ class Problem(BaseModel):
         """Whether `[start, stop)` can be a RECOMPUTE region (`span_views.emittable`)."""
         return span_views.emittable(self, start, stop)
 
+    @cached_property
+    def calls_in_order(self) -> tuple[list[int], list[ModuleSpan]]:
+        """The module-call spans by start (longest first), and their starts."""
+        return span_views.calls_in_order(self)
+
     def spans_within(self, start: int, stop: int) -> list[ModuleSpan]:
         """The largest module spans strictly inside `[start, stop)`, in order."""
         return span_views.spans_within(self, start, stop)

@@ -5,12 +5,14 @@ traced forwards), hence may be checkpoint regions, and what a checkpoint of a ra
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from solvers.problem import ModuleSpan, Problem
 
-__all__ = ["emittable", "is_call", "region_inputs", "span", "span_table", "spans_within"]
+__all__ = ["calls_in_order", "emittable", "is_call", "region_inputs", "span", "span_table",
+           "spans_within"]
 
 
 def span_table(problem: Problem) -> dict[tuple[int, int], ModuleSpan]:
@@ -23,15 +25,27 @@ def emittable(problem: Problem, start: int, stop: int) -> bool:
     return problem.module_spans is None or (start, stop) in problem.span_table
 
 
+def calls_in_order(problem: Problem) -> tuple[list[int], list[ModuleSpan]]:
+    """The module-call spans sorted by start, the longest first at each, and their starts
+    (`spans_within` bisects them: the DP asks for every window's)."""
+    calls = sorted((sp for sp in problem.module_spans or () if sp.kind == "call"),
+                   key=lambda sp: (sp.start, -sp.stop))
+    return [sp.start for sp in calls], calls
+
+
 def spans_within(problem: Problem, start: int, stop: int) -> list[ModuleSpan]:
     """The largest module spans strictly inside `[start, stop)`, in order: the module
     calls one level below it (or the top ones of a stretch of nodes)."""
     out: list[ModuleSpan] = []
-    calls = (sp for sp in problem.module_spans or () if sp.kind == "call")
-    for span in sorted(calls, key=lambda sp: (sp.start, -sp.stop)):
-        if start <= span.start and span.stop <= stop and (span.start, span.stop) != (
-                start, stop) and not (out and span.stop <= out[-1].stop):
-            out.append(span)
+    starts, calls = problem.calls_in_order
+    k, end = bisect.bisect_left(starts, start), bisect.bisect_left(starts, stop)
+    while k < end:
+        span = calls[k]
+        if span.stop <= stop and (span.start, span.stop) != (start, stop):
+            out.append(span)  # calls nest: the next one not inside it starts at its stop
+            k = bisect.bisect_left(starts, span.stop, k + 1, end)
+        else:
+            k += 1
     return out
 
 
