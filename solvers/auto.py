@@ -406,6 +406,7 @@ def _dp_bisection(problem: Problem, bound: int, best: int,
     lo, hi = bound - 1, best - 1  # lo: infeasible; is anything at or below hi?
     per_call = 0.5 * time_limit_s / 8
     proof: SearchSpace | None = None  # over which lo is proven infeasible (the DP's space)
+    shared: dict = {}  # the DP's profiles of this problem, the same at every budget
     for step in itertools.count():
         left = deadline - time.perf_counter() - per_call  # a share for what follows
         if hi <= lo or (step >= 8 and not exact) or left < per_call:
@@ -414,7 +415,7 @@ def _dp_bisection(problem: Problem, bound: int, best: int,
         # a call may run past its share while time is left: a DP pass that needs 1 s
         # (Swin-T) finds nothing in a share of 0.3 s, however many such calls run
         sol = dp.solve(problem, mid, min(left, max(per_call, BISECTION_CALL_S)),
-                       first_fit=True)
+                       first_fit=True, shared=shared)
         if sol.feasible and sol.schedule is not None and sol.peak_bytes is not None:
             found.append((sol.peak_bytes, "dp", sol.schedule))
             hi = sol.peak_bytes - 1

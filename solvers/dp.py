@@ -1061,12 +1061,8 @@ def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_fro
         spans = {stages_of(h.storage) for h in lay.holds if h.cover_ms < floor}
     sure = held_table(p, lay.lower_table, ctx.last_read, sure_holds(lay.holds, floor))
     for first, last in sorted(spans):
-        try:  # a lower-bound pass over the same schedules first: most cannot beat the answer
-            found = _run(ctx, lay, budget_bytes - p.static_bytes, max_front, True, deadline,
-                         cache, span, table=sure, covers=(Cover(first, last, -1, -1),)).found
-        except TimeoutError:
-            return
-        if found is None or found[0] >= floor:
+        if _beaten(ctx, lay, budget_bytes, max_front, deadline, cache, span, sure, floor,
+                   Cover(first, last, -1, -1)):
             continue
         local = frozenset(s for s in lay.pinned
                           if first <= stages_of(s)[0] and stages_of(s)[1] <= last)
@@ -1080,15 +1076,34 @@ def _covered_upper_passes(ctx: Context, lay: _Layout, budget_bytes: int, max_fro
             return
 
 
+def _beaten(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int, deadline: float,
+            cache: dict, span: int, table: np.ndarray, floor: float, cover: Cover) -> bool:
+    """Whether a lower-bound pass over the schedules of `cover` proves that none beats an
+    answer of `floor` ms (most of `_covered_upper_passes`' cannot: Inception-v3 at its
+    lowest peak, 12 upper passes in 10 s found nothing, their lower passes take 3 s);
+    False without an answer (no pass to spare when a first fit is sought)."""
+    if floor == math.inf:
+        return False
+    try:
+        found = _run(ctx, lay, budget_bytes - ctx.p.static_bytes, max_front, True, deadline,
+                     cache, span, table=table, covers=(cover,)).found
+    except TimeoutError:
+        return False  # the upper pass then stops at the deadline too
+    return found is None or found[0] >= floor
+
+
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
           *, max_front: int = 2000, keep_front: bool = True, first_fit: bool = False,
-          answered_limit_s: float | None = None) -> Solution:
+          answered_limit_s: float | None = None, shared: dict | None = None) -> Solution:
     """Least recompute time within the budget over chain segmentations (see module doc);
     `keep_front=False` lets regions keep only nothing or their matmuls; `first_fit`: the
     first schedule found that fits, with no search for a faster one or a bound (a search
     for the least budget that fits asks only that, or a proof that nothing does);
     `answered_limit_s`: once an answer and a lower bound are found, the search for a proof
-    may go on to this limit instead (`auto`: the time no other solver would get then).
+    may go on to this limit instead (`auto`: the time no other solver would get then);
+    `shared`: a dict that solves of this same problem share (`auto`'s bisection over
+    budgets): the context, layouts and windows' profiles, none of which depends on the
+    budget (Swin-T: a first fit in 0.3 s where profiling anew took 0.9).
 
     When the widest pass thinned its fronts and left a gap, both passes run again with
     fronts twice as long (up to `MAX_FRONT_GROWTH` times `max_front`) while time is left,
@@ -1096,28 +1111,42 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     thinning, not the space, is then what the gap measures (a long chain's held bytes span
     a wide range, so its memory buckets are coarse)."""
     t0 = time.perf_counter()
-    ctx = Context(problem)
-    lay = _layout(ctx, keep_front)
+    shared = {} if shared is None else shared
+    if shared.get("problem") is not problem:
+        shared.clear()
+        shared.update(problem=problem, ctx=Context(problem))
+    ctx = shared["ctx"]
+
+    def layout(calls_first: bool) -> tuple[_Layout, dict]:
+        key = ("layout", keep_front, calls_first)
+        if key not in shared:
+            shared[key] = _layout(ctx, keep_front, calls_first), {}
+        lay, cache = shared[key]
+        cache.pop(BOUND_PATHS, None)  # found at another budget
+        return lay, cache
+
+    lay, cache = layout(True)
     answered = t0 + (answered_limit_s or 0.0)
     first = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit, t0,
-                          answered)
+                          answered, cache)
     if (first.feasible or time.perf_counter() >= t0 + time_limit_s
             or not _other_chain_differs(ctx, lay)):
         return first
     # nothing of the calls' chain fits: the other chain, in the time left, may hold a
     # schedule that does (timm's ResNet-18d at its lowest peak); its answer is bounded by
     # its own bound only where the first proved that nothing of its chain fits
-    second = _solve_layout(ctx, _layout(ctx, keep_front, calls_first=False), budget_bytes,
-                           t0 + time_limit_s, max_front, first_fit, t0, answered)
+    lay, cache = layout(False)
+    second = _solve_layout(ctx, lay, budget_bytes, t0 + time_limit_s, max_front, first_fit,
+                           t0, answered, cache)
     return _other_chain_answer(problem, first, second, budget_bytes, t0)
 
 
 def _solve_layout(ctx: Context, lay: _Layout, budget_bytes: int, deadline: float,
-                  max_front: int, first_fit: bool, t0: float, answered_deadline: float = 0.0
-                  ) -> Solution:
-    """`solve` over one chain of stages."""
+                  max_front: int, first_fit: bool, t0: float, answered_deadline: float = 0.0,
+                  cache: dict | None = None) -> Solution:
+    """`solve` over one chain of stages (`cache`: its windows' profiles, `solve`'s)."""
     problem = ctx.p
-    cache: dict = {}
+    cache = {} if cache is None else cache
     proof = _Proof(first_fit=first_fit, answered_deadline=answered_deadline)
     spans = _spans(len(lay.stages))
     front = max_front
