@@ -84,6 +84,41 @@ def test_shared_windows_score_as_simulate_does(frac: float,
     check_reported_numbers(p, sol)
 
 
+def test_solves_of_one_problem_share_their_profiles_and_answer_as_fresh_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dp.solve(shared=...)`, as the lowest-peak bisection asks at budget after budget:
+    the window profiles do not depend on the budget, so the later solves profile a fraction
+    of what fresh ones do, and every answer (schedule, bound, proof) is the fresh one's,
+    first fits and infeasible budgets included."""
+    p = transformer(6, rotary=True)
+    every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
+    budgets = [_halfway(p), every, _halfway(p) + 1, every - 1, p.static_bytes + 1]
+    calls = [0]
+    profile = dp_module.profile_parts
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(dp_module, "profile_parts", counting)
+    shared: dict = {}
+    fresh_calls = shared_calls = 0
+    for budget in budgets:
+        for first_fit in (False, True):
+            calls[0] = 0
+            fresh = dp.solve(p, budget, math.inf, first_fit=first_fit)
+            fresh_calls += calls[0]
+            calls[0] = 0
+            again = dp.solve(p, budget, math.inf, first_fit=first_fit, shared=shared)
+            shared_calls += calls[0]
+            assert (again.status, again.objective_ms, again.bound_ms, again.peak_bytes) == (
+                fresh.status, fresh.objective_ms, fresh.bound_ms, fresh.peak_bytes), budget
+            assert (again.schedule is None) == (fresh.schedule is None)
+            if fresh.schedule is not None:
+                assert again.schedule.describe() == fresh.schedule.describe()
+    assert shared_calls < fresh_calls / 3, (shared_calls, fresh_calls)
+
+
 def test_thinned_fronts_grow_until_the_gap_closes(monkeypatch: pytest.MonkeyPatch) -> None:
     p = transformer(8, rotary=True)
     budget = _halfway(p)
