@@ -874,11 +874,11 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
     after the forward, and split the schedules by the holds whose cover is cheaper than
     `floor` (`dp_pinned.bound_over_holds`); and, where some pinned storages only one
     stage can hold (`dp_pinned.one_stage_holders`), the same counting those in that
-    stage's residue instead. Where pinned storages are held only by regions reading them,
-    `_reader_bound`'s split too. The highest
-    bound (inf: nothing fits; -inf: none came in the time). The other windows are profiled
-    anew (they count more than the upper passes' do), so `_passes` runs these last, in the
-    time left (`readers_only`: not at all).
+    stage's residue instead; where pinned storages are held only by regions reading them,
+    `_reader_bound`'s split too. The highest bound (inf: nothing fits; -inf: none came in
+    the time). The other windows are profiled anew (they count more than the upper passes'
+    do), so `_passes` runs these last, in the time left (`readers_only`: the reader split
+    alone).
     """
     def counting(table: np.ndarray, held_on: frozenset[int]) -> Callable:
         def run(holds: list[PinnedHold], covers: tuple[Cover, ...] = ()
@@ -903,8 +903,8 @@ def _finer_bound(ctx: Context, lay: _Layout, limit: int, max_front: int, deadlin
                           floor) for table, held_on, holds in others]
     if lay.readers:
         def reader() -> tuple[float, bool, bool]:
-            return _reader_bound(ctx, lay, limit, max_front, deadline, cache, span, floor), \
-                False, False
+            return (_reader_bound(ctx, lay, limit, max_front, deadline, cache, span, floor),
+                    False, False)
 
         # the reader split's passes reuse the lower pass's windows, so it goes first, but
         # after a split over cheap holds (Inception-v3 at its lowest peak: 64 reader passes
@@ -1103,7 +1103,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     may go on to this limit instead (`auto`: the time no other solver would get then);
     `shared`: a dict that solves of this same problem share (`auto`'s bisection over
     budgets): the context, layouts and windows' profiles, none of which depends on the
-    budget (Swin-T: a first fit in 0.3 s where profiling anew took 0.9).
+    budget (Swin-T's first fits in 0.1 s where profiling anew took 0.9).
 
     When the widest pass thinned its fronts and left a gap, both passes run again with
     fronts twice as long (up to `MAX_FRONT_GROWTH` times `max_front`) while time is left,

@@ -414,7 +414,7 @@ class Problem(BaseModel):
 
     @cached_property
     def calls_in_order(self) -> tuple[list[int], list[ModuleSpan]]:
-        """The module-call spans by start (longest first), and their starts."""
+        """The module calls' starts, and their spans by start (longest first)."""
         return span_views.calls_in_order(self)
 
     def spans_within(self, start: int, stop: int) -> list[ModuleSpan]:
