@@ -28,8 +28,8 @@ def _halfway(p) -> int:
     return (store + every) // 2
 
 
-def _window_profiles(p, monkeypatch: pytest.MonkeyPatch) -> int:
-    """How many window profiles one DP solve computes (no time limit)."""
+def _counting_profiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of the window profiles the DP computes from now on (`[count]`)."""
     calls = [0]
     profile = dp_module.profile_parts
 
@@ -38,6 +38,12 @@ def _window_profiles(p, monkeypatch: pytest.MonkeyPatch) -> int:
         return profile(*args, **kwargs)
 
     monkeypatch.setattr(dp_module, "profile_parts", counting)
+    return calls
+
+
+def _window_profiles(p, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many window profiles one DP solve computes (no time limit)."""
+    calls = _counting_profiles(monkeypatch)
     assert dp.solve(p, _halfway(p), math.inf).feasible
     monkeypatch.undo()
     return calls[0]
@@ -93,14 +99,7 @@ def test_solves_of_one_problem_share_their_profiles_and_answer_as_fresh_ones(
     p = transformer(6, rotary=True)
     every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
     budgets = [_halfway(p), every, _halfway(p) + 1, every - 1, p.static_bytes + 1]
-    calls = [0]
-    profile = dp_module.profile_parts
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return profile(*args, **kwargs)
-
-    monkeypatch.setattr(dp_module, "profile_parts", counting)
+    calls = _counting_profiles(monkeypatch)
     shared: dict = {}
     fresh_calls = shared_calls = 0
     for budget in budgets:
