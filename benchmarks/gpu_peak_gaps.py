@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from frontier_peers import peer_context, peer_schedule
+from record_profiles import gpu_slug
 
 import profiles
 from planner import zoo
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts = parser.parse_args(argv)
     result = run(opts.device, opts.size, opts.batch)
     opts.out.mkdir(parents=True, exist_ok=True)
-    stem = opts.out / f"gpu-peak-gaps-{opts.device}"
+    where = gpu_slug(torch.cuda.get_device_name()) if opts.device == "cuda" else "cpu"
+    stem = opts.out / f"gpu-peak-gaps-{where}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(render(result))
     print(render(result), flush=True)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from frontier_measure import Runner
 from offload_measured import ANCHORS_GIB, GIB, _measure
+from record_profiles import gpu_slug
 
 from planner import zoo
 from planner.api import optimize, plan_for_schedule, replan
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=RESULTS)
     opts = parser.parse_args(argv)
     result = bench(opts.solve_time_limit)
-    stem = "offload-release-" + ("h100" if "H100" in result["device_name"] else "cpu")
+    gpu = result["device_name"] != "CPU"
+    stem = "offload-release-" + (gpu_slug(result["device_name"]) if gpu else "cpu")
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (opts.out / f"{stem}.md").write_text(markdown(result))
