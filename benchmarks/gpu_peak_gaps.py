@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -47,11 +48,11 @@ def _allocated(device: str) -> int | None:
 
 
 def _step(zm: zoo.ZooModel, args: tuple, kwargs: dict, device: str,
-          peer: str | None = None) -> dict[str, Any]:
+          peer: str | None = None, autocast: str | None = None) -> dict[str, Any]:
     """One measured step (under hand-written policy `peer`, if any) and what it left."""
     before = _allocated(device)
     with peer_context(peer, zm) if peer else contextlib.nullcontext():
-        peak = measure_step(zm.model, args, kwargs, zm.loss_fn)[0]
+        peak = measure_step(zm.model, args, kwargs, zm.loss_fn, autocast)[0]
     return {"peak_bytes": peak, "allocated_before": before, "allocated_after": _allocated(device)}
 
 
@@ -74,12 +75,14 @@ def _live_at_peak(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
         for f in e.get("frames", []) if f["filename"].endswith(".py")][:6]} for e in best]
 
 
-def _traced_step(zm: zoo.ZooModel, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
+def _traced_step(zm: zoo.ZooModel, args: tuple, kwargs: dict, autocast: str | None,
+                 peer: str | None = None) -> list[dict[str, Any]]:
     """A warm unplanned step under the CUDA allocator's recorder: what the step allocated
     and still holds at its peak (what was allocated before it is not in the trace)."""
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        measure_step(zm.model, args, kwargs, zm.loss_fn)
+        with peer_context(peer, zm) if peer else contextlib.nullcontext():
+            measure_step(zm.model, args, kwargs, zm.loss_fn, autocast)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -99,26 +102,29 @@ def _simulated_sizes(problem: Any, nbytes: list[int]) -> dict[str, list[str]]:
     return out
 
 
-def run(device: str, size: str, batch: int) -> dict[str, Any]:
+def run(device: str, size: str, batch: int, autocast: str | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     zm = zoo.get("gpt", device=device, size=size, batch=batch, dropout=0.0)
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
     result: dict[str, Any] = {"device": device, "size": size, "batch": batch,
+                              "autocast": autocast,
                               "torch": torch.__version__,
                               "device_name": torch.cuda.get_device_name() if device == "cuda"
                               else "cpu", "allocated_after_model": _allocated(device)}
-    result["unplanned_first"] = _step(zm, args, kwargs, device)
-    result["unplanned_second"] = _step(zm, args, kwargs, device)
-    result["every_layer"] = _step(zm, args, kwargs, device, "every-layer")
+    result["unplanned_first"] = _step(zm, args, kwargs, device, autocast=autocast)
+    result["unplanned_second"] = _step(zm, args, kwargs, device, autocast=autocast)
+    result["every_layer"] = _step(zm, args, kwargs, device, "every-layer", autocast)
     prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
-                            progress=False)
+                            progress=False,
+                            autocast=getattr(torch, autocast) if autocast else None)
     problem = problem_from_profile(prof, op_ranges=True)
     n_blocks = len(zm.model.get_submodule(zm.block_prefix))
     for key, schedule in (("unplanned", Schedule.store_all(problem.n_nodes)),
                           ("every_layer", peer_schedule("every-layer", problem, n_blocks))):
         timeline = simulate(problem, schedule)
         result[f"simulated_{key}"] = {"peak_bytes": timeline.peak_bytes,
-                                      "peak_event": timeline.peak_label}
+                                      "peak_event": timeline.peak_label,
+                                      "breakdown": dataclasses.asdict(timeline.breakdown)}
     warm = result["unplanned_second"]["peak_bytes"]
     result["gap_unplanned_second"] = result["simulated_unplanned"]["peak_bytes"] - warm
     result["gap_every_layer"] = (result["simulated_every_layer"]["peak_bytes"]
@@ -130,9 +136,12 @@ def run(device: str, size: str, batch: int) -> dict[str, Any]:
     sizes = sorted({n for n in problem.storage_bytes if any(g <= n <= g + 4096 for g in gaps)})
     result["simulated_storages_by_size"] = _simulated_sizes(problem, sizes)
     if device == "cuda":
-        live = _traced_step(zm, args, kwargs)
+        live = _traced_step(zm, args, kwargs, autocast)
         result["gpu_live_at_peak_by_size"] = dict(Counter(e["size"] for e in live))
         result["gpu_live_small"] = [e for e in live if e["size"] <= 4 * 2 ** 20][:60]
+        live = _traced_step(zm, args, kwargs, autocast, "every-layer")
+        result["gpu_live_at_peak_by_size_every_layer"] = dict(Counter(e["size"] for e in live))
+        result["gpu_live_every_layer"] = live
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -141,8 +150,10 @@ def render(result: dict[str, Any]) -> str:
     rows = [("unplanned, first step of the process", result["unplanned_first"]),
             ("unplanned, second step", result["unplanned_second"]),
             ("every layer checkpointed", result["every_layer"])]
+    precision = f"{result['autocast']} autocast" if result.get("autocast") else "fp32"
     lines = [f"# Where the GPU's peak and the simulator's differ ({result['device_name']})", "",
-             f"GPT ({result['size']}), batch {result['batch']}, torch {result['torch']}; "
+             f"GPT ({result['size']}), batch {result['batch']}, {precision}, "
+             f"torch {result['torch']}; "
              f"{result['wall_s']:.0f} s.", "",
              "| step | measured peak B | allocated before | after |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['peak_bytes']:,} | {r['allocated_before']} | "
@@ -167,11 +178,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--size", default="gpt2-medium")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None)
     opts = parser.parse_args(argv)
-    result = run(opts.device, opts.size, opts.batch)
+    result = run(opts.device, opts.size, opts.batch, opts.autocast)
     opts.out.mkdir(parents=True, exist_ok=True)
     where = gpu_slug(torch.cuda.get_device_name()) if opts.device == "cuda" else "cpu"
-    stem = opts.out / f"gpu-peak-gaps-{where}"
+    suffix = f"-{opts.autocast}" if opts.autocast else ""
+    stem = opts.out / f"gpu-peak-gaps-{where}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(render(result))
     print(render(result), flush=True)
