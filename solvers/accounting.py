@@ -29,7 +29,7 @@ window plus those read in it from before `a` that the previous window does not h
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -206,7 +206,8 @@ def profile_parts(ctx: Context, a0: int, b0: int,
                   skip: frozenset[int] = frozenset(),
                   after_forward: frozenset[int] = frozenset(),
                   held_on: frozenset[int] = frozenset(),
-                  by_position: frozenset[int] = frozenset()) -> WindowParts:
+                  by_position: frozenset[int] = frozenset(),
+                  until: Mapping[int, int] | None = None) -> WindowParts:
     """`profile`'s computation, returned as position-independent parts (`WindowParts`).
 
     Storages in `skip` are left out (their original instance; copies a rerun regenerates
@@ -216,7 +217,9 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     use: the caller counts their forward by position, and another window may hold them
     too, except those in `held_on`). Neither is ever part of `held_out`. Of those in its
     residue, the bytes of the ones in `by_position` (which the caller also counts by position
-    at the later windows' forward events) are reported apart (`by_position_bytes`).
+    at the later windows' forward events) are reported apart (`by_position_bytes`). Of
+    `after_forward`, those in `until` count only at the reruns and backward events of
+    nodes up to `until[s]` (the caller's table counts them at the later nodes').
     Slots are `simulate`'s events in order: the forward of the window's nodes, then per
     backward node j (descending) the steps of the reruns it triggers (a parent's before its
     child's) and j's own event.
@@ -259,6 +262,9 @@ def profile_parts(ctx: Context, a0: int, b0: int,
         nbytes = p.storage_bytes[s]
         if s in after_forward:
             start = max(start, n_fw)
+            cap = until.get(s) if until else None
+            if cap is not None and cap + 1 < b0:  # the slots after node cap + 1's backward
+                start = max(start, bwd_slot[cap + 1 - a0] + 1 if cap + 1 >= a0 else len(const))
         if end >= start and nbytes:
             starts.append(start)
             ends.append(end + 1)

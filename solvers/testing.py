@@ -1,7 +1,8 @@
 """Synthetic problems for tests and benchmarks (numpy only, no torch).
 
-`transformer` builds a GPT-like chain of identical blocks, `random_dag` a DAG that is not a
-chain of blocks; both are plain `Problem`s with the profiler's conventions (views alias
+`transformer` builds a GPT-like chain of identical blocks, `dense_block` a DenseNet block
+(each layer concatenates every earlier feature), `random_dag` a DAG that is not a chain of
+blocks; all are plain `Problem`s with the profiler's conventions (views alias
 their base storage, a node that saves only its inputs packs before running).
 """
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from solvers.problem import Problem
 
-__all__ = ["MiB", "random_dag", "transformer"]
+__all__ = ["MiB", "dense_block", "random_dag", "transformer"]
 
 MiB = 2**20
 
@@ -75,6 +76,32 @@ def transformer(n_blocks: int, width: int = 2, seed: int = 0, rotary: bool = Fal
     prev = add("lm_head", "linear", 200, 3.0, True, False, [prev], -1)
     add("loss", "cross_entropy", 0, 0.5, True, False, [prev], -1)
     return _build(names, kinds, out_b, fwd, saves_in, saves_out, ins, block, "transformer")
+
+
+def dense_block(layers: int, feature_mib: float = 4) -> Problem:
+    """A DenseNet block after a stem: layer k concatenates the stem's and every earlier
+    layer's feature (the concatenation saves none of them, so after the forward only a
+    region rerunning a later concatenation holds one, as its input), then batch norm, ReLU
+    and a convolution making its own feature; a head reads the last. One block per layer."""
+    names, kinds, out_b, fwd, saves_in, ins, block = [], [], [], [], [], [], []
+
+    def add(name: str, kind: str, mib: float, ms: float, saves: bool, inputs: list[int],
+            b: int) -> int:
+        for items, value in ((names, name), (kinds, kind), (out_b, int(mib * MiB)),
+                             (fwd, ms), (saves_in, saves), (ins, inputs), (block, b)):
+            items.append(value)
+        return len(names) - 1
+
+    features = [add("stem", "convolution", feature_mib, 0.5, False, [], -1)]
+    for k in range(layers):
+        width = feature_mib * len(features)
+        cat = add(f"l{k}.cat", "cat", width, 0.05, False, list(features), k)
+        norm = add(f"l{k}.norm", "batch_norm", width, 0.2, True, [cat], k)
+        relu = add(f"l{k}.relu", "relu", width, 0.1, False, [norm], k)
+        features.append(add(f"l{k}.conv", "convolution", feature_mib, 1.0, True, [relu], k))
+    add("head", "mean", 0.001, 0.01, True, [features[-1]], -1)
+    return _build(names, kinds, out_b, fwd, saves_in, [False] * len(names), ins, block,
+                  "dense_block")
 
 
 def random_dag(n: int, seed: int = 0, skip: float = 0.05) -> Problem:
