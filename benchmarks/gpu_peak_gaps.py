@@ -13,9 +13,11 @@ what it could not see, in about 30 s:
   peak, so that a tensor one side holds and the other does not shows by its size.
 
     python benchmarks/gpu_peak_gaps.py                       # on a GPU machine
+    python benchmarks/gpu_peak_gaps.py --autocast bfloat16   # the same under bf16 autocast
     python benchmarks/gpu_peak_gaps.py --device cpu --size small --batch 2   # the code path
 
-Writes gpu-peak-gaps-<device>.{json,md} under ``--out``.
+On a GPU the allocator's trace is taken of the warm unplanned step and of the every-layer
+step. Writes gpu-peak-gaps-<gpu or cpu>[-<autocast>].{json,md} under ``--out``.
 """
 
 from __future__ import annotations
