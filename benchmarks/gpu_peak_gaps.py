@@ -49,12 +49,18 @@ def _allocated(device: str) -> int | None:
     return torch.cuda.memory_allocated() if device == "cuda" else None
 
 
+def _measured(zm: zoo.ZooModel, args: tuple, kwargs: dict, peer: str | None,
+              autocast: str | None) -> int:
+    """`measure_step`'s peak, under hand-written policy `peer` (None: unplanned)."""
+    with peer_context(peer, zm) if peer else contextlib.nullcontext():
+        return measure_step(zm.model, args, kwargs, zm.loss_fn, autocast)[0]
+
+
 def _step(zm: zoo.ZooModel, args: tuple, kwargs: dict, device: str,
           peer: str | None = None, autocast: str | None = None) -> dict[str, Any]:
     """One measured step (under hand-written policy `peer`, if any) and what it left."""
     before = _allocated(device)
-    with peer_context(peer, zm) if peer else contextlib.nullcontext():
-        peak = measure_step(zm.model, args, kwargs, zm.loss_fn, autocast)[0]
+    peak = _measured(zm, args, kwargs, peer, autocast)
     return {"peak_bytes": peak, "allocated_before": before, "allocated_after": _allocated(device)}
 
 
@@ -79,12 +85,12 @@ def _live_at_peak(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _traced_step(zm: zoo.ZooModel, args: tuple, kwargs: dict, autocast: str | None,
                  peer: str | None = None) -> list[dict[str, Any]]:
-    """A warm unplanned step under the CUDA allocator's recorder: what the step allocated
-    and still holds at its peak (what was allocated before it is not in the trace)."""
+    """A warm step (under hand-written policy `peer`, if any) under the CUDA allocator's
+    recorder: what the step allocated and still holds at its peak (what was allocated
+    before it is not in the trace)."""
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        with peer_context(peer, zm) if peer else contextlib.nullcontext():
-            measure_step(zm.model, args, kwargs, zm.loss_fn, autocast)
+        _measured(zm, args, kwargs, peer, autocast)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

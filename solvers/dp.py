@@ -381,7 +381,7 @@ def _run(ctx: Context, lay: _Layout, limit: int, max_front: int, optimistic: boo
     """
     found = _Pass(ctx, lay, limit, max_front, optimistic, deadline, cache, max_span,
                   sure_lives, table, (charged, held_on, local, by_position), covers,
-                  left_out, until or {}).run()
+                  left_out, until).run()
     if optimistic and found.found is not None and not found.relaxed:
         cache.setdefault(BOUND_PATHS, {}).setdefault(
             tuple(r.describe() for r in found.found[1]), found.found)
@@ -418,6 +418,7 @@ class _Pass:
             self.table = table
         self.charged, self.held_on, self.local, self.by_position = counted
         self.until = {s: k for s, k in (until or {}).items() if s in self.charged}
+        self._until_key = frozenset(self.until.items())  # part of `_charged_in`'s key
         self.skip, self.covers = self.outside - self.charged - self.local, covers
         self.left_out = left_out if optimistic else ()
         m = self.m = len(self.st)
@@ -592,7 +593,7 @@ class _Pass:
         if not self.charged and self.skip == self.outside:
             return ()
         key = ("charged", t, u, self.charged, self.held_on, self.skip, self.by_position,
-               frozenset(self.until.items()))
+               self._until_key)
         found = self.cache.get(key)
         if found is None:
             a, b = self.st[t][0], self.st[u - 1][1]
