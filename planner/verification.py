@@ -4,6 +4,7 @@ peak, time, loss and gradients against what the plan predicts."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 import warnings
@@ -77,6 +78,22 @@ def _allocated_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
     return sum(-(-n // _BLOCK) * _BLOCK for n in sizes.values())
 
 
+def bound_tensors(fn: Callable[..., Any]) -> list[torch.Tensor]:
+    """Tensors a loss function closes over or is bound to (a loss target): inputs of the
+    step made before it. On the CPU :class:`planner.measure.PeakTracker` counts them when
+    an op reads them; the CUDA allocator cannot tell them from the process's other tensors,
+    so ``measure_step`` counts these as the step's (the simulator counts the target too)."""
+    found: list[Any] = []
+    while isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # a cell not yet filled
+            found.append(cell.cell_contents)
+    found += [*(getattr(fn, "__defaults__", None) or ()), getattr(fn, "__self__", None)]
+    return [t for t in tree_leaves(found) if isinstance(t, torch.Tensor)]
+
+
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None, *,
@@ -110,6 +127,7 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
               *(p.grad for p in module.parameters() if p.grad is not None),
               *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
     if device.type == "cuda":
+        static += bound_tensors(loss_fn)
         torch.cuda.synchronize(device)
         bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(static, device)
         torch.cuda.reset_peak_memory_stats(device)

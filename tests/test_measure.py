@@ -148,3 +148,39 @@ def test_live_bytes_drops_as_soon_as_the_last_tensor_dies() -> None:
         del made
         assert tracker.live_bytes == 1024
     assert tracker.peak_bytes == 2 * 1024
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_loss_target_counts_on_the_gpu_as_the_cpu_tracker_counts_it(name: str) -> None:
+    """On a GPU ``measure_step`` counts the tensors the loss function is bound to (its
+    target) as the step's, since the allocator cannot see what the step reads; they must be
+    exactly what the CPU's tracker finds the step reading from before it."""
+    from planner.verification import bound_tensors
+
+    model = zoo.get(name, **({"size": "tiny"} if name == "gpt" else {}))
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    bound = bound_tensors(model.loss_fn)
+    assert [t.dtype for t in bound] == [torch.int64]  # the target, and nothing else
+    static = [*model.model.parameters(), *model.model.buffers(), *args]
+    peaks = []
+    for extra in ([], bound):
+        with PeakTracker([*static, *extra]) as tracker:
+            model.loss_fn(model.model(*args, **kwargs)).backward()
+        model.model.zero_grad(set_to_none=True)
+        peaks.append(tracker.peak_bytes)
+    assert peaks[0] == peaks[1]
+
+
+def test_bound_tensors_finds_partials_closures_and_defaults() -> None:
+    import functools
+
+    from planner.verification import bound_tensors
+
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+
+    def loss(out: torch.Tensor, weight: torch.Tensor = c) -> torch.Tensor:
+        return (out * weight).sum() + b.sum()
+
+    found = bound_tensors(functools.partial(loss, weight=a))
+    assert {id(t) for t in found} == {id(a), id(b), id(c)}
+    assert bound_tensors(lambda out: out.sum()) == []
