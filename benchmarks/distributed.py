@@ -30,7 +30,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, spawn_ranks
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan, zoo
 from planner.api import plan_for_schedule
@@ -268,11 +267,8 @@ def gloo_rows(name: str, recipe: str, world: int, folder: str) -> list[dict]:
     for k, (_, plan) in enumerate(plans):
         paths.append(f"{folder}/{name}-{recipe}-{world}-{k}.json")
         plan.save(paths[-1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = f"{folder}/result"
-    mp.spawn(_gloo_rank, args=(world, name, recipe, paths, port, out), nprocs=world)
+    spawn_ranks(_gloo_rank, (world, name, recipe, paths, free_port(), out), world)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     return [_row("gloo", world, recipe, name, label, plan,
                  max(res[k]["peak"] for res in ranks),

@@ -7,15 +7,15 @@ Used by `benchmarks/pipeline_stages.py` and `tests/test_pipeline.py`.
 
 from __future__ import annotations
 
+import copy
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import free_port, spawn_ranks
 from torch import nn
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan
@@ -117,12 +117,6 @@ def stage_plan(spec: StageSpec, budget_bytes: int) -> tuple[Plan, int]:
     return plan, plan.pipeline.peak_bytes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _record_order(stage: Any, local: int, order: list[list[Any]]) -> None:
     """Record each pass of the rank's chunk ``local``: [pass, chunk, microbatch]."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
@@ -214,9 +208,9 @@ def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
         plan_dir.mkdir(exist_ok=True)
         for stage, plan in enumerate(plans):
             plan.save(plan_dir / f"stage{stage}.json")
-    mp.spawn(_rank, args=(world, _free_port(), schedule, n_microbatches,
-                          str(plan_dir) if plan_dir else None, str(out), unplanned_too, chunks),
-             nprocs=world)
+    spawn_ranks(_rank, (world, free_port(), schedule, n_microbatches,
+                        str(plan_dir) if plan_dir else None, str(out), unplanned_too, chunks),
+                world)
     runs = [[torch.load(out / f"rank{rank}.{run}.pt") for rank in range(world)]
             for run in range(2 if plans and unplanned_too else 1)]
     return tuple(runs) if len(runs) == 2 else runs[0]
@@ -230,14 +224,23 @@ def spec_of(schedule: str, rank: int, world: int, n_microbatches: int,
 
 def chunk_steps(spec: StageSpec, chunk: int, blocks: int = BLOCKS_PER_STAGE) -> StageSteps:
     """The rank's ``chunk``, stage ``c·p + r`` of the harness's model with ``blocks``
-    blocks, profiled."""
-    g = spec.chunk_stage(chunk)
-    module = build_stage(g, spec.num_chunks * spec.num_stages, blocks)
-    inputs, target = microbatch(g)
-    last = spec.chunk_last(chunk)
-    return StageSteps(module, (inputs,), spec,
-                      (lambda logits: next_token_loss(logits, target)) if last else None,
-                      target.nbytes if last else 0, chunk=chunk, timing="estimate")
+    blocks, profiled. Stages of the same size between the first and the last profile alike
+    (the same shapes and inputs; times are estimated): each such size is profiled once."""
+    g, last = spec.chunk_stage(chunk), spec.chunk_last(chunk)
+    key = (g == 0, last, blocks)
+    if key not in _PROFILED:
+        module = build_stage(g, spec.num_chunks * spec.num_stages, blocks)
+        inputs, target = microbatch(g)
+        _PROFILED[key] = StageSteps(
+            module, (inputs,), spec,
+            (lambda logits: next_token_loss(logits, target)) if last else None,
+            target.nbytes if last else 0, chunk=chunk, timing="estimate")
+    steps = copy.copy(_PROFILED[key])
+    steps.spec, steps.chunk = spec, chunk
+    return steps
+
+
+_PROFILED: dict[tuple[bool, bool, int], StageSteps] = {}
 
 
 def rank_steps(spec: StageSpec) -> RankSteps:

@@ -9,26 +9,19 @@ gradients equal those of the same wrapping of the unplanned model.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, spawn_ranks
 
 from planner import InfeasibleBudgetError, Plan, PlanMismatchError, apply, optimize, replan, zoo
 from planner.measure import least_peak_over_gloo
 from profiles.parallel import reduce_scatter_in_place
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
@@ -131,7 +124,7 @@ def _ranks_held(plan: Plan, kind: str, tmp_path: Path) -> list[dict]:
     plan_path = str(tmp_path / "plan.json")
     plan.save(plan_path)
     out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(kind, plan_path, _free_port(), out), nprocs=WORLD)
+    spawn_ranks(_rank, (kind, plan_path, free_port(), out), WORLD)
     results = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
     for rank, result in enumerate(results):
         assert result["peak"] <= plan.budget_bytes, (rank, result["peak"], plan.budget_bytes)
@@ -241,7 +234,7 @@ def test_tensor_parallel_plans_hold_over_gloo(shape: tuple[int, ...], tmp_path: 
     plan.save(plan_path)
     out = str(tmp_path / "result")
     world = int(torch.tensor(shape).prod())
-    mp.spawn(_tp_rank, args=(shape, plan_path, _free_port(), out), nprocs=world)
+    spawn_ranks(_tp_rank, (shape, plan_path, free_port(), out), world)
     for rank in range(world):
         result = torch.load(f"{out}.{rank}")
         assert result["equal"], rank

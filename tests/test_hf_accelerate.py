@@ -191,13 +191,12 @@ def test_planned_over_two_processes_holds_each_ranks_budget_and_trains_alike(
     the CPU with the state set to FSDP: accelerate selects FSDP only for GPUs), in bf16:
     accelerate's policy casts the root's outputs to bf16 (``output_dtype``), a cast the
     profile once took for FSDP2's own and counted 2.3 % below the step."""
-    import torch.multiprocessing as mp
-    from test_distributed import _free_port
+    from gloo_ranks import free_port, spawn_ranks
 
     from planner import Plan
 
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_steps, args=(kind, precision, _free_port(), out), nprocs=2)
+    spawn_ranks(_rank_steps, (kind, precision, free_port(), out), 2)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     plans = [Plan.model_validate_json(r[True]["plan"]) for r in ranks]
     assert plans[0].model_dump_json() == plans[1].model_dump_json()  # rank 0's, everywhere

@@ -223,11 +223,10 @@ def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path)
     """Over several processes the callback plans when the Trainer is built, on the example
     batch, for DDP's rank (two gloo processes, bf16 autocast); each rank within the budget,
     losses and weights as Trainer's without the switch."""
-    import torch.multiprocessing as mp
-    from test_distributed import _free_port
+    from gloo_ranks import free_port, spawn_ranks
 
     out = str(tmp_path / "rank")
-    mp.spawn(_rank_trains, args=(_free_port(), out), nprocs=2)
+    spawn_ranks(_rank_trains, (free_port(), out), 2)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
     plan = Plan.model_validate_json(ranks[0][True]["plan"])
     assert ranks[1][True]["plan"] == ranks[0][True]["plan"]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_ranks import free_port
 from model_snapshot import ModelSnapshot
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -164,10 +164,7 @@ def test_planning_leaves_the_model_and_the_process_group_alone(tmp_path) -> None
     size and puts the job's back; the model is not touched."""
     name, options = GPT
     zm = zoo.get(name, **options)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         before = ModelSnapshot.of(zm.model)

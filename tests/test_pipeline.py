@@ -302,15 +302,16 @@ def test_an_interleaved_split_makes_the_slowest_rank_fastest_within_the_budget()
     assert all(rank.peak_bytes <= budget for rank in found)
     assert [p.pipeline.chunk for p in found[0].plans] == [0, 1]
 
+    @functools.cache
+    def rank_ms(r: int, layers: tuple[int, ...]) -> float:
+        try:
+            plans, _ = rank_steps(r, layers).plan(budget, 8, "dp")
+        except InfeasibleBudgetError:
+            return math.inf
+        return sum(p.baseline_step_ms * (1 + p.predicted_overhead) for p in plans)
+
     def slowest(split: tuple[tuple[int, ...], ...]) -> float:
-        times = []
-        for r, layers in enumerate(split):
-            try:
-                plans, _ = rank_steps(r, layers).plan(budget, 8, "dp")
-            except InfeasibleBudgetError:
-                return math.inf
-            times.append(sum(p.baseline_step_ms * (1 + p.predicted_overhead) for p in plans))
-        return max(times)
+        return max(rank_ms(r, layers) for r, layers in enumerate(split))
 
     options = list(itertools.product(range(1, 4), repeat=chunks))
     best = min(slowest(split) for split in itertools.product(options, repeat=ranks)

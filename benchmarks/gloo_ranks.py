@@ -1,0 +1,38 @@
+"""Gloo ranks for the tests and benchmarks that run a step over several processes.
+
+``torch.multiprocessing.spawn`` starts each rank as a fresh interpreter, which imports torch
+and the planner again: about 3 s of a 2-core machine per rank, a third of a two-rank test.
+Ranks here fork from a server process that imported them once (``forkserver``, preloaded),
+so a rank starts in a fraction of a second and shares nothing else with the caller (no
+threads, no CUDA state, no tensors: the server never ran a step). A rank's environment is
+the server's, taken when the first ranks started: a rank sets what it needs itself
+(``MASTER_ADDR``, ``MASTER_PORT``) rather than inherit later changes of the caller's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+# what every rank imports; the server imports it once, before forking the first rank. Not
+# transformers: its import makes two tensors, which a rank measuring all its process holds
+# (`benchmarks/pipeline_harness.py`) would count where its own imports do not make them
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "planner", "profiles", "solvers"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` processes forked from the preloaded server; raises
+    what a rank raised, as ``torch.multiprocessing.spawn`` does."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
