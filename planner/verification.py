@@ -100,9 +100,10 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
     :class:`planner.measure.PeakTracker`), the loss and the gradients. As on the CPU, the
-    step is the model's parameters, buffers, gradients and inputs and what the step
-    allocates: on a GPU, whatever else the process holds on the device when the step
-    starts (another model, tensors kept from earlier steps) is subtracted. The step starts
+    step is the model's parameters, buffers, gradients and inputs (the tensors ``loss_fn``
+    is bound to included: a loss target) and what the step allocates: on a GPU, whatever
+    else the process holds on the device when the step starts (another model, tensors kept
+    from earlier steps) is subtracted. The step starts
     with no ``.grad``, or (``grads_at_start``) as a later micro-batch of gradient
     accumulation does: with the gradients one backward before it left, zeroed, laid out
     as that backward laid them out (AccumulateGrad keeps an incoming gradient, a slice of
