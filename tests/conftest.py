@@ -47,15 +47,3 @@ def _quiet_threads() -> None:
     two."""
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
-
-# Files whose tests take 10-40 s each (processes over gloo, pipelines, a notebook kernel):
-# run first, so that the two workers share them and finish on the short tests together
-# rather than one waiting on the other's last long test.
-LONG_FIRST = ("test_pipeline.py", "test_distributed.py", "test_hf_trainer.py",
-              "test_hf_accelerate.py", "test_parallel.py", "test_notebook.py",
-              "test_offload.py", "test_gpu_suite_smoke.py", "test_viz.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))
