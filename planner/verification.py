@@ -84,6 +84,8 @@ def bound_tensors(fn: Callable[..., Any]) -> list[torch.Tensor]:
     an op reads them; the CUDA allocator cannot tell them from the process's other tensors,
     so ``measure_step`` counts these as the step's (the simulator counts the target too)."""
     found: list[Any] = []
+    if isinstance(fn, nn.Module):  # a loss module's weights (CrossEntropyLoss(weight=...))
+        found += [*fn.parameters(), *fn.buffers()]
     while isinstance(fn, functools.partial):
         found += [*fn.args, *fn.keywords.values()]
         fn = fn.func
@@ -103,11 +105,11 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     step is the model's parameters, buffers, gradients and inputs (the tensors ``loss_fn``
     is bound to included: a loss target) and what the step allocates: on a GPU, whatever
     else the process holds on the device when the step starts (another model, tensors kept
-    from earlier steps) is subtracted. The step starts
-    with no ``.grad``, or (``grads_at_start``) as a later micro-batch of gradient
-    accumulation does: with the gradients one backward before it left, zeroed, laid out
-    as that backward laid them out (AccumulateGrad keeps an incoming gradient, a slice of
-    a larger one included); that backward's random draws and buffer updates are undone.
+    from earlier steps) is subtracted. The step starts with no ``.grad``, or
+    (``grads_at_start``) as a later micro-batch of gradient accumulation does: with the
+    gradients one backward before it left, zeroed, laid out as that backward laid them out
+    (AccumulateGrad keeps an incoming gradient, a slice of a larger one included); that
+    backward's random draws and buffer updates are undone.
     Gradients are cleared afterwards."""
     device = _model_device(module)
     module.zero_grad(set_to_none=True)

@@ -46,4 +46,3 @@ def _quiet_threads() -> None:
     README's command: 357 to 365 s on 2 cores, 760 s in one process with two threads), else
     two."""
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
-

@@ -184,3 +184,5 @@ def test_bound_tensors_finds_partials_closures_and_defaults() -> None:
     found = bound_tensors(functools.partial(loss, weight=a))
     assert {id(t) for t in found} == {id(a), id(b), id(c)}
     assert bound_tensors(lambda out: out.sum()) == []
+    weighted = torch.nn.CrossEntropyLoss(weight=c)
+    assert [id(t) for t in bound_tensors(weighted)] == [id(weighted.weight)]
