@@ -179,13 +179,19 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__,
+def gpt_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options of a GPU lead's script: the zoo GPT it runs, and where."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--size", default="gpt2-medium")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = gpt_parser(__doc__)
     parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None)
     opts = parser.parse_args(argv)
     result = run(opts.device, opts.size, opts.batch, opts.autocast)

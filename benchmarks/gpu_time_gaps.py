@@ -22,7 +22,6 @@ Writes gpu-time-gaps-<gpu or cpu>.{json,md} under ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import functools
@@ -36,13 +35,13 @@ from typing import Any
 
 import torch
 from frontier_measure import Runner, autocast_context, planned
+from gpu_peak_gaps import gpt_parser
 from record_profiles import gpu_slug
 
 import planner
 from planner import zoo
 from planner.solving import replan
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # (autocast, budget GiB): the peaks of the Fourth lease's peers (frontier-h200-*-2026-11-28)
 CASES = (("bfloat16", 9.4247), ("bfloat16", 6.0497), ("bfloat16", 18.3441), (None, 13.4856))
 
@@ -234,17 +233,12 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--size", default="gpt2-medium")
-    parser.add_argument("--batch", type=int, default=8)
+    parser = gpt_parser(__doc__)
     parser.add_argument("--budgets", type=float, nargs="*", default=None,
                         help="GiB, each under --autocast (default: the lease's cases)")
     parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--solve-time-limit", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     opts = parser.parse_args(argv)
     cases = ([(opts.autocast, b) for b in opts.budgets] if opts.budgets is not None
              else list(CASES))
