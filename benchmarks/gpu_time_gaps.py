@@ -128,8 +128,8 @@ def _launch_ms(runner: Runner, context: Any, profiler: cProfile.Profile | None =
 def host_time(runner: Runner, context: Any, top: int = 30) -> dict[str, Any]:
     """The host's launch times of one step under ``context`` (`_launch_ms`), and of another
     under ``cProfile``: the ``top`` Python functions by own time, with their calls. The
-    tracer slows the host, so its times are shares; it follows this thread only (a CUDA
-    backward, recompute included, runs on autograd's device thread)."""
+    tracer slows the host, so its times are shares. It profiles the calling thread; on the
+    H200 (torch 2.11) it listed the backward's recompute and pack hooks too."""
     forward_ms, step_ms = _launch_ms(runner, context)
     profiler = cProfile.Profile()
     _launch_ms(runner, context, profiler)
