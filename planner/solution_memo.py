@@ -33,6 +33,7 @@ class SolutionMemo:
     def __init__(self, size: int = MEMO_SIZE) -> None:
         self.size = size
         self._answers: OrderedDict[tuple[str, SolveOptions], Solution] = OrderedDict()
+        self._minima: OrderedDict[tuple[str, SolveOptions], Solution] = OrderedDict()
         self._lock = Lock()
 
     def get(self, digest: str, options: SolveOptions) -> Solution | None:
@@ -49,9 +50,24 @@ class SolutionMemo:
             while len(self._answers) > self.size:
                 self._answers.popitem(last=False)
 
+    def put_minimum(self, digest: str, options: SolveOptions, answer: Solution) -> None:
+        """The plan an infeasible budget's error named, with ``options`` at its peak: what
+        a search at that budget falls back on when it finds nothing as low
+        (`minimum`)."""
+        with self._lock:
+            self._minima[(digest, options)] = answer
+            self._minima.move_to_end((digest, options))
+            while len(self._minima) > self.size:
+                self._minima.popitem(last=False)
+
+    def minimum(self, digest: str, options: SolveOptions) -> Solution | None:
+        with self._lock:
+            return self._minima.get((digest, options))
+
     def clear(self) -> None:
         with self._lock:
             self._answers.clear()
+            self._minima.clear()
 
 
 ANSWERS = SolutionMemo()

@@ -96,6 +96,10 @@ def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str
     solution = ANSWERS.get(digest, options)
     if solution is None:  # identical calls get identical plans (`solution_memo`)
         solution = _searched(prof, problem, options, left, started)
+        named = ANSWERS.minimum(digest, options)
+        if named is not None and (solution.peak_bytes is None
+                                  or solution.peak_bytes > budget_bytes):
+            solution = named  # an error named this budget: its plan, if the search missed it
         ANSWERS.put(digest, options, solution)
     else:
         log.info("%s: the plan of an identical call at this budget and these options",
@@ -110,17 +114,16 @@ def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str
 
 def _remember_minimum(digest: str, options: SolveOptions, lowest: Solution,
                       at_minimum: Plan) -> None:
-    """The error names ``at_minimum``'s peak as a budget that returns that plan: remember
-    it as the answer at that budget, which a new search, stopped by its time limit, may not
-    find again (the zoo GPT under a loaded CI machine: 2.72 MiB found where the error had
-    named 2.65). An answer already given at that budget stays."""
-    at = options.at(at_minimum.predicted_peak_bytes)
-    if lowest.schedule is None or ANSWERS.get(digest, at) is not None:
-        return
-    ANSWERS.put(digest, at, Solution(
-        solver=lowest.solver, status=Status.FEASIBLE, schedule=lowest.schedule,
-        budget_bytes=at.budget_bytes, objective_ms=at_minimum.recompute_ms,
-        solve_time_s=lowest.solve_time_s, peak_bytes=at_minimum.predicted_peak_bytes))
+    """The error names ``at_minimum``'s peak as a budget that returns that plan: a search
+    at that budget, stopped by its time limit, may not find one as low again (the zoo GPT
+    on a loaded CI machine: 2.72 MiB found where the error had named 2.65), and then
+    returns this one (FEASIBLE, no bound)."""
+    if lowest.schedule is not None:
+        at = options.at(at_minimum.predicted_peak_bytes)
+        ANSWERS.put_minimum(digest, at, Solution(
+            solver=lowest.solver, status=Status.FEASIBLE, schedule=lowest.schedule,
+            budget_bytes=at.budget_bytes, objective_ms=at_minimum.recompute_ms,
+            solve_time_s=lowest.solve_time_s, peak_bytes=at_minimum.predicted_peak_bytes))
 
 
 def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left: float,
