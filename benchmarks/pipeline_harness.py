@@ -24,7 +24,7 @@ from planner.pipeline import StageSteps, stage_loss, stage_peak_bytes
 from planner.pipeline_rank import RankSteps
 from planner.plan import PipelineStage
 from planner.zoo import GPTBlock
-from solvers.pipeline import StageSpec
+from solvers.pipeline import RUNTIME_SCHEDULES, StageSpec
 
 VOCAB, SEQ, WIDTH, HEADS, MICROBATCH, BLOCKS_PER_STAGE = 512, 64, 128, 4, 4, 2
 
@@ -118,18 +118,25 @@ def stage_plan(spec: StageSpec, budget_bytes: int) -> tuple[Plan, int]:
 
 
 def _record_order(stage: Any, local: int, order: list[list[Any]]) -> None:
-    """Record each pass of the rank's chunk ``local``: [pass, chunk, microbatch]."""
+    """Record each pass of the rank's chunk ``local``: [pass, chunk, microbatch] ("I" and
+    "W" where the schedule splits the backward)."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    weight = stage.backward_weight_one_chunk
 
     def forward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
         order.append(["F", local, chunk])
         return forward(chunk, *args, **kwargs)
 
     def backward_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        order.append(["B", local, chunk])
+        order.append(["B" if kwargs.get("full_backward", True) else "I", local, chunk])
         return backward(chunk, *args, **kwargs)
 
+    def weight_one(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        order.append(["W", local, chunk])
+        return weight(chunk, *args, **kwargs)
+
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one, backward_one
+    stage.backward_weight_one_chunk = weight_one
 
 
 def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
@@ -149,27 +156,20 @@ def _rank(rank: int, world: int, port: int, schedule: str, n_microbatches: int,
 
 def _one_step(rank: int, world: int, schedule: str, n_microbatches: int,
               plan_dir: str | None, chunks: int = 1) -> dict[str, Any]:
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
 
     stages_total = world * chunks
-    indices = [c * world + rank for c in range(chunks)]  # the rank's stages, chunk by chunk
+    spec = spec_of(schedule, rank, world, n_microbatches, chunks)
+    indices = [spec.chunk_stage(c) for c in range(chunks)]  # the rank's stages, by chunk
     modules = [build_stage(g, stages_total) for g in indices]
     for g, module in zip(indices, modules, strict=True):
         if plan_dir:  # a stage's plan, installed on its rank of the pipeline's group
             apply(module, Plan.load(Path(plan_dir) / f"stage{g}.json"))
     stages = [PipelineStage(module, g, stages_total, torch.device("cpu"))
               for g, module in zip(indices, modules, strict=True)]
-    if schedule == "Interleaved1F1B":
-        runner = ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches,
-                                         loss_fn=next_token_loss)
-    else:
-        runner = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule](
-            stages[0], n_microbatches=n_microbatches, loss_fn=next_token_loss)
+    runner = get_schedule_class(schedule)(stages if schedule in RUNTIME_SCHEDULES else stages[0],
+                                          n_microbatches=n_microbatches, loss_fn=next_token_loss)
     tokens, targets = batch(n_microbatches)
     holds_first, holds_last = 0 in indices, stages_total - 1 in indices
     if not holds_first:

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.arguments import MIN_BUDGET_BYTES
+from planner.arguments import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
 from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
 from planner.profiling import profile_model
 from planner.solving import solve
+from planner.split_backward import measure_split_backward
 from profiles.inputs import normalize_inputs
-from solvers.pipeline import ChunkReplay, StageBoundary, StageSpec, held_after_forward, stage_peak
+from solvers.pipeline import ChunkReplay, StageBoundary, StageSpec, held_after_forward, rank_peak
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
@@ -68,8 +69,9 @@ def stage_loss(module: nn.Module, microbatch: Any, spec: StageSpec,
 
 def _stage_loss(module: nn.Module, microbatch: Any, last: bool,
                 loss_fn: Callable[[Any], torch.Tensor] | None
-                ) -> tuple[Callable[[Any], torch.Tensor], int, int]:
-    """`stage_loss`, the bytes of one microbatch's output and of its loss."""
+                ) -> tuple[Callable[[Any], torch.Tensor], int, int, torch.Tensor | None]:
+    """`stage_loss`, the bytes of one microbatch's output and of its loss, and (not on the
+    last stage) the gradient the next stage sends."""
     args, kwargs = normalize_inputs(module, microbatch)
     with torch.no_grad():
         received = torch.zeros_like(module(*args, **kwargs))  # the output's shape
@@ -78,8 +80,9 @@ def _stage_loss(module: nn.Module, microbatch: Any, last: bool,
             raise ValueError("the last stage computes the loss: pass loss_fn")
         with torch.no_grad():
             loss_bytes = _bytes(loss_fn(received))
-        return loss_fn, _bytes(received), loss_bytes
-    return (lambda output: _ReceivedGradient.apply(output, received)), _bytes(received), 0
+        return loss_fn, _bytes(received), loss_bytes, None
+    return ((lambda output: _ReceivedGradient.apply(output, received)), _bytes(received), 0,
+            received)
 
 
 class StageSteps:
@@ -91,7 +94,7 @@ class StageSteps:
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
                  chunk: int = 0, **profile_options: Any) -> None:
         last = spec.chunk_last(chunk)
-        loss, output_bytes, loss_bytes = _stage_loss(module, microbatch, last, loss_fn)
+        loss, output_bytes, loss_bytes, received = _stage_loss(module, microbatch, last, loss_fn)
         self.spec, self.chunk = spec, chunk
         self.steps = [profile_model(module, microbatch, loss_fn=loss, progress=False,
                                     grad_accumulation=allocated, **profile_options)
@@ -107,19 +110,36 @@ class StageSteps:
             output_bytes=output_bytes,
             target_bytes=target_bytes, loss_bytes=loss_bytes,
             output_in_timeline=any(output & set(n.saved_storages) for n in nodes))
+        self.split = None
+        if spec.splits_backward and not spec.chunk_first(chunk):
+            self.split = measure_split_backward(
+                module, *normalize_inputs(module, microbatch), loss_fn=loss_fn,
+                received=received, keeps_output=last and spec.return_outputs)
+
+    @property
+    def plannable(self) -> bool:
+        """Whether a plan may checkpoint or offload the stage: not under a split backward,
+        except on the pipeline's first stage, which runs its backward whole."""
+        return self.split is None
 
     def replay(self, schedule: Schedule | None = None) -> ChunkReplay:
         """The stage's timelines with ``schedule`` (default: no checkpoint), for the replay."""
+        if schedule is not None and not self.plannable and \
+                schedule != Schedule.store_all(self.problems[0].n_nodes):
+            raise ValueError(
+                f"{self.spec.schedule} splits the backward of stage "
+                f"{self.spec.chunk_stage(self.chunk)}: it is planned unplanned (torch reruns "
+                "a checkpointed region once more per parameter group in the weights' pass)")
         before, after = (simulate(p, schedule or Schedule.store_all(p.n_nodes))
                          for p in self.problems)
         held = held_after_forward(before, self.problems[0].static_bytes)
         return ChunkReplay(before, after, self.boundary._replace(held_bytes=held),
-                           self.problems[0].static_bytes, self.problems[1].static_bytes)
+                           self.problems[0].static_bytes, self.problems[1].static_bytes,
+                           self.split)
 
     def peak(self, schedule: Schedule | None = None) -> int:
         """The stage's peak over one step with ``schedule`` (default: no checkpoint)."""
-        replay = self.replay(schedule)
-        return stage_peak(self.spec, replay.before_grads, replay.with_grads, replay.boundary)
+        return rank_peak(self.spec, [self.replay(schedule)])
 
     def plan(self, budget_bytes: int, time_limit_s: float = 60.0,
              solver: str = "auto") -> tuple[Plan, int]:
@@ -181,6 +201,8 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
                       solver: str = "auto") -> tuple[Plan, int]:
     """`plan_stage` on a stage's profiled steps, at ``budget`` bytes."""
     spec = steps.spec
+    if not steps.plannable:
+        return _unplanned_stage(steps, budget, time_limit_s, solver)
     deadline = time.perf_counter() + time_limit_s
 
     def attempt(one: int, limit: float) -> tuple[Plan, int, int]:
@@ -228,5 +250,26 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
             f"flight) fits {format_bytes(budget)}; the least stage peak found is "
             f"{format_bytes(least[1])} (error.plan).", least[1], plan=least[0])
     plan, peak = best
+    stage = PipelineStage(spec=spec, budget_bytes=budget, peak_bytes=peak)
+    return plan.model_copy(update={"pipeline": stage}), peak
+
+
+def _unplanned_stage(steps: StageSteps, budget: int, time_limit_s: float,
+                     solver: str) -> tuple[Plan, int]:
+    """A stage whose backward the schedule splits runs as profiled: its plan checkpoints
+    nothing, and the budget holds it or names its peak."""
+    spec = steps.spec
+    plan = solve(steps.steps[1], budget_bytes=MAX_BUDGET_BYTES, time_limit_s=time_limit_s,
+                 solver=solver)
+    peak = steps.peak()
+    if peak > budget:
+        raise InfeasibleBudgetError(
+            f"Pipeline stage {spec.stage_index} of {spec.num_stages} ({spec.schedule}, "
+            f"{spec.in_flight()} of {spec.n_microbatches} microbatches in flight) peaks at "
+            f"{format_bytes(peak)} and its budget is {format_bytes(budget)}: under a split "
+            "backward a stage after the first is not checkpointed (torch reruns a "
+            "checkpointed region once more per parameter group in the weights' pass, and "
+            "keeps what the reruns make until it ends), so its peak is the least. Give it "
+            "that budget, fewer microbatches in flight, or fewer layers.", peak, plan=plan)
     stage = PipelineStage(spec=spec, budget_bytes=budget, peak_bytes=peak)
     return plan.model_copy(update={"pipeline": stage}), peak

@@ -78,11 +78,15 @@ class RankSteps:
             if least is None or peak < least[0]:
                 least = (peak, combination)
         spec = self.spec
+        unplannable = [c for c, steps in enumerate(self.chunks) if not steps.plannable]
+        why = (f" Under {spec.schedule}'s split backward, chunks {unplannable} (stages after "
+               "the first) are not checkpointed: torch reruns a checkpointed region once more "
+               "per parameter group in the weights' pass.") if unplannable else ""
         raise InfeasibleRankBudgetError(
             f"No plans of the {spec.num_chunks} chunks of pipeline rank {spec.stage_index} of "
             f"{spec.num_stages} ({spec.schedule}, {spec.n_microbatches} microbatches) fit "
             f"{format_bytes(budget_bytes)}; the least rank peak found is "
-            f"{format_bytes(least[0])} (error.plans: each chunk's plan of it).", least[0],
+            f"{format_bytes(least[0])} (error.plans: each chunk's plan of it).{why}", least[0],
             self._stamped(least[1], budget_bytes, least[0]))
 
     def _stamped(self, rungs: Sequence[_Rung], budget: int, peak: int) -> list[Plan]:
@@ -110,6 +114,9 @@ def _new_ladder(steps: StageSteps, per_solve: float, solver: str) -> list[_Rung]
     profiled = steps.steps[1]  # the steps after the first backward, gradients allocated
     unplanned = solve(profiled, budget_bytes=MAX_BUDGET_BYTES,
                       time_limit_s=per_solve, solver=solver)
+    if not steps.plannable:  # a split backward: the chunk runs unplanned
+        return [_Rung(unplanned, steps.replay(),
+                      unplanned.baseline_step_ms * (1 + unplanned.predicted_overhead))]
     try:
         lowest = solve(profiled, budget_bytes=MIN_BUDGET_BYTES,
                        time_limit_s=per_solve, solver=solver)

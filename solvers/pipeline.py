@@ -42,69 +42,73 @@ stage-boundary activation the replay counts and the stage had let go of).
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from solvers import pipeline_orders as orders
+from solvers.pipeline_orders import ChunkAction, Pass
 from solvers.simulate import OPTIMIZER_STEP, Timeline
 
-__all__ = ["STAGE_SCHEDULES", "ChunkReplay", "StageBoundary", "StageSpec", "held_after_forward",
-           "rank_peak", "stage_peak"]
+__all__ = ["STAGE_SCHEDULES", "ChunkReplay", "SplitBackward", "StageBoundary", "StageSpec",
+           "held_after_forward", "rank_peak"]
 
-# torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
-STAGE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-
-Action = tuple[Literal["F", "B"], int]
-ChunkAction = tuple[Literal["F", "B"], int, int]  # pass, the rank's chunk, microbatch
-RUNTIME_SCHEDULES = ("Interleaved1F1B",)  # torch's _PipelineScheduleRuntime subclasses
+# torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+# ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV
+STAGE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                   "ZBVZeroBubble", "DualPipeV")
+Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                   "ZBVZeroBubble", "DualPipeV"]
+Action = tuple[Pass, int]
+# torch's _PipelineScheduleRuntime subclasses: several chunks (local stages) per rank
+RUNTIME_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two chunks, stages r and 2p - 1 - r
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class StageSpec(BaseModel):
-    """One stage of a pipeline, in torch's names; under ``Interleaved1F1B`` one rank
-    (``stage_index`` its rank in the pipeline's group, ``num_stages`` the ranks) running
-    ``num_chunks`` stages."""
+    """One stage of a pipeline, in torch's names; under a schedule of several stages per
+    rank (``Interleaved1F1B``, ``InterleavedZeroBubble``: ``num_chunks``; ``ZBVZeroBubble``,
+    ``DualPipeV``: two) one rank (``stage_index`` its rank in the pipeline's group,
+    ``num_stages`` the ranks) running ``num_chunks`` stages."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"]
+    schedule: Schedule
     stage_index: int = Field(ge=0)
     num_stages: int = Field(ge=1)
     n_microbatches: int = Field(ge=1)
     return_outputs: bool = True  # ``schedule.step(..., return_outputs=...)``
     num_chunks: int = Field(default=1, ge=1)  # model chunks on this rank (local stages)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _schedule_planned(cls, fields: Any) -> Any:
-        schedule = fields.get("schedule") if isinstance(fields, dict) else None
-        if schedule in SPLIT_BACKWARD_SCHEDULES:
-            raise ValueError(
-                f"{schedule} is not planned yet: it splits each backward into the input's "
-                "gradient and, later, the weights' (what a stage keeps between the two is "
-                "not profiled, and torch reruns a checkpointed region once more for each "
-                "parameter group in it when the weights' pass runs). Plan with GPipe, "
-                "1F1B or Interleaved1F1B")
-        return fields
-
     @model_validator(mode="after")
     def _stage_in_range(self) -> StageSpec:
-        if self.stage_index >= self.num_stages:
-            raise ValueError(f"stage_index {self.stage_index} is not below num_stages "
-                             f"{self.num_stages}")
-        if self.schedule == "1F1B" and self.n_microbatches < self.num_stages:
+        m, p, schedule = self.n_microbatches, self.num_stages, self.schedule
+        if self.stage_index >= p:
+            raise ValueError(f"stage_index {self.stage_index} is not below num_stages {p}")
+        if schedule == "1F1B" and m < p:
             raise ValueError(f"1F1B needs at least as many microbatches as stages (torch's "
-                             f"Schedule1F1B refuses {self.n_microbatches} for "
-                             f"{self.num_stages})")
-        if self.num_chunks > 1 and self.schedule != "Interleaved1F1B":
-            raise ValueError(f"{self.schedule} runs one stage per rank: num_chunks "
-                             f"{self.num_chunks} needs schedule='Interleaved1F1B'")
-        if self.schedule == "Interleaved1F1B" and \
-                self.n_microbatches % max(1, self.n_microbatches // self.num_stages):
-            raise ValueError(f"Interleaved1F1B needs the microbatches to be a multiple of its "
-                             f"rounds (torch refuses {self.n_microbatches} over "
-                             f"{self.num_stages} ranks)")
+                             f"Schedule1F1B refuses {m} for {p})")
+        if schedule in V_SCHEDULES and self.num_chunks != 2:
+            raise ValueError(f"{schedule} runs exactly two stages per rank (stages r and "
+                             f"2p - 1 - r): give num_chunks=2, not {self.num_chunks}")
+        if schedule == "DualPipeV" and m < 2 * p:
+            raise ValueError(f"DualPipeV needs at least as many microbatches as stages "
+                             f"(torch refuses {m} for {2 * p} stages on {p} ranks)")
+        if self.num_chunks > 1 and schedule not in RUNTIME_SCHEDULES:
+            raise ValueError(f"{schedule} runs one stage per rank: num_chunks "
+                             f"{self.num_chunks} needs schedule='Interleaved1F1B' or "
+                             "'InterleavedZeroBubble'")
+        if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // p):
+            raise ValueError(f"{schedule} needs the microbatches to be a multiple of its "
+                             f"rounds (torch refuses {m} over {p} ranks)")
         return self
+
+    @property
+    def splits_backward(self) -> bool:
+        """Backwards may run as two passes: the input's gradient ("I"), and later the
+        weights' ("W")."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def first(self) -> bool:
@@ -114,10 +118,13 @@ class StageSpec(BaseModel):
     @property
     def last(self) -> bool:
         """This rank holds the pipeline's last stage."""
-        return self.chunk_last(self.num_chunks - 1)
+        return any(self.chunk_last(c) for c in range(self.num_chunks))
 
     def chunk_stage(self, chunk: int) -> int:
-        """The pipeline's stage index of this rank's ``chunk`` (of ``num_chunks`` · ranks)."""
+        """The pipeline's stage index of this rank's ``chunk`` (of ``num_chunks`` · ranks):
+        ``chunk · p + r``, or in a V ``r`` and ``2p − 1 − r``."""
+        if self.schedule in V_SCHEDULES and chunk == 1:
+            return 2 * self.num_stages - 1 - self.stage_index
         return chunk * self.num_stages + self.stage_index
 
     def chunk_first(self, chunk: int) -> bool:
@@ -134,49 +141,27 @@ class StageSpec(BaseModel):
         return [(kind, j) for kind, _, j in self.actions()]
 
     def actions(self) -> list[ChunkAction]:
-        """The rank's forwards ("F") and backwards ("B"), each on a chunk and a microbatch,
-        in run order (module docstring)."""
-        m = self.n_microbatches
+        """The rank's passes, each on a chunk and a microbatch, in run order
+        (:mod:`solvers.pipeline_orders`)."""
+        m, p, r = self.n_microbatches, self.num_stages, self.stage_index
         if self.schedule == "GPipe":
-            return [("F", 0, j) for j in range(m)] + [("B", 0, j) for j in range(m)]
+            return orders.gpipe(m)
         if self.schedule == "1F1B":
-            warmup = min(m, self.num_stages - self.stage_index)
-            actions: list[ChunkAction] = [("F", 0, j) for j in range(warmup)]
-            for j in range(m):
-                actions.append(("B", 0, j))
-                if warmup + j < m:
-                    actions.append(("F", 0, warmup + j))
-            return actions
-        return self._interleaved_actions()
-
-    def _interleaved_actions(self) -> list[ChunkAction]:
-        m, v, p = self.n_microbatches, self.num_chunks, self.num_stages
-        per_round = m // max(1, m // p)
-        total = m * v
-        warmup = min((v - 1) * per_round + 2 * (p - 1 - self.stage_index), total)
-        forwards, backwards = [0] * v, [0] * v
-
-        def forward(k: int) -> ChunkAction:
-            chunk = (k // per_round) % v
-            forwards[chunk] += 1
-            return ("F", chunk, forwards[chunk] - 1)
-
-        def backward(k: int) -> ChunkAction:
-            chunk = v - 1 - (k // per_round) % v
-            backwards[chunk] += 1
-            return ("B", chunk, backwards[chunk] - 1)
-
-        actions = [forward(k) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions += [forward(warmup + k), backward(k)]
-        return actions + [backward(k) for k in range(total - warmup, total)]
+            return orders.one_f_one_b(m, p, r)
+        if self.schedule == "ZBVZeroBubble":
+            return orders.zbv(m, p, r)
+        if self.schedule == "DualPipeV":
+            return orders.dualpipev(m, p, r)
+        return orders.interleaved(m, p, r, self.num_chunks,
+                                  split=self.schedule == "InterleavedZeroBubble")
 
     def in_flight(self) -> int:
-        """The most microbatches between their forward and their backward at once (on a
-        rank of several chunks, counted over its chunks)."""
+        """The most microbatches between their forward and the end of their backward (the
+        weights' pass, where it is split) at once (on a rank of several chunks, counted
+        over its chunks)."""
         most = held = 0
         for kind, _, _ in self.actions():
-            held += 1 if kind == "F" else -1
+            held += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
             most = max(most, held)
         return most
 
@@ -199,57 +184,95 @@ def held_after_forward(timeline: Timeline, static_bytes: int) -> int:
     return forward[-1].live_bytes - static_bytes if forward else 0
 
 
+class SplitBackward(NamedTuple):
+    """A split backward ("I", then "W") of one microbatch of a stage after the first, as
+    measured (``planner.split_backward``): each pass's peak above the live bytes before it,
+    before the stage's first weights' pass and after it; what the microbatch holds from
+    its "I" to its "W" beyond what its forward left; and what it holds from its "W" to the
+    step's end beyond what a full backward leaves (the last stage keeps its output, and
+    with a view the graph's saved tensors that the weights' pass does not free)."""
+
+    input_rise: tuple[int, int]
+    held: int
+    weight_rise: tuple[int, int]
+    finished: int = 0
+
+
 class ChunkReplay(NamedTuple):
     """One chunk of a rank: its timelines for one microbatch (before and from its first
     backward), its boundary bytes, and what each timeline counts as static (parameters,
     one input, and in the second the gradients): an idle chunk holds that beside another's
-    pass."""
+    pass. ``split``: its split backward, where the schedule splits it and the chunk is not
+    the pipeline's first stage (whose "I" does nothing and whose "W" is the full backward)."""
 
     before_grads: Timeline
     with_grads: Timeline
     boundary: StageBoundary
     static_before: int = 0
     static_with: int = 0
+    split: SplitBackward | None = None
 
 
 class _Chunk:
-    """A chunk's state during the replay: its microbatches in flight, the outputs and losses
-    it keeps, whether its first backward ran; the bytes around each of its passes."""
+    """A chunk's state during the replay: its microbatches in flight (between their forward
+    and their backward, or between a split backward's two passes), the outputs and losses
+    it keeps, how many backwards (full or the input's) and weights' passes it ran; the bytes
+    around each of its passes."""
 
     def __init__(self, spec: StageSpec, chunk: int, replay: ChunkReplay) -> None:
         b, m = replay.boundary, spec.n_microbatches
         self.replay, self.last = replay, spec.chunk_last(chunk)
-        self.persistent = (m - 1) * b.input_bytes + (
-            (m - 1) * b.target_bytes if self.last else m * b.output_bytes)
+        # a neighbouring stage on the same rank hands its tensors over: the input is that
+        # stage's output (which it keeps), the output's gradient that stage's input
+        # gradient (likewise); each replaces the receive buffer made for it, freed then
+        self.feeder: _Chunk | None = None  # the chunk whose output is this one's input
+        self.grad_feeder: _Chunk | None = None  # whose input gradient is its output's
+        stages = [spec.chunk_stage(c) for c in range(spec.num_chunks)]
+        local_input = stages[chunk] - 1 in stages
+        local_grad = stages[chunk] + 1 in stages
+        self.static_shift = -b.input_bytes if local_input else 0  # the timelines' input
+        self.persistent = (0 if local_input else (m - 1) * b.input_bytes) + (
+            (m - 1) * b.target_bytes if self.last else 0 if local_grad else m * b.output_bytes)
+        self.m = m
         self.own_output = 0 if b.output_in_timeline or self.last else b.output_bytes
         self.outputs_kept = b.output_bytes if self.last and spec.return_outputs else 0
         self.last_input_grad = 0 if spec.chunk_first(chunk) else b.input_bytes
         self.loss_bytes = b.loss_bytes if self.last else 0
-        # torch's runtime schedules (Interleaved1F1B) keep each send until the step ends
+        # torch's runtime schedules (Interleaved1F1B, ...) keep each send until the step ends
         self.sends_kept = spec.schedule in RUNTIME_SCHEDULES
-        self.held: set[int] = set()
-        self.kept, self.backwards = 0, 0  # forwards and backwards run so far
-        self.pass_peaks = {(kind, grads): max(
-            (e.peak_bytes for e in timeline.events if e.label != OPTIMIZER_STEP
-             and (e.phase == "forward") == (kind == "F")), default=0)
-            for kind in "FB" for grads, timeline in ((False, replay.before_grads),
-                                                     (True, replay.with_grads))}
+        self.held: set[int] = set()  # forward done, backward (full or the input's) not
+        self.waiting: set[int] = set()  # the input's pass done, the weights' not
+        self.waiting_bytes = b.held_bytes + (replay.split.held if replay.split else 0)
+        self.finished_bytes = replay.split.finished if replay.split else 0  # per "W" run
+        self.kept, self.backwards, self.weights, self.finished = 0, 0, 0, 0  # passes run
+        self.pass_peaks = {key: peak + self.static_shift
+                           for key, peak in _pass_peaks(spec, chunk, replay).items()}
 
     def around(self, kind: str | None, step_over: bool = False) -> int:
         """What the chunk holds beside its timeline during a pass of ``kind`` (None: while
         another chunk runs, its static memory included; ``step_over``: once the step's
         sends are done)."""
         b = self.replay.boundary
-        static = 0 if kind else (self.replay.static_with if self.backward_done
-                                 else self.replay.static_before)
-        return (static + self.persistent + len(self.held) * b.held_bytes
+        static = 0 if kind else self.static_shift + (
+            self.replay.static_with if self.weights else self.replay.static_before)
+        running = kind in ("B", "I", "W")  # its own loss is in the pass's timeline
+        return (static + self.persistent + self._receive_buffers() + len(self.held) * b.held_bytes
+                + len(self.waiting) * self.waiting_bytes + self.finished * self.finished_bytes
                 + self._outputs(kind, step_over) + self._input_grads(step_over)
-                + self.kept * self.outputs_kept + (self.kept - (kind == "B")) * self.loss_bytes)
+                + self.kept * self.outputs_kept + (self.kept - running) * self.loss_bytes)
+
+    def _receive_buffers(self) -> int:
+        """The receive buffers a neighbour on the rank has not replaced yet."""
+        b = self.replay.boundary
+        inputs = (self.m - self.feeder.kept) * b.input_bytes if self.feeder else 0
+        grads = (self.m - self.grad_feeder.backwards) * b.output_bytes \
+            if self.grad_feeder else 0
+        return inputs + grads
 
     def _outputs(self, kind: str | None, step_over: bool) -> int:
         """The outputs it holds outside its timeline: those of its microbatches in flight
         (and of the one whose backward runs), or under a runtime schedule every one sent."""
-        in_flight = len(self.held) + (kind == "B")
+        in_flight = len(self.held) + len(self.waiting) + (kind in ("B", "I", "W"))
         if not self.sends_kept or step_over or self.last:
             return in_flight * self.own_output
         b = self.replay.boundary
@@ -258,25 +281,22 @@ class _Chunk:
     def _input_grads(self, step_over: bool) -> int:
         """The input gradients it sent and still holds: the last one (until the next
         backward's send is waited), or under a runtime schedule every one."""
-        if step_over or not self.backward_done:
+        if step_over or not self.backwards:
             return 0
         return self.last_input_grad * (self.backwards if self.sends_kept else 1)
 
-    @property
-    def backward_done(self) -> bool:
-        """Its first backward ran: its gradients exist."""
-        return self.backwards > 0
-
     def run(self, kind: str, microbatch: int) -> int:
         """The chunk's peak during this pass, beside what it holds; then its state after."""
-        if kind == "B":
-            self.held.discard(microbatch)
-        peak = self.around(kind) + self.pass_peaks[kind, self.backward_done]
+        (self.waiting if kind == "W" else self.held).discard(microbatch)
+        peak = self.around(kind) + self.pass_peaks[kind, self.weights > 0]
         if kind == "F":
             self.held.add(microbatch)
             self.kept += 1
-        else:
-            self.backwards += 1
+        if kind == "I":
+            self.waiting.add(microbatch)
+        self.backwards += kind in ("B", "I")
+        self.weights += kind in ("B", "W")
+        self.finished += kind == "W"
         return peak
 
     def end_of_step(self, m: int) -> int:
@@ -285,7 +305,34 @@ class _Chunk:
         end = [e.live_bytes for e in self.replay.with_grads.events
                if e.label != OPTIMIZER_STEP][-1] - self.last_input_grad
         b = self.replay.boundary
-        return end + self.persistent + (m - 1) * b.loss_bytes + 2 * m * b.output_bytes
+        return (end + self.static_shift + self.persistent + (m - 1) * b.loss_bytes
+                + 2 * m * b.output_bytes + self.finished * self.finished_bytes)
+
+
+def _pass_peaks(spec: StageSpec, chunk: int, replay: ChunkReplay) -> dict[tuple[str, bool], int]:
+    """The peak of each pass of one microbatch, by pass and whether the chunk's gradients
+    exist: the timelines' forward and backward; a split backward's passes from the full
+    backward's (module docstring)."""
+    peaks = {(kind, grads): max(
+        (e.peak_bytes for e in timeline.events if e.label != OPTIMIZER_STEP
+         and (e.phase == "forward") == (kind == "F")), default=0)
+        for kind in "FB" for grads, timeline in ((False, replay.before_grads),
+                                                 (True, replay.with_grads))}
+    if not spec.splits_backward:
+        return peaks
+    split = replay.split
+    if split is None and not spec.chunk_first(chunk):
+        raise ValueError(f"{spec.schedule} splits the backward of chunk {chunk} (stage "
+                         f"{spec.chunk_stage(chunk)}): its replay needs the split backward "
+                         "measured (ChunkReplay.split)")
+    for grads, static in ((False, replay.static_before), (True, replay.static_with)):
+        held = static + replay.boundary.held_bytes  # live before its backward's first pass
+        if split is None:  # the first stage: "I" does nothing, "W" is "B"
+            peaks["I", grads], peaks["W", grads] = held, peaks["B", grads]
+        else:
+            peaks["I", grads] = held + split.input_rise[grads]
+            peaks["W", grads] = held + split.held + split.weight_rise[grads]
+    return peaks
 
 
 def rank_peak(spec: StageSpec, chunks: list[ChunkReplay]) -> int:
@@ -295,6 +342,10 @@ def rank_peak(spec: StageSpec, chunks: list[ChunkReplay]) -> int:
     if len(chunks) != spec.num_chunks:
         raise ValueError(f"{len(chunks)} chunks replayed for a rank of {spec.num_chunks}")
     states = [_Chunk(spec, c, replay) for c, replay in enumerate(chunks)]
+    by_stage = {spec.chunk_stage(c): state for c, state in enumerate(states)}
+    for c, state in enumerate(states):
+        state.feeder = by_stage.get(spec.chunk_stage(c) - 1)
+        state.grad_feeder = by_stage.get(spec.chunk_stage(c) + 1)
     peak = 0
     for kind, c, j in spec.actions():
         others = sum(state.around(None) for state in states if state is not states[c])
@@ -305,10 +356,3 @@ def rank_peak(spec: StageSpec, chunks: list[ChunkReplay]) -> int:
                          if other is not state)
             peak = max(peak, others + state.end_of_step(spec.n_microbatches))
     return peak
-
-
-def stage_peak(spec: StageSpec, before_grads: Timeline, with_grads: Timeline,
-               boundary: StageBoundary) -> int:
-    """The stage's peak over one step of ``spec`` (one chunk per rank): :func:`rank_peak`
-    of its one chunk."""
-    return rank_peak(spec, [ChunkReplay(before_grads, with_grads, boundary)])

@@ -75,9 +75,11 @@ def test_in_flight_microbatches_are_torchs() -> None:
         StageSpec(schedule="1F1B", stage_index=4, num_stages=4, n_microbatches=8)
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         StageSpec(schedule="1F1B", stage_index=0, num_stages=4, n_microbatches=2)
-    with pytest.raises(ValueError, match="ZBVZeroBubble is not planned yet: it splits each "
-                                         "backward"):
-        StageSpec(schedule="ZBVZeroBubble", stage_index=0, num_stages=2, n_microbatches=4)
+    # in a V every rank holds 2p chunk microbatches (ZBV) or 2p + 1 (DualPipeV), each until
+    # its weights' pass: p of the pipeline's, in microbatches of a rank's share of layers
+    for schedule, held in (("ZBVZeroBubble", 8), ("DualPipeV", 9)):
+        assert [StageSpec(schedule=schedule, stage_index=r, num_stages=4, n_microbatches=8,
+                          num_chunks=2).in_flight() for r in range(4)] == [held] * 4
 
 
 def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None:

@@ -1,0 +1,126 @@
+"""What torch's split backward does to a pipeline stage's memory, measured against its full
+backward (:class:`solvers.pipeline.SplitBackward`).
+
+Zero-bubble schedules (``ScheduleInterleavedZeroBubble``) run a stage's backward as two
+passes (``torch.distributed.pipelining._backward``): the input's gradient
+(``stage_backward_input``: ``autograd.grad`` with ``retain_graph=True``, every saved tensor
+kept, the gradient reaching each parameter's node captured by a hook) and later the
+weights' (``stage_backward_weight``, one ``autograd.grad`` per parameter group from the
+captured gradients). Between the two a microbatch holds what its forward saved and the
+captured gradients. The first stage skips the input's pass and runs the full backward as
+the weights' (``PipelineStage.backward_weight_one_chunk``).
+
+Those passes are not op-by-op replays: each is run once on the stage's module, as torch
+runs it, beside a full backward of the same microbatch, and the differences are what the
+stage's replay adds to the full backward's timeline. They hold for the step as profiled,
+nothing checkpointed: under a split backward torch reruns a checkpointed region once more
+per parameter group (``tests/test_pipeline_split_backward.py``), so a stage after the
+first is planned unplanned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.pipelining._backward import (
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
+
+from planner.measure import PeakTracker
+from solvers.pipeline import SplitBackward
+
+__all__ = ["measure_split_backward"]
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def measure_split_backward(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], *,
+                           loss_fn: LossFn | None = None, received: torch.Tensor | None = None,
+                           keeps_output: bool = False) -> SplitBackward:
+    """The split backward of one microbatch, before the stage's first backward (no
+    parameter gradients) and after it, against its full backward. The last stage's
+    backward starts from ``loss_fn(output)``, another's from the gradient ``received`` for
+    its output. ``keeps_output``: the stage keeps its output to the step's end (the last
+    stage's ``output_chunks``), and with it the autograd graph where the output is a view
+    (torch detaches it only otherwise). The module's gradients, the inputs' and the random
+    state are as they were."""
+    params = list(module.parameters())
+    kept = [p.grad for p in params]
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    kept_inputs = [t.grad for t in inputs]
+    try:
+        split0, split1 = (_passes(module, args, kwargs, (loss_fn, received), inputs,
+                                  allocated, True, keeps_output) for allocated in (False, True))
+        full1 = _passes(module, args, kwargs, (loss_fn, received), inputs, True, False,
+                        keeps_output)
+    finally:
+        for p, grad in zip(params, kept, strict=True):
+            p.grad = grad
+        for t, grad in zip(inputs, kept_inputs, strict=True):
+            t.grad = grad
+    return SplitBackward(input_rise=(split0.peak - split0.after_forward,
+                                     split1.peak - split1.after_forward),
+                         held=split1.after - split1.sent - split1.after_forward,
+                         weight_rise=(split0.weight_peak - split0.after,
+                                      split1.weight_peak - split1.after),
+                         finished=split1.end - split1.sent - (full1.end - full1.sent))
+
+
+class _Passes(NamedTuple):
+    """One microbatch's step: live bytes after the forward, the backward's peak (split: the
+    input pass's) and live bytes after it; split, the weights' pass's peak; live bytes at
+    the end, the output held or not as the stage holds it; and the bytes of the input's
+    gradient, the stage's to send (the replay counts it apart), at the end."""
+
+    after_forward: int
+    peak: int
+    after: int
+    weight_peak: int
+    end: int
+    sent: int
+
+
+def _passes(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+            backward_from: tuple[LossFn | None, torch.Tensor | None],
+            inputs: list[torch.Tensor], allocated: bool, split: bool, keeps_output: bool
+            ) -> _Passes:
+    """One microbatch's step, the parameters' gradients ``allocated`` or not, its backward
+    full or split as torch's stage runs it (``PipelineStage.backward_one_chunk``)."""
+    for t in inputs:
+        t.grad = None
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p) if allocated else None
+    loss_fn, received = backward_from
+    static = [*module.parameters(), *(p.grad for p in module.parameters()
+                                      if p.grad is not None), *inputs]
+    static += [received] if received is not None else []
+    devices = [t.device for t in static if t.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices), PeakTracker(static) as tracker:
+        output = module(*args, **kwargs)
+        tensors, grads = ([loss_fn(output)], None) if loss_fn else ([output], [received])
+        after_forward = tracker.live_bytes
+        tracker.peak_bytes = after_forward
+        if split:
+            _, groups = stage_backward_input(tensors, grads, inputs, module.parameters())
+        else:  # the last stage's loss is one tensor, with no gradient given
+            stage_backward(tensors[0] if grads is None else tensors, grads, inputs)
+        peak, after = tracker.peak_bytes, tracker.live_bytes
+        if keeps_output:  # the last stage detaches its output unless it is a view
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    t.detach_()
+        tracker.peak_bytes = after
+        if split:
+            stage_backward_weight(module.parameters(), groups)
+            del groups
+        weight_peak = tracker.peak_bytes
+        del tensors, grads
+        if not keeps_output:
+            del output
+        sent = sum(t.grad.untyped_storage().nbytes() for t in inputs if t.grad is not None)
+        return _Passes(after_forward, peak, after, weight_peak, tracker.live_bytes, sent)
