@@ -216,6 +216,25 @@ def run_pipeline(schedule: str, world: int, n_microbatches: int, out: Path,
     return tuple(runs) if len(runs) == 2 else runs[0]
 
 
+# a planned last stage measures up to 524 bytes under its replay (results/pipeline-stages-
+# cpu.md), where one boundary activation is 131,072; a loss scalar may be above it
+BELOW, ABOVE = 1024, 8
+
+
+def check_ranks(specs: list[StageSpec], budgets: list[int], predicted: list[int],
+                ran: list[dict[str, Any]], unplanned: list[dict[str, Any]]) -> None:
+    """Each rank ran its passes in the replayed order, peaked within its budget and at its
+    predicted peak, and computed the unplanned pipeline's gradients."""
+    for spec, budget, peak, measured, plain in zip(specs, budgets, predicted, ran, unplanned,
+                                                  strict=True):
+        assert [tuple(a) for a in measured["order"]] == spec.actions()
+        assert measured["peak"] <= budget, (spec.stage_index, measured["peak"], budget)
+        assert peak - BELOW <= measured["peak"] <= peak + ABOVE, \
+            (spec.stage_index, measured["peak"], peak)
+        assert all(torch.equal(a, b) for a, b in zip(measured["grads"], plain["grads"],
+                                                     strict=True))
+
+
 def spec_of(schedule: str, rank: int, world: int, n_microbatches: int,
             chunks: int = 1) -> StageSpec:
     return StageSpec(schedule=schedule, stage_index=rank, num_stages=world,
@@ -223,11 +242,12 @@ def spec_of(schedule: str, rank: int, world: int, n_microbatches: int,
 
 
 def chunk_steps(spec: StageSpec, chunk: int, blocks: int = BLOCKS_PER_STAGE) -> StageSteps:
-    """The rank's ``chunk``, stage ``c·p + r`` of the harness's model with ``blocks``
-    blocks, profiled. Stages of the same size between the first and the last profile alike
-    (the same shapes and inputs; times are estimated): each such size is profiled once."""
+    """The rank's ``chunk`` (stage ``spec.chunk_stage(chunk)``) of the harness's model with
+    ``blocks`` blocks, profiled. Stages of the same size between the first and the last
+    profile alike (the same shapes and inputs; times are estimated): each such size is
+    profiled once, and its split backward measured once where a schedule splits it."""
     g, last = spec.chunk_stage(chunk), spec.chunk_last(chunk)
-    key = (g == 0, last, blocks)
+    key = (g == 0, last, blocks, spec.splits_backward)
     if key not in _PROFILED:
         module = build_stage(g, spec.num_chunks * spec.num_stages, blocks)
         inputs, target = microbatch(g)
@@ -240,7 +260,7 @@ def chunk_steps(spec: StageSpec, chunk: int, blocks: int = BLOCKS_PER_STAGE) -> 
     return steps
 
 
-_PROFILED: dict[tuple[bool, bool, int], StageSteps] = {}
+_PROFILED: dict[tuple[bool, bool, int, bool], StageSteps] = {}
 
 
 def rank_steps(spec: StageSpec) -> RankSteps:

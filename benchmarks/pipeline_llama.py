@@ -33,7 +33,12 @@ layers (stage c·4 + r on rank r), every rank's chunks replayed together over on
 rank's chunks planned together (``planner.pipeline_rank.RankSteps.plan``). A rank's time is
 its chunks' times for one microbatch; the step is m + (p - 1)/v slots of the slowest rank
 (the interleaved bubble); and the chunks' layers balanced (1 to 3 a chunk,
-``planner.pipeline_split.plan_interleaved``). Writes
+``planner.pipeline_split.plan_interleaved``).
+
+Zero-bubble schedules in a V (``--v-schedules``, default ZBVZeroBubble and DualPipeV): 4
+ranks x 2 chunks of 2 layers, rank r holding stages r and 7 - r; each rank's unplanned
+peak, the least its plans reach (only the pipeline's first stage checkpoints under a split
+backward), and its planned peak at each budget. Writes
 ``benchmarks/results/pipeline-llama.{json,md}``.
 """
 
@@ -122,18 +127,19 @@ class StageCosts:
 
 
 class ChunkCosts(StageCosts):
-    """Each interleaved rank's chunks (``chunks`` per rank), each (rank, chunk, layers)
-    profiled once."""
+    """Each rank's chunks (``chunks`` per rank) under ``schedule``, each (rank, chunk,
+    layers) profiled once."""
 
-    def __init__(self, n_microbatches: int, chunks: int) -> None:
+    def __init__(self, n_microbatches: int, chunks: int,
+                 schedule: str = "Interleaved1F1B") -> None:
         super().__init__(n_microbatches)
-        self.chunks = chunks
+        self.chunks, self.schedule = chunks, schedule
         self._chunks: dict[tuple[int, int, int], StageSteps] = {}
         self._ranks: dict[tuple[int, tuple[int, ...]], RankSteps] = {}
 
     def chunk(self, rank: int, chunk: int, layers: int) -> StageSteps:
         if (rank, chunk, layers) not in self._chunks:
-            spec = StageSpec(schedule="Interleaved1F1B", stage_index=rank, num_stages=STAGES,
+            spec = StageSpec(schedule=self.schedule, stage_index=rank, num_stages=STAGES,
                              n_microbatches=self.n_microbatches, num_chunks=self.chunks)
             first, last = spec.chunk_first(chunk), spec.chunk_last(chunk)
             stage = LlamaStage(self.model, range(layers), first, last)
@@ -175,6 +181,28 @@ def interleaved_rows(costs: ChunkCosts, budget_gib: float, time_limit_s: float) 
     except InfeasibleBudgetError:
         row["balanced"] = None
     return row
+
+
+def v_rows(costs: ChunkCosts, budgets: list[float], time_limit_s: float) -> dict:
+    """A zero-bubble schedule in a V (two chunks per rank, stages r and 2p - 1 - r): each
+    rank's unplanned peak, the least rank peak its plans reach (only the chunk that is the
+    pipeline's first stage checkpoints), and each rank's planned peak per budget (None
+    where it does not fit)."""
+    ranks = [costs.rank(r) for r in range(STAGES)]
+    least = []
+    for rank in ranks:
+        try:
+            least.append(rank.plan(1, time_limit_s)[1])
+        except InfeasibleBudgetError as error:
+            least.append(error.min_budget_bytes)
+    rows = []
+    for budget_gib in budgets:
+        budget = int(budget_gib * GIB)
+        rows.append({"budget_gib": budget_gib, "rank_peaks": [
+            rank.plan(budget, time_limit_s)[1] if low <= budget else None
+            for rank, low in zip(ranks, least, strict=True)]})
+    return {"schedule": costs.schedule, "unplanned": [rank.peak() for rank in ranks],
+            "least": least, "rows": rows}
 
 
 def _rank_numbers(rank: RankSteps, key: str, budget: int, time_limit_s: float
@@ -310,7 +338,37 @@ def render(result: dict) -> str:
                              ("balanced", "chunk layers balanced, planned together")):
                 lines.append(_row(f"{row['budget_gib']:g} GiB", way, row[key],
                                   row["every_layer"]))
+    if result.get("v_schedules"):
+        lines += _v_section(result["v_schedules"])
     return "\n".join(lines) + "\n"
+
+
+def _gib(peaks: list[int]) -> str:
+    return " / ".join(f"{p / GIB:.2f}" for p in peaks)
+
+
+def _v_section(schedules: list[dict]) -> list[str]:
+    lines = ["", "## Zero-bubble schedules in a V: 4 ranks x 2 chunks of 2 layers", "",
+             "Rank r holds stages r and 7 - r (rank 0 the first and the last). Each backward "
+             "is split into the input's gradient and, later, the weights' "
+             "(`planner.split_backward` measures what a microbatch holds between them, on "
+             "the meta device with the H100's fused kernels). Only the chunk that is the "
+             "pipeline's first stage is planned: under the split torch reruns a checkpointed "
+             "region once more per parameter group, so stages after the first run as "
+             "profiled. No every-layer row: that is what torch's split makes costly. Rank "
+             "peaks in GiB; `least` is the least rank peak the rank's plans reach, so the "
+             "least per-GPU budget is its largest.", "",
+             "| schedule | budget | rank peaks (GiB) |", "|---|---|---|"]
+    for v in schedules:
+        lines.append(f"| {v['schedule']} | unplanned | {_gib(v['unplanned'])} |")
+        lines.append(f"| {v['schedule']} | least | {_gib(v['least'])} (per GPU: "
+                     f"{max(v['least']) / GIB:.2f}) |")
+        for row in v["rows"]:
+            peaks = row["rank_peaks"]
+            cell = _gib(peaks) if all(p is not None for p in peaks) else "does not fit (rank " + \
+                ", ".join(str(r) for r, p in enumerate(peaks) if p is None) + ")"
+            lines.append(f"| {v['schedule']} | {row['budget_gib']:g} GiB | {cell} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -322,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--time-limit-s", type=float, default=16.0)
     parser.add_argument("--chunks", type=int, default=2,
                         help="Interleaved1F1B's chunks per rank (0: leave it out)")
+    parser.add_argument("--v-schedules", nargs="*", default=["ZBVZeroBubble", "DualPipeV"],
+                        help="zero-bubble schedules in a V to replay (none: leave them out)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -341,9 +401,14 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{_cell(interleaved[-1]['every_layer'])}\n"
                   f"  planned: {_cell(interleaved[-1]['planned'])}\n"
                   f"  balanced: {_cell(interleaved[-1]['balanced'])}", flush=True)
+    v_schedules = []
+    for schedule in args.v_schedules:
+        v_schedules.append(v_rows(ChunkCosts(args.microbatches, 2, schedule), args.budgets,
+                                  args.time_limit_s))
+        print("\n".join(_v_section(v_schedules[-1:])[-2 - len(args.budgets):]), flush=True)
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "microbatches": args.microbatches, "rows": rows, "chunks": args.chunks,
-              "interleaved": interleaved,
+              "interleaved": interleaved, "v_schedules": v_schedules,
               "seconds": round(time.perf_counter() - started)}
     if not args.no_write:
         (RESULTS / "pipeline-llama.json").write_text(json.dumps(result, indent=1))

@@ -7,7 +7,11 @@ stage (`pipeline_harness`), once with nothing checkpointed and once with a plan 
 (one microbatch's step planned halfway between its static memory and its peak).
 Interleaved1F1B runs two stages (chunks) per rank, cut the same way, unplanned and with
 the rank's chunks planned together (`planner.plan_rank`) halfway between the rank's static
-memory and its unplanned peak. Each rank's measured peak counts everything its process
+memory and its unplanned peak (or at the least rank peak found). The zero-bubble schedules
+split each backward: InterleavedZeroBubble with one and two chunks per rank, ZBVZeroBubble
+and DualPipeV with two in a V (stages r and 2p - 1 - r); planned as Interleaved1F1B is,
+their stages after the first run as profiled (`planner.split_backward`).
+``--schedules`` runs some of them. Each rank's measured peak counts everything its process
 holds (`PeakTracker(follow_resizes=True)`, as a GPU allocator counts); the prediction
 replays the rank's passes in its schedule's order from the profile of one microbatch per
 chunk. Writes ``benchmarks/results/pipeline-stages-cpu.{json,md}``.
@@ -32,15 +36,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def _predicted(specs: list, planned: bool) -> tuple[list[int], list | None]:
     """Each rank's predicted peak, and the plans by pipeline stage (None: unplanned)."""
-    if specs[0].num_chunks == 1:
+    if specs[0].num_chunks == 1 and not specs[0].splits_backward:
         plans = [harness.halfway_plan(spec) for spec in specs] if planned else None
         return [harness.predicted_peak(spec, plans[r] if plans else None)
                 for r, spec in enumerate(specs)], plans
     ranks = [harness.rank_steps(spec) for spec in specs]
     by_rank = [harness.halfway_rank_plans(rank) if planned else None for rank in ranks]
-    world = len(specs)
-    by_stage = [by_rank[g % world][g // world] for g in range(world * specs[0].num_chunks)] \
-        if planned else None
+    by_stage = None
+    if planned:
+        chunk_of = {spec.chunk_stage(c): (r, c) for r, spec in enumerate(specs)
+                    for c in range(spec.num_chunks)}
+        by_stage = [by_rank[r][c] for _, (r, c) in sorted(chunk_of.items())]
     return [rank.peak(plans) for rank, plans in zip(ranks, by_rank, strict=True)], by_stage
 
 
@@ -70,6 +76,25 @@ def rows_of(schedule: str, world: int, n_microbatches: int, planned: bool,
     return rows
 
 
+# each schedule, with the chunks per rank it runs
+SCHEDULES = {"GPipe": (1,), "1F1B": (1,), "Interleaved1F1B": (2,),
+             "InterleavedZeroBubble": (1, 2), "ZBVZeroBubble": (2,), "DualPipeV": (2,)}
+
+
+def _runs(schedules: list[str], world: int, m: int) -> list[tuple[str, int]]:
+    """The schedules torch takes for ``world`` ranks and ``m`` microbatches, with their
+    chunks per rank."""
+    runs = []
+    for schedule in schedules:
+        for chunks in SCHEDULES[schedule]:
+            try:
+                harness.spec_of(schedule, 0, world, m, chunks)
+            except ValueError:  # e.g. 1F1B with fewer microbatches than stages
+                continue
+            runs.append((schedule, chunks))
+    return runs
+
+
 def render(result: dict) -> str:
     rows = result["rows"]
     exact = sum(abs(r["measured_bytes"] - r["predicted_bytes"]) <= 64 for r in rows)
@@ -77,8 +102,8 @@ def render(result: dict) -> str:
     lines = [f"# Pipeline stages: measured and predicted peaks ({result['date']}, torch "
              f"{result['torch']}, {result['machine']})", "",
              "A GPT cut into stages of two blocks (width 128, 4 x 64 tokens per microbatch), "
-             "torch's schedules over gloo, one process per rank (Interleaved1F1B: two "
-             "stages per rank, `stages` counts ranks, `stage` is the rank); measured: "
+             "torch's schedules over gloo, one process per rank (x2: two stages per "
+             "rank, `stages` counts ranks, `stage` is the rank); measured: "
              "everything the process holds. Predicted: `planner.pipeline.stage_peak_bytes`, "
              "for a rank of chunks `planner.pipeline_rank.RankSteps.peak`.", "",
              f"{len(rows)} stage peaks: {exact} within 64 bytes, worst "
@@ -102,19 +127,17 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES),
+                        choices=list(SCHEDULES))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for world in args.stages:
             for m in args.microbatches:
-                for schedule in ("GPipe", "1F1B") if m >= world else ("GPipe",):
+                for schedule, chunks in _runs(args.schedules, world, m):
                     for planned in (False, True):
-                        rows += rows_of(schedule, world, m, planned, Path(scratch))
-                if m % max(1, m // world) == 0:  # torch's Interleaved1F1B takes it
-                    for planned in (False, True):
-                        rows += rows_of("Interleaved1F1B", world, m, planned, Path(scratch),
-                                        chunks=2)
+                        rows += rows_of(schedule, world, m, planned, Path(scratch), chunks)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",

@@ -108,10 +108,13 @@ def optimize(
     A pipeline stage: ``model`` is the stage's module, ``example_inputs`` one microbatch of
     its input (after the first stage, a tensor that requires grad), and ``pipeline=dict(
     schedule="1F1B", stage_index=r, num_stages=p, n_microbatches=m)`` (torch's names;
-    ``"GPipe"`` too; ``target_bytes``: the last stage's target per microbatch). The plan
-    keeps the stage's peak over one step of its schedule within ``budget_gb``: the
-    microbatches it holds, its receive buffers, and on the last stage ``loss_fn``'s
-    outputs (:mod:`planner.pipeline`); ``plan.pipeline`` says the stage and that peak.
+    ``"GPipe"`` and ``"InterleavedZeroBubble"`` too; ``target_bytes``: the last stage's
+    target per microbatch). The plan keeps the stage's peak over one step of its schedule
+    within ``budget_gb``: the microbatches it holds, its receive buffers, and on the last
+    stage ``loss_fn``'s outputs (:mod:`planner.pipeline`); ``plan.pipeline`` says the stage
+    and that peak. Under a zero-bubble schedule a stage after the first runs as profiled
+    (``planner.split_backward``). Several stages per rank (``Interleaved1F1B``,
+    ``ZBVZeroBubble``, ``DualPipeV``): :func:`planner.plan_rank`.
 
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.

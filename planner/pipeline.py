@@ -31,7 +31,10 @@ __all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes", "stage_
 
 
 class _ReceivedGradient(torch.autograd.Function):
-    """A scalar "loss" whose backward gives ``output`` the gradient ``received``."""
+    """A scalar "loss" whose backward gives ``output`` the gradient ``received``. In a fake
+    step (the profile's observed backward) it is handed over as a fake tensor of its own:
+    the first op that read the real one would convert it, and the observer would count
+    the receive buffer as the backward's (one boundary activation, measured over gloo)."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -40,6 +43,9 @@ class _ReceivedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mode = torch._guards.detect_fake_mode([grad])
+        if mode is not None:  # a fake step: the buffer as a fake tensor of its own, made
+            return mode.from_tensor(ctx.received), None  # before the step, as it is
         return ctx.received, None
 
 
@@ -114,7 +120,8 @@ class StageSteps:
         if spec.splits_backward and not spec.chunk_first(chunk):
             self.split = measure_split_backward(
                 module, *normalize_inputs(module, microbatch), loss_fn=loss_fn,
-                received=received, keeps_output=last and spec.return_outputs)
+                received=received, keeps_output=last and spec.return_outputs,
+                autocast=profile_options.get("autocast"), device=self.steps[0].profile.device)
 
     @property
     def plannable(self) -> bool:

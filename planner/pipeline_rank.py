@@ -1,6 +1,8 @@
-"""A rank of an interleaved pipeline (``Interleaved1F1B``): the plans of its model chunks,
-chosen together so that the rank's peak over one step is within its budget and the time
-it spends on its chunks' microbatches is least.
+"""A rank of a pipeline that runs several stages per rank (``Interleaved1F1B``,
+``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``): the plans of its model
+chunks, chosen together so that the rank's peak over one step is within its budget and the
+time it spends on its chunks' microbatches is least. Under a zero-bubble schedule a chunk
+after the pipeline's first stage runs as profiled (its ladder is its unplanned step).
 
 Every chunk is a stage of its own (:mod:`planner.pipeline` profiles it for one microbatch);
 the rank's peak replays the schedule's passes over all of its chunks
@@ -145,10 +147,11 @@ def plan_rank(chunks: Sequence[nn.Module], microbatches: Sequence[Any], *,
               pipeline: StageSpec | dict[str, Any], budget_gb: float,
               loss_fn: Callable[[Any], torch.Tensor] | None = None,
               time_limit_s: float = 60.0, **profile_options: Any) -> list[Plan]:
-    """The plans of one pipeline rank's model chunks under an interleaved schedule, whose
-    peak over one step of ``pipeline`` (torch's names, with ``num_chunks``; its
-    ``stage_index`` is the rank) is within ``budget_gb``: one plan per chunk, to
-    ``apply`` to it; ``plans[c].pipeline.peak_bytes`` is the rank's predicted peak.
+    """The plans of one pipeline rank's model chunks under a schedule of several stages per
+    rank, whose peak over one step of ``pipeline`` (torch's names, with ``num_chunks``; its
+    ``stage_index`` is the rank; chunk ``c`` is stage ``StageSpec.chunk_stage(c)``) is
+    within ``budget_gb``: one plan per chunk, to ``apply`` to it;
+    ``plans[c].pipeline.peak_bytes`` is the rank's predicted peak.
     ``microbatches[c]`` is one microbatch of chunk ``c``'s input (a tensor that requires
     grad where a chunk receives it); ``loss_fn(output)`` is the loss of the pipeline's last
     stage, where this rank holds it.

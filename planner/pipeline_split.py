@@ -132,8 +132,9 @@ def plan_interleaved(rank_steps: Callable[[int, tuple[int, ...]], RankSteps],
                      n_layers: int, num_ranks: int, num_chunks: int, *, budget_gb: float,
                      least: int = 1, most: int | None = None, time_limit_s: float = 60.0,
                      solver: str = "auto") -> list[RankPlan]:
-    """The layers of each rank's chunks under an interleaved schedule (chunk ``c`` of rank
-    ``r`` is the pipeline's stage ``c·num_ranks + r``, so the split in stage order is
+    """The layers of each rank's chunks under a schedule of several stages per rank (chunk
+    ``c`` of rank ``r`` is the pipeline's stage ``StageSpec.chunk_stage(c)``: under
+    ``Interleaved1F1B`` ``c·num_ranks + r``, so the split in stage order is
     ``[ranks[g % p].layers[g // p] for g in range(v·p)]``), between ``least`` and ``most``
     layers a chunk (default: one either side of an even split), and each rank's chunk
     plans, that make the slowest rank fastest with every rank within ``budget_gb``.

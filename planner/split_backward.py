@@ -1,8 +1,9 @@
 """What torch's split backward does to a pipeline stage's memory, measured against its full
 backward (:class:`solvers.pipeline.SplitBackward`).
 
-Zero-bubble schedules (``ScheduleInterleavedZeroBubble``) run a stage's backward as two
-passes (``torch.distributed.pipelining._backward``): the input's gradient
+Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``) run a stage's backward as two passes
+(``torch.distributed.pipelining._backward``): the input's gradient
 (``stage_backward_input``: ``autograd.grad`` with ``retain_graph=True``, every saved tensor
 kept, the gradient reaching each parameter's node captured by a hook) and later the
 weights' (``stage_backward_weight``, one ``autograd.grad`` per parameter group from the
@@ -15,11 +16,12 @@ runs it, beside a full backward of the same microbatch, and the differences are 
 stage's replay adds to the full backward's timeline. They hold for the step as profiled,
 nothing checkpointed: under a split backward torch reruns a checkpointed region once more
 per parameter group (``tests/test_pipeline_split_backward.py``), so a stage after the
-first is planned unplanned.
+first runs as profiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,6 +34,8 @@ from torch.distributed.pipelining._backward import (
 )
 
 from planner.measure import PeakTracker
+from profiles.devices import DeviceSpec, device_spec
+from profiles.kernels import FusedKernels
 from solvers.pipeline import SplitBackward
 
 __all__ = ["measure_split_backward"]
@@ -41,23 +45,32 @@ LossFn = Callable[[Any], torch.Tensor]
 
 def measure_split_backward(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any], *,
                            loss_fn: LossFn | None = None, received: torch.Tensor | None = None,
-                           keeps_output: bool = False) -> SplitBackward:
+                           keeps_output: bool = False, autocast: torch.dtype | None = None,
+                           device: str | DeviceSpec | None = None) -> SplitBackward:
     """The split backward of one microbatch, before the stage's first backward (no
     parameter gradients) and after it, against its full backward. The last stage's
     backward starts from ``loss_fn(output)``, another's from the gradient ``received`` for
     its output. ``keeps_output``: the stage keeps its output to the step's end (the last
     stage's ``output_chunks``), and with it the autograd graph where the output is a view
-    (torch detaches it only otherwise). The module's gradients, the inputs' and the random
-    state are as they were."""
+    (torch detaches it only otherwise). ``autocast``: the step runs under
+    ``torch.autocast`` of that dtype, as the profile's. On the meta device it measures
+    without memory, running the fused kernels that ``device`` (the profile's target)
+    selects, as the profile does (``profiles.kernels``). The module's gradients, the
+    inputs' and the random state are as they were.
+
+    Raises:
+        ValueError: the stage returns a view, which torch's input pass cannot detach (the
+            pipeline would fail the same way).
+    """
     params = list(module.parameters())
     kept = [p.grad for p in params]
     inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     kept_inputs = [t.grad for t in inputs]
     try:
-        split0, split1 = (_passes(module, args, kwargs, (loss_fn, received), inputs,
-                                  allocated, True, keeps_output) for allocated in (False, True))
-        full1 = _passes(module, args, kwargs, (loss_fn, received), inputs, True, False,
-                        keeps_output)
+        step = _Step(module, args, kwargs, loss_fn, received, inputs, keeps_output, autocast)
+        with _kernels(step, device):
+            split0, split1 = (_passes(step, allocated, split=True) for allocated in (False, True))
+            full1 = _passes(step, allocated=True, split=False)
     finally:
         for p, grad in zip(params, kept, strict=True):
             p.grad = grad
@@ -69,6 +82,30 @@ def measure_split_backward(module: nn.Module, args: Sequence[Any], kwargs: dict[
                          weight_rise=(split0.weight_peak - split0.after,
                                       split1.weight_peak - split1.after),
                          finished=split1.end - split1.sent - (full1.end - full1.sent))
+
+
+def _input_pass(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                inputs: list[torch.Tensor], module: nn.Module) -> list[dict[str, Any]]:
+    """torch's input pass; its parameter groups, for the weights' pass."""
+    try:
+        return stage_backward_input(tensors, grads, inputs, module.parameters())[1]
+    except RuntimeError as error:
+        if "detach views in-place" not in str(error.__cause__):
+            raise
+        raise ValueError(
+            f"{type(module).__name__} returns a view: a zero-bubble schedule's input pass "
+            "detaches a stage's output in place (torch.distributed.pipelining's "
+            "stage_backward_input), which torch cannot do to a view, so the pipeline would "
+            "fail. Return a tensor of its own (e.g. output.clone()).") from error
+
+
+def _kernels(step: _Step, device: str | DeviceSpec | None) -> contextlib.AbstractContextManager:
+    """On the meta device, the fused kernels the profile's target device selects; real
+    tensors run their own."""
+    tensors = [*step.module.parameters(), *step.inputs]
+    if device is None or not any(t.device.type == "meta" for t in tensors):
+        return contextlib.nullcontext()
+    return FusedKernels(device_spec(device))
 
 
 class _Passes(NamedTuple):
@@ -85,28 +122,48 @@ class _Passes(NamedTuple):
     sent: int
 
 
-def _passes(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-            backward_from: tuple[LossFn | None, torch.Tensor | None],
-            inputs: list[torch.Tensor], allocated: bool, split: bool, keeps_output: bool
-            ) -> _Passes:
+class _Step(NamedTuple):
+    """The stage's step to measure: its module and one microbatch, what its backward
+    starts from (the last stage's loss, or the gradient received), and how it runs."""
+
+    module: nn.Module
+    args: Sequence[Any]
+    kwargs: dict[str, Any]
+    loss_fn: LossFn | None
+    received: torch.Tensor | None
+    inputs: list[torch.Tensor]
+    keeps_output: bool
+    autocast: torch.dtype | None
+
+    def forward(self) -> tuple[Any, list[torch.Tensor], list[torch.Tensor] | None]:
+        """The output, and the tensors the backward starts from with their gradients."""
+        device = next(iter(self.module.parameters()), torch.empty(0)).device.type
+        with torch.autocast(device, self.autocast) if self.autocast is not None else \
+                contextlib.nullcontext():
+            output = self.module(*self.args, **self.kwargs)
+            loss = self.loss_fn(output) if self.loss_fn is not None else None
+        return (output, [loss], None) if loss is not None else \
+            (output, [output], [self.received])
+
+
+def _passes(step: _Step, allocated: bool, split: bool) -> _Passes:
     """One microbatch's step, the parameters' gradients ``allocated`` or not, its backward
     full or split as torch's stage runs it (``PipelineStage.backward_one_chunk``)."""
+    module, inputs, keeps_output = step.module, step.inputs, step.keeps_output
     for t in inputs:
         t.grad = None
     for p in module.parameters():
         p.grad = torch.zeros_like(p) if allocated else None
-    loss_fn, received = backward_from
     static = [*module.parameters(), *(p.grad for p in module.parameters()
                                       if p.grad is not None), *inputs]
-    static += [received] if received is not None else []
+    static += [step.received] if step.received is not None else []
     devices = [t.device for t in static if t.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices), PeakTracker(static) as tracker:
-        output = module(*args, **kwargs)
-        tensors, grads = ([loss_fn(output)], None) if loss_fn else ([output], [received])
+        output, tensors, grads = step.forward()
         after_forward = tracker.live_bytes
         tracker.peak_bytes = after_forward
         if split:
-            _, groups = stage_backward_input(tensors, grads, inputs, module.parameters())
+            groups = _input_pass(tensors, grads, inputs, module)
         else:  # the last stage's loss is one tensor, with no gradient given
             stage_backward(tensors[0] if grads is None else tensors, grads, inputs)
         peak, after = tracker.peak_bytes, tracker.live_bytes

@@ -4,9 +4,9 @@ stage's peak, replayed from one microbatch's timelines.
 What ``torch.distributed.pipelining`` (torch 2.14: ``schedules.py``, ``stage.py``) does on
 stage ``r`` of ``p``, for one step of ``m`` microbatches:
 
-- Order. ``GPipe`` runs every forward, then every backward, in microbatch order.
-  ``1F1B`` runs ``min(m, p - r)`` forwards, then one backward and one forward in turn, then
-  the backwards left (``Schedule1F1B._step_microbatches``). The last stage computes each
+- Order (:mod:`solvers.pipeline_orders`). ``GPipe`` runs every forward, then every
+  backward, in microbatch order. ``1F1B`` runs ``min(m, p - r)`` forwards, then one
+  backward and one forward in turn, then the backwards left. The last stage computes each
   microbatch's loss right after its forward.
 - Between its forward and its backward a microbatch holds what its forward saved and its
   output (``fwd_cache``): ``held_bytes``; its own backward keeps the output referenced.
@@ -19,25 +19,36 @@ stage ``r`` of ``p``, for one step of ``m`` microbatches:
   microbatch.
 - A non-first stage keeps the input gradient of its last backward (``grads_input``) until
   the next backward replaces it.
+- A send's work keeps the tensor it sent (measured over gloo). ``GPipe`` keeps every
+  send's work until the step ends (``fwd_sends_to_wait``, ``bwd_sends_to_wait``), as the
+  runtime schedules below do; ``1F1B`` keeps the work of its warm-up's last send fired,
+  microbatch ``w − 2``'s output, until its phase of one backward and one forward ends
+  (``send_work``).
 - Gradients of the parameters exist from the stage's first backward on: forwards before it
   replay the timeline of a step that starts without them, everything after it the
   timeline of one that starts with them.
 - ``Interleaved1F1B`` gives rank ``r`` of ``p`` several model chunks (``num_chunks`` = v,
   torch's local stages): chunk ``c`` is the pipeline's stage ``c·p + r`` of ``v·p``, a
-  stage of its own (buffers, outputs, gradients as above). With ``q`` the microbatches per
-  round (``m // max(1, m // p)``), the rank runs ``w = min((v − 1)·q + 2(p − 1 − r), m·v)``
-  forwards, then one forward and one backward in turn, then the backwards left; its
-  ``k``-th forward runs chunk ``(k // q) mod v``, its ``k``-th backward chunk
-  ``v − 1 − (k // q) mod v``, each on that chunk's next microbatch
-  (``ScheduleInterleaved1F1B._calculate_single_rank_operations``, whose order
-  ``tests/test_pipeline.py`` compares with this one). A chunk idle during another's pass
-  holds its parameters, its gradients once its first backward ran, and its buffers and
-  in-flight microbatches.
+  stage of its own (buffers, outputs, gradients as above), run in the order of
+  :func:`solvers.pipeline_orders.interleaved`. A chunk idle during another's pass holds
+  its parameters, its gradients once its first backward ran, and its buffers and
+  in-flight microbatches. Torch's runtime schedules keep every send until the step ends.
+- Zero-bubble schedules split a backward into the input's gradient ("I") and, later, the
+  weights' ("W"): ``InterleavedZeroBubble`` (chunks as ``Interleaved1F1B``),
+  ``ZBVZeroBubble`` and ``DualPipeV`` (two chunks in a V: stages ``r`` and ``2p − 1 − r``;
+  DualPipeV also runs full backwards). From its "I" to its "W" a microbatch holds what
+  its forward saved and the gradients captured for the weights' pass
+  (``SplitBackward.held``, measured by ``planner.split_backward``); each pass peaks as
+  measured above the live bytes before it. The pipeline's first stage runs no "I" and a
+  full backward as its "W". The last stage keeps its output, a view, and with it what the
+  weights' pass does not free, until the step ends (``SplitBackward.finished``).
+- Two neighbouring stages on one rank (the turn of a V) hand their tensors over: the
+  later one's input is the earlier one's output, the earlier one's output gradient the
+  later one's input gradient; each replaces the receive buffer made for it, freed then.
 
-Measured (`benchmarks/results/pipeline-stages-cpu.md`: gloo, 2 and 3 stages, 2 to 8
-microbatches, GPipe and 1F1B, unplanned and with a plan per stage): 54 stage peaks, 37 to
-64 bytes, none more than 4 bytes above the prediction, the worst 1.20 % below it (one
-stage-boundary activation the replay counts and the stage had let go of).
+Measured (`benchmarks/results/pipeline-stages-cpu.md`: gloo, 2 to 4 ranks, 2 to 8
+microbatches, every schedule above, unplanned and planned): 332 rank peaks, 318 within 64
+bytes of the prediction, none more than 4 bytes above it, the worst 0.01 % below it.
 """
 
 from __future__ import annotations
@@ -233,13 +244,19 @@ class _Chunk:
         self.static_shift = -b.input_bytes if local_input else 0  # the timelines' input
         self.persistent = (0 if local_input else (m - 1) * b.input_bytes) + (
             (m - 1) * b.target_bytes if self.last else 0 if local_grad else m * b.output_bytes)
-        self.m = m
+        self.microbatches = m
         self.own_output = 0 if b.output_in_timeline or self.last else b.output_bytes
         self.outputs_kept = b.output_bytes if self.last and spec.return_outputs else 0
         self.last_input_grad = 0 if spec.chunk_first(chunk) else b.input_bytes
         self.loss_bytes = b.loss_bytes if self.last else 0
-        # torch's runtime schedules (Interleaved1F1B, ...) keep each send until the step ends
-        self.sends_kept = spec.schedule in RUNTIME_SCHEDULES
+        # torch's GPipe and runtime schedules (Interleaved1F1B, ...) keep each send's work,
+        # and with it the tensor sent, until the step ends
+        self.sends_kept = spec.schedule == "GPipe" or spec.schedule in RUNTIME_SCHEDULES
+        # 1F1B keeps the work of its warmup's last send fired (microbatch w - 2) until the
+        # phase of one backward and one forward ends
+        warmup = min(m, spec.num_stages - spec.stage_index)
+        self.pinned = warmup - 2 if spec.schedule == "1F1B" and warmup >= 2 else None
+        self.cooling = False  # every forward ran, and a backward after the last
         self.held: set[int] = set()  # forward done, backward (full or the input's) not
         self.waiting: set[int] = set()  # the input's pass done, the weights' not
         self.waiting_bytes = b.held_bytes + (replay.split.held if replay.split else 0)
@@ -264,8 +281,8 @@ class _Chunk:
     def _receive_buffers(self) -> int:
         """The receive buffers a neighbour on the rank has not replaced yet."""
         b = self.replay.boundary
-        inputs = (self.m - self.feeder.kept) * b.input_bytes if self.feeder else 0
-        grads = (self.m - self.grad_feeder.backwards) * b.output_bytes \
+        inputs = (self.microbatches - self.feeder.kept) * b.input_bytes if self.feeder else 0
+        grads = (self.microbatches - self.grad_feeder.backwards) * b.output_bytes \
             if self.grad_feeder else 0
         return inputs + grads
 
@@ -274,7 +291,9 @@ class _Chunk:
         (and of the one whose backward runs), or under a runtime schedule every one sent."""
         in_flight = len(self.held) + len(self.waiting) + (kind in ("B", "I", "W"))
         if not self.sends_kept or step_over or self.last:
-            return in_flight * self.own_output
+            pinned = self.pinned is not None and self.backwards > self.pinned and \
+                not self.cooling and not self.last
+            return in_flight * self.own_output + pinned * self.replay.boundary.output_bytes
         b = self.replay.boundary
         return (self.kept - (in_flight if b.output_in_timeline else 0)) * b.output_bytes
 
@@ -296,6 +315,7 @@ class _Chunk:
             self.waiting.add(microbatch)
         self.backwards += kind in ("B", "I")
         self.weights += kind in ("B", "W")
+        self.cooling = self.cooling or (kind == "B" and self.kept == self.microbatches)
         self.finished += kind == "W"
         return peak
 

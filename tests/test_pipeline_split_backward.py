@@ -1,6 +1,7 @@
-"""Why zero-bubble schedules are refused (`solvers.pipeline.SPLIT_BACKWARD_SCHEDULES`):
+"""Why a zero-bubble schedule's stages after the first run unplanned
+(`planner.pipeline.StageSteps.plannable`, `solvers.pipeline.SPLIT_BACKWARD_SCHEDULES`):
 what torch's split backward does to a checkpointed stage, measured. If torch changes this,
-the refusal's reason must be revisited."""
+the reason must be revisited."""
 
 from __future__ import annotations
 

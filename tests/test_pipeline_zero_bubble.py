@@ -7,6 +7,7 @@ those of the same pipeline unplanned."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,6 @@ from solvers.pipeline import StageSpec
 from solvers.schedule import RECOMPUTE, Region, Schedule
 
 RANKS, MICROBATCHES = 2, 4
-BOUNDARY = harness.MICROBATCH * harness.SEQ * harness.WIDTH * 4  # one activation between stages
 
 
 def _torchs_order(schedule: str, ranks: int, chunks: int, microbatches: int,
@@ -94,8 +94,7 @@ def test_zero_bubble_ranks_peak_as_replayed_and_train_unchanged(schedule: str,
     runs whole: planned together with its other chunk at 90 % of the rank's unplanned
     peak, it checkpoints. Rank 1 holds no first stage: that budget names its unplanned
     peak as the least, which holds. Each rank runs torch's order, peaks within its budget
-    and at the predicted peak (below it by one boundary activation at most, where a full
-    backward runs), and trains as unplanned."""
+    and at the predicted peak (within a kilobyte), and trains as unplanned."""
     specs = [harness.spec_of(schedule, r, RANKS, MICROBATCHES, 2) for r in range(RANKS)]
     ranks = [harness.rank_steps(spec) for spec in specs]
     planned, budgets = [], []
@@ -116,14 +115,7 @@ def test_zero_bubble_ranks_peak_as_replayed_and_train_unchanged(schedule: str,
     ran, plain = harness.run_pipeline(schedule, RANKS, MICROBATCHES, tmp_path,
                                       [by_stage[g] for g in range(2 * RANKS)],
                                       unplanned_too=True, chunks=2)
-    for spec, budget, (_, predicted), measured, unplanned in zip(
-            specs, budgets, planned, ran, plain, strict=True):
-        assert [tuple(a) for a in measured["order"]] == spec.actions()
-        assert measured["peak"] <= budget, (spec.stage_index, measured["peak"], budget)
-        assert predicted - BOUNDARY - 64 <= measured["peak"] <= predicted + 8, \
-            (spec.stage_index, measured["peak"], predicted)
-        assert all(torch.equal(a, b) for a, b in zip(measured["grads"], unplanned["grads"],
-                                                     strict=True))
+    harness.check_ranks(specs, budgets, [peak for _, peak in planned], ran, plain)
     holds_last = 0 if schedule != "InterleavedZeroBubble" else 1
     assert ran[holds_last]["losses"] == plain[holds_last]["losses"]
     assert len(ran[holds_last]["losses"]) == MICROBATCHES
@@ -162,8 +154,9 @@ def test_a_stage_after_the_first_runs_as_profiled_under_a_split_backward() -> No
 
 
 def test_measuring_the_split_backward_leaves_the_stage_as_it_was() -> None:
-    """The measurement runs the stage's step four times: the parameters' and the input's
-    gradients, and the random state, are as they were (gradients set or not)."""
+    """The measurement runs the stage's step three times: the parameters' and the input's
+    gradients, and the random state, are as they were (gradients set or not). On the meta
+    device it measures the same, without memory."""
     module = harness.build_stage(1, 3)
     inputs, _ = harness.microbatch(1)
     with torch.no_grad():
@@ -181,3 +174,33 @@ def test_measuring_the_split_backward_leaves_the_stage_as_it_was() -> None:
                 else p.grad is None
         assert (inputs.grad is not None and bool((inputs.grad == 1).all())) if grads \
             else inputs.grad is None
+    meta = copy.deepcopy(module).to("meta")
+    assert measure_split_backward(meta, (inputs.detach().to("meta").requires_grad_(),), {},
+                                  received=received.to("meta"), device="H100") == split
+
+
+def test_on_the_meta_device_the_split_backward_runs_the_targets_attention() -> None:
+    """A stage of attention on the meta device, measured for an H100, runs the fused
+    attention the profile runs (the meta device's own is the math decomposition, which
+    holds the attention matrix in its backward): the input pass rises less."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(512, 3 * 512, dtype=torch.bfloat16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(1, 1024, 3, 8, 64).permute(2, 0, 3, 1, 4)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return x + out.transpose(1, 2).reshape(1, 1024, 512)
+
+    module = Attention().to("meta")
+    x = torch.empty(1, 1024, 512, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    received = torch.empty(1, 1024, 512, dtype=torch.bfloat16, device="meta")
+    fused = measure_split_backward(module, (x,), {}, received=received, device="H100")
+    math = measure_split_backward(module, (x,), {}, received=received)
+    attention_matrix = 8 * 1024 * 1024 * 2
+    assert math.input_rise[1] - fused.input_rise[1] >= attention_matrix
+    module.forward = lambda x: x[0]  # a view: torch's input pass cannot detach it
+    with pytest.raises(ValueError, match="returns a view"):
+        measure_split_backward(module, (x,), {}, received=received[0], device="H100")
