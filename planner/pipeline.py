@@ -31,10 +31,7 @@ __all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes", "stage_
 
 
 class _ReceivedGradient(torch.autograd.Function):
-    """A scalar "loss" whose backward gives ``output`` the gradient ``received``. In a fake
-    step (the profile's observed backward) it is handed over as a fake tensor of its own:
-    the first op that read the real one would convert it, and the observer would count
-    the receive buffer as the backward's (one boundary activation, measured over gloo)."""
+    """A scalar "loss" whose backward gives ``output`` the gradient ``received``."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
@@ -43,9 +40,6 @@ class _ReceivedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        mode = torch._guards.detect_fake_mode([grad])
-        if mode is not None:  # a fake step: the buffer as a fake tensor of its own, made
-            return mode.from_tensor(ctx.received), None  # before the step, as it is
         return ctx.received, None
 
 

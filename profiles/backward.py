@@ -300,7 +300,10 @@ class _BackwardObserver(RuntimeAwareMode):
         inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
                   for t in _tensors((args, kwargs))}
         out = func(*args, **kwargs)
-        for tensor in _tensors(out):
+        # a view op allocates nothing, whatever storage its output shows: its input may be
+        # a tensor from before the step that fake mode converted when the op read it (a
+        # pipeline stage's received gradient), whose twin's storage is new to this mode
+        for tensor in () if getattr(func, "is_view", False) else _tensors(out):
             storage = local_tensor(tensor).untyped_storage()
             ref = StorageWeakRef(storage)
             if ref not in inputs and ref not in self._live:

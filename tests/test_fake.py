@@ -252,3 +252,32 @@ def _logger_level(logger: logging.Logger, level: int, propagate: bool) -> Iterat
     finally:
         logger.setLevel(before[0])
         logger.propagate = before[1]
+
+
+class _Received(torch.autograd.Function):
+    """A loss whose backward hands the output a gradient made before the step."""
+
+    @staticmethod
+    def forward(ctx: object, output: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        ctx.received = received  # type: ignore[attr-defined]
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.received, None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_gradient_from_before_the_step_is_not_the_backwards_memory(device: str) -> None:
+    """A pipeline stage's backward starts from the gradient it received, a buffer made
+    before the step. The observed backward (a fake step) converts it when an op first
+    reads it; a view of it (``t()`` in a Linear's backward) is no allocation: the
+    backward holds the weight's and the bias's gradients only (it read 131,072 bytes
+    more, one received gradient, on the CPU; on the meta device from the start)."""
+    model = nn.Linear(64, 64).to(device)
+    x, received = (torch.randn(512, 64, device=device) for _ in range(2))
+    prof = profiles.profile(model, (x,), loss_fn=lambda out: _Received.apply(out, received),
+                            device="cpu", timing="estimate", progress=False)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    loss = 4  # the scalar the backward's seed is made from
+    assert {node.name: node.bwd_peak_bytes for node in prof.nodes}["addmm"] == grads + loss
