@@ -129,8 +129,9 @@ class StageSteps:
                 schedule != Schedule.store_all(self.problems[0].n_nodes):
             raise ValueError(
                 f"{self.spec.schedule} splits the backward of stage "
-                f"{self.spec.chunk_stage(self.chunk)}: it is planned unplanned (torch reruns "
-                "a checkpointed region once more per parameter group in the weights' pass)")
+                f"{self.spec.chunk_stage(self.chunk)}: it runs as profiled, nothing "
+                "checkpointed (torch reruns a checkpointed region once more per parameter "
+                "group in the weights' pass)")
         before, after = (simulate(p, schedule or Schedule.store_all(p.n_nodes))
                          for p in self.problems)
         held = held_after_forward(before, self.problems[0].static_bytes)

@@ -33,9 +33,12 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 
+from planner.install import _plan_suspended
 from planner.measure import PeakTracker
+from planner.model_state import _training_config, _training_mode
 from profiles.devices import DeviceSpec, device_spec
 from profiles.kernels import FusedKernels
+from profiles.swap import swapped_tensors
 from solvers.pipeline import SplitBackward
 
 __all__ = ["measure_split_backward"]
@@ -55,8 +58,9 @@ def measure_split_backward(module: nn.Module, args: Sequence[Any], kwargs: dict[
     (torch detaches it only otherwise). ``autocast``: the step runs under
     ``torch.autocast`` of that dtype, as the profile's. On the meta device it measures
     without memory, running the fused kernels that ``device`` (the profile's target)
-    selects, as the profile does (``profiles.kernels``). The module's gradients, the
-    inputs' and the random state are as they were.
+    selects, as the profile does (``profiles.kernels``). It runs the training step as the
+    profile does (``train()`` mode, no plan installed, copies of the buffers); the module,
+    its gradients, the inputs' and the random state are as they were.
 
     Raises:
         ValueError: the stage returns a view, which torch's input pass cannot detach (the
@@ -66,9 +70,13 @@ def measure_split_backward(module: nn.Module, args: Sequence[Any], kwargs: dict[
     kept = [p.grad for p in params]
     inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     kept_inputs = [t.grad for t in inputs]
+    buffers = {k: b.clone() for k, b in module.named_buffers(remove_duplicate=False)}
     try:
         step = _Step(module, args, kwargs, loss_fn, received, inputs, keeps_output, autocast)
-        with _kernels(step, device):
+        # the training step as profiled: no plan installed, train() mode, no key/value
+        # cache, and copies of the buffers (BatchNorm's statistics are the model's)
+        with _plan_suspended(module), _training_mode(module), _training_config(module), \
+                swapped_tensors(module, buffers), _kernels(step, device):
             split0, split1 = (_passes(step, allocated, split=True) for allocated in (False, True))
             full1 = _passes(step, allocated=True, split=False)
     finally:

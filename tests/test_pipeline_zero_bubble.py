@@ -155,8 +155,9 @@ def test_a_stage_after_the_first_runs_as_profiled_under_a_split_backward() -> No
 
 def test_measuring_the_split_backward_leaves_the_stage_as_it_was() -> None:
     """The measurement runs the stage's step three times: the parameters' and the input's
-    gradients, and the random state, are as they were (gradients set or not). On the meta
-    device it measures the same, without memory."""
+    gradients, and the random state, are as they were (gradients set or not); a module in
+    eval() stays in it, its BatchNorm statistics untouched. On the meta device it measures
+    the same, without memory."""
     module = harness.build_stage(1, 3)
     inputs, _ = harness.microbatch(1)
     with torch.no_grad():
@@ -174,6 +175,17 @@ def test_measuring_the_split_backward_leaves_the_stage_as_it_was() -> None:
                 else p.grad is None
         assert (inputs.grad is not None and bool((inputs.grad == 1).all())) if grads \
             else inputs.grad is None
+    stage = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(64),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(128, 128),
+                                torch.nn.ReLU())
+    statistics = [b.clone() for b in stage.buffers()]
+    stage_received = torch.zeros(4, 64, 128)
+    trained = measure_split_backward(stage, (inputs,), {}, received=stage_received)
+    assert all(torch.equal(a, b) for a, b in zip(statistics, stage.buffers(), strict=True))
+    # planned in eval() as in train(): the training step, its dropout masks included
+    assert measure_split_backward(stage.eval(), (inputs,), {},
+                                  received=stage_received) == trained
+    assert not any(m.training for m in stage.modules())  # eval() as it was
     meta = copy.deepcopy(module).to("meta")
     assert measure_split_backward(meta, (inputs.detach().to("meta").requires_grad_(),), {},
                                   received=received.to("meta"), device="H100") == split
