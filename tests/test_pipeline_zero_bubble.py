@@ -87,7 +87,9 @@ def test_v_schedules_hold_two_stages_per_rank_in_a_v() -> None:
                   num_chunks=2)
 
 
-@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+# InterleavedZeroBubble's ranks: benchmarks/results/pipeline-stages-cpu.md (108 peaks, the
+# same split-backward replay; its order is checked above); here the V's two schedules
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
 def test_zero_bubble_ranks_peak_as_replayed_and_train_unchanged(schedule: str,
                                                                tmp_path: Path) -> None:
     """Two ranks of two chunks. Rank 0 holds the pipeline's first stage, whose backward
@@ -101,12 +103,12 @@ def test_zero_bubble_ranks_peak_as_replayed_and_train_unchanged(schedule: str,
     for rank in ranks:
         budget = int(0.9 * rank.peak())
         try:
-            planned.append(rank.plan(budget, time_limit_s=16))
+            planned.append(rank.plan(budget, time_limit_s=16, solver="dp"))
         except InfeasibleBudgetError as error:
             assert "not checkpointed" in str(error) and rank is ranks[1]
             assert error.min_budget_bytes == rank.peak()  # unplanned
             budget = error.min_budget_bytes
-            planned.append(rank.plan(budget, time_limit_s=16))
+            planned.append(rank.plan(budget, time_limit_s=16, solver="dp"))
         budgets.append(budget)
     assert [[plan.checkpointing for plan in plans] for plans, _ in planned] == \
         [[True, False], [False, False]]
@@ -116,9 +118,8 @@ def test_zero_bubble_ranks_peak_as_replayed_and_train_unchanged(schedule: str,
                                       [by_stage[g] for g in range(2 * RANKS)],
                                       unplanned_too=True, chunks=2)
     harness.check_ranks(specs, budgets, [peak for _, peak in planned], ran, plain)
-    holds_last = 0 if schedule != "InterleavedZeroBubble" else 1
-    assert ran[holds_last]["losses"] == plain[holds_last]["losses"]
-    assert len(ran[holds_last]["losses"]) == MICROBATCHES
+    assert ran[0]["losses"] == plain[0]["losses"]  # rank 0 holds the last stage in a V
+    assert len(ran[0]["losses"]) == MICROBATCHES
 
 
 def test_a_stage_after_the_first_runs_as_profiled_under_a_split_backward() -> None:
@@ -131,26 +132,24 @@ def test_a_stage_after_the_first_runs_as_profiled_under_a_split_backward() -> No
     module = harness.build_stage(1, RANKS)
     inputs, target = harness.microbatch(1)
     options: dict[str, Any] = dict(loss_fn=lambda logits: harness.next_token_loss(
-        logits, target), timing="estimate", time_limit_s=8)
+        logits, target), timing="estimate", time_limit_s=8, solver="dp")
     pipeline = {**spec, "stage_index": 1, "target_bytes": target.nbytes}
     with pytest.raises(InfeasibleBudgetError, match="a stage after the first is not "
                                                     "checkpointed") as caught:
         optimize(module, (inputs,), budget_gb=2**-10, pipeline=pipeline, **options)
     least = caught.value.min_budget_bytes
-    plan = optimize(module, (inputs,), budget_gb=least / 2**30, pipeline=pipeline, **options)
-    assert not plan.checkpointing and plan.pipeline.peak_bytes == least
-    steps = harness.chunk_steps(StageSpec(**spec, stage_index=1), 0)
+    steps = harness.chunk_steps(StageSpec(**spec, stage_index=1), 0)  # the same stage
+    plan, peak = steps.plan(least, time_limit_s=8, solver="dp")
+    assert not plan.checkpointing and peak == least == steps.peak()
     recompute_all = Schedule(regions=(Region(0, steps.problems[1].n_nodes, RECOMPUTE),))
     with pytest.raises(ValueError, match="splits the backward of stage 1"):
         steps.replay(recompute_all)
     first = harness.build_stage(0, RANKS)
     tokens, _ = harness.microbatch(0)
-    unplanned = optimize(first, (tokens,), budget_gb=1e3, timing="estimate", time_limit_s=16,
-                         pipeline={**spec, "stage_index": 0})
-    planned = optimize(first, (tokens,), budget_gb=0.8 * unplanned.pipeline.peak_bytes / 2**30,
+    unplanned = harness.chunk_steps(StageSpec(**spec, stage_index=0), 0).peak()
+    planned = optimize(first, (tokens,), budget_gb=0.8 * unplanned / 2**30, solver="dp",
                        timing="estimate", time_limit_s=16, pipeline={**spec, "stage_index": 0})
-    assert planned.checkpointing and \
-        planned.pipeline.peak_bytes <= 0.8 * unplanned.pipeline.peak_bytes
+    assert planned.checkpointing and planned.pipeline.peak_bytes <= 0.8 * unplanned
 
 
 def test_measuring_the_split_backward_leaves_the_stage_as_it_was() -> None:
