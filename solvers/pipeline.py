@@ -68,7 +68,7 @@ __all__ = ["STAGE_SCHEDULES", "ChunkReplay", "SplitBackward", "StageBoundary", "
 # ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV
 STAGE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
                    "ZBVZeroBubble", "DualPipeV")
-Schedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
                    "ZBVZeroBubble", "DualPipeV"]
 Action = tuple[Pass, int]
 # torch's _PipelineScheduleRuntime subclasses: several chunks (local stages) per rank
@@ -85,7 +85,7 @@ class StageSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schedule: Schedule
+    schedule: ScheduleName
     stage_index: int = Field(ge=0)
     num_stages: int = Field(ge=1)
     n_microbatches: int = Field(ge=1)
