@@ -166,19 +166,24 @@ class _Checkpoint:
         # dies (an HF attention's hidden_states=... would stay alive through the forward).
         # The rerun rebuilds fresh containers: a caller may append to a list it passed
         # (DenseNet's layers take the growing list of features).
+        # A tensor passed twice goes in once: the rerun then sees one object again where the
+        # forward saw one (nn.MultiheadAttention's self-attention branches on `query is key`).
         leaves, structure = tree_flatten((args, kwargs))
         where = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        distinct = list({id(leaves[k]): leaves[k] for k in where}.values())
+        slot = {id(t): position for position, t in enumerate(distinct)}
+        position_of = [slot[id(leaves[k])] for k in where]
         body = self._body(fn)
 
         def run(*tensors: torch.Tensor) -> Any:
             filled = list(leaves)
-            for k, tensor in zip(where, tensors, strict=True):
-                filled[k] = tensor
+            for k, position in zip(where, position_of, strict=True):
+                filled[k] = tensors[position]
             call_args, call_kwargs = tree_unflatten(filled, structure)
             with offload_paused():  # the forward and its rerun: the checkpoint's saves
                 return body(*call_args, **call_kwargs)
 
-        tensors = [leaves[k] for k in where]
+        tensors = distinct
         for k in where:
             leaves[k] = None  # the closure keeps the structure, not the tensors
         # the first training call counts its ops with a policy that keeps what the plan
@@ -332,7 +337,7 @@ class _Program:
 def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     """Evaluate one fx node of ``module``'s traced forward (as ``fx.Interpreter`` does),
     its attributes and children looked up on ``module`` now (FSDP2 may have replaced them)."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+    args, kwargs = _as_written(fx.node.map_arg((node.args, node.kwargs), lambda a: env[a]))
     if node.op == "get_attr":
         return functools.reduce(getattr, str(node.target).split("."), module)
     if node.op == "call_function":
@@ -343,6 +348,18 @@ def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     if node.op == "call_module":
         return module.get_submodule(str(node.target))(*args, **kwargs)
     raise RuntimeError(f"unexpected fx node {node.format_node()}")
+
+
+def _as_written(value: Any) -> Any:
+    """``value`` with fx's immutable lists and dicts as the plain ones the forward's own code
+    builds: a callee may edit a list it is passed (HRNet's branches assign into theirs)."""
+    if isinstance(value, list):  # fx's immutable_list is a list
+        return [_as_written(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_written(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_as_written(v) for v in value)
+    return value
 
 
 class _RangeCheckpoint(_Checkpoint):

@@ -286,3 +286,72 @@ def test_regions_inside_layers_run_with_identical_grads(name: str) -> None:
             a <= r.start and r.stop <= b for a, b in blocks) for r in regions)
         _check(model, prof, solution.schedule)
     assert inside
+
+
+class _Encoder(torch.nn.Module):
+    """torch's TransformerEncoder: its attention calls ``self_attn(x, x, x)`` and branches on
+    ``query is key``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def test_a_tensor_passed_twice_is_one_object_again_in_the_rerun() -> None:
+    """Checkpointed self-attention: the rerun takes the branch the forward took (a tensor
+    given as query, key and value goes into the checkpoint once), so the selective policy
+    finds its kept ops; the rerun of a copy per argument ran `chunk` where the forward had
+    not and torch refused ("not found in storage")."""
+    torch.manual_seed(0)
+    model = zoo.ZooModel("encoder", _Encoder(), (torch.randn(4, 8, 16),),
+                         lambda out: out.pow(2).mean())
+    prof, _ = _setup(model)
+    problem = problem_from_profile(prof)
+    layer, attention = (next(s for s in problem.module_spans if s.name == name)
+                        for name in ("encoder.layers.1", "encoder.layers.1.self_attn"))
+    # nested: the attention's inputs are saved into the layer's checkpoint, and come back
+    # from it, one tensor per saved argument, when its own rerun starts
+    _check(model, prof, Schedule.from_segments(problem.n_nodes, [Region(
+        layer.start, layer.stop, "recompute", children=[Region(
+            attention.start, attention.stop, "recompute")])]))
+
+
+class _EditsItsList(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Linear(8, 8)
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        xs[0] = self.scale(xs[0])  # as HRNet's branches assign into the list they get
+        return xs
+
+
+class _Branches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(8, 8)
+        self.branches = _EditsItsList()
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        ys = self.branches([h, h * 2])
+        return self.head(ys[0] + ys[1])
+
+
+def test_a_traced_op_range_passes_a_list_its_callee_may_edit() -> None:
+    torch.manual_seed(0)
+    model = zoo.ZooModel("branches", _Branches(), (torch.randn(16, 8),),
+                         lambda out: out.pow(2).mean())
+    prof, _ = _setup(model)
+    problem = problem_from_profile(prof)
+    call = next(c for c in prof.module_calls if c.path == "branches")
+    ranges = [s for s in problem.module_spans if s.kind == "ops"
+              and s.start <= call.start and call.stop <= s.stop]
+    assert ranges
+    for span in ranges:
+        _check(model, prof, Schedule.from_segments(problem.n_nodes, [(span.start, span.stop)]))
