@@ -25,9 +25,10 @@ from torch.utils.flop_counter import flop_registry
 from profiles.devices import DeviceSpec
 from profiles.errors import _first_line
 from profiles.fake import meta_failures_at_debug
+from profiles.functions import FunctionCall, function_name, watched_functions
 from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.progress import _bar
-from profiles.recording import _Backward, _OpRecord, _tensors, _TensorSpec
+from profiles.recording import _Backward, _FunctionRecord, _OpRecord, _tensors, _TensorSpec
 from profiles.step import _fake_state, _real_state, _start_grads, _Step
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,11 @@ class _WindowTracker(TorchDispatchMode):
 
 
 def _written_positions(func: Any) -> set[int]:
-    return {i for i, argument in enumerate(func._schema.arguments)
+    """The arguments an aten op writes (a Function's apply, with no schema: none)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return set()
+    return {i for i, argument in enumerate(schema.arguments)
             if argument.alias_info is not None and argument.alias_info.is_write}
 
 
@@ -142,13 +147,50 @@ def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | No
                      max(0, tracker.peak_new_bytes - final), sorted(targets), requires)
 
 
-def _backward_pass(records: list[_OpRecord], spec: DeviceSpec | None,
-                   progress: bool) -> list[_Backward]:
-    """Each op's backward alone, on fake stand-ins shaped like its arguments."""
+def _backward_pass(records: list[_OpRecord], functions: list[_FunctionRecord],
+                   spec: DeviceSpec | None, progress: bool) -> list[_Backward]:
+    """Each op's backward alone, on fake stand-ins shaped like its arguments; a custom
+    Function's own backward stands for its ops' and is its last op's
+    (`_with_function_backwards`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with meta_failures_at_debug(), FakeTensorMode():
-        return _backward_of(records, spec, progress)
+        out = _backward_of(records, spec, progress)
+        return _with_function_backwards(out, records, functions, spec)
+
+
+def _with_function_backwards(out: list[_Backward], records: list[_OpRecord],
+                             functions: list[_FunctionRecord], spec: DeviceSpec | None
+                             ) -> list[_Backward]:
+    """``out`` with each Function call's backward, run alone on stand-ins, as its last
+    op's; its outputs that receive gradients marked so on the ops that made them (its ops
+    ran without autograd)."""
+    tracker = _WindowTracker(spec)
+    for function in functions:
+        if function.last is None:
+            continue
+        grads = set(function.grad_outputs)
+        for k in range(function.start, function.stop):
+            out[k] = dataclasses.replace(out[k], output_requires_grad=[
+                o.storage in grads for o in records[k].outputs])
+        specs = _tensors_specs(function.arg_specs)
+        if not grads or not any(s.requires_grad for s in specs):
+            continue
+        last = out[function.last]
+        try:
+            args, kwargs = tree_map(_stand_ins(specs), function.arg_specs,
+                                    is_leaf=lambda v: isinstance(v, _TensorSpec))
+            found = _profile_backward(FunctionCall(function.cls), args, kwargs,
+                                      [s.storage for s in specs], tracker)
+        except Exception as error:  # e.g. a backward that reads values: fake ones have none
+            log.warning("could not profile the backward of autograd Function %s alone (%s); "
+                        "counting no backward temporaries for it",
+                        function_name(function.cls), _first_line(error))
+            found = _Backward(grad_storages=[s.storage for s in specs if s.requires_grad
+                                             and s.storage is not None])
+        out[function.last] = dataclasses.replace(
+            found, output_requires_grad=last.output_requires_grad)
+    return out
 
 
 def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
@@ -229,8 +271,18 @@ class _BackwardObserver(RuntimeAwareMode):
         self.names: list[str] = []
         self.seqs: list[int] = []  # autograd's next sequence number when each op ran
         self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
+        self.function_ops: dict[int, int] = {}  # a Function call's node -> its last op
         self._live: dict[StorageWeakRef, int] = {}
         self.ops: list[tuple[int | None, int, int]] = []  # (forward op, live before, after)
+
+    def function_started(self, cls: type, args: tuple, kwargs: dict) -> tuple[int, int]:
+        """A custom Function's node is made, numbered, before its forward's ops run."""
+        return torch._C._autograd._get_sequence_nr(), len(self.names)
+
+    def function_ended(self, started: tuple[int, int], output: Any) -> None:
+        seq, start = started
+        if len(self.names) > start:  # booked to its last op, as the profile books it
+            self.function_ops[seq] = len(self.names) - 1
 
     def map_nodes(self, loss: torch.Tensor) -> None:
         """Match the autograd nodes of ``loss``'s graph to the forward ops that made them."""
@@ -256,6 +308,9 @@ class _BackwardObserver(RuntimeAwareMode):
                    for op in self.names]
         left: list[int] = []  # positions in by_seq not placed by their sequence number
         for position, ((seq, _), key) in enumerate(zip(by_seq, node_keys, strict=True)):
+            if seq in self.function_ops:
+                self.op_of_seq[seq] = self.function_ops[seq]
+                continue
             op = bisect.bisect_right(self.seqs, seq)  # the first op run after it was made
             if op < len(op_keys) and op_keys[op] == key:
                 self.op_of_seq[seq] = op
@@ -345,7 +400,8 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
 
 def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict) -> None:
     with observer:
-        loss = step.forward_loss(args, kwargs)
+        with watched_functions(observer.function_started, observer.function_ended):
+            loss = step.forward_loss(args, kwargs)
         observer.map_nodes(loss)
         observer.backward = True
         loss.backward()

@@ -37,13 +37,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from profiles.backward import _backward_pass, _observe_backward, _WindowTracker
 from profiles.devices import DeviceSpec, device_spec
-from profiles.errors import ProfileError, _first_line
+from profiles.errors import LossNotFoundError, ProfileError, _first_line
 from profiles.fake import meta_failures_at_debug
+from profiles.functions import function_name
 from profiles.inputs import normalize_inputs
 from profiles.parallel import Parallelism, fake_world, parallel_layout, parallel_twin
 from profiles.recording import _CallRecord, _dtype_name, _observed, _OpRecord, _Recorded, _tensors
 from profiles.schema import (
     CheckpointCosts,
+    FunctionSpan,
     GraphProfile,
     ModuleCall,
     NodeProfile,
@@ -81,11 +83,7 @@ def default_loss(output: Any) -> torch.Tensor:
         return loss
     kind = type(output).__name__
     shape = f" of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else ""
-    raise ValueError(
-        f"Cannot tell the training loss from the model's output ({kind}{shape}): pass "
-        "loss_fn=lambda output: ... returning a scalar tensor (for HF models, passing "
-        "`labels` in the inputs makes the output carry `.loss`)."
-    )
+    raise LossNotFoundError(f"{kind}{shape}")
 
 
 def profile(
@@ -226,6 +224,8 @@ def _graph_profile(model: nn.Module, request: _Request, rec: _Recorded,
                    layout: ParallelLayout | None) -> GraphProfile:
     """The profile of the recorded step, its nodes made."""
     autocast = request.step.autocast_dtype
+    functions = [FunctionSpan(name=function_name(f.cls), start=f.start, stop=f.stop)
+                 for f in rec.recorder.functions if f.last is not None]
     return GraphProfile(
         model_name=type(model).__name__,
         execution="real" if rec.real else "fake",
@@ -237,7 +237,8 @@ def _graph_profile(model: nn.Module, request: _Request, rec: _Recorded,
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
         nodes=nodes,
         storages=[StorageInfo(**info) for info in rec.storages.infos],
-        module_calls=traced_calls(model, _module_calls(rec), nodes),
+        module_calls=traced_calls(model, _module_calls(rec), nodes, functions),
+        function_calls=functions,
         static=rec.static,
         step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
                         fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
@@ -414,7 +415,8 @@ def _record(step: _Step, real: bool, spec: DeviceSpec | None,
     """The observed forward + loss, then each op's backward alone, and static memory."""
     with _observed(step, real, spec) as (rec, _):
         pass
-    rec.backward = _backward_pass(rec.recorder.records, spec, progress)
+    rec.backward = _backward_pass(rec.recorder.records, rec.recorder.functions, spec,
+                                  progress)
     params = dict(step.model.named_parameters(remove_duplicate=False))
     storages = rec.storages
     state_bytes, step_bytes = _optimizer_memory(optimizer)

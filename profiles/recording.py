@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from profiles.devices import DeviceSpec
 from profiles.errors import ProfileError
+from profiles.functions import watched_functions
 from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.schema import StaticMemory, TensorMeta
 from profiles.step import _fake_step, _kernels, _Step
@@ -189,6 +190,24 @@ class _CallRecord:
 
 
 @dataclass
+class _FunctionRecord:
+    """One call of a custom autograd Function (``profiles.functions``): its ops
+    ``[start, stop)``, its arguments for a run alone, and the storages of its outputs that
+    receive gradients through its own backward."""
+
+    cls: type
+    start: int
+    arg_specs: Any  # (args, kwargs) with tensors replaced by _TensorSpec
+    stop: int = -1
+    grad_outputs: list[int] = field(default_factory=list)
+
+    @property
+    def last(self) -> int | None:
+        """The op its backward is booked to (its saves are packed after it), if it ran any."""
+        return self.stop - 1 if self.stop > self.start else None
+
+
+@dataclass
 class _Backward:
     """What one op's backward does, profiled alone on stand-ins (``profiles.backward``)."""
 
@@ -248,6 +267,7 @@ class _ForwardRecorder(RuntimeAwareMode):
         self.paths = paths  # id(module) -> path
         self.records: list[_OpRecord] = []
         self.calls: list[_CallRecord] = []
+        self.functions: list[_FunctionRecord] = []
         self.stack: list[int] = []
         self.call_counts: Counter[str] = Counter()
         self.pending: list[torch.Tensor] = []  # packed since the last op
@@ -333,6 +353,29 @@ class _ForwardRecorder(RuntimeAwareMode):
             return
         call = self.calls[self.stack.pop()]
         call.stop = len(self.records)
+
+    # ------------------------------------------------------------ custom Functions
+    def function_started(self, cls: type, args: tuple, kwargs: dict) -> _FunctionRecord:
+        self._resolve_packs(())  # a Function packs after its forward: these are earlier ops'
+        record = _FunctionRecord(cls, len(self.records), tree_map(self._spec, (args, kwargs)))
+        self.functions.append(record)
+        return record
+
+    def function_ended(self, record: _FunctionRecord, output: Any) -> None:
+        """Its saves were packed as it returned: its last op's (`_FunctionRecord.last`)."""
+        record.stop = len(self.records)
+        record.grad_outputs = sorted({sid for t in _tensors(output) if t.requires_grad
+                                      and (sid := self.storages.lookup(t)) is not None})
+        if record.last is None:
+            return
+        self._resolve_packs(())
+        last = self.records[record.last]
+        # its backward, booked to its last op, sends gradients to its inputs: that op reads
+        # them (it holds them until then anyway, as the call's arguments)
+        last.reads = sorted(set(last.reads) | {
+            spec.storage for spec in tree_leaves(record.arg_specs)
+            if isinstance(spec, _TensorSpec) and spec.requires_grad
+            and spec.storage is not None})
 
     # ------------------------------------------------------------ ops
     def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -494,6 +537,7 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
             storages.add(tensor, "input", None, f"input{position}")
         with (swapped_tensors(model, state),
               _module_hooks(model, recorder),
+              watched_functions(recorder.function_started, recorder.function_ended),
               torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack_placeholder)):
             with recorder, _CallMarker(recorder), _kernels(spec, real):
                 loss = step.forward_loss(args, kwargs)

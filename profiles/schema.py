@@ -206,6 +206,17 @@ class ModuleCall(_Strict):
     untraced: str = Field("", description="why its forward offers no op ranges")
 
 
+class FunctionSpan(_Strict):
+    """One call of a custom ``torch.autograd.Function`` (``profiles.functions``): nodes
+    ``[start, stop)`` ran in its forward, without autograd, and its own backward stands for
+    theirs (booked to node ``stop - 1``, where it packs what it saves). A plan's region
+    holds the whole call or none of it."""
+
+    name: str = Field(description="the Function's class, module.QualName")
+    start: Count
+    stop: Count
+
+
 class StaticMemory(_Strict):
     param_bytes: Bytes
     grad_bytes: Bytes = Field(description="parameter .grad, present after backward")
@@ -262,6 +273,10 @@ class ParallelLayout(_Strict):
                                   "was called on, '' for the model itself")
     param_dtype: str | None = Field(None, description="MixedPrecisionPolicy.param_dtype")
     reduce_dtype: str | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype")
+    unit_dtypes: list[list[str | None]] = Field(
+        default_factory=list, description="per FSDP2 unit: its MixedPrecisionPolicy's "
+        "(param_dtype, reduce_dtype); param_dtype and reduce_dtype say them only when every "
+        "unit has the same policy")
     reshard_after_forward: list[bool | int] = Field(default_factory=list,
                                                     description="per FSDP2 unit")
     cpu_offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy")
@@ -284,7 +299,9 @@ class ParallelLayout(_Strict):
             mesh += f" ({', '.join(self.mesh_dim_names)})"
         parts = []
         if self.fsdp_units:
-            dtype = f", params in {self.param_dtype}" if self.param_dtype else ""
+            dtype = f", params in {self.param_dtype}" if self.param_dtype else \
+                ", mixed precision policies per unit" if any(
+                    param for param, _ in self.unit_dtypes) else ""
             parts.append(f"FSDP2 over {len(self.fsdp_units)} units{dtype}")
         tp = len([p for p in self.placements.values() if "Shard" in p])
         if tp and not self.fsdp_units:
@@ -309,6 +326,8 @@ class GraphProfile(_Strict):
     nodes: list[NodeProfile]
     storages: list[StorageInfo]
     module_calls: list[ModuleCall] = Field(default_factory=list)
+    function_calls: list[FunctionSpan] = Field(
+        default_factory=list, description="calls of custom autograd Functions that ran ops")
     static: StaticMemory
     step: StepTiming | None = Field(None, description="measured whole step (measure only)")
     checkpoint_costs: CheckpointCosts | None = Field(
@@ -356,6 +375,11 @@ class GraphProfile(_Strict):
                 if not 0 <= sid < n_storages:
                     raise ValueError(f"module_calls[{i}] refers to storage {sid}, which does "
                                      f"not exist")
+        for i, function in enumerate(self.function_calls):
+            if not 0 <= function.start < function.stop <= n_nodes:
+                raise ValueError(f"function_calls[{i}] ({function.name}) spans "
+                                 f"[{function.start}, {function.stop}), which is empty or "
+                                 f"outside the {n_nodes} nodes")
         return self
 
     # ------------------------------------------------------------------ queries
@@ -449,9 +473,15 @@ def read_model(cls: type[Model], path: str | Path, what: str) -> Model:
         raise FileFormatError(f"{path}: not a {what} file: byte {error.start} is not UTF-8 "
                               "text (a binary file?)") from None
     try:
-        return cls.model_validate_json(text)
+        model = cls.model_validate_json(text)
     except ValidationError as error:
         raise FileFormatError(f"{path}: {_describe(error, cls, what)}") from error
+    if "schema_version" in cls.model_fields and "schema_version" not in model.model_fields_set:
+        raise FileFormatError(f"{path}: not a {what} file of this planner: it has no "
+                              "schema_version (written by hand, or edited), so nothing says "
+                              "which version of the planner wrote it. Make it again with "
+                              "this version.")
+    return model
 
 
 def _describe(error: ValidationError, cls: type[BaseModel], what: str) -> str:

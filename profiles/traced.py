@@ -21,12 +21,14 @@ import inspect
 import operator
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from profiles.schema import ModuleCall, NodeProfile, TracedSegment
+from profiles.functions import functions_as_leaves
+from profiles.schema import FunctionSpan, ModuleCall, NodeProfile, TracedSegment
 
 __all__ = ["ChildrenAsLeaves", "trace_forward", "trace_inputs", "trace_segments",
            "traced_calls"]
@@ -35,10 +37,16 @@ _COMPUTE = frozenset({"call_function", "call_method", "call_module"})
 
 
 class ChildrenAsLeaves(fx.Tracer):
-    """Traces one module's own forward: every submodule it calls is one ``call_module``."""
+    """Traces one module's own forward: every submodule it calls is one ``call_module``,
+    every custom autograd Function it applies one ``call_function`` of its ``apply``
+    (`profiles.functions`: its backward is its own, not its ops')."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with functions_as_leaves(self):
+            return super().trace(root, concrete_args)
 
 
 def _signature_problem(module: nn.Module) -> str:
@@ -185,10 +193,12 @@ def _in_place(node: fx.Node) -> bool:
 
 
 def trace_segments(graph: fx.Graph, call: ModuleCall, children: Sequence[ModuleCall],
-                   nodes: Sequence[NodeProfile]) -> list[TracedSegment] | str:
+                   nodes: Sequence[NodeProfile], functions: Sequence[FunctionSpan] = ()
+                   ) -> list[TracedSegment] | str:
     """Each segment of ``graph`` (the traced forward of ``call``'s module) with the profile
     nodes it ran, or why the trace does not match the profiled call. ``children``: the
-    call's direct child calls, in order; ``nodes``: the profile's.
+    call's direct child calls, in order; ``nodes``: the profile's; ``functions``: its
+    custom Function calls (one fx node each, whatever their forward writes).
 
     A trace can differ from the forward where tracing changes an op: ``out += identity``
     on a tensor traces as an out-of-place add (fx proxies have no ``__iadd__``), which
@@ -214,7 +224,8 @@ def trace_segments(graph: fx.Graph, call: ModuleCall, children: Sequence[ModuleC
                         "its forward)")
             continue
         if k % 2 == 0 and sum(map(_in_place, piece)) != sum(
-                bool(nd.written_storages) for nd in nodes[start:stop]):
+                bool(nd.written_storages) for nd in nodes[start:stop]
+                if not _in_function(nd.index, functions)):
             return (f"its trace updates tensors in place elsewhere than its forward (near "
                     f"fx node {piece[0].name!r}; `x += y` on a tensor traces as `x + y`)")
         out.append(TracedSegment(first=piece[0].name, last=piece[-1].name, start=start,
@@ -222,10 +233,15 @@ def trace_segments(graph: fx.Graph, call: ModuleCall, children: Sequence[ModuleC
     return out
 
 
-def traced_calls(model: nn.Module, calls: list[ModuleCall], nodes: Sequence[NodeProfile]
-                 ) -> list[ModuleCall]:
+def _in_function(index: int, functions: Sequence[FunctionSpan]) -> bool:
+    return any(f.start <= index < f.stop for f in functions)
+
+
+def traced_calls(model: nn.Module, calls: list[ModuleCall], nodes: Sequence[NodeProfile],
+                 functions: Sequence[FunctionSpan] = ()) -> list[ModuleCall]:
     """``calls`` with `traced` segments (or the reason in `untraced`) for every call of a
-    module that runs at least one child call; other calls are returned unchanged."""
+    module that runs at least one child call; other calls are returned unchanged.
+    ``functions``: the step's custom Function calls (`trace_segments`)."""
     children: dict[int, list[ModuleCall]] = {}
     for c in calls:
         if c.parent is not None:
@@ -236,17 +252,18 @@ def traced_calls(model: nn.Module, calls: list[ModuleCall], nodes: Sequence[Node
         if not kids:
             out.append(call)
             continue
-        found = _segments_of(model, call, kids, nodes)
+        found = _segments_of(model, call, kids, nodes, functions)
         update = {"traced": found} if isinstance(found, list) else {"untraced": found}
         out.append(call.model_copy(update=update))
     return out
 
 
 def _segments_of(model: nn.Module, call: ModuleCall, kids: list[ModuleCall],
-                 nodes: Sequence[NodeProfile]) -> list[TracedSegment] | str:
+                 nodes: Sequence[NodeProfile], functions: Sequence[FunctionSpan]
+                 ) -> list[TracedSegment] | str:
     if call.calls > 1:
         return f"it runs {call.calls} times per step (one forward serves every call)"
     graph = trace_forward(model.get_submodule(call.path))
     if isinstance(graph, str):
         return graph
-    return trace_segments(graph, call, kids, nodes)
+    return trace_segments(graph, call, kids, nodes, functions)

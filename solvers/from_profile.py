@@ -12,7 +12,9 @@ wrapper would apply to every call), a call that runs no op, a call whose inputs 
 in place after it starts (checkpoint saves its inputs and checks their version when it
 reruns: torch raises "modified by an inplace operation"), or a call that writes in place a
 tensor made before it other than a buffer (the rerun would write it twice; buffers, such as
-BatchNorm's running statistics, are restored after a rerun).
+BatchNorm's running statistics, are restored after a rerun), or a call that holds part of a
+custom autograd Function's call (a module its forward calls runs without autograd, so a
+checkpoint there does nothing; the Function's call is one unit).
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ class _Writes:
         if any(nodes[i].runtime_ops_before for i in range(a + 1, b)):
             return ("the parallel runtime runs inside it (an FSDP2 unit's all-gather): a "
                     "rerun would run it again")
+        cut = next((f for f in self.profile.function_calls
+                    if a < f.stop and f.start < b and not (a <= f.start and f.stop <= b)), None)
+        if cut is not None:
+            return (f"it holds part of a call of autograd Function {cut.name} (a Function's "
+                    "forward runs without autograd, and its backward is its own)")
         return ""
 
 
