@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from profiles.backward import _fresh_args, _grad_outputs
 from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec
+from profiles.functions import FunctionCall, function_name, watched_functions
 from profiles.progress import _bar
 from profiles.recording import _OpRecord, _Recorded
 from profiles.schema import MAX_SCALE, CheckpointCosts
@@ -123,6 +124,14 @@ class _ArgRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[Any, tuple, dict]] = []
+        # custom Function calls: (class, args, kwargs, first op, one past their last op)
+        self.functions: list[tuple[Any, tuple, dict, int, int]] = []
+
+    def function_started(self, cls: type, args: tuple, kwargs: dict) -> tuple:
+        return cls, args, kwargs, len(self.calls)
+
+    def function_ended(self, started: tuple, output: Any) -> None:
+        self.functions.append((*started, len(self.calls)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -168,7 +177,7 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
     buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
     with swapped_tensors(model, buffers):
         recorder = _ArgRecorder()
-        with recorder:
+        with recorder, watched_functions(recorder.function_started, recorder.function_ended):
             loss = step.forward_loss(step.args, step.kwargs)
         del loss
         names = [str(func) for func, _, _ in recorder.calls]
@@ -190,12 +199,30 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                 log.warning("could not time %s alone (%s); using its roofline estimate",
                             record.name, type(error).__name__)
                 times.append((record.estimated_ms, 2 * record.estimated_ms))
+        _time_function_backwards(times, recorder.functions, timer)
         del recorder
         step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
     fwd_scale = _scale(step_fwd_ms, sum(f for f, _ in times))
     bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
     return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
                           step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+
+
+def _time_function_backwards(times: list[tuple[float, float]],
+                             functions: list[tuple[Any, tuple, dict, int, int]],
+                             timer: _Timer) -> None:
+    """Each custom Function call's own backward, timed alone, as its last op's (its ops ran
+    without autograd, so theirs was never timed; `profiles.functions`)."""
+    for cls, args, kwargs, start, stop in functions:
+        if stop <= start:
+            continue
+        try:
+            backward_ms = _measure_op(FunctionCall(cls), args, kwargs, timer)[1]
+        except Exception as error:  # a Function that cannot run alone: not timed
+            log.warning("could not time the backward of autograd Function %s alone (%s)",
+                        function_name(cls), type(error).__name__)
+            continue
+        times[stop - 1] = (times[stop - 1][0], backward_ms)
 
 
 def _measure_step(step: _Step, timer: _Timer) -> tuple[float, float]:

@@ -250,3 +250,15 @@ def test_a_planned_model_with_a_function_trains_like_the_unplanned_one(width: in
         remove(model)
     assert peak <= plan.budget_bytes
     assert all(torch.equal(grads[k], expected[k]) for k in expected)
+
+
+def test_its_backward_is_timed_where_it_is_booked() -> None:
+    """Measured timing times the Function's own backward alone (its ops ran without
+    autograd, so no op's backward stands for it)."""
+    torch.manual_seed(0)
+    model, x = Stack(depth=1), torch.randn(4, 16, 32)
+    prof = profiles.profile(model, (x,), loss_fn=_loss, timing="measure", progress=False,
+                            repeats=1, warmup=0)
+    [call] = prof.function_calls
+    assert prof.nodes[call.stop - 1].bwd_time_ms > 0
+    assert all(n.bwd_time_ms == 0 for n in prof.nodes[call.start:call.stop - 1])
