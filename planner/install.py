@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from planner.offload import (
     remove_offload,
     suspended_offload,
 )
-from planner.plan import Plan, PlanMismatchError
+from planner.plan import Plan, PlanMismatchError, PlanMismatchWarning
 from profiles.schema import GraphProfile
 from solvers import ModuleCall, OpRange, Region, Save, Schedule
 
@@ -116,6 +117,11 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             f"{plan.structure_fingerprint}, but this {type(model).__name__} has {actual}: its "
             "module tree, parameter or buffer shapes or dtypes differ. Run planner.optimize() "
             "on this model (apply the plan before sharding it with FSDP2).")
+    try:
+        plan.check()  # an edited plan: a schedule its profile did not run, a lowered budget
+    except ValueError as error:
+        raise PlanMismatchError(f"this plan of {plan.model_name} does not hold together: "
+                                f"{error}") from None
     _check_world_size(plan)
     offloaded = [o.target.path for o in plan.schedule.offloads]
     prefetch = [o.prefetch_target.path if o.prefetch_target else None
@@ -163,10 +169,17 @@ def _check_world_size(plan: Plan) -> None:
     process (under DDP or FSDP each rank also holds buckets or gathered parameters)."""
     import torch.distributed as dist
 
+    stage = plan.pipeline.spec if plan.pipeline else None
     if not (dist.is_available() and dist.is_initialized()):
+        if stage is not None:
+            warnings.warn(
+                f"This plan of {plan.model_name} is for stage {stage.stage_index} of a "
+                f"{stage.num_stages}-stage pipeline ({stage.schedule}, {stage.n_microbatches} "
+                "microbatches): its budget holds for that stage under that schedule, and its "
+                "numbers are one microbatch's. No process group runs here, so nothing checks "
+                "that this model is trained as that stage.", PlanMismatchWarning, stacklevel=3)
         return
     world = dist.get_world_size()
-    stage = plan.pipeline.spec if plan.pipeline else None
     if stage is not None:  # one stage per rank of the pipeline's dimension
         if world % stage.num_stages:
             raise PlanMismatchError(

@@ -10,6 +10,7 @@ the profile ran), so an edited or truncated file is refused naming the field.
 from __future__ import annotations
 
 import html
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -69,11 +70,13 @@ class InfeasibleBudgetError(ValueError):
     """
 
     def __init__(self, message: str, min_budget_bytes: int,
-                 lower_bound_bytes: int | None = None, plan: Plan | None = None) -> None:
+                 lower_bound_bytes: int | None = None, plan: Plan | None = None, *,
+                 shell_message: str | None = None) -> None:
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.plan = plan
+        self.shell_message = shell_message  # the same, its remedies as the CLI's flags
 
     @property
     def min_budget_gb(self) -> float:
@@ -407,6 +410,23 @@ class Plan(_Strict):
             self._replay  # noqa: B018 (simulates the schedule: the numbers it derives)
         except ValueError as error:
             raise ValueError(f"schedule: {error}") from error
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        """A plan's own numbers are within its budget (as every plan the planner makes is):
+        one that is not was edited, and would promise what it does not hold."""
+        what = "budget_bytes"
+        budget, peak = self.budget_bytes, self.predicted_peak_bytes
+        stage = self.pipeline
+        if stage is not None and stage.peak_bytes is not None and stage.peak_bytes > \
+                stage.budget_bytes:
+            what, budget, peak = "pipeline.budget_bytes", stage.budget_bytes, stage.peak_bytes
+        if peak > budget:
+            raise ValueError(
+                f"{what}: {format_bytes(budget)} is below the plan's own predicted peak "
+                f"{format_bytes(peak)}: the plan was edited and does not hold that budget. "
+                "Plan again at the budget you want (planner.replan(plan, budget_bytes=...) or "
+                "planner.optimize()).")
 
     def step_description(self) -> str:
         """The training step the budget holds for: how its gradients start, and whether
@@ -467,6 +487,20 @@ class Plan(_Strict):
                              f"{len(child.kept)}  {_module_label(child.module)}")
         return "\n".join(lines)
 
+    def log_summary(self, logger: logging.Logger) -> None:
+        """:meth:`summary` at INFO on ``logger``, made only when INFO is on: a trainer
+        switch's report. A failure to make it is a warning, never an error: the plan is
+        applied by then, and training goes on with it."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        try:
+            text = self.summary()
+        except Exception as error:  # a report must not stop a training run
+            logger.warning("could not summarize the plan for %s (%s: %s); it is applied, and "
+                           "training goes on", self.model_name, type(error).__name__, error)
+            return
+        logger.info("%s", text)
+
     def _next_steps(self) -> list[str]:
         """What to try next, in the simulator's numbers: the budget that needs no recompute,
         how low fixed schedules and any schedule go, offload; or the budget left unused."""
@@ -477,10 +511,11 @@ class Plan(_Strict):
         from solvers import simulate  # as _replay imports it
 
         problem = self.problem()
-        every = simulate(problem, policy_schedule("every-layer", problem)).peak_bytes
         hints = [f"no recompute at a {format_bytes(self.unplanned_peak_bytes)} budget"]
-        if every < self.predicted_peak_bytes:
-            hints.append(f"every block checkpointed peaks at {format_bytes(every)}")
+        if problem.blocks():  # without repeated blocks there is no "every block" to compare
+            every = simulate(problem, policy_schedule("every-layer", problem)).peak_bytes
+            if every < self.predicted_peak_bytes:
+                hints.append(f"every block checkpointed peaks at {format_bytes(every)}")
         hints.append(f"no schedule below {format_bytes(memory_lower_bound(problem))}")
         if self.host_budget_bytes is None and host_link(self.profile.device) is not None:
             hints.append("offload=True may trade recompute for copies to host memory")

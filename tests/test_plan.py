@@ -4,6 +4,7 @@ region that checkpoints another module than the one profiled is caught when it f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from planner.emit import (
     install_checkpoints,
     remove_checkpoints,
 )
-from planner.plan import FileFormatError, format_bytes
+from planner.plan import FileFormatError, InfeasibleBudgetError, format_bytes
 from profiles import GraphProfile
 from solvers import ModuleCall
 
@@ -237,6 +238,14 @@ BAD_FILES: list[tuple[str, Callable[[Plan], bytes], str]] = [
                                                     "budget_bytes": -1}).encode(),
      "budget_bytes: Input should be greater than or equal to 0 (got -1)"),
     ("a checkpoint the profile did not run", lambda p: _retargeted(p), "schedule: checkpoint"),
+    ("no schema_version", lambda p: json.dumps({k: v for k, v in json.loads(
+        p.model_dump_json()).items() if k != "schema_version"}).encode(), "no schema_version"),
+    ("a budget below its own peak", lambda p: json.dumps({**json.loads(p.model_dump_json()),
+                                                         "budget_bytes": 0}).encode(),
+     "budget_bytes: 0 B is below the plan's own predicted peak"),
+    ("a budget halved", lambda p: json.dumps({**json.loads(p.model_dump_json()),
+                                             "budget_bytes": p.budget_bytes // 2}).encode(),
+     "is below the plan's own predicted peak"),
 ]
 
 
@@ -358,3 +367,54 @@ def test_a_search_stopped_by_its_limit_says_what_a_longer_limit_could_buy(
     del data["solver"]["time_limit_s"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert Plan.load(tmp_path / "old.json").solver.time_limit_s is None
+
+
+def test_an_edited_plan_is_refused_by_apply_before_anything_is_installed(
+        plan: Plan, model: zoo.ZooModel) -> None:
+    lowered = plan.model_copy(update={"budget_bytes": plan.predicted_peak_bytes - 1})
+    with pytest.raises(PlanMismatchError, match="below the plan's own predicted peak"):
+        apply(model.model, lowered)
+    assert not checkpointed_modules(model.model)
+
+
+def _one_layer() -> zoo.ZooModel:
+    """A model without repeated blocks: no "every block" to compare a plan with."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                        nn.Linear(256, 4))
+    x = torch.randn(64, 32)
+    return zoo.ZooModel("one layer", net, (x,), lambda out: out.pow(2).mean())
+
+
+def test_the_summary_of_a_model_without_repeated_blocks_says_what_it_can(
+        caplog: pytest.LogCaptureFixture) -> None:
+    one = _one_layer()
+    options = dict(loss_fn=one.loss_fn, timing="estimate", progress=False)
+    with pytest.raises(InfeasibleBudgetError) as lowest:
+        optimize(one.model, one.example_inputs, budget_gb=2**-20, **options)
+    unplanned = lowest.value.plan.unplanned_peak_bytes
+    plan = optimize(one.model, one.example_inputs, **options,
+                    budget_gb=(lowest.value.min_budget_bytes + unplanned) / 2 / 2**30)
+    assert plan.checkpointing and not plan.problem().blocks()
+    line = next(x for x in plan.summary().splitlines() if x.strip().startswith("next:"))
+    assert "every block" not in line and format_bytes(plan.unplanned_peak_bytes) in line
+    log = logging.getLogger("planner.test")
+    with caplog.at_level(logging.INFO, logger="planner.test"):
+        plan.log_summary(log)
+    assert "Plan for" in caplog.text
+
+
+def test_a_report_that_fails_is_a_warning_never_an_error(
+        plan: Plan, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = logging.getLogger("planner.test")
+
+    def broken(self: Plan) -> str:
+        raise RuntimeError("broken report")
+
+    monkeypatch.setattr(Plan, "summary", broken)
+    with caplog.at_level(logging.WARNING, logger="planner.test"):
+        plan.log_summary(log)  # INFO off: the summary is not even made
+    assert not caplog.text
+    with caplog.at_level(logging.INFO, logger="planner.test"):
+        plan.log_summary(log)
+    assert "could not summarize the plan" in caplog.text and "broken report" in caplog.text

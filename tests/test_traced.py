@@ -11,11 +11,12 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conformance_harness import UNet  # benchmarks/, on the path (conftest.py)
 from torch import nn
 
 import profiles
-from planner import PlanMismatchError, apply, optimize, remove
+from planner import Plan, PlanMismatchError, apply, optimize, remove
 from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
 from planner.emit import TracedForward, checkpointed_modules
@@ -151,23 +152,49 @@ def test_a_traced_forward_pickles_leaves_eval_alone_and_is_removed() -> None:
         assert torch.equal(planned_out, model(x))
 
 
-def test_a_plan_whose_traced_forward_changed_is_refused_before_anything_is_installed() -> None:
-    model, x = _unet()
+def _op_range_plan(model: nn.Module, x: torch.Tensor) -> Plan:
     prof = _profile(model, x)
     problem = problem_from_profile(prof)
     span = next(s for s in problem.module_spans if s.kind == "ops")
     args, kwargs = normalize_inputs(model, (x,))
-    plan = plan_for_schedule(prof, Schedule.from_segments(problem.n_nodes,
+    return plan_for_schedule(prof, Schedule.from_segments(problem.n_nodes,
                                                          [(span.start, span.stop)]),
                              _input_specs(args, kwargs), structure_fingerprint(model))
+
+
+def test_a_plan_edited_to_name_other_ops_is_refused_before_anything_is_installed() -> None:
+    model, x = _unet()
+    plan = _op_range_plan(model, x)
     region = plan.schedule.regions[[r.is_recompute for r in plan.schedule.regions].index(True)]
     stale = region.model_copy(update={"target": region.target.model_copy(
         update={"first": "gone"})})
     regions = tuple(stale if r is region else r for r in plan.schedule.regions)
     edited = plan.model_copy(update={"schedule": plan.schedule.model_copy(
         update={"regions": regions})})
-    with pytest.raises(PlanMismatchError, match="has no nodes gone"):
+    with pytest.raises(PlanMismatchError, match="is not an op range of a traced forward"):
         apply(model, edited)
+    assert not checkpointed_modules(model)
+
+
+def _pooled_otherwise(self: UNet, x: torch.Tensor) -> torch.Tensor:
+    """The U-Net's forward after an edit: average pooling where it had max pooling."""
+    d1 = self.down1(x)
+    d2 = self.down2(F.avg_pool2d(d1, 2))
+    b = self.bottom(F.avg_pool2d(d2, 2))
+    u2 = self.dec2(torch.cat([self.up2(b), d2], dim=1))
+    u1 = self.dec1(torch.cat([self.up1(u2), d1], dim=1))
+    return self.head(u1)
+
+
+def test_a_plan_whose_traced_forward_changed_is_refused_before_anything_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = _unet()
+    plan = _op_range_plan(model, x)
+    target = next(r.target for r in plan.schedule.regions if r.is_recompute)
+    assert "max_pool2d" in (target.first, target.last)
+    monkeypatch.setattr(UNet, "forward", _pooled_otherwise)  # the same modules, another code
+    with pytest.raises(PlanMismatchError, match=f"has no nodes {target.first}..{target.last}"):
+        apply(model, plan)
     assert not checkpointed_modules(model)
 
 
