@@ -15,15 +15,19 @@ replaces it; both would rerun each layer twice).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from planner.api import apply, optimize
+from planner.arguments import _budget_bytes
 from planner.loader import first_batch
 from planner.plan import Plan
+from profiles.errors import LossNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class PlannedCheckpointing(TrainerCallback):
             raise TypeError(f"PlannedCheckpointing takes {sorted(decided)} from the Trainer "
                             "(TrainingArguments bf16/fp16 and gradient_accumulation_steps, its "
                             "optimizer and loss); set them there")
+        _budget_bytes(budget_gb)  # a wrong budget is said now, not when training starts
         self.budget_gb = budget_gb
         self.example_batch = example_batch
         self.options = {"progress": False, **optimize_options}
@@ -53,12 +58,14 @@ class PlannedCheckpointing(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
-        if args.gradient_checkpointing:
+        # transformers 5 renamed gradient_checkpointing (the old name still sets it)
+        flag = "activation_checkpointing" if hasattr(args, "activation_checkpointing") \
+            else "gradient_checkpointing"
+        if getattr(args, flag):
             raise ValueError(
                 "PlannedCheckpointing plans activation checkpointing itself, and "
-                "TrainingArguments(gradient_checkpointing=True) would checkpoint every layer "
-                "again under it: set gradient_checkpointing=False (TRL's SFTConfig turns it on "
-                "by default)")
+                f"TrainingArguments({flag}=True) would checkpoint every layer again under it: "
+                f"set {flag}=False (TRL's SFTConfig turns it on by default)")
         if args.world_size > 1:
             self._plan_each_rank(args, state, kwargs.get("model"))
 
@@ -78,13 +85,14 @@ class PlannedCheckpointing(TrainerCallback):
                 "example_batch=one rank's batch)")
         inputs, loss_fn = _the_trainers_step(args, model, self.example_batch)
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-        self.plan = plan_for_processes(
-            AcceleratorState(), model, inputs, budget_gb=self.budget_gb, loss_fn=loss_fn,
-            grad_accumulation=args.gradient_accumulation_steps > 1,
-            optimizer=optimizer_cls([p for p in model.parameters() if p.requires_grad],
-                                    **optimizer_kwargs), **self.options)
+        with _the_trainers_loss():
+            self.plan = plan_for_processes(
+                AcceleratorState(), model, inputs, budget_gb=self.budget_gb, loss_fn=loss_fn,
+                grad_accumulation=args.gradient_accumulation_steps > 1,
+                optimizer=optimizer_cls([p for p in model.parameters() if p.requires_grad],
+                                        **optimizer_kwargs), **self.options)
         if state.is_world_process_zero:
-            log.info("%s", self.plan.summary())
+            self.plan.log_summary(log)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, *, model: torch.nn.Module | None = None,
@@ -96,13 +104,29 @@ class PlannedCheckpointing(TrainerCallback):
             raise RuntimeError("PlannedCheckpointing: the Trainer gave no model or data loader "
                                "at on_train_begin; plan with optimize() and apply() instead")
         inputs, loss_fn = _the_trainers_step(args, model, first_batch(train_dataloader))
-        self.plan = optimize(
-            model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args), loss_fn=loss_fn,
-            grad_accumulation=args.gradient_accumulation_steps > 1,
-            optimizer=getattr(optimizer, "optimizer", optimizer), **self.options)
+        with _the_trainers_loss():
+            self.plan = optimize(
+                model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args),
+                loss_fn=loss_fn, grad_accumulation=args.gradient_accumulation_steps > 1,
+                optimizer=getattr(optimizer, "optimizer", optimizer), **self.options)
         apply(model, self.plan)
         if state.is_world_process_zero:
-            log.info("%s", self.plan.summary())
+            self.plan.log_summary(log)
+
+
+@contextlib.contextmanager
+def _the_trainers_loss() -> Iterator[None]:
+    """A batch whose output carries no loss, said as the Trainer's user can act on it: the
+    callback takes no loss_fn, the Trainer takes its loss from the model's output."""
+    try:
+        yield
+    except LossNotFoundError as error:
+        raise error.with_remedy(
+            "Trainer takes the loss from model(**batch).loss, so its batches need `labels` "
+            "(a data collator that adds them, e.g. DataCollatorForLanguageModeling(tokenizer, "
+            "mlm=False)). A Trainer that computes its own loss (compute_loss) is planned with "
+            "planner.optimize(model, batch, loss_fn=...) and planner.apply() before "
+            "trainer.train(), without this callback.") from None
 
 
 def _the_trainers_step(args: TrainingArguments, model: torch.nn.Module,

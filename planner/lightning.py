@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.api import apply, optimize, replan
+from planner.arguments import _budget_bytes
 from planner.loader import first_batch
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 
@@ -153,6 +154,7 @@ class PlannedCheckpointing(Callback):
 
     def __init__(self, budget_gb: float, **optimize_options: Any) -> None:
         _check_options(optimize_options)
+        _budget_bytes(budget_gb)  # a wrong budget is said now, not when fitting starts
         self.budget_gb = budget_gb
         self.options = optimize_options
         self.plan: Plan | None = None
@@ -178,7 +180,7 @@ class PlannedCheckpointing(Callback):
         self.plan = _plan_step(pl_module, batch, self.budget_gb, _trainer_settings(trainer),
                                {"optimizer": optimizer, **self.options})
         if trainer.is_global_zero:
-            log.info("%s", self.plan.summary())
+            self.plan.log_summary(log)
 
 
 def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: float,

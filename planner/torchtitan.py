@@ -3,12 +3,15 @@ local_batch_size=8, seq_len=8192)`` where a config names ``FullAC.Config()`` or
 ``SelectiveAC.Config()`` (``Trainer.Config(activation_checkpoint=...)``).
 
 torchtitan builds the model on the meta device and calls ``ac_config.build().apply(model)``
-once per model part (pipeline stage), after tensor parallel and before ``torch.compile``
-and ``fully_shard``. ``apply`` plans that part's training step there, on the meta model, at
+once per model part, after tensor parallel and before ``torch.compile`` and
+``fully_shard``. Without pipeline parallelism the part is the whole model: ``apply`` plans
+its training step there, on the meta model, at
 the per-rank budget (``data_parallel_shard_degree`` > 1: FSDP2 over that many ranks), and
 installs the plan on the part's own modules; the model is then materialised
 (``to_empty``, ``init_weights``) and trained by torchtitan as usual. The plan's memory is
-estimated for ``device`` (default an H100: nothing runs on the meta device).
+estimated for ``device`` (default an H100: nothing runs on the meta device). A pipeline
+stage is refused with the reason (its step holds microbatches under a schedule this config
+does not name): plan stages with ``planner.optimize(..., pipeline=...)``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,28 @@ from torch import nn
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 
 from planner.api import apply, optimize
+from planner.arguments import _budget_bytes
 from planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PlannedAC"]
+
+
+def _refuse_pipeline_part(model: nn.Module) -> None:
+    """PlannedAC plans a whole model's step; a pipeline stage's is another (no tokens in or
+    no loss out, several microbatches held under its schedule), so a part is refused."""
+    elsewhere = [name for name in ("tok_embeddings", "norm", "output")
+                 if not isinstance(getattr(model, name, None), nn.Module)]
+    if elsewhere:
+        raise ValueError(
+            f"PlannedAC plans a whole model's step (tokens in, next-token loss out), and this "
+            f"{type(model).__name__} is a pipeline part: its {', '.join(elsewhere)} "
+            f"{'is' if len(elsewhere) == 1 else 'are'} another stage's. A stage holds several "
+            "microbatches under its schedule, which this config does not know. Plan each "
+            "stage with planner.optimize(stage_module, microbatch, budget_gb=..., "
+            "pipeline={...}) and planner.apply() (docs/recipes.md, 'Pipeline stages'), with "
+            "activation_checkpoint=None in the config.")
 
 
 def _next_token_loss(labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -67,11 +87,13 @@ class PlannedAC(ActivationCheckpointing):
         """Bound on the solver's search."""
 
     def __init__(self, config: PlannedAC.Config, dump_folder: str = "") -> None:
+        _budget_bytes(config.budget_gb)  # a wrong budget is said when the config is built
         super().__init__(config, dump_folder)
         self.plan: Plan | None = None
 
     def apply(self, model: nn.Module) -> None:
         config: PlannedAC.Config = self.config  # type: ignore[assignment]
+        _refuse_pipeline_part(model)
         device = next(model.parameters()).device
         vocab = model.get_submodule("tok_embeddings").num_embeddings
         shape = (config.local_batch_size, config.seq_len)
@@ -87,4 +109,4 @@ class PlannedAC(ActivationCheckpointing):
             world_size=config.data_parallel_shard_degree,
             sharding="fsdp2" if sharded else None, progress=False)
         apply(model, self.plan)
-        log.info("%s", self.plan.summary())
+        self.plan.log_summary(log)

@@ -13,6 +13,7 @@ import torch
 from budgets import halfway_budget_gb
 
 from planner import Plan, PlanMismatchWarning, optimize, zoo
+from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
 
 transformers = pytest.importorskip("transformers")
@@ -118,16 +119,44 @@ def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
     assert max(peaks.peaks) <= budget, (peaks.peaks, budget, plan.predicted_peak_bytes)
 
 
-def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Path) -> None:
+# transformers 5 names it activation_checkpointing (the old name still sets it)
+CHECKPOINTING = "activation_checkpointing" if "activation_checkpointing" in \
+    transformers.TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+
+
+@pytest.mark.parametrize("flag", sorted({"gradient_checkpointing", CHECKPOINTING}))
+def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Path,
+                                                                   flag: str) -> None:
+    """Refused under the name this transformers gives it, whichever name turned it on."""
     base = zoo.get("hf-llama", batch=4)
-    with pytest.raises(ValueError, match="gradient_checkpointing=False"):
-        _train(base.model, _rows(base.example_inputs["input_ids"]), tmp_path,
-               [PlannedCheckpointing(budget_gb=1.0)], gradient_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name, in transformers 5
+        with pytest.raises(ValueError, match=f"TrainingArguments\\({CHECKPOINTING}=True\\)"):
+            _train(base.model, _rows(base.example_inputs["input_ids"]), tmp_path,
+                   [PlannedCheckpointing(budget_gb=1.0)], **{flag: True})
 
 
 def test_what_the_trainer_decides_is_not_an_option_of_the_switch() -> None:
     with pytest.raises(TypeError, match="from the Trainer"):
         PlannedCheckpointing(budget_gb=1.0, autocast=torch.bfloat16)
+
+
+@pytest.mark.parametrize("budget", ["8", -1.0, float("nan"), True])
+def test_a_budget_that_is_no_budget_is_refused_when_the_switch_is_made(budget: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="budget_gb"):
+        PlannedCheckpointing(budget_gb=budget)
+
+
+def test_batches_without_labels_are_refused_with_what_the_trainer_needs(
+        tmp_path: Path) -> None:
+    """The Trainer takes its loss from model(**batch).loss: the advice is about its batches
+    (labels, a collator), not a loss_fn the callback does not take."""
+    base = zoo.get("hf-llama", batch=4)
+    rows = [{"input_ids": row} for row in base.example_inputs["input_ids"]]
+    with pytest.raises(ValueError, match="its batches need `labels`") as caught:
+        _train(base.model, rows, tmp_path, [PlannedCheckpointing(budget_gb=1.0)])
+    assert "pass loss_fn" not in str(caught.value)
+    assert not checkpointed_modules(base.model)
 
 
 def _word_tokenizer() -> Any:

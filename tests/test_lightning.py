@@ -195,3 +195,9 @@ def test_plan_in_configure_model_under_model_parallel_strategy() -> None:
     optimizer_state = sum(t.numel() * t.element_size() for p in planned.parameters()
                           for t in (p, p))  # AdamW's exp_avg and exp_avg_sq, not planned
     assert max(seen.peaks) <= planned.plan_gb * GIB + optimizer_state
+
+
+@pytest.mark.parametrize("budget", ["8", 0.0, float("inf")])
+def test_a_budget_that_is_no_budget_is_refused_when_the_callback_is_made(budget: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="budget_gb"):
+        PlannedCheckpointing(budget_gb=budget)

@@ -118,3 +118,22 @@ def test_the_policy_on_blocks_torchtitan_already_checkpoints_is_refused() -> Non
     FullAC.Config().build().apply(model)
     with pytest.raises(ValueError, match="activation_checkpoint=None"):
         _policy(1.0).apply(model)
+
+
+@pytest.mark.parametrize("elsewhere", [("norm", "output"), ("tok_embeddings",)],
+                         ids=["first stage", "later stage"])
+def test_a_pipeline_part_is_refused_with_the_reason(elsewhere: tuple[str, ...]) -> None:
+    """torchtitan's pipeline split leaves each part the modules of its own stage: a part
+    is no whole model's step (it crashed on later parts, and planned the first part as if
+    its hidden states were logits)."""
+    model = _meta_llama()
+    for name in elsewhere:
+        setattr(model, name, None)
+    with pytest.raises(ValueError, match="pipeline part") as caught:
+        _policy(1.0).apply(model)
+    assert all(name in str(caught.value) for name in elsewhere)
+
+
+def test_a_budget_that_is_no_budget_is_refused_when_the_policy_is_built() -> None:
+    with pytest.raises(TypeError, match="budget_gb"):
+        _policy("70")  # type: ignore[arg-type]
