@@ -365,13 +365,20 @@ def _one_line(error: BaseException) -> str:
     from pydantic import ValidationError
 
     from planner.plan import InfeasibleBudgetError
+    from profiles.errors import LossNotFoundError
 
     if isinstance(error, ValidationError):
         return f"{error.title}: " + "; ".join(
             f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    if isinstance(error, LossNotFoundError):  # the CLI takes no loss_fn= of its own
+        text = str(error.with_remedy(
+            "give --model a function returning (model, batch, loss_fn), or a "
+            "planner.zoo.ZooModel with its loss_fn (for Hugging Face models, a batch with "
+            "`labels` makes the output carry its loss)."))
     if isinstance(error, InfeasibleBudgetError):
-        text += f" From the shell: --budget-gb {error.min_budget_gb!r}."
+        text = error.shell_message or f"{text} From the shell: --budget-gb " \
+            f"{error.min_budget_gb!r}."
     return " ".join(text.split()) or type(error).__name__
 
 

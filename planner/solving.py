@@ -8,7 +8,7 @@ from time import perf_counter
 
 from planner.arguments import SolveOptions
 from planner.offload import KEEPS_THROUGH_HOOKS
-from planner.plan import InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
+from planner.plan import GIB, InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
 from planner.profiling import ProfiledStep
 from planner.sharding import Sharding, rank_problem
 from planner.solution_memo import ANSWERS, problem_digest
@@ -239,28 +239,38 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
     if floor and floor >= peak:
         proof += (f" It is the peak of the optimizer's step ({format_bytes(floor)}), the same "
                   "under every schedule: checkpointing cannot lower it.")
-    return InfeasibleBudgetError(
-        f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: the "
-        f"lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
-        f"{lowest.solver}); that plan is error.plan, and optimize(..., "
-        "budget_gb=error.min_budget_gb) returns it."
-        f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
-        f"state{', per rank' if at_minimum.sharding else ''}) is "
-        f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}."
-        f"{_offload_hint(problem, options)} Raise the "
-        "budget, shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
-        "optimizer state.",
-        peak, bound if bound is not None and bound <= peak else None, at_minimum)
+    head = (f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: "
+            f"the lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
+            f"{lowest.solver}); ")
+    body = (f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
+            f"state{', per rank' if at_minimum.sharding else ''}) is "
+            f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}.")
+    python = (f"{head}that plan is error.plan, and optimize(..., budget_gb=error.min_budget_gb) "
+              f"returns it.{body}{_offload_hint(problem, options, _PYTHON)} Raise the budget, "
+              "shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
+              "optimizer state.")
+    shell = (f"{head}--budget-gb {peak / GIB!r} returns that plan.{body}"
+             f"{_offload_hint(problem, options, _SHELL)} Raise --budget-gb or shrink the "
+             "batch (--set); mixed precision and sharded parameters are planned from Python "
+             "(planner.optimize(..., autocast=torch.bfloat16, parallelize=...)).")
+    return InfeasibleBudgetError(python, peak, bound if bound is not None and bound <= peak
+                                 else None, at_minimum, shell_message=shell)
 
 
-def _offload_hint(problem: Problem, options: SolveOptions) -> str:
-    """What offload could and could not do for an infeasible budget."""
+# how a remedy is spelled: in Python (optimize's arguments) and in the shell (the CLI's flags)
+_PYTHON = {"offload": "offload=True", "host_budget": "host_budget_gb"}
+_SHELL = {"offload": "--offload", "host_budget": "--host-budget-gb"}
+
+
+def _offload_hint(problem: Problem, options: SolveOptions, spelled: dict[str, str]) -> str:
+    """What offload could and could not do for an infeasible budget (remedies ``spelled``
+    as `_PYTHON` or `_SHELL` spells them)."""
     if problem.host_link is None:
         return ""
     host_budget_bytes = options.host_budget_bytes
     if not options.offload:  # on a CPU, "host" is the same memory: nothing to say
-        return ("" if problem.host_link.synchronous else " offload=True may reach lower, "
-                "moving saved activations to host memory.")
+        return ("" if problem.host_link.synchronous else f" {spelled['offload']} may reach "
+                "lower, moving saved activations to host memory.")
     chain = solvers_joint.offload_chain(problem)
     if not chain:
         return " Offload found no module call to move here."
@@ -269,7 +279,7 @@ def _offload_hint(problem: Problem, options: SolveOptions) -> str:
         return (f" Offload was held back by the host budget ({format_bytes(host_budget_bytes)}"
                 f"): offloading every candidate call would take "
                 f"{format_bytes(everything, round_up=True)} of host memory; raise "
-                "host_budget_gb.")
+                f"{spelled['host_budget']}.")
     return (f" Offloading every candidate call ({format_bytes(everything, round_up=True)} to "
             "host memory) does not reach it either.")
 

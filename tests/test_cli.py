@@ -62,7 +62,12 @@ def test_errors_of_the_library_are_one_line(capsys: pytest.CaptureFixture[str],
     # a budget no schedule meets: the lowest one that works, in one line
     assert _run(["-q", "optimize", *TINY_GPT, "--budget-gb", str(1.5 / 1024), "--out",
                  str(tmp_path / "plan.json")]) == 2
-    assert "--budget-gb 0.00" in _one_line(capsys.readouterr().err)
+    line = _one_line(capsys.readouterr().err)
+    assert "--budget-gb 0.00" in line and "returns that plan" in line
+    # remedies as the shell's flags, not optimize's arguments
+    assert "--offload may reach lower" in line, line
+    assert not any(python in line for python in ("optimize(..., budget_gb", "offload=True",
+                                                 "error.plan")), line
 
     assert _run(["-q", "optimize", *TINY_GPT, "--budget-gb", "1", "--out",
                  str(tmp_path / "plan.json")]) == 0
@@ -195,3 +200,21 @@ def test_optimize_plans_a_users_own_model_from_a_build_function(
     plan = Plan.load(out)
     assert plan.checkpointing and plan.predicted_peak_bytes <= 7 * 2**20
     assert plan.inputs[0].shape == [512, 256]
+
+
+def test_a_model_whose_output_has_no_loss_is_told_what_the_cli_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model mod:attr`` naming a Hugging Face model alone: its dummy batch has no labels,
+    so its output carries no loss; the CLI takes no loss_fn=, so it says what it takes."""
+    pytest.importorskip("transformers")
+    (tmp_path / "bare_model.py").write_text(
+        "import transformers\n\n"
+        "model = transformers.GPT2LMHeadModel(transformers.GPT2Config(\n"
+        "    n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _run(["-q", "optimize", "--model", "bare_model:model", "--budget-gb", "1",
+                 "--out", str(tmp_path / "plan.json")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "Cannot tell the training loss" in line and "(model, batch, loss_fn)" in line, line
+    assert "pass loss_fn" not in line, line
