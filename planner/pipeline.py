@@ -27,7 +27,8 @@ from solvers.problem import Problem
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
 
-__all__ = ["StageSteps", "plan_stage", "stage_loss", "stage_peak_bytes", "stage_spec"]
+__all__ = ["StageSteps", "checked_target_bytes", "plan_stage", "stage_loss", "stage_peak_bytes",
+           "stage_spec"]
 
 
 class _ReceivedGradient(torch.autograd.Function):
@@ -85,6 +86,18 @@ def _stage_loss(module: nn.Module, microbatch: Any, last: bool,
             received)
 
 
+def checked_target_bytes(value: Any) -> int:
+    """The last stage's loss target per microbatch in bytes (``labels.nbytes``), checked:
+    a whole number of bytes, at least 0 (a negative one would lower every predicted
+    stage peak)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not \
+            0 <= value <= MAX_BUDGET_BYTES:
+        raise ValueError(f"target_bytes is the bytes of the last stage's loss target per "
+                         f"microbatch (e.g. labels.nbytes): a whole number from 0 to "
+                         f"{MAX_BUDGET_BYTES}, not {value!r}")
+    return value
+
+
 class StageSteps:
     """A stage's step for one microbatch (the rank's ``chunk`` under an interleaved
     schedule), profiled twice: before the stage's first backward (no parameter gradients
@@ -93,11 +106,13 @@ class StageSteps:
     def __init__(self, module: nn.Module, microbatch: Any, spec: StageSpec,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
                  chunk: int = 0, **profile_options: Any) -> None:
+        target_bytes = checked_target_bytes(target_bytes)
         last = spec.chunk_last(chunk)
         loss, output_bytes, loss_bytes, received = _stage_loss(module, microbatch, last, loss_fn)
         self.spec, self.chunk = spec, chunk
-        self.steps = [profile_model(module, microbatch, loss_fn=loss, progress=False,
-                                    grad_accumulation=allocated, **profile_options)
+        options = {"progress": False, **profile_options}
+        self.steps = [profile_model(module, microbatch, loss_fn=loss,
+                                    grad_accumulation=allocated, **options)
                       for allocated in (False, True)]
         self.problems = [step.problem() if last else
                          _received_gradient_apart(step.problem()) for step in self.steps]
@@ -171,7 +186,7 @@ def stage_spec(pipeline: StageSpec | dict[str, Any]) -> tuple[StageSpec, int]:
         raise TypeError(f"pipeline= takes a dict of schedule, stage_index, num_stages, "
                         f"n_microbatches (and target_bytes), not {type(pipeline).__name__}")
     fields = dict(pipeline)
-    target_bytes = int(fields.pop("target_bytes", 0))
+    target_bytes = checked_target_bytes(fields.pop("target_bytes", 0))
     return StageSpec.model_validate(fields), target_bytes
 
 

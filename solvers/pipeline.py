@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from solvers import pipeline_orders as orders
 from solvers.pipeline_orders import ChunkAction, Pass
@@ -86,11 +86,12 @@ class StageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     schedule: ScheduleName
-    stage_index: int = Field(ge=0)
-    num_stages: int = Field(ge=1)
-    n_microbatches: int = Field(ge=1)
-    return_outputs: bool = True  # ``schedule.step(..., return_outputs=...)``
-    num_chunks: int = Field(default=1, ge=1)  # model chunks on this rank (local stages)
+    # strict: True is no stage index, 1.5 no count (pydantic would take both as 1)
+    stage_index: StrictInt = Field(ge=0)
+    num_stages: StrictInt = Field(ge=1)
+    n_microbatches: StrictInt = Field(ge=1)
+    return_outputs: StrictBool = True  # ``schedule.step(..., return_outputs=...)``
+    num_chunks: StrictInt = Field(default=1, ge=1)  # model chunks on this rank (local stages)
 
     @model_validator(mode="after")
     def _stage_in_range(self) -> StageSpec:

@@ -186,6 +186,34 @@ def test_optimize_refuses_what_it_does_not_plan_for_a_stage() -> None:
                  op_ranges=False)
     with pytest.raises(ValueError, match="not below num_stages"):
         optimize(module, (inputs,), budget_gb=1, pipeline={**spec, "stage_index": 2})
+    with pytest.raises(ValueError, match="stage_index"):  # True is no stage's index
+        optimize(module, (inputs,), budget_gb=1, pipeline={**spec, "stage_index": True})
+    last = {**spec, "stage_index": 1}
+    module, (inputs, target) = harness.build_stage(1, 2), harness.microbatch(1)
+    for wrong in (-10**9, 1.5, True):  # -10**9 made a 21.5 MiB stage "fit" 1 MiB
+        with pytest.raises(ValueError, match=f"target_bytes .* not {wrong!r}"):
+            optimize(module, (inputs,), budget_gb=1, pipeline={**last, "target_bytes": wrong},
+                     loss_fn=lambda out: harness.next_token_loss(out, target))
+
+
+def test_profile_options_pass_through_to_a_stages_steps() -> None:
+    """``progress=`` went to the profile twice (``plan_rank(..., progress=False)`` raised
+    TypeError); a stage plan applied where no process group runs says what it is for."""
+    import warnings
+
+    from planner import PlanMismatchWarning, apply, remove
+    from planner.pipeline import StageSteps
+
+    spec = harness.spec_of("1F1B", 0, 2, 4)
+    module, (inputs, _) = harness.build_stage(0, 2), harness.microbatch(0)
+    steps = StageSteps(module, (inputs,), spec, timing="estimate", progress=False)
+    plan, _ = steps.plan(steps.peak())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply(module, plan)
+    remove(module)
+    assert any(issubclass(w.category, PlanMismatchWarning)
+               and "stage 0 of a 2-stage pipeline" in str(w.message) for w in caught)
 
 
 def test_interleaved_order_is_torchs_on_every_rank() -> None:
