@@ -23,7 +23,8 @@ The hooks of a call are pushed on the thread's saved-tensor-hook stack by its pr
 taken off by its forward hook, which torch also calls when the forward raises an
 `Exception`. A `KeyboardInterrupt` (any `BaseException`) skips it: the pushed pack hook then
 finds its call's frame gone from the stack, moves nothing and takes itself off, and the next
-offloaded call or step closes whatever the interrupted forward left open. Bookkeeping lives
+offloaded call or step closes whatever the interrupted forward left open, as does
+`remove_offload` (``planner.remove``), so that no hook outlives the plan. Bookkeeping lives
 as long as the saves it is for: a step whose backward never runs (a loss computed and
 dropped) leaves nothing behind once its graph is freed.
 
@@ -259,6 +260,13 @@ class OffloadHooks:
             _close(calls.pop())
         if self.release[k] is None:
             self.end_copies_out([k])
+
+    def close_open_calls(self) -> None:
+        """Take every call still open on this thread off the saved-tensor-hook stack (an
+        interrupt left them there): a removed plan leaves no hook behind."""
+        calls = self.open_calls()
+        while calls:
+            _close(calls.pop())
 
     def _close_stale(self) -> None:
         """Close this thread's calls whose frame has left the stack: a `BaseException`
@@ -518,7 +526,8 @@ _Taken = list[tuple[nn.Module, str, int, Any, bool]]
 def remove_offload(model: nn.Module) -> list[str]:
     """Take every offload hook off ``model``; returns the paths that had one."""
     removed = offloaded_modules(model)
-    _take_hooks(model)
+    for hooks in {id(h.hooks): h.hooks for *_, h, _ in _take_hooks(model)}.values():
+        hooks.close_open_calls()
     return removed
 
 

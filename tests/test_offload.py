@@ -565,6 +565,28 @@ def test_an_error_inside_an_offloaded_call_leaves_no_hook_and_the_next_step_is_e
     assert all(torch.equal(base_grads[k], grads[k]) for k in grads)
 
 
+def test_removing_a_plan_after_an_interrupt_leaves_no_hook_on_the_thread(tiny) -> None:
+    """A KeyboardInterrupt skips the offloaded call's forward hook; planner.remove takes
+    what it left on the thread's saved-tensor-hook stack (it stayed until another save)."""
+    model, step = tiny
+    apply(model.model, _plan(step, "alone"))
+    attn = model.model.get_submodule("blocks.0.attn")  # inside offloaded blocks.0
+
+    def interrupt(module, args, output) -> None:
+        raise KeyboardInterrupt("stop")
+
+    handle = attn.register_forward_hook(interrupt)
+    try:
+        args, kwargs = normalize_inputs(model.model, model.example_inputs)
+        with pytest.raises(KeyboardInterrupt):
+            model.model(*args, **kwargs)
+        assert _top_hooks() is not None  # left by the interrupted call
+    finally:
+        handle.remove()
+        remove(model.model)
+    assert _top_hooks() is None
+
+
 def test_forwards_without_a_backward_leave_bounded_bookkeeping(tiny) -> None:
     model, step = tiny
     apply(model.model, _plan(step, "alone"))
