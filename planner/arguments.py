@@ -173,7 +173,7 @@ def _parallelism(model: nn.Module, world_size: int, sharding: str | None,
                 raise ValueError("parallelize= needs mesh_shape=(dp,) or (dp, tp): the mesh "
                                  "each rank's step runs on")
             mesh_shape = (world_size,)
-        parallel = Parallelism(parallelize, tuple(mesh_shape), mesh_dim_names)
+        parallel = Parallelism(parallelize, mesh_shape, mesh_dim_names)
         if world_size not in (1, parallel.world_size):
             raise ValueError(f"world_size={world_size} but mesh_shape {parallel.mesh_shape} "
                              f"has {parallel.world_size} ranks")
@@ -181,6 +181,10 @@ def _parallelism(model: nn.Module, world_size: int, sharding: str | None,
     if mesh_shape is not None or mesh_dim_names is not None:
         raise ValueError("mesh_shape= and mesh_dim_names= go with parallelize=(model, mesh), "
                          "the function that parallelizes the model on that mesh")
+    if sharding is not None and world_size == 1:
+        raise ValueError(f"sharding={sharding!r} shards over world_size ranks, and world_size "
+                         "is 1 (the default: one process, nothing to shard). Give world_size="
+                         "the number of ranks, or leave sharding out to plan one process.")
     if world_size != 1 and sharding is None:
         raise ValueError(f"world_size={world_size!r} needs sharding='ddp' or 'fsdp2', or "
                          "parallelize=: how each rank holds the model decides its memory")

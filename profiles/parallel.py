@@ -18,6 +18,7 @@ the step as measured (``NodeProfile.fwd_runtime_bytes``, the observed backward).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -34,6 +35,13 @@ from profiles.fake_world import fake_world
 from profiles.schema import ParallelLayout
 from profiles.swap import swapped_tensors
 
+try:
+    from torch.distributed._functional_collectives import (
+        AsyncCollectiveTensor as _AsyncCollectiveTensor,
+    )
+except ImportError:  # torch built without distributed: no such tensors
+    _AsyncCollectiveTensor = ()
+
 __all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "is_runtime_op",
            "layout_changes", "local_tensor", "parallel_layout", "parallel_twin",
            "reduce_scatter_in_place", "storage_nbytes"]
@@ -42,6 +50,8 @@ __all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "i
 # runs is FSDP2's (all-gathers, reduce-scatters, its copies). Tensor parallel's
 # redistributions are the model's own ops: they run inside module calls and again in their
 # reruns, like any op
+log = logging.getLogger(__name__)
+
 _RUNTIME_DIRS = ("/torch/distributed/fsdp/", "/torch/distributed/_composable/")
 _ACTIVATION_CASTS = ("_cast_fp_tensor",)  # torch.distributed.fsdp._fully_shard._fsdp_common
 
@@ -60,6 +70,10 @@ class Parallelism:
         if not callable(self.parallelize):
             raise TypeError("parallelize must be a function parallelize(model, mesh), the "
                             f"one the training script calls; got {type(self.parallelize)}")
+        if not isinstance(self.mesh_shape, tuple | list):
+            raise TypeError(f"mesh_shape must be a tuple with one size per mesh dimension "
+                            f"(e.g. (8,) or (4, 2)), got {self.mesh_shape!r}; for one "
+                            f"dimension write ({self.mesh_shape!r},)")
         shape = tuple(self.mesh_shape)
         if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
                             for n in shape):
@@ -183,9 +197,15 @@ def _fake_copy(model: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
+    """The tensor whose storage holds ``tensor``'s bytes on this rank: a DTensor's shard, the
+    result a functional collective's ``AsyncCollectiveTensor`` wraps (the wrapper allocates
+    nothing); any other tensor itself."""
     local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor
+    if isinstance(local, torch.Tensor):
+        return local
+    if isinstance(tensor, _AsyncCollectiveTensor):
+        return tensor.elem
+    return tensor
 
 
 def is_runtime_op() -> bool:
@@ -263,7 +283,14 @@ def storage_nbytes(ref: StorageWeakRef) -> int:
 
 def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout:
     """What ``parallelize`` made of the model (:func:`describe_parallel`) on its mesh."""
-    found = describe_parallel(twin) or ParallelLayout(mesh_shape=[])
+    found = describe_parallel(twin)
+    if found is None:
+        log.warning(
+            "parallelize(model, mesh) over %d ranks left %s as it was (no fully_shard unit, "
+            "no DTensor parameter): each rank's plan is the one process's step, with no "
+            "parallel runtime counted. If the ranks should shard, check the function",
+            parallelism.world_size, type(twin).__name__)
+        found = ParallelLayout(mesh_shape=[])
     return found.model_copy(update={
         "mesh_shape": list(parallelism.mesh_shape),
         "mesh_dim_names": list(parallelism.mesh_dim_names) if parallelism.mesh_dim_names
@@ -274,7 +301,7 @@ def describe_parallel(model: nn.Module) -> ParallelLayout | None:
     """How ``model`` is parallelized now: its FSDP2 units and their policies, and where each
     DTensor parameter lives (placements on its mesh's shape); None for a model neither
     ``fully_shard`` nor tensor parallel touched. The mesh itself is the caller's to say."""
-    units, reshard, dtypes, offload = [], [], set(), False
+    units, reshard, dtypes, offload = [], [], [], False
     for path, module in model.named_modules():
         group = _fsdp_group(module)
         if group is None:
@@ -282,9 +309,12 @@ def describe_parallel(model: nn.Module) -> ParallelLayout | None:
         units.append(path)
         reshard.append(_reshard_after_forward(group))
         policy = group.mp_policy
-        dtypes.add((_dtype(policy.param_dtype), _dtype(policy.reduce_dtype)))
+        dtypes.append([_dtype(policy.param_dtype), _dtype(policy.reduce_dtype)])
         offload = offload or type(group.offload_policy).__name__ == "CPUOffloadPolicy"
-    param_dtype, reduce_dtype = dtypes.pop() if len(dtypes) == 1 else (None, None)
+    # one policy for every unit: its dtypes; mixed policies (bf16 blocks, an fp32 root) are
+    # told apart by `unit_dtypes` alone
+    same = len({tuple(d) for d in dtypes}) == 1
+    param_dtype, reduce_dtype = dtypes[0] if same else (None, None)
     placements = {name: _where(param) for name, param in model.named_parameters()
                   if hasattr(param, "placements")}
     paths = {id(m): p for p, m in model.named_modules()}
@@ -298,8 +328,9 @@ def describe_parallel(model: nn.Module) -> ParallelLayout | None:
     if not units and not placements:
         return None
     return ParallelLayout(mesh_shape=[], fsdp_units=units, param_dtype=param_dtype,
-                          reduce_dtype=reduce_dtype, reshard_after_forward=reshard,
-                          cpu_offload=offload, placements=placements)
+                          reduce_dtype=reduce_dtype, unit_dtypes=dtypes,
+                          reshard_after_forward=reshard, cpu_offload=offload,
+                          placements=placements)
 
 
 def layout_changes(planned: ParallelLayout | None, now: ParallelLayout | None) -> str:
@@ -316,6 +347,13 @@ def layout_changes(planned: ParallelLayout | None, now: ParallelLayout | None) -
                         "reshard_after_forward"), ("cpu_offload", "CPUOffloadPolicy")):
         if getattr(planned, field) != getattr(now, field):
             return f"its {what}: {getattr(now, field)!r}, planned {getattr(planned, field)!r}"
+    if planned.unit_dtypes and planned.unit_dtypes != now.unit_dtypes:  # files before it: []
+        unit = next((k for k, (a, b) in enumerate(zip(planned.unit_dtypes, now.unit_dtypes,
+                                                      strict=False)) if a != b), 0)
+        name = repr(now.fsdp_units[unit]) if unit < len(now.fsdp_units) else unit
+        return (f"the MixedPrecisionPolicy of fully_shard unit {name} (param_dtype, "
+                f"reduce_dtype): {now.unit_dtypes[unit] if unit < len(now.unit_dtypes) else None}"
+                f", planned {planned.unit_dtypes[unit]}")
     moved = [name for name in planned.placements.keys() | now.placements.keys()
              if planned.placements.get(name) != now.placements.get(name)]
     if moved:

@@ -186,3 +186,16 @@ def test_bound_tensors_finds_partials_closures_and_defaults() -> None:
     assert bound_tensors(lambda out: out.sum()) == []
     weighted = torch.nn.CrossEntropyLoss(weight=c)
     assert [id(t) for t in bound_tensors(weighted)] == [id(weighted.weight)]
+
+
+def test_a_functional_collectives_wrapper_allocates_nothing() -> None:
+    """Tensor parallel's collectives return an AsyncCollectiveTensor around their result:
+    the wrapper's storage is no allocation (it counted once more, 32-64 KiB under TP)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    with PeakTracker([]) as tracker:
+        result = torch.ones(1024) * 2  # what the collective made: 4 KiB
+        wrapped = AsyncCollectiveTensor(result)
+        out = wrapped + 1  # 4 KiB more
+        del result, wrapped, out
+    assert tracker.peak_bytes == 8192 and tracker.static_bytes == 0

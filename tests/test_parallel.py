@@ -12,6 +12,7 @@ leave their outputs unwritten).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import warnings
 
@@ -207,6 +208,49 @@ def test_the_planned_model_checks_its_parallelism() -> None:
             assert len(said) == 1 and "it is not parallelized" in said[0]
 
 
+def mixed(model: torch.nn.Module, mesh: object) -> None:
+    """bf16 blocks (fp32 out) and an fp32 root: a policy per unit."""
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=blocks)
+    fully_shard(model, mesh=mesh)
+
+
+def test_mixed_policies_per_unit_are_planned_and_checked_as_such(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Units of different mixed-precision policies were recorded as no policy at all, the
+    same as all-fp32: such a plan ran silently on an all-fp32 model (+23 % measured). A
+    parallelize that shards nothing says so when planned."""
+    name, options = GPT
+    zm = zoo.get(name, **options)
+    plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    parallelize=mixed, mesh_shape=(4,), progress=False)
+    layout = plan.profile.parallel
+    assert layout.param_dtype is None
+    assert layout.fsdp_units[0] == ""  # the root, then its blocks
+    assert layout.unit_dtypes == [[None, None]] + [["bfloat16", "float32"]] * len(
+        zm.model.blocks)
+    assert "mixed precision policies per unit" in layout.describe()
+    fp32 = fsdp2(MixedPrecisionPolicy())
+    for label, parallelize in {"as planned": mixed, "fp32": fp32}.items():
+        zm = zoo.get(name, **options)
+        with fake_world(Parallelism(parallelize, (4,)), "cpu") as mesh, \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply(zm.model, plan)
+            parallelize(zm.model, mesh)
+            zm.loss_fn(zm.model(*zm.example_inputs)).backward()
+        said = [str(w.message) for w in caught if w.category is PlanMismatchWarning]
+        assert said == [] if label == "as planned" else \
+            len(said) == 1 and "MixedPrecisionPolicy of fully_shard unit" in said[0], said
+    zm = zoo.get(name, **options)
+    with caplog.at_level(logging.WARNING, logger="profiles.parallel"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                 parallelize=lambda model, mesh: None, mesh_shape=(4,), progress=False)
+    assert "left GPT as it was" in caplog.text
+
+
 def test_a_model_on_the_meta_device_plans_like_a_real_one() -> None:
     """Fake tensors run the rank's FSDP2 step too (how models larger than the machine are
     planned): the same prediction as on real tensors."""
@@ -253,6 +297,12 @@ def test_bad_parallel_arguments_say_what_to_give() -> None:
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  parallelize=fsdp2(), mesh_shape=(2,), grad_accumulation=True,
                  progress=False)
+    with pytest.raises(TypeError, match=r"mesh_shape must be a tuple .* write \(2,\)"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 parallelize=fsdp2(), mesh_shape=2, progress=False)
+    with pytest.raises(ValueError, match="sharding='fsdp2' shards over world_size ranks"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
+                 sharding="fsdp2", progress=False)
     with pytest.raises(ValueError, match="returned another module"):
         optimize(zm.model, zm.example_inputs, budget_gb=1, loss_fn=zm.loss_fn,
                  parallelize=lambda model, mesh: torch.nn.Linear(2, 2), mesh_shape=(2,),
