@@ -74,6 +74,7 @@ and other child splits are not searched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -629,32 +630,37 @@ class _Pass:
         (`solvers.keep`); the lower-bound pass gets each point's floor, or the corners of
         a thinned front. The per-node terms are cached by `key` (no times in them)."""
         self._check_deadline()
-        space = self.cache.get((key, x - a, y - a, "keep"))
-        if space is None:
-            space = self.cache[(key, x - a, y - a, "keep")] = KeepSpace.analyse(
-                self.ctx, a, b, x, y, held_in, self.outside - self.local) or False
+        cached = self.cache.get((key, x - a, y - a, "keep"))
+        if cached is None:
+            cached = self.cache[(key, x - a, y - a, "keep")] = (KeepSpace.analyse(
+                self.ctx, a, b, x, y, held_in, self.outside - self.local) or False, a)
+        space, origin = cached
         if space is False:
             return []
-        info = self.ctx.region(x, y)
+        # analysed in the window at `origin` (an identical block, maybe another): its nodes
+        # and storages are that window's, its rerun savings that block's forward times
+        shift = a - origin
         p = self.p
-        by_hand = [[i for i, k in enumerate(space.nodes) if wanted(k)]
+        space = dataclasses.replace(space, saved_ms=tuple(
+            float(p.fwd_time_ms[k + shift]) for k in space.nodes))
+        info = self.ctx.region(x, y)
+        by_hand = [[i for i, k in enumerate(space.nodes) if wanted(k + shift)]
                    for wanted in (p.is_linear, p.is_matmul)]
         also = [] if self.optimistic else by_hand + under_caps(
             space, self.table[space.base.g_index + a])
         out = []
         for choice in keep_choices(space, optimistic=self.optimistic, also=also)[0]:
-            keep = frozenset(space.nodes[i] for i in choice.chosen)
+            keep = frozenset(space.nodes[i] + shift for i in choice.chosen)
             parts = (space.floor_parts(choice.residue_bytes, choice.exported)
                      if self.optimistic else space.parts(choice.chosen))
+            held_rel = self._out_rel(parts, origin)  # its storages are the origin window's
             spec = ((x - a, y - a, tuple(sorted(k - a for k in keep)), ()),)
             if choice.real:
-                out.append(_Option(parts, self._out_rel(parts, a),
-                                   [flat_rerun_rel(info, keep, a)], spec))
+                out.append(_Option(parts, held_rel, [flat_rerun_rel(info, keep, a)], spec))
             else:  # a corner: keeping nothing's rerun with the SAC overhead, less its saving
                 sac = flat_rerun_rel(info, frozenset(), a)._replace(
                     kept=np.asarray([x - a], dtype=np.int64))
-                out.append(_Option(parts, self._out_rel(parts, a), [sac], spec,
-                                   choice.saved_ms))
+                out.append(_Option(parts, held_rel, [sac], spec, choice.saved_ms))
         return out
 
     def _add_window(self, t: int, u: int, held_rel: tuple, front: Front, flat: bool,

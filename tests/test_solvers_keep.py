@@ -188,3 +188,43 @@ def test_a_larger_residue_never_lowers_the_floor() -> None:
     space = KeepSpace.analyse(Context(p), 0, 7, 1, 5)
     floors = [space.floor_for(r) for r in range(0, 40)]
     assert all((a <= b).all() for a, b in itertools.pairwise(floors))
+
+
+def _identical_blocks_timed_apart(blocks: int = 4, size: int = 4) -> Problem:
+    """A chain of identical module calls whose forward times differ (as measured ones do):
+    the DP shares a call's keep analysis between identical windows, not its times."""
+    pattern, temps = [16, 4, 32, 8], [0, 40, 0, 0]
+    sizes = [8] + pattern * blocks + [8]
+    times = [1.0] + [t * (1 + 0.25 * b) for b in range(blocks) for t in (1.0, 2.0, 0.5, 3.0)]
+    p = Problem.chain(sizes, [*times, 1.0], fwd_temp_bytes=[0] + temps * blocks + [0],
+                      block_of_node=[-1] + [i // size for i in range(blocks * size)] + [-1])
+    return p.model_copy(update={"module_spans": [
+        ModuleSpan(start=1 + b * size, stop=1 + (b + 1) * size, name=f"b{b}",
+                   inputs=(b * size,)) for b in range(blocks)]})
+
+
+def test_a_keep_analysis_shared_by_identical_blocks_keeps_each_blocks_own_nodes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared by window signature, the keep analysis of one block was used with its own
+    block's nodes at another block's position: kept nodes outside the region (a 6-layer
+    BERT crashed: "saved node 87 is outside region [127, 166)"). Every keep option the DP
+    builds lies in its window, at every budget, and every answer's keeps in their regions."""
+    p = _identical_blocks_timed_apart()
+    options: list[tuple[int, tuple]] = []
+    offers = dp._Pass._keep_options
+
+    def recorded(self, a, b, x, y, held_in, key):
+        made = offers(self, a, b, x, y, held_in, key)
+        options.extend((a, option.spec) for option in made)
+        return made
+
+    monkeypatch.setattr(dp._Pass, "_keep_options", recorded)
+    unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    for budget in range(p.static_bytes + 40, unplanned + 1, 4):
+        sol = dp.solve(p, budget, 30.0)
+        for region in sol.schedule.recompute_regions() if sol.schedule else ():
+            assert all(region.start <= k < region.stop for k in region.keep), region
+    assert {a for a, _ in options} - {1}, "no block other than the first offered keeps"
+    for a, spec in options:
+        for x, y, kept, _ in spec:
+            assert all(x <= k < y for k in kept), (a, spec)
