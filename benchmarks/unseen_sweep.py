@@ -1,12 +1,12 @@
-"""The sweep of 19 architectures nobody here wrote (issue 33), rebuilt as a benchmark.
+"""The sweep of architectures nobody here wrote, as a user would try them.
 
-    python benchmarks/unseen_sweep.py                       # all 19 models, 7 cases each
+    python benchmarks/unseen_sweep.py                       # the first wave: 19 models
+    python benchmarks/unseen_sweep.py --wave second         # the second: 17 models
     python benchmarks/unseen_sweep.py --models Phi3 mnasnet --out /tmp/sweep
 
 Models none of the conformance cases cover, random-init from their configs (no downloads),
-tiny enough for a step of a few seconds on a CPU: Hugging Face Phi-3, Gemma-2, Qwen3-MoE,
-OLMo-2, Starcoder2, GPT-J, Pegasus, Electra, MobileBERT, DINOv2, ConvNeXt-V2, CLIP, Mamba;
-timm CoaT-Lite, ResNeSt, PoolFormer; torchvision MNASNet, R3D-18 (video), ResNeXt-50.
+tiny enough for a step of a few seconds on a CPU, in the waves they were tried
+(`unseen_models`: what each brings).
 
 Seven cases per model, budgets as static memory + a share of the profiled activations (a
 budget found infeasible is replaced by the minimum ``InfeasibleBudgetError`` names, and the
@@ -41,24 +41,16 @@ import tempfile
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from conformance_harness import (
     Case,
     Row,
-    _hf_lm,
-    _hf_model,
-    _hf_seq2seq,
-    _images,
     _planned_step,
     _reference_step,
-    _timm,
-    _tv,
     cache_off,
     judge,
     model_state,
@@ -67,6 +59,7 @@ from conformance_harness import (
 from model_snapshot import ModelSnapshot
 from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
+from unseen_models import WAVES
 
 import profiles
 from planner import (
@@ -89,109 +82,6 @@ TIME_LIMIT_S = 10.0
 KINDS = (("plain", 0.3), ("plain", 0.7), ("offload", 0.3), ("offload", 0.7),
          ("accumulate", 0.3), ("replanned", 0.3), ("saved+loaded", 0.3))
 _SOLVE = {"timing": "estimate", "progress": False}
-
-# ----------------------------------------------------------------------------- models
-
-_LM = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-           num_attention_heads=4, max_position_embeddings=64)
-_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-def _hf_images(config_name: str, model_name: str, size: int = 32, batch: int = 2,
-               **config: Any) -> Callable[[], zoo.ZooModel]:
-    """An image classifier with ``labels`` (its output carries the loss)."""
-    def build() -> zoo.ZooModel:
-        _, model = _hf_model(config_name, model_name, num_labels=10, **config)
-        x, y = _images(batch, size)
-        return zoo.ZooModel(f"HF {model_name}", model, {"pixel_values": x, "labels": y}, None)
-    return build
-
-
-def _hf_clip() -> zoo.ZooModel:
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=32, projection_dim=32)
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
-    _, model = _hf_model("CLIPConfig", "CLIPModel", text_config=text, vision_config=vision,
-                         projection_dim=32)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 512, (4, 16), generator=gen)
-    pixels = torch.randn(4, 3, 32, 32, generator=gen)
-    return zoo.ZooModel("HF CLIPModel", model,
-                        {"input_ids": ids, "pixel_values": pixels, "return_loss": True}, None)
-
-
-def _r3d() -> zoo.ZooModel:
-    import torchvision
-
-    torch.manual_seed(0)
-    model = torchvision.models.video.r3d_18(weights=None, num_classes=10)
-    gen = torch.Generator().manual_seed(0)
-    clip = torch.randn(2, 3, 4, 32, 32, generator=gen)  # batch x 3 x frames x H x W
-    y = torch.randint(0, 10, (2,), generator=gen)
-    return zoo.ZooModel("torchvision r3d_18", model, (clip,),
-                        lambda out: F.cross_entropy(out, y))
-
-
-def _hf(name: str, build: Callable[[], zoo.ZooModel], cls: str) -> Case:
-    return Case(name, "transformers", build, (cls,), "transformers")
-
-
-MODELS: list[Case] = [
-    _hf("HF Phi3ForCausalLM", _hf_lm("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=2,
-                                     **_TOKENS, **_LM), "Phi3ForCausalLM"),
-    _hf("HF Gemma2ForCausalLM", _hf_lm("Gemma2Config", "Gemma2ForCausalLM",
-                                       num_key_value_heads=2, head_dim=16, **_TOKENS, **_LM),
-        "Gemma2ForCausalLM"),
-    _hf("HF Qwen3MoeForCausalLM (MoE)",
-        _hf_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_key_value_heads=2, head_dim=16,
-               moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **_LM),
-        "Qwen3MoeForCausalLM"),
-    _hf("HF Olmo2ForCausalLM", _hf_lm("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2,
-                                      **_TOKENS, **_LM), "Olmo2ForCausalLM"),
-    _hf("HF Starcoder2ForCausalLM", _hf_lm("Starcoder2Config", "Starcoder2ForCausalLM",
-                                           num_key_value_heads=2, **_TOKENS, **_LM),
-        "Starcoder2ForCausalLM"),
-    _hf("HF GPTJForCausalLM", _hf_lm("GPTJConfig", "GPTJForCausalLM", vocab_size=512,
-                                     n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
-                                     n_positions=64, **_TOKENS), "GPTJForCausalLM"),
-    _hf("HF PegasusForConditionalGeneration",
-        _hf_seq2seq("PegasusConfig", "PegasusForConditionalGeneration", vocab_size=512,
-                    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                    max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
-                    decoder_start_token_id=0), "PegasusForConditionalGeneration"),
-    _hf("HF ElectraForMaskedLM", _hf_lm("ElectraConfig", "ElectraForMaskedLM",
-                                        embedding_size=32, **_LM), "ElectraForMaskedLM"),
-    _hf("HF MobileBertForMaskedLM",
-        _hf_lm("MobileBertConfig", "MobileBertForMaskedLM", vocab_size=512, hidden_size=64,
-               embedding_size=32, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, intra_bottleneck_size=32, true_hidden_size=32,
-               num_feedforward_networks=2, max_position_embeddings=64),
-        "MobileBertForMaskedLM"),
-    _hf("HF Dinov2ForImageClassification",
-        _hf_images("Dinov2Config", "Dinov2ForImageClassification", image_size=32,
-                   patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   mlp_ratio=2), "Dinov2ForImageClassification"),
-    _hf("HF ConvNextV2ForImageClassification",
-        _hf_images("ConvNextV2Config", "ConvNextV2ForImageClassification", size=64,
-                   hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1]),
-        "ConvNextV2ForImageClassification"),
-    _hf("HF CLIPModel", _hf_clip, "CLIPModel"),
-    _hf("HF MambaForCausalLM", _hf_lm("MambaConfig", "MambaForCausalLM", vocab_size=512,
-                                      hidden_size=64, state_size=8, num_hidden_layers=2,
-                                      **_TOKENS), "MambaForCausalLM"),
-    Case("timm coat_lite_tiny", "timm", _timm("coat_lite_tiny", batch=4, img_size=64),
-         needs="timm"),
-    Case("timm resnest14d", "timm", _timm("resnest14d", batch=4), needs="timm"),
-    Case("timm poolformer_s12", "timm", _timm("poolformer_s12", batch=4), needs="timm"),
-    Case("torchvision mnasnet0_5", "torchvision", _tv("mnasnet0_5", batch=8, num_classes=10),
-         needs="torchvision"),
-    Case("torchvision r3d_18 (video)", "torchvision", _r3d, needs="torchvision"),
-    Case("torchvision resnext50_32x4d", "torchvision",
-         _tv("resnext50_32x4d", batch=2, num_classes=10), needs="torchvision"),
-]
-
 
 def missing(case: Case) -> str | None:
     """Why ``case`` cannot run here (a package, or a class the installed transformers
@@ -581,10 +471,12 @@ def render_markdown(result: dict) -> str:
     rows = [Row(**r) for r in result["rows"]]
     skipped = "".join(f"\n- {name}: skipped, {why}" for name, why in result["skipped"].items())
     worst = "-" if s["worst_error_pct"] is None else f"{s['worst_error_pct']:+.3f} %"
+    wave = result.get("wave", "first")
+    command = "python benchmarks/unseen_sweep.py" + ("" if wave == "first" else f" --wave {wave}")
     return (
-        "# Unseen architectures: 19 models nobody here wrote (CPU)\n\n"
+        f"# Unseen architectures, {wave} wave: {s['models']} models nobody here wrote (CPU)\n\n"
         f"{result['date']}, {result['machine']}, {result['seconds']} s, solver limit "
-        f"{result['time_limit_s']:g} s. `python benchmarks/unseen_sweep.py`.\n\n"
+        f"{result['time_limit_s']:g} s. `{command}`.\n\n"
         f"**{s['held']} of {s['cases']} cases hold** over {s['models']} models "
         f"({s['crashes']} crashes, {s['over_budget']} over budget). Prediction of the "
         f"measured peak: exact in {s['prediction_exact']} of {s['measured']} measured cases, "
@@ -610,8 +502,9 @@ def _write(result: dict, out: Path) -> None:
 
 
 def _result(rows: list[Row], skipped: dict[str, str], seconds: dict[str, float],
-            started: float) -> dict:
+            started: float, wave: str) -> dict:
     return {
+        "wave": wave,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} threads, torch {torch.__version__}",
@@ -627,14 +520,20 @@ def _result(rows: list[Row], skipped: dict[str, str], seconds: dict[str, float],
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--wave", choices=sorted(WAVES), default="first",
+                        help="which wave of models (unseen_models.py)")
     parser.add_argument("--models", nargs="*", default=None,
                         help="only the models whose name contains one of these")
-    parser.add_argument("--out", type=Path, default=RESULTS / "unseen-sweep-cpu",
-                        help="results path without suffix (.json and .md are written)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results path without suffix (.json and .md are written); "
+                        "default: results/unseen-sweep-cpu (first wave), "
+                        "results/unseen-sweep-<wave>-cpu (others)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(2)
-    cases = [c for c in MODELS if not args.models
+    out = args.out or RESULTS / ("unseen-sweep-cpu" if args.wave == "first"
+                                 else f"unseen-sweep-{args.wave}-cpu")
+    cases = [c for c in WAVES[args.wave] if not args.models
              or any(m.lower() in c.name.lower() for m in args.models)]
     rows: list[Row] = []
     skipped: dict[str, str] = {}
@@ -654,9 +553,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows += case_rows
         held = sum(r.ok for r in case_rows)
         bar.write(f"{case.name}: {held} of {len(case_rows)} held in {seconds[case.name]} s")
-        _write(_result(rows, skipped, seconds, started), args.out)
-    result = _result(rows, skipped, seconds, started)
-    _write(result, args.out)
+        _write(_result(rows, skipped, seconds, started, args.wave), out)
+    result = _result(rows, skipped, seconds, started, args.wave)
+    _write(result, out)
     s = result["summary"]
     print(f"{s['held']} of {s['cases']} cases held; prediction exact {s['prediction_exact']}"
           f", within 1 % {s['prediction_within_1pct']} of {s['measured']}; "
