@@ -37,8 +37,8 @@ __all__ = ["PlannedAC"]
 def _refuse_pipeline_part(model: nn.Module) -> None:
     """PlannedAC plans a whole model's step; a pipeline stage's is another (no tokens in or
     no loss out, several microbatches held under its schedule), so a part is refused."""
-    elsewhere = [name for name in ("tok_embeddings", "norm", "output")
-                 if not isinstance(getattr(model, name, None), nn.Module)]
+    # torchtitan's pipeline split sets the top-level modules another stage holds to None
+    elsewhere = [name for name, module in model._modules.items() if module is None]
     if elsewhere:
         raise ValueError(
             f"PlannedAC plans a whole model's step (tokens in, next-token loss out), and this "
