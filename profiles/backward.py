@@ -272,8 +272,11 @@ class _BackwardObserver(RuntimeAwareMode):
         self.seqs: list[int] = []  # autograd's next sequence number when each op ran
         self.op_of_seq: dict[int, int] = {}  # autograd sequence number -> forward op
         self.function_ops: dict[int, int] = {}  # a Function call's node -> its last op
+        self.written_views: list[torch.Tensor] = []  # views an op wrote in place, in forward
         self._live: dict[StorageWeakRef, int] = {}
-        self.ops: list[tuple[int | None, int, int]] = []  # (forward op, live before, after)
+        # (forward op, live before, after, whether an unpack): each backward op, and each
+        # unpack of a saved tensor (live then: what a rerun it starts runs on top of)
+        self.ops: list[tuple[int | None, int, int, bool]] = []
 
     def function_started(self, cls: type, args: tuple, kwargs: dict) -> tuple[int, int]:
         """A custom Function's node is made, numbered, before its forward's ops run."""
@@ -284,10 +287,38 @@ class _BackwardObserver(RuntimeAwareMode):
         if len(self.names) > start:  # booked to its last op, as the profile books it
             self.function_ops[seq] = len(self.names) - 1
 
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # kept as autograd keeps it: the hooks are here for `unpack`
+
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A backward node unpacks a saved tensor: what the backward holds now is what a
+        checkpoint's rerun that this unpack starts runs on top of (CopySlices, the backward
+        of an in-place op on a view, allocates its gradient buffers before it unpacks)."""
+        if self.backward:
+            node = torch._C._current_autograd_node()
+            forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
+            live = self.live_bytes()
+            self.ops.append((forward, live, live, True))
+        return tensor
+
+    def _as_strided_backwards(self) -> None:
+        """A view written in place has its backward rebased onto the new base: on a device's
+        tensors it is an ``AsStridedBackward0``, which makes a gradient of the base's whole
+        size (``new_zeros``) and hands it to the base's ``CopySlices``. Fake tensors replay
+        the view instead (a ``ViewBackward0``: no buffer), so here that backward's output is
+        copied into a buffer of its own, as the device's engine makes one."""
+        for view in self.written_views:
+            node = view.grad_fn
+            if node is not None and type(node).__name__ != "AsStridedBackward0":
+                node.register_hook(_fresh_gradients)
+        self.written_views.clear()
+
     def map_nodes(self, loss: torch.Tensor) -> None:
         """Match the autograd nodes of ``loss``'s graph to the forward ops that made them."""
         import difflib
         import re
+
+        self._as_strided_backwards()
 
         seen: dict[int, str] = {}
         stack = [loss.grad_fn]
@@ -311,6 +342,10 @@ class _BackwardObserver(RuntimeAwareMode):
             if seq in self.function_ops:
                 self.op_of_seq[seq] = self.function_ops[seq]
                 continue
+            copied = self._in_place_on_a_view(seq, key)
+            if copied is not None:
+                self.op_of_seq[seq] = copied
+                continue
             op = bisect.bisect_right(self.seqs, seq)  # the first op run after it was made
             if op < len(op_keys) and op_keys[op] == key:
                 self.op_of_seq[seq] = op
@@ -323,6 +358,17 @@ class _BackwardObserver(RuntimeAwareMode):
         for a, b, size in matcher.get_matching_blocks():
             for k in range(size):
                 self.op_of_seq[by_seq[left[a + k]][0]] = free_ops[b + k]
+
+    def _in_place_on_a_view(self, seq: int, key: str) -> int | None:
+        """The in-place op a ``CopySlices`` node stands for (its backward wraps the op's):
+        autograd makes it just after that op reached this mode, numbered with the counter
+        the op read."""
+        if key != "copyslices":
+            return None
+        op = bisect.bisect_right(self.seqs, seq) - 1
+        if op >= 0 and self.seqs[op] == seq and self.names[op].split(".")[1].endswith("_"):
+            return op
+        return None
 
     def live_bytes(self) -> int:
         for ref in [r for r in self._live if r.expired()]:
@@ -343,13 +389,16 @@ class _BackwardObserver(RuntimeAwareMode):
             if StorageWeakRef(local_tensor(tensor).untyped_storage()) not in inputs:
                 self.runtime.add(tensor)
         if self.backward:
-            self.ops.append((None, before, self.live_bytes()))
+            self.ops.append((None, before, self.live_bytes(), False))
         return out
 
     def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self.backward:
             self.names.append(str(func))
             self.seqs.append(torch._C._autograd._get_sequence_nr())
+            if args and isinstance(args[0], torch.Tensor) and args[0]._is_view() and \
+                    0 in _written_positions(func) and args[0].requires_grad:
+                self.written_views.append(args[0])  # its backward is rebased (`map_nodes`)
             return func(*args, **kwargs)
         before = self.live_bytes()
         inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
@@ -365,14 +414,21 @@ class _BackwardObserver(RuntimeAwareMode):
                 self._live[ref] = storage.nbytes()
         node = torch._C._current_autograd_node()
         forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
-        self.ops.append((forward, before, sum(self._live.values()) + self._runtime_bytes()))
+        self.ops.append((forward, before, sum(self._live.values()) + self._runtime_bytes(),
+                         False))
         return out
 
 
+def _fresh_gradients(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """A backward node's outputs, each in a buffer of its own (`_as_strided_backwards`)."""
+    return tuple(g.clone() if isinstance(g, torch.Tensor) else g for g in grad_inputs)
+
+
 def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpec | None
-                      ) -> list[tuple[int, int, int]] | None:
+                      ) -> list[tuple[int, int, int, int]] | None:
     """Per op of the profile (``names``, then the loss), the backward-held bytes before its
-    backward, at its peak and after it, observed in a fake step, or in a real one when the
+    backward, at its peak, after it and at its first unpack (`_per_op`), observed in a fake
+    step, or in a real one when the
     forward ran on real tensors and fake ones cannot run the backward; None if neither can.
     """
     attempts = [False, True] if real else [False]
@@ -400,16 +456,20 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
 
 def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict) -> None:
     with observer:
-        with watched_functions(observer.function_started, observer.function_ended):
+        with watched_functions(observer.function_started, observer.function_ended), \
+                torch.autograd.graph.saved_tensors_hooks(observer.pack, observer.unpack):
             loss = step.forward_loss(args, kwargs)
         observer.map_nodes(loss)
         observer.backward = True
         loss.backward()
 
 
-def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, int, int]]:
+def _per_op(observer: _BackwardObserver, names: list[str]
+            ) -> list[tuple[int, int, int, int]]:
     """Fold the observed backward ops onto the profile's ops (aligned by name where the
-    observed forward differs, e.g. a mask a library builds only for fake tensors)."""
+    observed forward differs, e.g. a mask a library builds only for fake tensors): per op,
+    what the backward holds before its backward, at its peak, after it, and when it first
+    unpacks a saved tensor."""
     import difflib
 
     n = len(names)
@@ -421,8 +481,9 @@ def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, in
     before: dict[int, int] = {}
     peak: dict[int, int] = {}
     after: dict[int, int] = {}
+    unpack: dict[int, int] = {}
     current = n  # the loss pseudo-node: the seed made before any node runs
-    for forward, live_before, live_after in observer.ops:
+    for forward, live_before, live_after, unpacks in observer.ops:
         target = mapping.get(forward) if forward is not None else None
         if target is not None and target < current:
             after[current] = live_before  # what it freed is gone once the next one starts
@@ -430,12 +491,14 @@ def _per_op(observer: _BackwardObserver, names: list[str]) -> list[tuple[int, in
         before.setdefault(current, live_before)
         peak[current] = max(peak.get(current, 0), live_after, live_before)
         after[current] = live_after
-    rows: list[tuple[int, int, int]] = []
+        if unpacks:
+            unpack.setdefault(current, live_before)
+    rows: list[tuple[int, int, int, int]] = []
     carry = 0
     for j in range(n, -1, -1):  # backward order; nodes without work keep what is live
         if j in before:
-            rows.append((before[j], peak[j], after[j]))
+            rows.append((before[j], peak[j], after[j], unpack.get(j, before[j])))
             carry = after[j]
         else:
-            rows.append((carry, carry, carry))
+            rows.append((carry, carry, carry, carry))
     return rows[::-1]

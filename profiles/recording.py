@@ -116,10 +116,12 @@ class _Storages:
             if ref.expired():
                 self._forget(sid, max(last_node, self.infos[sid]["producer"]))
 
-    def close(self, last_node: int) -> None:
-        """End of the forward: what is still alive was held up to ``last_node``."""
+    def close(self, loss_node: int) -> None:
+        """End of the forward and loss: what is still alive outlives them, held by the model
+        itself (a module attribute: RAFT's correlation pyramid) or the caller (the loss),
+        to the end of the step; its release is ``loss_node``."""
         for sid in list(self.watched):
-            self._forget(sid, last_node)
+            self._forget(sid, loss_node)
 
     def total_bytes(self, kind: str) -> int:
         return sum(s["nbytes"] for s in self.infos if s["kind"] == kind)
@@ -549,6 +551,6 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
                 raise ProfileError(f"{type(model).__name__}'s forward and loss ran no aten op")
             storages.poll(n_ops - 1)
             loss_storage = storages.lookup(loss)
-            storages.close(n_ops - 1)
+            storages.close(n_ops)  # the loss pseudo-node's index
             del loss
         yield _Recorded(recorder, storages, loss_storage, real), convert

@@ -164,6 +164,11 @@ class NodeProfile(_Strict):
                                        "backward holds during it (temporaries included)")
     bwd_live_after_bytes: Bytes | None = Field(None, description="observed: what it "
                                              "holds once this node's backward is done")
+    bwd_unpack_bytes: Bytes | None = Field(
+        None, description="observed: what the backward holds when this node's backward "
+        "first unpacks a saved tensor, where a checkpoint's rerun it starts begins (above "
+        "bwd_live_before_bytes where the backward allocates first: an in-place op on a "
+        "view's CopySlices); None: not observed (profiles before it: as before)")
     fwd_runtime_bytes: Bytes | None = Field(
         None, description="parallel profiles: what the parallel runtime (FSDP2's gathered "
         "parameters, collective buffers) holds while this node's forward runs, at most "

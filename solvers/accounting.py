@@ -55,10 +55,11 @@ __all__ = ["Context", "NestedRegionInfo", "Regen", "RegionInfo", "Rerun", "Segme
 
 
 def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
-    """Per backward event j: gradient bytes in its peak, and gradient bytes live just before
-    (`Problem.gradient_events`; both schedule-independent)."""
+    """Per backward event j: gradient bytes in its peak, and those a checkpoint's rerun
+    that j's backward starts runs on top of (`GradientEvents.at_rerun`; both
+    schedule-independent)."""
     g = problem.gradient_events
-    return [g.event(j) for j in range(problem.n_nodes)], list(g.before)
+    return [g.event(j) for j in range(problem.n_nodes)], list(g.at_rerun)
 
 
 RERUN, BACKWARD, FORWARD = 0, 1, 2  # the sections of `Context.g_table`

@@ -241,9 +241,12 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
     saved = [nd.saved_tensors for nd in nodes]
     observed = None
     if all(nd.bwd_peak_bytes is not None for nd in nodes):
-        observed = ObservedBackward(before=[nd.bwd_live_before_bytes for nd in nodes],
-                                    peak=[nd.bwd_peak_bytes for nd in nodes],
-                                    after=[nd.bwd_live_after_bytes for nd in nodes])
+        observed = ObservedBackward(
+            before=[nd.bwd_live_before_bytes for nd in nodes],
+            peak=[nd.bwd_peak_bytes for nd in nodes],
+            after=[nd.bwd_live_after_bytes for nd in nodes],
+            unpack=[nd.bwd_unpack_bytes for nd in nodes]
+            if all(nd.bwd_unpack_bytes is not None for nd in nodes) else None)
     return Problem(
         name=profile.model_name,
         node_names=[nd.name for nd in nodes],
@@ -351,15 +354,17 @@ def _param_grad_bytes(profile: GraphProfile) -> list[int]:
 def _releases(profile: GraphProfile, activation: list[int], new_id: dict[int, int]
               ) -> list[int]:
     """Per activation storage, the node after which the program drops its own reference;
-    the caller keeps what the loss reads for the whole step (n)."""
+    held for the whole step (n): what the loss reads (the caller keeps it), and what is
+    still alive when the forward and loss end (release at the loss pseudo-node: the model
+    keeps it, a module attribute such as RAFT's correlation pyramid)."""
     storages, nodes = profile.storages, profile.nodes
     n = len(nodes)
     held_by_caller = {new_id[s] for s in nodes[-1].read_storages if s in new_id} \
         if nodes[-1].op == "loss" else set()
-    return [n if i in held_by_caller else max(storages[sid].release
-                                              if storages[sid].release is not None
-                                              else storages[sid].producer or 0,
-                                              storages[sid].producer or 0)
+    outlive = n - 1 if nodes[-1].op == "loss" else n
+    return [n if i in held_by_caller or (storages[sid].release or 0) >= outlive
+            else max(storages[sid].release if storages[sid].release is not None
+                     else storages[sid].producer or 0, storages[sid].producer or 0)
             for i, sid in enumerate(activation)]
 
 

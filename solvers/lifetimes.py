@@ -33,6 +33,10 @@ class GradientEvents(NamedTuple):
     added: tuple[int, ...]
     accumulated: tuple[int, ...]
     after: tuple[int, ...]  # live once node j's backward has run (its inputs' freed)
+    # held when node j's backward first unpacks a saved tensor: what a checkpoint's rerun
+    # that its unpack starts runs on top of (its gradient buffers, where it makes them
+    # first: an in-place op on a view's CopySlices); `before` where not observed
+    at_rerun: tuple[int, ...] = ()
 
     def event(self, j: int) -> int:
         """Gradient bytes in backward event j's peak."""
@@ -149,7 +153,8 @@ def gradient_events(problem: Problem) -> GradientEvents:
         return GradientEvents(tuple(obs.before),
                               tuple(pk - b for b, pk in zip(obs.before, obs.peak,
                                                             strict=True)),
-                              (0,) * n, tuple(obs.after))
+                              (0,) * n, tuple(obs.after),
+                              tuple(obs.unpack if obs.unpack is not None else obs.before))
     before, added, accumulated, after = [0] * n, [0] * n, [0] * n, [0] * n
     live, grads = 0, set()
     seeds = {s for s in problem.grad_inputs[n - 1] if s in problem.caller_held}
@@ -173,4 +178,5 @@ def gradient_events(problem: Problem) -> GradientEvents:
                 grads.discard(s)
                 live -= problem.storage_grad_bytes[s]
         after[j] = live
-    return GradientEvents(tuple(before), tuple(added), tuple(accumulated), tuple(after))
+    return GradientEvents(tuple(before), tuple(added), tuple(accumulated), tuple(after),
+                          tuple(before))

@@ -49,13 +49,16 @@ def _check(cond: bool, msg: str) -> None:
 
 class ObservedBackward(BaseModel):
     """Per node, what the backward holds (gradients and temporaries, as observed in one
-    step): just before the node's backward, at its peak, and once it is done."""
+    step): just before the node's backward, at its peak, once it is done, and (`unpack`)
+    when it first unpacks a saved tensor, which is when a checkpoint's rerun it starts
+    begins (None: not observed; taken as `before`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     before: list[int]
     peak: list[int]
     after: list[int]
+    unpack: list[int] | None = None
 
 
 class ModuleSpan(BaseModel):

@@ -20,7 +20,9 @@ Saved tensors of nodes inside a RECOMPUTE region are packed as holders: nothing 
 * Frame death: `solvers.frame` F7 (the frame's packs, its children's deaths).
 
 Backward, nodes in reverse order. The first backward of a node that packed into frame F
-(`solvers.frame` F1) unpacks a holder and reruns F's forward from its first node
+(`solvers.frame` F1) unpacks a holder (on top of what that backward holds by then,
+`GradientEvents.at_rerun`: the gradient buffers an in-place op on a view's backward makes
+before it unpacks) and reruns F's forward from its first node
 (`_checkpoint_hook.unpack_hook`), up to its early stop (F2), without running the last
 node when the stop raises in a pack made before it runs (F3: it allocates and costs
 nothing, and a kept one's SAC entry is never consumed, held until the frame dies). Kept
@@ -529,13 +531,15 @@ class _Replay:
             # the gradient hook on a call's output prefetches before the node unpacks (which
             # reruns its checkpoint, or fetches the offloaded calls it needs and waits)
             self._bring_back(self.copies.fetch_at.get(j, []))
+            grads = p.gradient_events
             if f is not None and p.packs[j]:
+                # the rerun starts at j's first unpack, on top of what j's backward holds
+                self.live_grad = grads.at_rerun[j]
                 self._ensure_recomputed(f)
             needed = self.copies.need_at.get(j, [])
             self._bring_back(needed)
             for g in needed:
                 self.copies.wait_for(g)
-            grads = p.gradient_events
             self.live_grad = grads.before[j]
             add, accumulate = grads.added[j], grads.accumulated[j]
             before = self._live()
