@@ -428,12 +428,15 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
                       ) -> list[tuple[int, int, int, int]] | None:
     """Per op of the profile (``names``, then the loss), the backward-held bytes before its
     backward, at its peak, after it and at its first unpack (`_per_op`), observed in a fake
-    step, or in a real one when the
-    forward ran on real tensors and fake ones cannot run the backward; None if neither can.
+    step, or in a real one when the forward ran on real tensors and fake ones cannot run
+    the backward, or run another forward (LED's slices: the nodes of the fake backward then
+    fold onto the profile's ops only approximately, and its temporaries land on other
+    nodes); None if neither can.
     """
     attempts = [False, True] if real else [False]
     if step.twin is not None:  # as the forward was recorded: the twin's runtime is its own
         attempts = [real]
+    approximate = None  # a fake observation of another forward, if nothing better comes
     for on_real in attempts:
         observer = _BackwardObserver()
         try:
@@ -448,7 +451,13 @@ def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpe
             log.info("could not observe the backward of %s on %s tensors (%s)",
                      type(model).__name__, "real" if on_real else "fake", _first_line(error))
             continue
-        return _per_op(observer, names)
+        if on_real or observer.names == names or True not in attempts:
+            return _per_op(observer, names)
+        approximate = observer
+        log.info("the fake forward of %s runs other ops than the recorded one; observing its "
+                 "backward on real tensors", type(model).__name__)
+    if approximate is not None:
+        return _per_op(approximate, names)
     log.warning("could not observe the backward of %s; gradients are modelled instead",
                 type(model).__name__)
     return None
