@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
@@ -209,6 +209,10 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
             out.append(_profile_backward(record.func, args, kwargs,
                                          [s.storage for s in specs], tracker))
         except Exception as error:  # an op that cannot run on stand-ins: no backward data
+            found = _on_the_cpu(record, specs, tracker)
+            if found is not None:
+                out.append(found)
+                continue
             if not any(s.sharded for s in specs):  # a view of a DTensor to its global
                 failed.setdefault(record.name, []).append(_first_line(error))  # shape
             out.append(_Backward(grad_storages=[s.storage for s in specs if s.requires_grad
@@ -221,10 +225,27 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
     return out
 
 
-def _stand_ins(specs: list[_TensorSpec]) -> Callable[[Any], Any]:
-    """Fake stand-ins for an op's tensor arguments, one per argument tensor. A meta
-    constant met in a fake step of a meta model ran as a tensor of the step's device
-    (``profiles.fake.MetaAsDevice``): its stand-in goes there too."""
+def _on_the_cpu(record: _OpRecord, specs: list[_TensorSpec], tracker: _WindowTracker
+                ) -> _Backward | None:
+    """An op of the CPU whose fake kernel refuses what its real one runs (``_grouped_mm``
+    in fp32): its backward alone on real stand-ins, which cost a few tensors of one op;
+    None where that fails too, or for another device's ops."""
+    if not specs or any(s.device.type != "cpu" for s in specs):
+        return None
+    try:
+        with _disable_current_modes():  # the fake mode the stand-ins otherwise run in
+            args, kwargs = tree_map(_stand_ins(specs, real=True), record.arg_specs,
+                                    is_leaf=lambda v: isinstance(v, _TensorSpec))
+            return _profile_backward(record.func, args, kwargs, [s.storage for s in specs],
+                                     tracker)
+    except Exception:
+        return None
+
+
+def _stand_ins(specs: list[_TensorSpec], real: bool = False) -> Callable[[Any], Any]:
+    """Stand-ins for an op's tensor arguments, one per argument tensor: fake ones, or
+    ``real`` ones. A meta constant met in a fake step of a meta model ran as a tensor of
+    the step's device (``profiles.fake.MetaAsDevice``): its stand-in goes there too."""
     made: dict[int, torch.Tensor] = {}
     devices = {s.device for s in specs if s.device.type != "meta"}
     device = next(iter(devices)) if len(devices) == 1 else None
@@ -235,7 +256,7 @@ def _stand_ins(specs: list[_TensorSpec]) -> Callable[[Any], Any]:
         if id(value) not in made:
             spec = value if device is None or value.device.type != "meta" else \
                 dataclasses.replace(value, device=device)
-            made[id(value)] = spec.make(real=False)
+            made[id(value)] = spec.make(real=real)
         return made[id(value)]
 
     return build

@@ -429,3 +429,29 @@ def test_a_backward_whose_fake_forward_runs_other_ops_is_observed_on_real_tensor
                     and f"encoder.layers.{layer}.self_attn" in n.name]
         assert chunking and max(n.bwd_peak_bytes - n.bwd_live_before_bytes
                                 for n in chunking) > 0, layer
+
+
+class _Experts(nn.Module):
+    """Routed experts as transformers 5 runs them on the CPU: one grouped matmul in fp32,
+    which the CPU runs and the fake kernel refuses (it wants bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8, 16))
+        self.register_buffer("offsets", torch.tensor([8, 20, 32], dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=self.offsets)
+
+
+def test_an_op_the_fake_kernel_refuses_has_its_backward_profiled_on_the_cpu(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every MoE step warned that it could not profile _grouped_mm's backward."""
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="profiles.backward"):
+        prof = profiles.profile(_Experts(), (torch.randn(32, 16),),
+                                loss_fn=lambda out: out.square().mean(), timing="estimate",
+                                progress=False)
+    assert "could not profile the backward" not in caplog.text
+    [grouped] = [n for n in prof.nodes if n.target == "aten._grouped_mm.default"]
+    assert grouped.bwd_time_ms > 0 and grouped.grad_storages
