@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from planner.plan import InputSpec, Plan, PlanMismatchError, PlanMismatchWarning, format_bytes
-from profiles.parallel import describe_parallel, layout_changes
+from profiles.parallel import describe_parallel, job_backend, layout_changes
 
 __all__ = ["PlanGuard"]
 
@@ -120,13 +120,23 @@ class PlanGuard:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         changed = layout_changes(self.parallel, describe_parallel(model)) or (
             f"it runs on {world} ranks, planned {self.parallel.world_size}"
-            if self.parallel and world != self.parallel.world_size else "")
+            if self.parallel and world != self.parallel.world_size else "") or \
+            self._backend_change()
         if changed:
             self._complain(
                 f"{self.model_name} does not run as its plan was made for: {changed}. Each "
                 f"rank's memory is not the plan's, so the {self.budget} budget does not hold. "
                 "Plan with optimize(..., parallelize=your_parallelize, mesh_shape=...) "
                 "exactly as you train.")
+
+    def _backend_change(self) -> str:
+        """The collectives' backend, where the plan names one and a job's group runs."""
+        planned = getattr(self.parallel, "backend", None)
+        running = job_backend(self.device_type) if planned else None
+        if running is None or running == planned:
+            return ""
+        return (f"its collectives run on {running}, planned for {planned} (gloo "
+                "reduce-scatters a copy of each FSDP2 unit's gradients, NCCL in place)")
 
     # ------------------------------------------------------------------ the model
 

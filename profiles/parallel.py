@@ -8,8 +8,9 @@ shows), its all-gather and reduce-scatter buffers, prefetching, the sharded grad
 writes. Rather than describe that runtime, the profile runs it: ``fake_world``
 (``profiles.fake_world``) makes a process group of ``mesh_shape``, ``parallel_twin``
 deep-copies the model and hands the copy to the user's own ``parallelize(model, mesh)``,
-and the profiler records that copy's step, with FSDP2's reduce-scatters in place
-(``reduce_scatter_in_place``), as NCCL runs them.
+and the profiler records that copy's step, with FSDP2's reduce-scatters as the backend
+in use runs them (`Parallelism.backend`): NCCL in place (``reduce_scatter_in_place``), gloo
+on a copy of the input (the fake group makes that copy too, ``profiles.fake_world``).
 Ops the runtime dispatches (``is_runtime_op``) are not nodes of the plan: what they make is
 ``RuntimeMemory``, followed at its current size at every op, and added to each event of
 the step as measured (``NodeProfile.fwd_runtime_bytes``, the observed backward).
@@ -22,7 +23,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ try:
 except ImportError:  # torch built without distributed: no such tensors
     _AsyncCollectiveTensor = ()
 
-__all__ = ["Parallelism", "RuntimeMemory", "describe_parallel", "fake_world", "is_runtime_op",
+__all__ = ["BACKENDS", "Parallelism", "RuntimeMemory", "describe_parallel", "fake_world",
+           "is_runtime_op", "job_backend",
            "layout_changes", "local_tensor", "parallel_layout", "parallel_twin",
            "reduce_scatter_in_place", "storage_nbytes"]
 
@@ -65,8 +67,14 @@ class Parallelism:
     parallelize: Callable[[nn.Module, Any], Any]
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...] | None = None
+    # the collectives' backend, "nccl" or "gloo" (what a reduce-scatter holds);
+    # None: the running job's, else the target device's (`for_target`)
+    backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend not in (*BACKENDS, None):
+            raise ValueError(f"backend must be one of {BACKENDS} (or None: the job's, else "
+                             f"the device's), got {self.backend!r}")
         if not callable(self.parallelize):
             raise TypeError("parallelize must be a function parallelize(model, mesh), the "
                             f"one the training script calls; got {type(self.parallelize)}")
@@ -90,6 +98,33 @@ class Parallelism:
     @property
     def world_size(self) -> int:
         return math.prod(self.mesh_shape)
+
+    def for_target(self, device_type: str, for_gpu: bool) -> Parallelism:
+        """This parallelism with its backend said: as given, else the running job's process
+        group's for ``device_type`` (planning inside the job), else NCCL for a GPU target
+        (``for_gpu``: what the times are for) and gloo for the CPU."""
+        if self.backend is not None:
+            return self
+        return replace(self, backend=job_backend(device_type) or (
+            "nccl" if for_gpu or device_type == "cuda" else "gloo"))
+
+
+BACKENDS = ("nccl", "gloo")
+
+
+def job_backend(device_type: str) -> str | None:
+    """The backend the job's default process group runs ``device_type``'s collectives on
+    ("cpu:gloo,cuda:nccl" names one per device), if a job's group exists."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    named = str(dist.get_backend())
+    for part in named.split(","):
+        device, _, backend = part.rpartition(":")
+        if device in ("", device_type) and backend in BACKENDS:
+            return backend
+    return None
 
 
 def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
@@ -120,7 +155,7 @@ def parallel_twin(model: nn.Module, parallelism: Parallelism, mesh: Any,
             "parallelize(model, mesh) returned another module than the one it was given: "
             "the planner installs its plan on the model's own modules, so parallelize must "
             "change the model in place (as fully_shard and parallelize_module do)")
-    return reduce_scatter_in_place(twin)
+    return twin if parallelism.backend == "gloo" else reduce_scatter_in_place(twin)
 
 
 def reduce_scatter_in_place(model: nn.Module) -> nn.Module:
@@ -128,12 +163,12 @@ def reduce_scatter_in_place(model: nn.Module) -> nn.Module:
 
     NCCL reduce-scatters FSDP2's input buffer in place. gloo and the fake process group make
     a copy of the input inside the collective (gloo all-reduces it and copies this rank's
-    chunk out in ``wait()``), one FSDP2 unit's gradients in the reduce dtype, which the
-    profile counted as the rank's (8 % of a bf16 rank's step in ``distributed.py``) and
-    which gloo's worker thread frees whenever it is next scheduled (a rank read over its
-    budget once in four runs). Each FSDP2 group still on torch's default reduce-scatter
-    gets one that all-reduces the input buffer in place and copies this rank's chunk out:
-    the same sums, no copy. A custom reduce-scatter of the user's is left as it is."""
+    chunk out in ``wait()``), one FSDP2 unit's gradients in the reduce dtype (8 % of a bf16
+    rank's step in ``distributed.py``). A plan for NCCL profiles its step with this; a plan
+    for gloo keeps gloo's copy (`Parallelism.backend`). Each FSDP2 group still on torch's
+    default reduce-scatter gets one that all-reduces the input buffer in place and copies
+    this rank's chunk out: the same sums, no copy. A custom reduce-scatter of the user's is
+    left as it is."""
     if _InPlaceReduceScatter is None:  # a torch without the custom-collective hooks
         return model
     for module in model.modules():
@@ -282,7 +317,8 @@ def storage_nbytes(ref: StorageWeakRef) -> int:
 
 
 def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout:
-    """What ``parallelize`` made of the model (:func:`describe_parallel`) on its mesh."""
+    """What ``parallelize`` made of the model (:func:`describe_parallel`) on its mesh, and
+    the backend its collectives were profiled for."""
     found = describe_parallel(twin)
     if found is None:
         log.warning(
@@ -292,6 +328,7 @@ def parallel_layout(twin: nn.Module, parallelism: Parallelism) -> ParallelLayout
             parallelism.world_size, type(twin).__name__)
         found = ParallelLayout(mesh_shape=[])
     return found.model_copy(update={
+        "backend": parallelism.backend,
         "mesh_shape": list(parallelism.mesh_shape),
         "mesh_dim_names": list(parallelism.mesh_dim_names) if parallelism.mesh_dim_names
         else None})

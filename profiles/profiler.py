@@ -153,6 +153,8 @@ def profile(
                        timing=timing, device=device, execution=execution,
                        grad_accumulation=grad_accumulation, parallel=parallel)
     step, spec = request.step, request.spec
+    if parallel is not None:  # the backend its collectives run on, said once for every run
+        parallel = parallel.for_target(step.device_type, spec.name.lower() != "cpu")
     with _rng_state_preserved(), _parallel_world(step, parallel):
         rec = _record_with_fallback(step, request.execution == "real", request.abstract, spec,
                                     optimizer, progress)

@@ -285,6 +285,9 @@ class ParallelLayout(_Strict):
     reshard_after_forward: list[bool | int] = Field(default_factory=list,
                                                     description="per FSDP2 unit")
     cpu_offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy")
+    backend: str | None = Field(None, description="the collectives' backend the step was "
+                                "profiled for: 'nccl' (reduce-scatters in place) or 'gloo' "
+                                "(on a copy of the input); None: files before it (NCCL)")
     placements: dict[str, str] = Field(default_factory=dict, description="each DTensor "
                                        "parameter's placements on the mesh")
 
@@ -311,7 +314,8 @@ class ParallelLayout(_Strict):
         tp = len([p for p in self.placements.values() if "Shard" in p])
         if tp and not self.fsdp_units:
             parts.append(f"{tp} sharded parameters")
-        return f"per rank of a {mesh} mesh ({'; '.join(parts) or 'replicated'})"
+        over = f" over {self.backend}" if self.backend else ""
+        return f"per rank of a {mesh} mesh{over} ({'; '.join(parts) or 'replicated'})"
 
 
 class GraphProfile(_Strict):

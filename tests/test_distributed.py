@@ -19,7 +19,6 @@ from gloo_ranks import free_port, spawn_ranks
 
 from planner import InfeasibleBudgetError, Plan, PlanMismatchError, apply, optimize, replan, zoo
 from planner.measure import least_peak_over_gloo
-from profiles.parallel import reduce_scatter_in_place
 
 WORLD = 2
 
@@ -31,7 +30,7 @@ def _wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         for block in model.blocks:  # the plan's units (checked in the test)
             fully_shard(block)
         fully_shard(model)
-        return reduce_scatter_in_place(model)
+        return model  # gloo's reduce-scatter as it is: the plans are for gloo
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model)
@@ -197,7 +196,7 @@ def _tp_rank(rank: int, shape: tuple[int, ...], plan_path: str, port: int, out: 
             if plan is not None:
                 apply(zm.model, plan, strict=True)
             tensor_parallel(zm.model, mesh)
-            results.append(_step(reduce_scatter_in_place(zm.model), zm))
+            results.append(_step(zm.model, zm))
             return results[-1][0]
 
         # the program's peak, not gloo's worker thread's lag (least_peak_over_gloo)
