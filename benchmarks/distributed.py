@@ -17,6 +17,10 @@ their shards, minus what the process held that the step never touched):
   ``FSDPMemTracker`` beside ours on the FSDP2 rows (its peak, not ours, in the last
   column; a fake group leaves collective outputs unwritten, so losses are not compared).
 
+Plans are for gloo, the backend the ranks run (``device="cpu"``), measured as gloo runs its
+collectives, not patched; each row also replays the plan on the step profiled for NCCL
+(``device="H100"``), whose reduce-scatters work in place: what differs there.
+
 Recipes: FSDP2 in fp32, in bf16 ``MixedPrecisionPolicy`` (``reduce_dtype=fp32``), bf16
 without ``reshard_after_forward``; tensor parallel on 2 ranks and a 2 x 2 data x tensor
 mesh (HF Llama's and Qwen2's own TP plan, FSDP2 over ``dp``). Writes
@@ -43,7 +47,6 @@ from planner import InfeasibleBudgetError, Plan, apply, optimize, replan, zoo
 from planner.api import plan_for_schedule
 from planner.measure import least_peak_over_gloo
 from planner.plan import format_bytes
-from profiles.parallel import reduce_scatter_in_place
 from solvers import baselines
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,12 +155,14 @@ def mesh_of(recipe: str, world: int) -> tuple[tuple[int, ...], tuple[str, ...] |
 
 
 def plans_for(name: str, recipe: str, world: int) -> list[tuple[str, Plan]]:
-    """Unplanned, solved half way, every block and save-matmuls, per rank of ``world``."""
+    """Unplanned, solved half way, every block and save-matmuls, per rank of ``world``:
+    for gloo, the backend these CPU ranks run (`profiles.parallel.Parallelism.backend`)."""
     zm = build(name)
     shape, names = mesh_of(recipe, world)
     first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
                      parallelize=RECIPES[recipe], mesh_shape=shape, mesh_dim_names=names,
-                     progress=False)
+                     progress=False, device="cpu")
+    assert first.profile.parallel.backend == "gloo", first.profile.parallel
     problem = first.problem()
     half = problem.static_bytes + (first.unplanned_peak_bytes - problem.static_bytes) // 2
     try:
@@ -171,6 +176,21 @@ def plans_for(name: str, recipe: str, world: int) -> list[tuple[str, Plan]]:
             plans.append((strategy, plan_for_schedule(first.profile, schedule, first.inputs,
                                                       first.structure_fingerprint)))
     return plans
+
+
+def nccl_peaks(name: str, recipe: str, world: int, plans: list[tuple[str, Plan]]
+               ) -> list[int]:
+    """What differs on NCCL: each plan's schedule replayed on the rank's step profiled for
+    NCCL's collectives (its reduce-scatters in place; no NCCL here to measure)."""
+    from solvers import simulate
+
+    zm = build(name)
+    shape, names = mesh_of(recipe, world)
+    nccl = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    parallelize=RECIPES[recipe], mesh_shape=shape, mesh_dim_names=names,
+                    progress=False, device="H100")
+    assert nccl.profile.parallel.backend == "nccl", nccl.profile.parallel
+    return [simulate(nccl.problem(), plan.schedule).peak_bytes for _, plan in plans]
 
 
 # ----------------------------------------------------------------------------- one step
@@ -223,8 +243,7 @@ def step_of(name: str, recipe: str, plan: Plan | None, mesh: Any,
     zm = build(name)
     if plan is not None:
         apply(zm.model, plan)
-    RECIPES[recipe](zm.model, mesh)
-    reduce_scatter_in_place(zm.model)  # as the profile ran it, and NCCL runs it
+    RECIPES[recipe](zm.model, mesh)  # gloo's reduce-scatter as it is, as planned for
     return measured_step(zm.model, zm, fsdp_tracker)
 
 
@@ -270,9 +289,10 @@ def gloo_rows(name: str, recipe: str, world: int, folder: str) -> list[dict]:
     out = f"{folder}/result"
     spawn_ranks(_gloo_rank, (world, name, recipe, paths, free_port(), out), world)
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
+    nccl = nccl_peaks(name, recipe, world, plans)
     return [_row("gloo", world, recipe, name, label, plan,
                  max(res[k]["peak"] for res in ranks),
-                 equal=all(res[k]["equal"] for res in ranks))
+                 equal=all(res[k]["equal"] for res in ranks), nccl_bytes=nccl[k])
             for k, (label, plan) in enumerate(plans)]
 
 
@@ -284,24 +304,26 @@ def fake_rows(name: str, recipe: str, world: int) -> list[dict]:
 
     plans = plans_for(name, recipe, world)
     shape, names = mesh_of(recipe, world)
+    nccl = nccl_peaks(name, recipe, world, plans)
     rows = []
-    for label, plan in plans:
+    for (label, plan), nccl_bytes in zip(plans, nccl, strict=True):
         with fake_world(Parallelism(RECIPES[recipe], shape, names), "cpu") as mesh:
             got = step_of(name, recipe, None if label == "unplanned" else plan, mesh,
                           fsdp_tracker=True)
         rows.append(_row("fake", world, recipe, name, label, plan, got["peak"],
-                         torch_peak=got.get("torch_peak")))
+                         torch_peak=got.get("torch_peak"), nccl_bytes=nccl_bytes))
     return rows
 
 
 def _row(mode: str, world: int, recipe: str, name: str, label: str, plan: Plan,
-         measured: int, equal: bool | None = None, torch_peak: int | None = None) -> dict:
+         measured: int, equal: bool | None = None, torch_peak: int | None = None,
+         nccl_bytes: int | None = None) -> dict:
     row = {"mode": mode, "world": world, "recipe": recipe, "model": name, "plan": label,
            "budget_bytes": plan.budget_bytes, "predicted_bytes": plan.predicted_peak_bytes,
            "measured_bytes": measured,
            "error_pct": 100 * (plan.predicted_peak_bytes - measured) / measured,
            "within_budget": measured <= plan.budget_bytes, "equal": equal,
-           "fsdp_mem_tracker_bytes": torch_peak}
+           "fsdp_mem_tracker_bytes": torch_peak, "nccl_predicted_bytes": nccl_bytes}
     print(f"{mode:4} x{world:<3} {recipe:16} {name:9} {label:15} predicted "
           f"{format_bytes(row['predicted_bytes']):>10} measured {format_bytes(measured):>10} "
           f"{row['error_pct']:+6.2f} % {'ok' if row['within_budget'] else 'OVER'}"
@@ -365,9 +387,12 @@ def render(result: dict) -> str:
              "largest rank's peak (`PeakTracker`); gloo rows also compare losses and "
              "gradients with the same parallel model unplanned; fake rows show torch's "
              f"`FSDPMemTracker` beside it. {len(rows)} rows, worst |predicted - measured| "
-             f"{worst:.2f} %.", "",
+             f"{worst:.2f} %. Planned and measured for gloo's collectives as they are (its "
+             "reduce-scatter works on a copy of each FSDP2 unit's gradients); \"for NCCL\": "
+             "the same schedule replayed on the step profiled for NCCL's in-place "
+             "reduce-scatters (predicted only: no NCCL here).", "",
              "| mode | ranks | recipe | model | plan | budget | predicted | measured | error "
-             "| within | losses, grads | FSDPMemTracker |", "|" + "---|" * 12]
+             "| within | losses, grads | FSDPMemTracker | for NCCL |", "|" + "---|" * 13]
     for r in rows:
         torch_peak = r["fsdp_mem_tracker_bytes"]
         lines.append(
@@ -376,7 +401,8 @@ def render(result: dict) -> str:
             f"{format_bytes(r['measured_bytes'])} | {r['error_pct']:+.2f} % | "
             f"{'yes' if r['within_budget'] else 'NO'} | "
             f"{'' if r['equal'] is None else '=' if r['equal'] else 'DIFF'} | "
-            f"{format_bytes(torch_peak) if torch_peak is not None else ''} |")
+            f"{format_bytes(torch_peak) if torch_peak is not None else ''} | "
+            f"{format_bytes(r['nccl_predicted_bytes']) if r.get('nccl_predicted_bytes') else ''} |")
     return "\n".join(lines) + "\n"
 
 
