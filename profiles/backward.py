@@ -183,9 +183,10 @@ def _with_function_backwards(out: list[_Backward], records: list[_OpRecord],
             found = _profile_backward(FunctionCall(function.cls), args, kwargs,
                                       [s.storage for s in specs], tracker)
         except Exception as error:  # e.g. a backward that reads values: fake ones have none
-            log.warning("could not profile the backward of autograd Function %s alone (%s); "
-                        "counting no backward temporaries for it",
-                        function_name(function.cls), _first_line(error))
+            if not any(s.sharded for s in specs):  # DTensor's own (to_local): not on shards
+                log.warning("could not profile the backward of autograd Function %s alone "
+                            "(%s); counting no backward temporaries for it",
+                            function_name(function.cls), _first_line(error))
             found = _Backward(grad_storages=[s.storage for s in specs if s.requires_grad
                                              and s.storage is not None])
         out[function.last] = dataclasses.replace(
