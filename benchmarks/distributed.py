@@ -154,14 +154,20 @@ def mesh_of(recipe: str, world: int) -> tuple[tuple[int, ...], tuple[str, ...] |
 # ----------------------------------------------------------------------------- plans
 
 
+def unplanned(name: str, recipe: str, world: int, device: str) -> Plan:
+    """The rank's step under ``recipe``, planned for ``device`` (the CPU: gloo's collectives;
+    a GPU: NCCL's) at a budget it fits as it is."""
+    zm = build(name)
+    shape, names = mesh_of(recipe, world)
+    return optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    parallelize=RECIPES[recipe], mesh_shape=shape, mesh_dim_names=names,
+                    progress=False, device=device)
+
+
 def plans_for(name: str, recipe: str, world: int) -> list[tuple[str, Plan]]:
     """Unplanned, solved half way, every block and save-matmuls, per rank of ``world``:
     for gloo, the backend these CPU ranks run (`profiles.parallel.Parallelism.backend`)."""
-    zm = build(name)
-    shape, names = mesh_of(recipe, world)
-    first = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
-                     parallelize=RECIPES[recipe], mesh_shape=shape, mesh_dim_names=names,
-                     progress=False, device="cpu")
+    first = unplanned(name, recipe, world, "cpu")
     assert first.profile.parallel.backend == "gloo", first.profile.parallel
     problem = first.problem()
     half = problem.static_bytes + (first.unplanned_peak_bytes - problem.static_bytes) // 2
@@ -184,11 +190,7 @@ def nccl_peaks(name: str, recipe: str, world: int, plans: list[tuple[str, Plan]]
     NCCL's collectives (its reduce-scatters in place; no NCCL here to measure)."""
     from solvers import simulate
 
-    zm = build(name)
-    shape, names = mesh_of(recipe, world)
-    nccl = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
-                    parallelize=RECIPES[recipe], mesh_shape=shape, mesh_dim_names=names,
-                    progress=False, device="H100")
+    nccl = unplanned(name, recipe, world, "H100")
     assert nccl.profile.parallel.backend == "nccl", nccl.profile.parallel
     return [simulate(nccl.problem(), plan.schedule).peak_bytes for _, plan in plans]
 

@@ -35,6 +35,7 @@ from conformance_harness import (
     _timm,
     _tv,
 )
+from custom_functions import StraightThrough
 from torch import nn
 
 from planner import zoo
@@ -185,18 +186,6 @@ def _faster_rcnn() -> zoo.ZooModel:
                 "labels": torch.tensor([1, 2])} for _ in range(2)]
     return zoo.ZooModel("torchvision fasterrcnn_mobilenet_v3_large_fpn (training)", model,
                         (images, targets), lambda losses: sum(losses.values()))
-
-
-class StraightThrough(torch.autograd.Function):
-    """Quantize to quarters in forward; pass the gradient through unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class QuantizedEncoder(nn.Module):

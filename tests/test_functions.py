@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from custom_functions import StraightThrough  # benchmarks/, on the path (conftest.py)
 from torch import nn
 
 import profiles
@@ -18,18 +19,6 @@ from profiles.inputs import normalize_inputs
 from profiles.traced import ChildrenAsLeaves
 from solvers import Schedule, simulate
 from solvers.from_profile import problem_from_profile, unemittable_calls
-
-
-class StraightThrough(torch.autograd.Function):
-    """Quantize in forward, pass the gradient through: not the gradient of ``round``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
 
 
 class Quantized(nn.Module):

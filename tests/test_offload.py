@@ -527,6 +527,19 @@ def _ok_after_plain_step() -> None:
     assert _top_hooks() is None
 
 
+def _interrupted(model: zoo.ZooModel, error: type[BaseException]) -> Any:
+    """A forward of the planned model that ``error`` stops inside offloaded blocks.0's
+    attention; returns the hook that raised it (for the caller to remove)."""
+    def interrupt(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        raise error("stop")
+
+    handle = model.model.get_submodule("blocks.0.attn").register_forward_hook(interrupt)
+    args, kwargs = normalize_inputs(model.model, model.example_inputs)
+    with pytest.raises(error, match="stop"):
+        model.model(*args, **kwargs)
+    return handle
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 def test_an_error_inside_an_offloaded_call_leaves_no_hook_and_the_next_step_is_exact(
         tiny, error: type[BaseException]) -> None:
@@ -537,16 +550,8 @@ def test_an_error_inside_an_offloaded_call_leaves_no_hook_and_the_next_step_is_e
     model.model.load_state_dict(state)
     assert _top_hooks() is None
     apply(model.model, plan)
-    attn = model.model.get_submodule("blocks.0.attn")  # inside offloaded blocks.0
-
-    def interrupt(module, args, output) -> None:
-        raise error("stop")
-
-    handle = attn.register_forward_hook(interrupt)
+    handle = _interrupted(model, error)
     try:
-        args, kwargs = normalize_inputs(model.model, model.example_inputs)
-        with pytest.raises(error, match="stop"):
-            model.model(*args, **kwargs)
         handle.remove()
         hooks = _offload_hooks(model.model)
         copies = len(hooks.copies)
@@ -570,16 +575,8 @@ def test_removing_a_plan_after_an_interrupt_leaves_no_hook_on_the_thread(tiny) -
     what it left on the thread's saved-tensor-hook stack (it stayed until another save)."""
     model, step = tiny
     apply(model.model, _plan(step, "alone"))
-    attn = model.model.get_submodule("blocks.0.attn")  # inside offloaded blocks.0
-
-    def interrupt(module, args, output) -> None:
-        raise KeyboardInterrupt("stop")
-
-    handle = attn.register_forward_hook(interrupt)
+    handle = _interrupted(model, KeyboardInterrupt)
     try:
-        args, kwargs = normalize_inputs(model.model, model.example_inputs)
-        with pytest.raises(KeyboardInterrupt):
-            model.model(*args, **kwargs)
         assert _top_hooks() is not None  # left by the interrupted call
     finally:
         handle.remove()

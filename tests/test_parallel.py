@@ -192,6 +192,20 @@ def test_planning_leaves_the_model_and_the_process_group_alone(tmp_path) -> None
     assert not dist.is_initialized()
 
 
+def _said_in_a_step(plan, parallelize) -> list[str]:
+    """What a fresh GPT with ``plan`` applied, then ``parallelize``d over 4 fake ranks,
+    warns in one training step."""
+    name, options = GPT
+    zm = zoo.get(name, **options)
+    with fake_world(Parallelism(parallelize, (4,)), "cpu") as mesh, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply(zm.model, plan)
+        parallelize(zm.model, mesh)
+        zm.loss_fn(zm.model(*zm.example_inputs)).backward()
+    return [str(w.message) for w in caught if w.category is PlanMismatchWarning]
+
+
 def test_the_planned_model_checks_its_parallelism() -> None:
     """The first step of a planned model says when it runs under another parallelism than
     planned: another mixed-precision policy, or none."""
@@ -202,14 +216,7 @@ def test_the_planned_model_checks_its_parallelism() -> None:
     cases = {"as planned": fsdp2(), "fp32": fsdp2(MixedPrecisionPolicy()),
              "not parallelized": lambda model, mesh: None}
     for label, parallelize in cases.items():
-        zm = zoo.get(name, **options)
-        with fake_world(Parallelism(parallelize, (4,)), "cpu") as mesh, \
-                warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            apply(zm.model, plan)
-            parallelize(zm.model, mesh)
-            zm.loss_fn(zm.model(*zm.example_inputs)).backward()
-        said = [str(w.message) for w in caught if w.category is PlanMismatchWarning]
+        said = _said_in_a_step(plan, parallelize)
         if label == "as planned":
             assert said == []
         elif label == "fp32":
@@ -245,14 +252,7 @@ def test_mixed_policies_per_unit_are_planned_and_checked_as_such(
     assert "mixed precision policies per unit" in layout.describe()
     fp32 = fsdp2(MixedPrecisionPolicy())
     for label, parallelize in {"as planned": mixed, "fp32": fp32}.items():
-        zm = zoo.get(name, **options)
-        with fake_world(Parallelism(parallelize, (4,)), "cpu") as mesh, \
-                warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            apply(zm.model, plan)
-            parallelize(zm.model, mesh)
-            zm.loss_fn(zm.model(*zm.example_inputs)).backward()
-        said = [str(w.message) for w in caught if w.category is PlanMismatchWarning]
+        said = _said_in_a_step(plan, parallelize)
         assert said == [] if label == "as planned" else \
             len(said) == 1 and "MixedPrecisionPolicy of fully_shard unit" in said[0], said
     zm = zoo.get(name, **options)
@@ -399,7 +399,7 @@ def test_a_rank_is_planned_for_the_backend_its_collectives_run_on() -> None:
         Parallelism(fsdp2(), (2,), backend="mpi")
     name, options = LLAMA
     zm = zoo.get(name, **options)
-    first, half = plans_at_half(name, options, parallel)  # on the CPU, for gloo
+    _, half = plans_at_half(name, options, parallel)  # on the CPU, for gloo
     assert half.profile.parallel.backend == "gloo" and "over gloo" in half.summary()
     nccl = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
                     parallelize=fsdp2(), mesh_shape=(2,), device="H100", progress=False)
