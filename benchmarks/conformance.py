@@ -18,6 +18,13 @@ models of `OFFLOAD_MODELS`, and writes ``conformance-offload-cpu.{json,md}``. On
 "host" and "device" are one memory: what this measures is the mechanics (the tracker
 counts the hooks' host copies apart, the device peak must equal the prediction, gradients
 bit-identical), not a saving.
+
+    python benchmarks/conformance.py --functions     # autograd Functions in every block
+
+runs every case whose model has repeated blocks with activations in them with a
+straight-through estimator and a fused op written as autograd Functions around the first
+activation of each block (`custom_functions`), at the same budgets and precisions, and
+writes ``conformance-functions-cpu.{json,md}``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from conformance_harness import (
     model_table,
     summary,
 )
+from custom_functions import with_functions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # ten conformance models for --offload: transformers, convnets, a U-Net, in-place ops
@@ -49,19 +57,23 @@ OFFLOAD_MODELS = ("torchvision resnet18", "torchvision convnext_tiny", "torchvis
                   "in-place add_/relu_")
 
 
-def render_markdown(result: dict, offload: bool = False) -> str:
+def render_markdown(result: dict, offload: bool = False, functions: bool = False) -> str:
     """The results file: the summary, one line per model, then every planned budget."""
     rows = [Row(**r) for r in result["rows"]]
     s = result["summary"]
     title = ("Conformance with offload=True (CPU: host and device are one memory; the "
              "tracker counts the hooks' host copies apart)" if offload
+             else "Conformance with autograd Functions in every block (CPU): a "
+             "straight-through estimator and a fused SiLU around each block's first "
+             "activation (custom_functions.py)" if functions
              else "Conformance on real models (CPU)")
+    skipped = "".join(f"\n- skipped: {line}" for line in result.get("skipped", []))
     return (
         f"# {title}\n\n{result['date']}, {result['machine']}, "
         f"{result['seconds']} s. {s['models']} models, {s['rows']} planned budgets, "
         f"{s['ok']} fully conformant. Worst prediction error {s['worst_error_pct']:+.3f} %"
         f" ({s['worst_error_model']}); longest solve {s['max_solve_s']:.1f} s."
-        f"{_proofs(s)}\n\n"
+        f"{_proofs(s)}{skipped}\n\n"
         f"## Per model\n\n\"holds\": measured peak within budget, losses, gradients and "
         f"buffers equal to the unplanned model. \"min X\": the budget was infeasible and "
         f"the error named X, which was then asked for and held.\n\n"
@@ -85,14 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="skip the bf16 autocast pass")
     parser.add_argument("--offload", action="store_true",
                         help="plan OFFLOAD_MODELS with offload=True at + 50 %% instead")
+    parser.add_argument("--functions", action="store_true",
+                        help="the cases with autograd Functions in their blocks")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md from the recorded .json")
     args = parser.parse_args(argv)
-    stem = "conformance-offload-cpu" if args.offload else "conformance-cpu"
+    stem = "conformance-offload-cpu" if args.offload else \
+        "conformance-functions-cpu" if args.functions else "conformance-cpu"
     if args.render:
         result = json.loads((args.out / f"{stem}.json").read_text())
-        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload))
+        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload,
+                                                             args.functions))
         return result
     torch.set_num_threads(2)
     wanted = args.models or (OFFLOAD_MODELS if args.offload else None)
@@ -104,6 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
         if case.needs and importlib.util.find_spec(case.needs) is None:
             skipped.append(f"{case.name}: needs {case.needs}")
             continue
+        if args.functions:
+            found = with_functions(case)
+            if found is None:
+                skipped.append(f"{case.name}: no activation module inside repeated blocks")
+                continue
+            case = found
         t0 = time.perf_counter()
         fractions = (0.5,) if args.offload else (0.3, 0.5, 0.8)
         # offload on the CPU: times estimated for it, whose copies are synchronous as the
@@ -135,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.models:  # a subset does not overwrite the full record
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload))
+        (args.out / f"{stem}.md").write_text(render_markdown(result, args.offload,
+                                                             args.functions))
     return result
 
 
