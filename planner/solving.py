@@ -245,12 +245,13 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
     body = (f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
             f"state{', per rank' if at_minimum.sharding else ''}) is "
             f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}.")
+    offload = _offload_hint(problem, options)  # spelled twice, searched once
     python = (f"{head}that plan is error.plan, and optimize(..., budget_gb=error.min_budget_gb) "
-              f"returns it.{body}{_offload_hint(problem, options, _PYTHON)} Raise the budget, "
+              f"returns it.{body}{offload.format_map(_PYTHON)} Raise the budget, "
               "shrink the batch, use autocast=torch.bfloat16, or shard parameters and "
               "optimizer state.")
     shell = (f"{head}--budget-gb {peak / GIB!r} returns that plan.{body}"
-             f"{_offload_hint(problem, options, _SHELL)} Raise --budget-gb or shrink the "
+             f"{offload.format_map(_SHELL)} Raise --budget-gb or shrink the "
              "batch (--set); mixed precision and sharded parameters are planned from Python "
              "(planner.optimize(..., autocast=torch.bfloat16, parallelize=...)).")
     return InfeasibleBudgetError(python, peak, bound if bound is not None and bound <= peak
@@ -262,15 +263,15 @@ _PYTHON = {"offload": "offload=True", "host_budget": "host_budget_gb"}
 _SHELL = {"offload": "--offload", "host_budget": "--host-budget-gb"}
 
 
-def _offload_hint(problem: Problem, options: SolveOptions, spelled: dict[str, str]) -> str:
-    """What offload could and could not do for an infeasible budget (remedies ``spelled``
-    as `_PYTHON` or `_SHELL` spells them)."""
+def _offload_hint(problem: Problem, options: SolveOptions) -> str:
+    """What offload could and could not do for an infeasible budget, its remedies as
+    ``{offload}`` and ``{host_budget}`` (`_PYTHON` or `_SHELL` spells them)."""
     if problem.host_link is None:
         return ""
     host_budget_bytes = options.host_budget_bytes
     if not options.offload:  # on a CPU, "host" is the same memory: nothing to say
-        return ("" if problem.host_link.synchronous else f" {spelled['offload']} may reach "
-                "lower, moving saved activations to host memory.")
+        return ("" if problem.host_link.synchronous else " {offload} may reach lower, moving "
+                "saved activations to host memory.")
     chain = solvers_joint.offload_chain(problem)
     if not chain:
         return " Offload found no module call to move here."
@@ -279,7 +280,7 @@ def _offload_hint(problem: Problem, options: SolveOptions, spelled: dict[str, st
         return (f" Offload was held back by the host budget ({format_bytes(host_budget_bytes)}"
                 f"): offloading every candidate call would take "
                 f"{format_bytes(everything, round_up=True)} of host memory; raise "
-                f"{spelled['host_budget']}.")
+                "{host_budget}.")
     return (f" Offloading every candidate call ({format_bytes(everything, round_up=True)} to "
             "host memory) does not reach it either.")
 
