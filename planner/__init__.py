@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         solve,
         verify,
     )
+    from planner.envelope import Envelope
     from planner.pipeline_rank import plan_rank
     from planner.plan import (
         FileFormatError,
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
         PlanMismatchError,
         PlanMismatchWarning,
     )
+    from planner.plan_table import PlanTable
+    from planner.table_install import cover
     from profiles.errors import ProfileError
     from profiles.inputs import ToyBatchWarning
 
@@ -57,12 +60,16 @@ _LAZY = {
     "Plan": "planner.plan",
     "PlanMismatchError": "planner.plan",
     "ProfileError": "profiles.errors",
+    "Envelope": "planner.envelope",
+    "PlanTable": "planner.plan_table",
+    "cover": "planner.table_install",
 }
 
-__all__ = ["FileFormatError", "InfeasibleBudgetError", "InfeasibleRankBudgetError", "Plan",
-           "PlanMismatchError", "PlanMismatchWarning", "ProfileError", "ProfiledStep",
-           "ToyBatchWarning", "VerifyReport", "apply", "measure_step", "optimize", "plan_rank",
-           "profile_model", "remove", "replan", "solve", "verify"]
+__all__ = ["Envelope", "FileFormatError", "InfeasibleBudgetError",
+           "InfeasibleRankBudgetError", "Plan", "PlanMismatchError", "PlanMismatchWarning",
+           "PlanTable", "ProfileError", "ProfiledStep", "ToyBatchWarning", "VerifyReport",
+           "apply", "cover", "measure_step", "optimize", "plan_rank", "profile_model",
+           "remove", "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:

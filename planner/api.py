@@ -24,10 +24,13 @@ from planner.arguments import (
     default_host_budget_bytes,
     host_budget_arg,
 )
+from planner.bucket_planning import plan_envelope
+from planner.envelope import Envelope
 from planner.guard import PlanGuard
 from planner.install import apply, region_specs, remove
 from planner.model_state import structure_fingerprint
 from planner.plan import Plan, PlanMismatchWarning
+from planner.plan_table import PlanTable
 from planner.profiling import UNTRACED_LINES, ProfiledStep, profile_model
 from planner.solving import plan_for_profile, plan_for_schedule, replan, solve, solve_profiled
 from planner.verification import VerifyReport, measure_step, verify
@@ -64,7 +67,8 @@ def optimize(
     host_budget_gb: float | None = None,
     op_ranges: bool = True,
     pipeline: Any = None,
-) -> Plan:
+    envelope: Envelope | dict[str, Any] | None = None,
+) -> Plan | PlanTable:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
     The budget covers parameters, gradients, buffers, inputs, activations, temporaries and,
@@ -116,6 +120,14 @@ def optimize(
     (``planner.split_backward``). Several stages per rank (``Interleaved1F1B``,
     ``ZBVZeroBubble``, ``DualPipeV``): :func:`planner.plan_rank`.
 
+    The batches a plan covers: ``envelope=Envelope(max_length=512)`` (or its fields as a
+    dict) plans every batch a loader may give (:mod:`planner.envelope`): up to
+    ``max_length`` tokens per row, padded or not, with the trainer's resident batches, as a
+    :class:`~planner.plan_table.PlanTable` of one plan per bucket of lengths and mask branch
+    (``buckets="pow2"``: a plan per power of two). ``apply`` installs the table; each step
+    takes its bucket's plan. Without an envelope the plan covers batches no larger than
+    ``example_inputs``, of its mask branch.
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
@@ -135,14 +147,25 @@ def optimize(
                                    time_limit_s=time_limit_s,
                                    offload=offload, host_budget_gb=host_budget_gb,
                                    op_ranges=op_ranges)
-    profiled = profile_model(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                             autocast=autocast, grad_accumulation=grad_accumulation,
-                             timing=timing, device=device, execution=execution,
-                             world_size=world_size, sharding=sharding,
-                             shard_modules=shard_modules, parallelize=parallelize,
-                             mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
-                             progress=progress)
-    return solve_profiled(profiled, options)
+    profile_options = dict(loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
+                           grad_accumulation=grad_accumulation, timing=timing, device=device,
+                           execution=execution, world_size=world_size, sharding=sharding,
+                           shard_modules=shard_modules, parallelize=parallelize,
+                           mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
+                           progress=progress)
+    if envelope is not None:
+        return plan_envelope(model, example_inputs, _envelope(envelope), options,
+                             profile_options)
+    return solve_profiled(profile_model(model, example_inputs, **profile_options), options)
+
+
+def _envelope(envelope: Envelope | dict[str, Any]) -> Envelope:
+    if isinstance(envelope, Envelope):
+        return envelope
+    if isinstance(envelope, dict):
+        return Envelope(**envelope)
+    raise TypeError(f"envelope= takes a planner.Envelope (or its fields as a dict), not "
+                    f"{type(envelope).__name__}")
 
 
 def _plan_stage(model: nn.Module, microbatch: Any, pipeline: Any, budget_gb: float, *,

@@ -553,15 +553,18 @@ class Installation:
         for group in ranges.values():
             module = _submodule(model, group[0])
             self.traced.append(TracedForward(module, group, _traced_program(module, group)))
+        self.wrappers = [Checkpointed(module, spec) for module, spec in self.calls]
 
     def install(self) -> list[str]:
         """Set the wrappers on the modules (traced forwards inside their call's checkpoint);
-        returns the paths."""
+        returns the paths. The same wrappers each time: a plan table swaps installations
+        in and out between steps (`planner.table_install`)."""
         for forward in self.traced:
             forward.inner = forward.module.__dict__.get("forward")
             forward.module.forward = forward
-        for module, spec in self.calls:
-            module.forward = Checkpointed(module, spec)
+        for wrapper in self.wrappers:
+            wrapper.inner = wrapper.module.__dict__.get("forward")
+            wrapper.module.forward = wrapper
         return [f.specs[0].path for f in self.traced] + [spec.path for _, spec in self.calls]
 
 

@@ -103,7 +103,12 @@ class PlanGuard:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # inference is not planned; compiled graphs were checked when traced
-        self._check_inputs(args, kwargs)
+        self.check(module, args, kwargs)
+
+    def check(self, module: nn.Module, args: tuple, kwargs: dict, inputs: bool = True) -> None:
+        """Every check of a training step (``inputs``: its inputs too)."""
+        if inputs:
+            self._check_inputs(args, kwargs)
         self._check_precision(module)
         self._check_grads(module)
         if hasattr(self, "modules"):  # guards pickled before these checks have none

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from planner.emit import RegionSpec, checkpointed_modules, prepare_checkpoints, remove_checkpoints
+from planner.emit import (
+    Installation,
+    RegionSpec,
+    checkpointed_modules,
+    prepare_checkpoints,
+    remove_checkpoints,
+)
 from planner.guard import PlanGuard
 from planner.model_state import (
     _cached_configs,
@@ -30,6 +36,7 @@ from planner.offload import (
     suspended_offload,
 )
 from planner.plan import Plan, PlanMismatchError, PlanMismatchWarning
+from planner.plan_table import PlanTable
 from profiles.schema import GraphProfile
 from solvers import ModuleCall, OpRange, Region, Save, Schedule
 
@@ -92,7 +99,7 @@ def _guards(model: nn.Module) -> list[int]:
             if isinstance(hook, PlanGuard)]
 
 
-def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
+def apply(model: nn.Module, plan: Plan | PlanTable, *, strict: bool = False) -> nn.Module:
     """Checkpoint ``model``'s own modules as ``plan`` says, and return ``model``.
 
     The model keeps its class, module tree, parameters and ``state_dict``; compose it with
@@ -100,7 +107,8 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
     usual. A guard (:class:`planner.guard.PlanGuard`) warns (``strict``: raises
     ``PlanMismatchError``) when a training step is not the one planned: larger inputs,
     other input dtypes or values, another autocast dtype, a changed model.
-    :func:`remove` undoes it.
+    :func:`remove` undoes it. A :class:`~planner.plan_table.PlanTable` installs its plans
+    together; each step takes its bucket's (:mod:`planner.table_install`).
 
     A refused plan changes nothing: every check runs, and every traced forward is traced,
     before the plan already on the model (if any) is taken off.
@@ -109,6 +117,42 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
         PlanMismatchError: the model's module tree or parameter shapes differ from the
             planned model's, or the plan names modules or ranges the model lacks.
     """
+    if isinstance(plan, PlanTable):
+        from planner.table_install import apply_table
+
+        return apply_table(model, plan, strict=strict)
+    installation = prepared(model, plan, strict)
+    # nothing has changed so far; from here on the new plan replaces the old
+    remove(model)
+    installation.install()
+    offloads = plan.schedule.offloads
+    if offloads:
+        install_offload(model, [o.target.path for o in offloads],
+                        [o.prefetch_target.path if o.prefetch_target else None
+                         for o in offloads],
+                        [o.release_target.path if o.release_target else None
+                         for o in offloads])
+    configs = use_cache_off(model)
+    guard = PlanGuard(plan, model, _model_device(model).type, strict, configs,
+                      checkpointed_modules(model))
+    model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+    return model
+
+
+def use_cache_off(model: nn.Module) -> list[Any]:
+    """Turn off the model's configs' ``use_cache`` (returns them, for :func:`remove`)."""
+    configs = _cached_configs(model)
+    if configs:
+        log.info("%s: setting config.use_cache=False for training with checkpoints (a rerun "
+                 "would find the cache already filled); planner.remove() restores it",
+                 type(model).__name__)
+        for config in configs:
+            config.use_cache = False
+    return configs
+
+
+def prepared(model: nn.Module, plan: Plan, strict: bool) -> Installation:
+    """``plan``'s checkpoints checked and traced against ``model``, not yet installed."""
     _refuse_existing_checkpointing(model)
     actual = structure_fingerprint(model)
     if actual != plan.structure_fingerprint:
@@ -123,13 +167,11 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
         raise PlanMismatchError(f"this plan of {plan.model_name} does not hold together: "
                                 f"{error}") from None
     _check_world_size(plan)
-    offloaded = [o.target.path for o in plan.schedule.offloads]
-    prefetch = [o.prefetch_target.path if o.prefetch_target else None
-                for o in plan.schedule.offloads]
-    release = [o.release_target.path if o.release_target else None
-               for o in plan.schedule.offloads]
-    missing = [path for path in offloaded + [p for p in prefetch + release if p is not None]
-               if not _has_submodule(model, path)]
+    offloads = plan.schedule.offloads
+    named = [o.target.path for o in offloads] + [
+        target.path for o in offloads for target in (o.prefetch_target, o.release_target)
+        if target is not None]
+    missing = [path for path in named if not _has_submodule(model, path)]
     if missing:
         raise PlanMismatchError(f"the plan offloads modules {missing[:3]} that "
                                 f"{type(model).__name__} does not have")
@@ -139,23 +181,7 @@ def apply(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
             f">= 2.14 (checkpoint's respect_saved_tensors_hooks); this is torch "
             f"{torch.__version__}. Upgrade torch, or plan again here (optimize(..., "
             "offload=True) plans without it on this torch).")
-    installation = prepare_checkpoints(model, region_specs(plan, strict))
-    # nothing has changed so far; from here on the new plan replaces the old
-    remove(model)
-    installation.install()
-    if offloaded:
-        install_offload(model, offloaded, prefetch, release)
-    configs = _cached_configs(model)
-    if configs:
-        log.info("%s: setting config.use_cache=False for training with checkpoints (a rerun "
-                 "would find the cache already filled); planner.remove() restores it",
-                 type(model).__name__)
-        for config in configs:
-            config.use_cache = False
-    guard = PlanGuard(plan, model, _model_device(model).type, strict, configs,
-                      checkpointed_modules(model))
-    model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
-    return model
+    return prepare_checkpoints(model, region_specs(plan, strict))
 
 
 def _offloads_keeps(schedule: Schedule) -> bool:

@@ -231,6 +231,9 @@ class StaticMemory(_Strict):
     optimizer_step_bytes: Bytes = Field(0, description="what ``optimizer.step()`` "
                                       "allocates beyond its state while it runs (foreach "
                                       "buffers, per-parameter temporaries)")
+    resident_input_bytes: Bytes = Field(0, description="the other batches the device "
+                                        "holds through the step (a trainer's resident "
+                                        "micro-batches of gradient accumulation)")
     grads_at_start: bool = Field(False, description="the step starts with every .grad "
                                  "allocated (gradient accumulation, zero_grad(set_to_none="
                                  "False)); False: with none, as zero_grad() leaves them")
@@ -238,7 +241,7 @@ class StaticMemory(_Strict):
     @property
     def total_bytes(self) -> int:
         return (self.param_bytes + self.grad_bytes + self.buffer_bytes + self.input_bytes
-                + self.optimizer_state_bytes)
+                + self.resident_input_bytes + self.optimizer_state_bytes)
 
 
 class StepTiming(_Strict):
@@ -432,7 +435,9 @@ class GraphProfile(_Strict):
             f"  static {format_bytes(static.total_bytes)} (params "
             f"{format_bytes(static.param_bytes)}, grads {format_bytes(static.grad_bytes)}, "
             f"buffers {format_bytes(static.buffer_bytes)}, inputs "
-            f"{format_bytes(static.input_bytes)}, optimizer "
+            f"{format_bytes(static.input_bytes)}"
+            + (f" + {format_bytes(static.resident_input_bytes)} resident"
+               if static.resident_input_bytes else "") + ", optimizer "
             f"{format_bytes(static.optimizer_state_bytes)})",
             f"  saved activations {format_bytes(self.saved_activation_bytes())}",
             f"  time ({self.timing} on {self.device}): forward {self.fwd_time_ms:.2f} ms, "
