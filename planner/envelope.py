@@ -33,7 +33,8 @@ class Envelope(BaseModel):
     collator's ``max_length``, a tokenizer's ``model_max_length``); ``min_length`` the
     shortest; ``batch_size`` the rows (None: the example's); ``padding``: rows may be padded
     (a mask input may hold zeros); ``buckets``: ``"one"`` plans the longest batch only,
-    ``"pow2"`` a plan per power of two up to ``max_length``, or the bucket bounds; and
+    ``"pow2"`` a plan per power of two from ``max_length / 32`` up to ``max_length`` (at
+    most six), or the bucket bounds; and
     ``resident_batches``: batches on the device during a step (Hugging Face Trainer loads
     its ``gradient_accumulation_steps`` micro-batches before the first forward)."""
 
@@ -65,10 +66,10 @@ class Envelope(BaseModel):
         """Each bucket's longest length, ascending; the last is ``max_length``."""
         if self.buckets == "one":
             return [self.max_length]
-        if self.buckets == "pow2":
+        if self.buckets == "pow2":  # at most six: from max_length / 32 (or min_length) up
             found, bound = [], 1
             while bound < self.max_length:
-                if bound >= self.min_length:
+                if bound >= max(self.min_length, self.max_length // 32):
                     found.append(bound)
                 bound *= 2
             return [*found, self.max_length]

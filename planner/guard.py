@@ -93,11 +93,14 @@ class PlanGuard:
         self.parallel_checked = False
         self._told: set[str] = set()
 
-    def _complain(self, message: str) -> None:
+    def _complain(self, message: str, about: str | None = None) -> None:
+        """Warn once per ``about`` (an input's name; default the message): a value that
+        changes every step warns once, not every step."""
         if self.strict:
             raise PlanMismatchError(message)
-        if message not in self._told:
-            self._told.add(message)
+        key = about or message
+        if key not in self._told:
+            self._told.add(key)
             warnings.warn(message, PlanMismatchWarning, stacklevel=7)  # the model(...) call
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -219,6 +222,10 @@ class PlanGuard:
             other = ((True, names[int(key[1])]) if int(key[1]) < len(names) else None) \
                 if not key[0] else ((False, str(names.index(key[1])))
                                     if key[1] in names else None)
+            named = (names[int(key[1])] if int(key[1]) < len(names) else None) \
+                if not key[0] else key[1]
+            if isinstance(value, str) and named not in names:
+                continue  # metadata a batch carries (**kwargs, *args): it sets no memory
             spec = planned.get(key) or planned.get(other)
             change = _input_change(spec, value) if spec is not None else (
                 "it was not given when planned" if _may_change_the_step(value) else "")
@@ -226,7 +233,7 @@ class PlanGuard:
                 self._complain(
                     f"{self.model_name} runs with input {key[1]!r} where {change}: the "
                     f"{self.budget} budget holds only for the inputs planned. Plan with "
-                    "these inputs (planner.optimize).")
+                    "these inputs (planner.optimize).", about=f"input {key[1]}")
 
     def _check_precision(self, module: nn.Module) -> None:
         enabled = self.device_type != "meta" and torch.amp.is_autocast_available(

@@ -21,12 +21,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from planner.api import apply, optimize
 from planner.arguments import _budget_bytes
+from planner.envelope import Envelope, sequence_length
 from planner.loader import first_batch
 from planner.plan import Plan
+from planner.plan_table import PlanTable
 from profiles.errors import LossNotFoundError
 
 log = logging.getLogger(__name__)
@@ -40,9 +48,18 @@ class PlannedCheckpointing(TrainerCallback):
     :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); those the
     trainer decides (``autocast``, ``grad_accumulation``, ``optimizer``) come from it.
     ``example_batch``: one rank's batch, needed over several processes (planned when the
-    Trainer is built, before its data loader exists)."""
+    Trainer is built, before its data loader exists).
 
-    def __init__(self, budget_gb: float, example_batch: dict | None = None,
+    The plan covers every batch the Trainer gives (a :class:`~planner.plan_table.PlanTable`
+    over an :class:`~planner.envelope.Envelope`): up to ``max_length`` tokens per row
+    (default: TRL's ``max_length``, the collator's, else the tokenizer's
+    ``model_max_length`` or the model's positions, whichever is less), padded or not,
+    ``per_device_train_batch_size`` rows, with the ``gradient_accumulation_steps``
+    micro-batches the Trainer loads before the first forward; ``buckets="pow2"`` plans a
+    bucket per power of two, so short batches recompute less."""
+
+    def __init__(self, budget_gb: float, example_batch: dict | None = None, *,
+                 max_length: int | None = None, buckets: Any = "one",
                  **optimize_options: Any) -> None:
         decided = {"autocast", "grad_accumulation", "optimizer", "loss_fn"} & set(
             optimize_options)
@@ -51,10 +68,17 @@ class PlannedCheckpointing(TrainerCallback):
                             "(TrainingArguments bf16/fp16 and gradient_accumulation_steps, its "
                             "optimizer and loss); set them there")
         _budget_bytes(budget_gb)  # a wrong budget is said now, not when training starts
+        if "envelope" in optimize_options:
+            raise TypeError("PlannedCheckpointing builds the envelope from the Trainer (its "
+                            "collator's or tokenizer's max_length, batch size and "
+                            "accumulation); give max_length= or buckets= to change it")
+        Envelope(max_length=max_length or 1, buckets=buckets)  # said now, not at training
         self.budget_gb = budget_gb
         self.example_batch = example_batch
+        self.max_length = max_length
+        self.buckets = buckets
         self.options = {"progress": False, **optimize_options}
-        self.plan: Plan | None = None
+        self.plan: Plan | PlanTable | None = None
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -67,13 +91,13 @@ class PlannedCheckpointing(TrainerCallback):
                 f"TrainingArguments({flag}=True) would checkpoint every layer again under it: "
                 f"set {flag}=False (TRL's SFTConfig turns it on by default)")
         if args.world_size > 1:
-            self._plan_each_rank(args, state, kwargs.get("model"))
+            self._plan_each_rank(args, state, kwargs.get("model"),
+                                 kwargs.get("processing_class"))
 
     def _plan_each_rank(self, args: TrainingArguments, state: TrainerState,
-                        model: torch.nn.Module | None) -> None:
+                        model: torch.nn.Module | None, processing_class: Any) -> None:
         """Over several processes: plan now, before accelerate wraps the model."""
         from accelerate.state import AcceleratorState
-        from transformers import Trainer
 
         from planner.hf_accelerate import plan_for_processes
 
@@ -84,13 +108,15 @@ class PlannedCheckpointing(TrainerCallback):
                 "before a data loader exists: pass PlannedCheckpointing(budget_gb=..., "
                 "example_batch=one rank's batch)")
         inputs, loss_fn = _the_trainers_step(args, model, self.example_batch)
+        envelope = self._envelope(args, model, self.example_batch, None, processing_class)
         optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
         with _the_trainers_loss():
             self.plan = plan_for_processes(
                 AcceleratorState(), model, inputs, budget_gb=self.budget_gb, loss_fn=loss_fn,
                 grad_accumulation=args.gradient_accumulation_steps > 1,
                 optimizer=optimizer_cls([p for p in model.parameters() if p.requires_grad],
-                                        **optimizer_kwargs), **self.options)
+                                        **optimizer_kwargs), envelope=envelope,
+                **self.options)
         if state.is_world_process_zero:
             self.plan.log_summary(log)
 
@@ -103,15 +129,67 @@ class PlannedCheckpointing(TrainerCallback):
         if model is None or train_dataloader is None:
             raise RuntimeError("PlannedCheckpointing: the Trainer gave no model or data loader "
                                "at on_train_begin; plan with optimize() and apply() instead")
-        inputs, loss_fn = _the_trainers_step(args, model, first_batch(train_dataloader))
+        batch = first_batch(train_dataloader)
+        inputs, loss_fn = _the_trainers_step(args, model, batch)
+        envelope = self._envelope(args, model, batch, train_dataloader,
+                                  kwargs.get("processing_class"))
         with _the_trainers_loss():
             self.plan = optimize(
                 model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args),
                 loss_fn=loss_fn, grad_accumulation=args.gradient_accumulation_steps > 1,
-                optimizer=getattr(optimizer, "optimizer", optimizer), **self.options)
+                optimizer=getattr(optimizer, "optimizer", optimizer), envelope=envelope,
+                **self.options)
         apply(model, self.plan)
         if state.is_world_process_zero:
             self.plan.log_summary(log)
+
+    def _envelope(self, args: TrainingArguments, model: torch.nn.Module, batch: dict,
+                  loader: Any, processing_class: Any) -> Envelope | None:
+        """The batches this Trainer gives (:func:`trainers_max_length`), its rows, and the
+        ``gradient_accumulation_steps`` micro-batches it loads before the first forward
+        (``Trainer.get_batch_samples``); None for a batch without ``[rows, tokens]``."""
+        args_, kwargs = (), dict(batch)
+        length = sequence_length(args_, kwargs)
+        if length is None:
+            return None
+        most, source = self.max_length, "max_length="
+        if most is None:
+            most, source = trainers_max_length(args, model, loader, processing_class)
+        if most is None or most < length:
+            most, source = length, "the first batch (no max_length known)"
+            log.warning("PlannedCheckpointing: no collator, tokenizer or model states a "
+                        "longest batch, so the plan covers batches up to the first one's %d "
+                        "tokens; give PlannedCheckpointing(max_length=...)", length)
+        log.info("planning batches of up to %d tokens (from %s)", most, source)
+        resident = args.gradient_accumulation_steps if hasattr(Trainer, "get_batch_samples") \
+            else 1
+        return Envelope(max_length=most, batch_size=args.per_device_train_batch_size,
+                        buckets=self.buckets, resident_batches=resident)
+
+
+def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader: Any,
+                        processing_class: Any) -> tuple[int | None, str]:
+    """The longest batch the Trainer can give, and what says so: TRL's ``max_length``, the
+    collator's ``max_length``, else the tokenizer's ``model_max_length`` or the model's
+    positions, whichever is less."""
+    trl = getattr(args, "max_length", None) if type(args).__name__ == "SFTConfig" else None
+    if trl:
+        return int(trl), "SFTConfig.max_length"
+    collator = getattr(loader, "collate_fn", None)
+    collator = getattr(collator, "data_collator", collator)  # RemoveColumnsCollator
+    if getattr(collator, "max_length", None):
+        return int(collator.max_length), f"{type(collator).__name__}.max_length"
+    tokenizer = getattr(collator, "tokenizer", None) or processing_class
+    found = []
+    tokens = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokens, int) and tokens < 10**6:  # 1e30 where none is known
+        found.append((tokens, "the tokenizer's model_max_length"))
+    config = getattr(model, "config", None)
+    positions = getattr(config, "max_position_embeddings", None) or \
+        getattr(config, "n_positions", None)
+    if isinstance(positions, int):
+        found.append((positions, "the model's max_position_embeddings"))
+    return min(found) if found else (None, "")
 
 
 @contextlib.contextmanager

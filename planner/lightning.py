@@ -27,12 +27,14 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_unflatten
 
 from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
+from planner.envelope import Envelope, sequence_length
 from planner.loader import first_batch
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
+from planner.plan_table import PlanTable
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +53,53 @@ class TrainingStep(nn.Module):
         self.module = module
         self._step = type(module).training_step.__get__(module)
         self._spec: Any = None
+        self._metadata: dict[int, Any] = {}
+        self._mapping: type | None = None
         self._batch_idx = 0
 
     def forward(self, *leaves: Any) -> Any:
-        return self._step(tree_unflatten(list(leaves), self._spec), self._batch_idx)
+        given = iter(leaves)
+        full = [self._metadata[k] if k in self._metadata else next(given)
+                for k in range(self._spec.num_leaves)]
+        batch = tree_unflatten(full, self._spec)
+        if self._mapping is not None:  # a BatchEncoding, a UserDict: rebuilt as it came
+            batch = self._mapping(batch)
+        return self._step(batch, self._batch_idx)
 
     def leaves(self, batch: Any, batch_idx: int = 0) -> tuple[Any, ...]:
-        """The batch's leaves as this forward takes them (and how to rebuild the batch)."""
-        leaves, self._spec = tree_flatten(batch)
+        """The batch's leaves as this forward takes them (and how to rebuild the batch):
+        its tensors and plain values, not its metadata (`_metadata`), which rides along
+        unchecked."""
+        # a mapping pytree does not know (Hugging Face collators' BatchEncoding) is
+        # flattened as a dict, so that its tensors are the step's inputs, checked
+        self._mapping = type(batch) if isinstance(batch, Mapping) and \
+            not isinstance(batch, dict) else None
+        found, self._spec = tree_flatten_with_path(
+            dict(batch) if self._mapping is not None else batch)
+        self._metadata = _metadata(found)
         self._batch_idx = batch_idx
-        return tuple(leaves)
+        return tuple(leaf for k, (_, leaf) in enumerate(found) if k not in self._metadata)
 
     def run(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
         """What ``module.training_step`` is once planned: the step, under the plan's guard."""
         if rest:
             return self._step(batch, batch_idx, *rest)
         return self(*self.leaves(batch, batch_idx))
+
+
+def _metadata(found: list[tuple[tuple, Any]]) -> dict[int, Any]:
+    """A batch's leaves that cannot change the step's memory, by position: strings, and
+    the values of a list or tuple that holds no tensor (sample ids, lengths as data). A
+    plain value of its own (a flag, a depth under a key) can, and stays a checked input."""
+    parents: dict[tuple, list[Any]] = {}
+    for path, leaf in found:
+        parents.setdefault(path[:-1], []).append(leaf)
+    return {k: leaf for k, (path, leaf) in enumerate(found)
+            if not isinstance(leaf, torch.Tensor) and (
+                isinstance(leaf, str) or (path and isinstance(path[-1], SequenceKey)
+                                          and len(parents[path[:-1]]) > 1
+                                          and not any(isinstance(v, torch.Tensor)
+                                                      for v in parents[path[:-1]])))}
 
 
 def _loss(output: Any) -> torch.Tensor:
@@ -98,7 +131,7 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
 
 
 def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
-               settings: dict[str, Any], options: dict[str, Any]) -> Plan:
+               settings: dict[str, Any], options: dict[str, Any]) -> Plan | PlanTable:
     """Plan and install ``module``'s training step on ``batch`` (module docstring)."""
     if not module.automatic_optimization:
         raise ValueError("Planned checkpointing plans Lightning's automatic optimization (one "
@@ -113,7 +146,11 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
                         **{**settings, "grad_accumulation": settings["grad_accumulation"]
                            and not per_rank}, **options)
-    if per_rank:
+    if per_rank and isinstance(plan, PlanTable):
+        plan = plan.model_copy(update={"entries": [
+            e.model_copy(update={"plan": _room_for_last_gradients(e.plan, options)})
+            for e in plan.entries]})
+    elif per_rank:
         plan = _room_for_last_gradients(plan, options)
     apply(step, plan)
     module.training_step = step.run
@@ -152,12 +189,18 @@ class PlannedCheckpointing(Callback):
     :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); precision,
     gradient accumulation, the optimizer and the loss come from the trainer and module."""
 
-    def __init__(self, budget_gb: float, **optimize_options: Any) -> None:
+    def __init__(self, budget_gb: float, *, example_batch: Any = None,
+                 max_length: int | None = None, buckets: Any = "one",
+                 **optimize_options: Any) -> None:
         _check_options(optimize_options)
         _budget_bytes(budget_gb)  # a wrong budget is said now, not when fitting starts
+        Envelope(max_length=max_length or 1, buckets=buckets)  # said now, not when fitting
         self.budget_gb = budget_gb
+        self.example_batch = example_batch
+        self.max_length = max_length
+        self.buckets = buckets
         self.options = optimize_options
-        self.plan: Plan | None = None
+        self.plan: Plan | PlanTable | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -175,16 +218,43 @@ class PlannedCheckpointing(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.fit_loop.setup_data()
-        batch = trainer.strategy.batch_to_device(first_batch(trainer.train_dataloader))
+        loader = trainer.train_dataloader
+        batch = trainer.strategy.batch_to_device(
+            first_batch(loader) if self.example_batch is None else self.example_batch)
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        envelope = _loaders_envelope(loader, batch, self.max_length, self.buckets)
         self.plan = _plan_step(pl_module, batch, self.budget_gb, _trainer_settings(trainer),
-                               {"optimizer": optimizer, **self.options})
+                               {"optimizer": optimizer, "envelope": envelope, **self.options})
         if trainer.is_global_zero:
             self.plan.log_summary(log)
 
 
+def _loaders_envelope(loader: Any, batch: Any, max_length: int | None,
+                      buckets: Any) -> Envelope | None:
+    """The batches Lightning's loader gives: up to ``max_length`` tokens (default the
+    collator's ``max_length`` or its tokenizer's ``model_max_length``), the loader's
+    ``batch_size`` rows; one batch on the device at a time (Lightning moves each batch in
+    its step; the next one waits on the host). None where the batch has no ``[rows,
+    tokens]`` input, or no longest batch is known (the plan then covers the example's
+    shape, and a longer batch warns)."""
+    flat = dict(batch) if isinstance(batch, Mapping) else batch
+    length = sequence_length(tuple(leaf for _, leaf in tree_flatten_with_path(flat)[0]), {})
+    if length is None:
+        return None
+    collate = getattr(loader, "collate_fn", None)
+    found = max_length or getattr(collate, "max_length", None) or getattr(
+        getattr(collate, "tokenizer", None), "model_max_length", None)
+    if not isinstance(found, int) or found >= 10**6:
+        log.warning("PlannedCheckpointing: no longest batch is known, so the plan covers "
+                    "batches up to the example's %d tokens; give max_length=", length)
+        return None
+    rows = getattr(loader, "batch_size", None)
+    return Envelope(max_length=max(found, length), batch_size=rows, buckets=buckets)
+
+
 def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: float,
-                            parallelize: Any = None, **optimize_options: Any) -> Plan:
+                            parallelize: Any = None,
+                            **optimize_options: Any) -> Plan | PlanTable:
     """Plan ``module.training_step`` on ``batch`` (one rank's) at ``budget_gb`` GiB per
     rank, install the plan and return it; call it in ``configure_model`` before sharding.
 

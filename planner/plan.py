@@ -491,15 +491,7 @@ class Plan(_Strict):
         """:meth:`summary` at INFO on ``logger``, made only when INFO is on: a trainer
         switch's report. A failure to make it is a warning, never an error: the plan is
         applied by then, and training goes on with it."""
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        try:
-            text = self.summary()
-        except Exception as error:  # a report must not stop a training run
-            logger.warning("could not summarize the plan for %s (%s: %s); it is applied, and "
-                           "training goes on", self.model_name, type(error).__name__, error)
-            return
-        logger.info("%s", text)
+        log_summary(self, logger)
 
     def _next_steps(self) -> list[str]:
         """What to try next, in the simulator's numbers: the budget that needs no recompute,
@@ -591,6 +583,20 @@ class Plan(_Strict):
         except ValueError as error:
             raise FileFormatError(f"{path}: {error}") from error
         return plan
+
+
+def log_summary(plan: Any, logger: logging.Logger) -> None:
+    """``plan.summary()`` (a plan's or a plan table's) at INFO on ``logger``
+    (:meth:`Plan.log_summary`)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    try:
+        text = plan.summary()
+    except Exception as error:  # a report must not stop a training run
+        logger.warning("could not summarize the plan for %s (%s: %s); it is applied, and "
+                       "training goes on", plan.model_name, type(error).__name__, error)
+        return
+    logger.info("%s", text)
 
 
 def _kept_ops(kept: list[str]) -> str:

@@ -12,6 +12,7 @@ length shrinks, a kernel chosen by size) that length got a plan of its own.
 from __future__ import annotations
 
 import html
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from planner.envelope import Envelope, InputKey, padded
-from planner.plan import PLAN_SCHEMA_VERSION, FileFormatError, Plan, format_bytes
+from planner.plan import (
+    PLAN_SCHEMA_VERSION,
+    FileFormatError,
+    Plan,
+    format_bytes,
+    log_summary,
+)
 from profiles.schema import Bytes, read_model, write_atomic
 
 __all__ = ["EdgeCheck", "PlanTable", "TableEntry"]
@@ -94,14 +101,26 @@ class PlanTable(_Strict):
         """The entry a step with these inputs takes (None: outside the envelope).
         ``names``: the forward's positional argument names, to match inputs planned by
         keyword and given by position or the other way round."""
-        given = _by_name(args, kwargs, names)
+        given = [(name, tuple(value.shape)) for name, value in
+                 _by_name(args, kwargs, names).items() if isinstance(value, torch.Tensor)]
         branch = self.select_branch(args, kwargs)
-        for index, entry in enumerate(self.entries):
+        for index, (entry, planned) in enumerate(zip(self.entries, self._shapes(names),
+                                                     strict=True)):
             if entry.padded is not None and entry.padded != branch:
                 continue
-            if _covers(entry.plan, given, names):
+            if all(_within(shape, planned.get(name)) for name, shape in given):
                 return index
         return None
+
+    def _shapes(self, names: list[str]) -> list[dict[str, tuple[int, ...]]]:
+        """Each entry's planned tensor shapes by argument name (made once per ``names``)."""
+        cache = self.__dict__.setdefault("_shapes_by_names", {})
+        key = tuple(names)
+        if key not in cache:
+            cache[key] = [{_name(s.name, s.keyword, names): tuple(s.shape)
+                           for s in entry.plan.inputs if s.shape is not None}
+                          for entry in self.entries]
+        return cache[key]
 
     def select_branch(self, args: tuple, kwargs: dict) -> bool | None:
         """The step's mask branch: whether a mask holds a zero (None: no masks)."""
@@ -144,6 +163,17 @@ class PlanTable(_Strict):
                   "planned apart" for c in apart]
         return lines
 
+    def log_summary(self, logger: logging.Logger) -> None:
+        """:meth:`summary` at INFO, never an error (as :meth:`Plan.log_summary`)."""
+        log_summary(self, logger)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (sent to other ranks) without the model it was planned on."""
+        state = super().__getstate__()
+        state["__dict__"] = {k: v for k, v in state["__dict__"].items()
+                             if k not in ("_planner", "_shapes_by_names")}
+        return state
+
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>{html.escape(e.label)}</td>"
@@ -180,20 +210,15 @@ def _by_name(args: tuple, kwargs: dict, names: list[str]) -> dict[str, Any]:
     return named
 
 
-def _covers(plan: Plan, given: dict[str, Any], names: list[str]) -> bool:
-    """Whether every tensor given is at most as large, in every dim, as the one planned."""
-    planned = {(names[int(s.name)] if not s.keyword and int(s.name) < len(names) else s.name): s
-               for s in plan.inputs}
-    for name, value in given.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        spec = planned.get(name)
-        if spec is None or spec.shape is None:
-            continue  # the plan's guard says it
-        if value.dim() != len(spec.shape) or any(a > b for a, b in zip(value.shape, spec.shape,
-                                                                      strict=True)):
-            return False
-    return True
+def _name(name: str, keyword: bool, names: list[str]) -> str:
+    return names[int(name)] if not keyword and int(name) < len(names) else name
+
+
+def _within(shape: tuple[int, ...], planned: tuple[int, ...] | None) -> bool:
+    """A tensor of ``shape`` is no larger, in any dim, than the ``planned`` one (an input
+    the plan never saw is for the plan's guard to say)."""
+    return planned is None or (len(shape) == len(planned) and
+                               all(a <= b for a, b in zip(shape, planned, strict=True)))
 
 
 def entries_in_order(entries: Iterable[TableEntry]) -> list[TableEntry]:

@@ -50,12 +50,16 @@ class TableGuard(PlanGuard):
             self._outside(args, kwargs)
             index = self._longest(args, kwargs)
         if index != self.current:
-            remove_checkpoints(module)
-            self.entries[index][0].install()
-            self.current = index
-            self.switches += 1
+            self._switch(module, index)
         # outside, the shapes were said above; the entry's other checks still run
         self.entries[index][1].check(module, args, kwargs, inputs=not outside)
+
+    def _switch(self, module: nn.Module, index: int) -> None:
+        """Take the installed entry's checkpoints off, and put ``index``'s on."""
+        remove_checkpoints(module)
+        self.entries[index][0].install()
+        self.current = index
+        self.switches += 1
 
     def _longest(self, args: tuple, kwargs: dict) -> int:
         """The longest entry of the step's mask branch (the longest entry without one)."""
