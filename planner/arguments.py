@@ -128,14 +128,20 @@ def _check_solver_options(solver: str, time_limit_s: float) -> None:
 
 
 def _input_specs(args: tuple, kwargs: dict) -> list[InputSpec]:
+    from planner.envelope import mask_inputs, padded
+
     specs: list[InputSpec] = []
     seen: dict[int, str] = {}
+    masks = set(mask_inputs(args, kwargs))
     for keyword, items in ((False, enumerate(args)), (True, kwargs.items())):
         for name, value in items:
             if isinstance(value, torch.Tensor):
+                key = (keyword, str(name))
                 specs.append(InputSpec(name=str(name), keyword=keyword, shape=list(value.shape),
                                        dtype=str(value.dtype).removeprefix("torch."),
-                                       same_as=seen.get(id(value))))
+                                       same_as=seen.get(id(value)),
+                                       padded=padded([key], args, kwargs) if key in masks
+                                       else None))
                 seen.setdefault(id(value), str(name))
             else:
                 specs.append(InputSpec(name=str(name), keyword=keyword,

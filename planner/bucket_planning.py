@@ -111,7 +111,7 @@ def _checked_edges(entries: list[TableEntry], envelope: Envelope, planner: Bucke
         peak = _replayed_peak(step, entry.plan)
         apart = peak is None or peak > entry.plan.budget_bytes
         if apart:
-            log.warning("batches of %d tokens %s under the plan for %d tokens: planned apart",
+            log.info("batches of %d tokens %s under the plan for %d tokens: planned apart",
                         shortest, "run other ops" if peak is None else
                         f"peak at {format_bytes(peak)}", entry.length)
             extra.append(TableEntry(length=shortest, padded=entry.padded,

@@ -76,11 +76,13 @@ class Envelope(BaseModel):
         return sorted({*self.buckets, self.max_length})
 
     def describe(self) -> str:
-        rows = f"{self.batch_size} rows" if self.batch_size else "the example's rows"
+        rows = f"{self.batch_size} rows" if self.batch_size else "rows as many as the example's"
+        lengths = f"{self.max_length}" if self.min_length == self.max_length else \
+            f"{self.min_length}-{self.max_length}"
         pad = "padded or not" if self.padding else "unpadded"
         held = f", {self.resident_batches} batches resident" if self.resident_batches > 1 \
             else ""
-        return f"{rows} of {self.min_length}-{self.max_length} tokens, {pad}{held}"
+        return f"{rows} of {lengths} tokens, {pad}{held}"
 
 
 def sequence_length(args: tuple, kwargs: dict) -> int | None:

@@ -101,7 +101,7 @@ class PlanGuard:
         key = about or message
         if key not in self._told:
             self._told.add(key)
-            warnings.warn(message, PlanMismatchWarning, stacklevel=7)  # the model(...) call
+            warnings.warn(message, PlanMismatchWarning, stacklevel=8)  # the model(...) call
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -313,6 +313,10 @@ def _input_change(spec: InputSpec, value: Any) -> str:
         dtype = str(value.dtype).removeprefix("torch.")
         if spec.dtype is not None and dtype != spec.dtype:
             return f"it is {dtype}, planned {spec.dtype}"
+        if spec.padded is False and not bool(value.all()):
+            return ("it holds padding (zeros) where the planned mask held none: attention "
+                    "takes its masked branch, which holds more. optimize(..., envelope="
+                    "Envelope(max_length=...)) plans both branches")
         return ""
     if spec.shape is not None:
         return f"it was a tensor of shape {list(spec.shape)} when planned and is now {value!r}"

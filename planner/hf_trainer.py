@@ -52,8 +52,9 @@ class PlannedCheckpointing(TrainerCallback):
 
     The plan covers every batch the Trainer gives (a :class:`~planner.plan_table.PlanTable`
     over an :class:`~planner.envelope.Envelope`): up to ``max_length`` tokens per row
-    (default: TRL's ``max_length``, the collator's, else the tokenizer's
-    ``model_max_length`` or the model's positions, whichever is less), padded or not,
+    (default: TRL's ``max_length``, the collator's, the training set's longest row, else
+    the tokenizer's ``model_max_length`` or the model's positions, whichever is less),
+    padded or not,
     ``per_device_train_batch_size`` rows, with the ``gradient_accumulation_steps``
     micro-batches the Trainer loads before the first forward; ``buckets="pow2"`` plans a
     bucket per power of two, so short batches recompute less."""
@@ -154,7 +155,8 @@ class PlannedCheckpointing(TrainerCallback):
             return None
         most, source = self.max_length, "max_length="
         if most is None:
-            most, source = trainers_max_length(args, model, loader, processing_class)
+            most, source = trainers_max_length(args, model, loader, processing_class,
+                                               positions=loader is not None)
         if most is None or most < length:
             most, source = length, "the first batch (no max_length known)"
             log.warning("PlannedCheckpointing: no collator, tokenizer or model states a "
@@ -163,15 +165,22 @@ class PlannedCheckpointing(TrainerCallback):
         log.info("planning batches of up to %d tokens (from %s)", most, source)
         resident = args.gradient_accumulation_steps if hasattr(Trainer, "get_batch_samples") \
             else 1
-        return Envelope(max_length=most, batch_size=args.per_device_train_batch_size,
-                        buckets=self.buckets, resident_batches=resident)
+        lengths = row_lengths(getattr(loader, "dataset", None))
+        shortest = min(lengths[0], most) if lengths else 1  # a batch is its longest row's
+        return Envelope(max_length=most, min_length=shortest,
+                        batch_size=args.per_device_train_batch_size, buckets=self.buckets,
+                        resident_batches=resident)
 
 
 def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader: Any,
-                        processing_class: Any) -> tuple[int | None, str]:
+                        processing_class: Any, positions: bool = True
+                        ) -> tuple[int | None, str]:
     """The longest batch the Trainer can give, and what says so: TRL's ``max_length``, the
-    collator's ``max_length``, else the tokenizer's ``model_max_length`` or the model's
-    positions, whichever is less."""
+    collator's ``max_length``, the training set's longest row (a map-style set of up to
+    ``_SCANNED_ROWS`` rows, rounded up to the collator's ``pad_to_multiple_of``), else the
+    tokenizer's ``model_max_length`` or the model's positions (``positions``: not over
+    several processes, planned before a loader exists: the example batch is the longest
+    there, unless a tokenizer says more), whichever is less."""
     trl = getattr(args, "max_length", None) if type(args).__name__ == "SFTConfig" else None
     if trl:
         return int(trl), "SFTConfig.max_length"
@@ -179,17 +188,46 @@ def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader:
     collator = getattr(collator, "data_collator", collator)  # RemoveColumnsCollator
     if getattr(collator, "max_length", None):
         return int(collator.max_length), f"{type(collator).__name__}.max_length"
+    lengths = row_lengths(getattr(loader, "dataset", None))
+    if lengths is not None:
+        multiple = getattr(collator, "pad_to_multiple_of", None) or 1
+        return -(-lengths[1] // multiple) * multiple, "the training set's longest row"
     tokenizer = getattr(collator, "tokenizer", None) or processing_class
     found = []
     tokens = getattr(tokenizer, "model_max_length", None)
     if isinstance(tokens, int) and tokens < 10**6:  # 1e30 where none is known
         found.append((tokens, "the tokenizer's model_max_length"))
     config = getattr(model, "config", None)
-    positions = getattr(config, "max_position_embeddings", None) or \
+    most = getattr(config, "max_position_embeddings", None) or \
         getattr(config, "n_positions", None)
-    if isinstance(positions, int):
-        found.append((positions, "the model's max_position_embeddings"))
+    if positions and isinstance(most, int):
+        found.append((most, "the model's max_position_embeddings"))
     return min(found) if found else (None, "")
+
+
+_SCANNED_ROWS = 100_000  # a larger training set is not read for its longest row
+
+
+def row_lengths(dataset: Any) -> tuple[int, int] | None:
+    """The fewest and most ``input_ids`` of a row of a map-style training set (None: not
+    one, or larger than ``_SCANNED_ROWS`` rows)."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        return None
+    if not 0 < size <= _SCANNED_ROWS:
+        return None
+    column = getattr(dataset, "column_names", None)
+    if column is not None:  # a datasets.Dataset: read the one column
+        if "input_ids" not in column:
+            return None
+        rows = dataset.with_format(None)["input_ids"]
+    else:
+        rows = [row.get("input_ids") if isinstance(row, dict) else None for row in dataset]
+    if any(row is None for row in rows):
+        return None
+    lengths = [len(row) for row in rows]
+    return min(lengths), max(lengths)
 
 
 @contextlib.contextmanager

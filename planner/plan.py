@@ -109,6 +109,8 @@ class InputSpec(_Strict):
     dtype: str | None = None
     value: Any = None  # non-tensor inputs, as given
     same_as: str | None = Field(None, description="an earlier input that is the same tensor")
+    padded: bool | None = Field(None, description="an attention mask: whether it held a "
+                                "zero when planned (None: not a mask)")
 
     @field_validator("dtype")
     @classmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,13 @@ class PlanTable(_Strict):
                                   "padded branch")
     entries: list[TableEntry]
     checks: list[EdgeCheck] = []
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> PlanTable:
+        """A copy; the shapes it derives from its entries are derived again."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("_shapes_by_names", None)
+        return copied
 
     @property
     def model_name(self) -> str:

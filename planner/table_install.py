@@ -84,7 +84,7 @@ class TableGuard(PlanGuard):
     def _cost(self) -> str:
         planner = self.table.__dict__.get("_planner")
         seconds = getattr(planner, "seconds_per_bucket", 0.0)
-        return f" (about {seconds:.0f} s: a bucket took that long to plan here)" if seconds \
+        return f" (about {seconds:.2g} s: a bucket took that long to plan here)" if seconds \
             else ""
 
 

@@ -65,8 +65,8 @@ class Net(nn.Module):
         self.inner = inner()
         self.head = nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor, depth: int = 1, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, depth: int = 1, mask: torch.Tensor | None = None,
+                mode: str = "a", **metadata: object) -> torch.Tensor:
         h = self.inner(x)
         for _ in range(depth - 1):
             h = self.inner(h)
@@ -310,3 +310,30 @@ def test_a_guard_warning_points_at_the_line_that_called_the_model() -> None:
     with pytest.warns(PlanMismatchWarning) as caught:
         model(x.double()).sum().backward()
     assert {w.filename for w in caught} == {__file__}
+
+
+def test_an_input_whose_value_changes_every_step_warns_once() -> None:
+    """A value that differs at every step (a depth, a count the user passes) is said once,
+    not once per new value."""
+    model, (x,), plan = _planned(depth=1)
+    apply(model, plan)
+    with pytest.warns(PlanMismatchWarning) as caught:
+        for depth in (2, 3, 4, 5):
+            model.zero_grad(set_to_none=True)
+            model(x, depth=depth).sum().backward()
+    assert len([w for w in caught if "'depth'" in str(w.message)]) == 1
+
+
+def test_strings_a_batch_carries_through_kwargs_are_not_guarded() -> None:
+    """Metadata (a sample id, a source name) passed on through ``**kwargs`` sets no memory:
+    not guarded; a named argument's string still is."""
+    model, (x,), plan = _planned(note="first", mode="a")
+    apply(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for note in ("second", "third"):
+            model.zero_grad(set_to_none=True)
+            model(x, note=note, mode="a").sum().backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(PlanMismatchWarning, match="'mode' where it is 'b'"):
+        model(x, note="fourth", mode="b").sum().backward()

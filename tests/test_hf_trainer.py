@@ -12,7 +12,7 @@ import pytest
 import torch
 from budgets import halfway_budget_gb
 
-from planner import Plan, PlanMismatchWarning, optimize, zoo
+from planner import PlanMismatchWarning, PlanTable, optimize, zoo
 from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
 
@@ -105,8 +105,10 @@ def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanMismatchWarning)  # the step is the one planned
         losses, _ = _train(model, rows, tmp_path / "planned", [switch, peaks], **precision)
-    plan = switch.plan
-    assert isinstance(plan, Plan) and plan.checkpointing
+    table = switch.plan
+    assert isinstance(table, PlanTable) and table.envelope.max_length == ids.shape[1]
+    plan = table.plans[-1]  # the rows are all as long as the longest: one bucket
+    assert plan.checkpointing
     assert reruns, "Trainer's steps did not run the plan's checkpoints"
     assert plan.autocast_dtype == ("bfloat16" if lora_bf16 else None)
     assert plan.profile.static.optimizer_state_bytes > 0  # AdamW's state is counted
@@ -196,8 +198,8 @@ def test_the_switch_in_trls_sft_trainer(tmp_path: Path) -> None:
     # the budget: halfway into SFTTrainer's own step (its fused LM head), planned unbounded
     probe = PlannedCheckpointing(budget_gb=1e3, timing="estimate")
     train(copy.deepcopy(unplanned), "probe", [probe], gradient_checkpointing=False)
-    first = probe.plan
-    assert first is not None and "fused_lm_head" in [i.name for i in first.inputs]
+    first = probe.plan.plans[-1]
+    assert "fused_lm_head" in [i.name for i in first.inputs]
     budget_gb = halfway_budget_gb(first)
     switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, timing="estimate"), StepPeaks()
     with pytest.raises(ValueError, match="SFTConfig turns it on by default"):
@@ -205,14 +207,15 @@ def test_the_switch_in_trls_sft_trainer(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanMismatchWarning)
         losses = train(base.model, "planned", [switch, peaks], gradient_checkpointing=False)
-    assert switch.plan is not None and switch.plan.checkpointing
+    longest = switch.plan.plans[-1]
+    assert longest.checkpointing
     assert losses == train(unplanned, "unplanned", [], gradient_checkpointing=False)
     assert len(losses) == 2
     for (name, a), (_, b) in zip(base.model.named_parameters(), unplanned.named_parameters(),
                                  strict=True):
         assert torch.equal(a, b), name
-    assert max(peaks.peaks) <= switch.plan.budget_bytes, (peaks.peaks,
-                                                          switch.plan.predicted_peak_bytes)
+    assert max(peaks.peaks) <= longest.budget_bytes, (peaks.peaks,
+                                                      longest.predicted_peak_bytes)
 
 
 def _rank_trains(rank: int, port: int, out: str) -> None:
@@ -257,7 +260,7 @@ def test_the_switch_over_two_processes_plans_each_ranks_ddp_step(tmp_path: Path)
     out = str(tmp_path / "rank")
     spawn_ranks(_rank_trains, (free_port(), out), 2)
     ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
-    plan = Plan.model_validate_json(ranks[0][True]["plan"])
+    plan = PlanTable.model_validate_json(ranks[0][True]["plan"]).plans[-1]
     assert ranks[1][True]["plan"] == ranks[0][True]["plan"]
     assert plan.checkpointing and plan.sharding is not None and plan.sharding.world_size == 2
     assert plan.autocast_dtype == "bfloat16"
