@@ -282,3 +282,84 @@ def test_over_several_processes_the_switch_asks_for_a_batch() -> None:
     with pytest.raises(ValueError, match=r"example_batch=one rank's batch"):
         PlannedCheckpointing(budget_gb=1.0).on_init_end(
             args, None, None, model=zoo.get("hf-llama").model)
+
+
+class HeldBatches:
+    """Remembers the micro-batches ``Trainer.get_batch_samples`` loads for each step (the
+    Trainer holds them on the device through every micro-step)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.batches: list[dict] = []
+        original = transformers.Trainer.get_batch_samples
+
+        def remembered(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+            samples, count = original(trainer, *args, **kwargs)
+            self.batches = list(samples)
+            return samples, count
+
+        monkeypatch.setattr(transformers.Trainer, "get_batch_samples", remembered)
+
+
+class HeldStepPeaks(StepPeaks):
+    """StepPeaks with the held micro-batches counted from the step's start."""
+
+    def __init__(self, held: HeldBatches) -> None:
+        super().__init__()
+        self.held = held
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, *, model: torch.nn.Module,
+                      optimizer: Any, **kwargs: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        state_tensors = [t for s in inner.state.values() for t in s.values()
+                         if isinstance(t, torch.Tensor)]
+        batches = [t for b in self.held.batches for t in b.values()
+                   if isinstance(t, torch.Tensor)]
+        self._tracker = PeakTracker([*model.parameters(), *model.buffers(), *state_tensors,
+                                     *batches])
+        self._tracker.__enter__()
+
+
+def test_padded_batches_of_every_length_with_accumulation_stay_within_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's stream: a padding collator over rows of 8-64 tokens, random sampler,
+    accumulation 2 (the Trainer loads both micro-batches before the first forward). The
+    switch plans the envelope the Trainer states (the training set's longest row, its
+    batch size, 2 resident batches) per power-of-two bucket; every step's peak, with the
+    held batches counted, is within the budget; losses and weights as without it."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(8, 65, (24,), generator=generator).tolist()
+    rows = [{"input_ids": torch.randint(3, 1000, (n,), generator=generator).tolist()}
+            for n in lengths]
+    collator = transformers.DataCollatorForLanguageModeling(_word_tokenizer(), mlm=False)
+    longest = collator(rows[:4])  # the budget: halfway into a batch of the longest rows
+    longest = {k: torch.cat([v] * 4, dim=1)[:, :64] for k, v in longest.items()}
+    base = zoo.get("hf-llama", batch=4, seq_len=64)
+    unplanned = copy.deepcopy(base.model)
+    budget_gb = _half_budget_gb(base.model, longest, grad_accumulation=True)
+    held = HeldBatches(monkeypatch)
+    switch, peaks = PlannedCheckpointing(budget_gb=budget_gb, buckets="pow2",
+                                         timing="estimate"), HeldStepPeaks(held)
+    arguments = dict(gradient_accumulation_steps=2, max_steps=4)
+
+    def train(model: torch.nn.Module, name: str, callbacks: list) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+            learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, **arguments)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                       data_collator=collator, callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)
+        losses = train(base.model, "planned", [switch, peaks])
+    table = switch.plan
+    assert table.envelope.max_length == max(lengths) and table.envelope.resident_batches == 2
+    assert table.plans[-1].profile.static.resident_input_bytes > 0
+    assert len({len(b["input_ids"][0]) for b in held.batches}) >= 1 and len(peaks.peaks) == 4
+    assert max(peaks.peaks) <= table.budget_bytes, (peaks.peaks, table.budget_bytes)
+    assert losses == train(unplanned, "unplanned", [])
+    for (name, a), (_, b) in zip(base.model.named_parameters(), unplanned.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), name

@@ -201,3 +201,38 @@ def test_plan_in_configure_model_under_model_parallel_strategy() -> None:
 def test_a_budget_that_is_no_budget_is_refused_when_the_callback_is_made(budget: Any) -> None:
     with pytest.raises((TypeError, ValueError), match="budget_gb"):
         PlannedCheckpointing(budget_gb=budget)
+
+
+def _with_metadata(rows: list[dict]) -> Any:
+    """A collate as Hugging Face collators write one: a ``BatchEncoding`` of the stacked
+    tensors, with sample ids and sources as lists beside them."""
+    from transformers import BatchEncoding
+
+    ids = torch.stack([r["input_ids"] for r in rows])
+    return BatchEncoding({"input_ids": ids, "labels": ids,
+                          "id": [r["id"] for r in rows], "source": [r["source"] for r in rows]})
+
+
+def test_a_batch_encoding_is_checked_and_its_metadata_is_not() -> None:
+    """Metadata in a batch (ids, names) changes every step and sets no memory: no warning.
+    A BatchEncoding batch is checked tensor by tensor (it was one unchecked leaf): a
+    longer one warns."""
+    base = zoo.get("hf-llama", batch=4)
+    ids = base.example_inputs["input_ids"]
+    rows = [{"input_ids": row, "id": k, "source": f"doc{k}"}
+            for k, row in enumerate(torch.cat([ids, ids.flip(0), ids]))]
+    module = CausalLM(base.model)
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, collate_fn=_with_metadata)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[PlannedCheckpointing(budget_gb=1.0, timing="estimate")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)
+        trainer.fit(module, loader)
+    module.log = lambda *args, **kwargs: None  # outside Lightning's loop
+    longer = torch.cat([ids, ids], dim=1)
+    with pytest.warns(PlanMismatchWarning, match="larger than the planned"):
+        module.training_step(_with_metadata(
+            [{"input_ids": row, "id": 9, "source": "x"} for row in longer]), 0)
