@@ -91,8 +91,9 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
     return table
 
 
-def _label(length: int, pad: bool | None) -> str:
-    return f"of {length} tokens" + ("" if pad is None else ", padded" if pad else ", unpadded")
+def _label(length: int | None, pad: bool | None) -> str:
+    tokens = "as given" if length is None else f"of {length} tokens"
+    return tokens + ("" if pad is None else ", padded" if pad else ", unpadded")
 
 
 def _checked_edges(entries: list[TableEntry], envelope: Envelope, planner: BucketPlanner,
@@ -102,6 +103,8 @@ def _checked_edges(entries: list[TableEntry], envelope: Envelope, planner: Bucke
     checks, extra = [], []
     below: dict[bool | None, int] = {}
     for entry in entries:
+        if entry.length is None:  # no lengths: nothing between
+            continue
         shortest = below.get(entry.padded, envelope.min_length - 1) + 1
         below[entry.padded] = entry.length
         if shortest >= entry.length:
@@ -145,10 +148,8 @@ def covering(table: PlanTable, model: nn.Module, example_inputs: Any,
     args, kwargs = normalize_inputs(model, example_inputs)
     from planner.envelope import padded, sequence_length
 
-    length = sequence_length(args, kwargs)
+    length = sequence_length(args, kwargs) if table.envelope.max_length else None
     pad = padded(table.masks, args, kwargs) if table.masks else None
-    if length is None:
-        raise ValueError("this batch has no input of [batch, tokens]: nothing to bucket")
     label = _label(length, pad)
     if progress:
         progress(label)

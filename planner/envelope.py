@@ -40,7 +40,8 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_length: PositiveInt
+    max_length: PositiveInt | None = Field(None, description="None: no length dimension "
+                                           "(images; rows and resident batches only)")
     min_length: PositiveInt = 1
     batch_size: PositiveInt | None = None
     padding: bool = True
@@ -50,6 +51,10 @@ class Envelope(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Envelope:
+        if self.max_length is None:
+            if self.buckets != "one":
+                raise ValueError("buckets are of lengths: give max_length with them")
+            return self
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} is above max_length "
                              f"{self.max_length}")
@@ -62,9 +67,9 @@ class Envelope(BaseModel):
                                  f"{self.max_length}]")
         return self
 
-    def bounds(self) -> list[int]:
+    def bounds(self) -> list[int | None]:
         """Each bucket's longest length, ascending; the last is ``max_length``."""
-        if self.buckets == "one":
+        if self.buckets == "one" or self.max_length is None:
             return [self.max_length]
         if self.buckets == "pow2":  # at most six: from max_length / 32 (or min_length) up
             found, bound = [], 1
@@ -77,20 +82,37 @@ class Envelope(BaseModel):
 
     def describe(self) -> str:
         rows = f"{self.batch_size} rows" if self.batch_size else "rows as many as the example's"
+        held = f", {self.resident_batches} batches resident" if self.resident_batches > 1 \
+            else ""
+        if self.max_length is None:
+            return f"{rows}{held}"
         lengths = f"{self.max_length}" if self.min_length == self.max_length else \
             f"{self.min_length}-{self.max_length}"
         pad = "padded or not" if self.padding else "unpadded"
-        held = f", {self.resident_batches} batches resident" if self.resident_batches > 1 \
-            else ""
         return f"{rows} of {lengths} tokens, {pad}{held}"
 
 
+def _tokens(value: Any) -> bool:
+    """An integer or boolean tensor of ``[rows, tokens, ...]``: token ids, a mask."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and \
+        not value.is_floating_point() and not value.is_complex()
+
+
 def sequence_length(args: tuple, kwargs: dict) -> int | None:
-    """The example's length: dim 1 of its first input of two or more dims (None: none)."""
+    """The example's length: dim 1 of its first integer input of two or more dims (token
+    ids; None: none, e.g. an image batch)."""
     for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        if _tokens(value):
             return int(value.shape[1])
     return None
+
+
+def _has_length(key: InputKey, value: Any, length0: int) -> bool:
+    """Whether dim 1 of this input is the batch's length: token ids, masks and labels
+    (integer), and by name ``inputs_embeds``-like or float masks."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != length0:
+        return False
+    return _tokens(value) or (key[0] and ("embeds" in key[1] or "mask" in key[1]))
 
 
 def _rows(args: tuple, kwargs: dict) -> int | None:
@@ -141,15 +163,15 @@ def padded(masks: list[InputKey], args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _resized(key: InputKey, value: Any, length0: int, rows0: int, length: int, rows: int,
-             masks: list[InputKey], pad: bool | None) -> Any:
+def _resized(key: InputKey, value: Any, length0: int | None, rows0: int,
+             length: int | None, rows: int, masks: list[InputKey], pad: bool | None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     out = value
+    if length is not None and length0 is not None and _has_length(key, out, length0):
+        out = _tiled(out, 1, length)
     if out.dim() >= 1 and out.shape[0] == rows0:
         out = _tiled(out, 0, rows)
-    if out.dim() >= 2 and out.shape[1] == length0:
-        out = _tiled(out, 1, length)
     if key in masks and pad is not None:
         out = torch.ones_like(out)
         if pad:  # one padded token: the padded branch with the most real tokens
@@ -157,14 +179,15 @@ def _resized(key: InputKey, value: Any, length0: int, rows0: int, length: int, r
     return out
 
 
-def batch_at(args: tuple, kwargs: dict, length: int, rows: int | None,
+def batch_at(args: tuple, kwargs: dict, length: int | None, rows: int | None,
              pad: bool | None) -> tuple[tuple, dict]:
-    """The example as a batch of ``rows`` rows of ``length`` tokens, its masks padded
-    (``pad``) or not (None: as they are)."""
+    """The example as a batch of ``rows`` rows of ``length`` tokens (None: its own), its
+    masks padded (``pad``) or not (None: as they are)."""
     length0, rows0 = sequence_length(args, kwargs), _rows(args, kwargs)
-    if length0 is None or rows0 is None:
-        raise ValueError("an envelope of lengths needs an input of [batch, tokens] (two or "
-                         "more dims); this example has none")
+    if rows0 is None or (length is not None and length0 is None):
+        raise ValueError("an envelope of lengths needs an input of [batch, tokens] (integer "
+                         "token ids); this example has none: give Envelope(max_length=None) "
+                         "for rows and resident batches only")
     masks = mask_inputs(args, kwargs)
     rows = rows or rows0
     new_args = tuple(_resized((False, str(k)), v, length0, rows0, length, rows, masks, pad)
@@ -183,7 +206,7 @@ def branches(envelope: Envelope, masks: list[InputKey]) -> list[bool | None]:
 
 
 def bucket_batches(args: tuple, kwargs: dict, envelope: Envelope
-                   ) -> list[tuple[int, bool | None, tuple, dict]]:
+                   ) -> list[tuple[int | None, bool | None, tuple, dict]]:
     """(length, padded, args, kwargs) of every batch the envelope is planned on: each
     bucket's longest, in each mask branch."""
     masks = mask_inputs(args, kwargs)

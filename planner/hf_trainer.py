@@ -148,11 +148,15 @@ class PlannedCheckpointing(TrainerCallback):
                   loader: Any, processing_class: Any) -> Envelope | None:
         """The batches this Trainer gives (:func:`trainers_max_length`), its rows, and the
         ``gradient_accumulation_steps`` micro-batches it loads before the first forward
-        (``Trainer.get_batch_samples``); None for a batch without ``[rows, tokens]``."""
-        args_, kwargs = (), dict(batch)
-        length = sequence_length(args_, kwargs)
+        (``Trainer.get_batch_samples``). Without token ids (images), rows and resident
+        batches only (None when those are the example's)."""
+        resident = args.gradient_accumulation_steps if hasattr(Trainer, "get_batch_samples") \
+            else 1
+        rows = args.per_device_train_batch_size
+        length = sequence_length((), dict(batch))
         if length is None:
-            return None
+            return Envelope(batch_size=rows, resident_batches=resident) if resident > 1 \
+                else None
         most, source = self.max_length, "max_length="
         if most is None:
             most, source = trainers_max_length(args, model, loader, processing_class,
@@ -163,13 +167,10 @@ class PlannedCheckpointing(TrainerCallback):
                         "longest batch, so the plan covers batches up to the first one's %d "
                         "tokens; give PlannedCheckpointing(max_length=...)", length)
         log.info("planning batches of up to %d tokens (from %s)", most, source)
-        resident = args.gradient_accumulation_steps if hasattr(Trainer, "get_batch_samples") \
-            else 1
         lengths = row_lengths(getattr(loader, "dataset", None))
         shortest = min(lengths[0], most) if lengths else 1  # a batch is its longest row's
-        return Envelope(max_length=most, min_length=shortest,
-                        batch_size=args.per_device_train_batch_size, buckets=self.buckets,
-                        resident_batches=resident)
+        return Envelope(max_length=most, min_length=shortest, batch_size=rows,
+                        buckets=self.buckets, resident_batches=resident)
 
 
 def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader: Any,

@@ -41,14 +41,15 @@ class TableEntry(_Strict):
     """The plan of one bucket: batches of up to ``length`` tokens per row, in the mask
     branch ``padded`` (None: the batch has no mask)."""
 
-    length: PositiveInt
+    length: PositiveInt | None = Field(description="None: the envelope has no lengths")
     padded: bool | None
     plan: Plan
 
     @property
     def label(self) -> str:
         branch = "" if self.padded is None else ", padded" if self.padded else ", unpadded"
-        return f"<= {self.length} tokens{branch}"
+        tokens = "every batch" if self.length is None else f"<= {self.length} tokens"
+        return f"{tokens}{branch}"
 
 
 class EdgeCheck(_Strict):
@@ -230,4 +231,4 @@ def _within(shape: tuple[int, ...], planned: tuple[int, ...] | None) -> bool:
 
 def entries_in_order(entries: Iterable[TableEntry]) -> list[TableEntry]:
     """Ascending length, the unpadded branch first."""
-    return sorted(entries, key=lambda e: (e.length, e.padded is True))
+    return sorted(entries, key=lambda e: (e.length or 0, e.padded is True))

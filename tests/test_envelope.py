@@ -226,3 +226,21 @@ def test_an_envelope_that_is_no_envelope_is_refused() -> None:
         Envelope(max_length=64, buckets=(32, 16))
     with pytest.raises(TypeError, match=r"envelope= takes a planner\.Envelope"):
         optimize(_llama(), _batch(8), budget_gb=1.0, envelope=64)
+
+
+def test_an_image_batch_has_an_envelope_of_rows_and_resident_batches() -> None:
+    """Without token ids there are no lengths: the envelope plans its rows and counts its
+    resident batches; channels are never taken for a length."""
+    base = zoo.get("resnet", batch=2)
+    (x,) = base.example_inputs if isinstance(base.example_inputs, tuple) else \
+        (base.example_inputs,)
+    table = optimize(base.model, x, budget_gb=1.0, loss_fn=base.loss_fn, timing="estimate",
+                     progress=False, envelope=Envelope(resident_batches=2))
+    (entry,) = table.entries
+    assert entry.length is None and entry.plan.inputs[0].shape == list(x.shape)
+    assert entry.plan.profile.static.resident_input_bytes == x.nbytes
+    with pytest.raises(ValueError, match="buckets are of lengths"):
+        Envelope(buckets="pow2")
+    with pytest.raises(ValueError, match=r"integer token ids.*max_length=None"):
+        optimize(base.model, x, budget_gb=1.0, loss_fn=base.loss_fn, timing="estimate",
+                 progress=False, envelope=Envelope(max_length=64))
