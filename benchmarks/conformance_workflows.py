@@ -13,6 +13,8 @@ infeasible is replaced by the minimum the error names, which must then hold):
 - ``optimizer``: planned with ``optimizer=AdamW(...)``; three steps of forward, backward,
   ``optimizer.step()``, ``zero_grad()``.
 - ``eval``: planned while the model is in ``eval()`` mode, trained after ``model.train()``.
+- ``data``: planned with ``envelope=`` and trained on a stream of batches of other lengths,
+  padded, two resident per step, with metadata (``conformance_data``).
 
 Each holds when the peak measured over the whole loop (``PeakTracker``) is within the
 budget and losses, gradients, weights after the optimizer's steps and buffers are
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conformance_data import check_data
 from conformance_harness import (
     CASES,
     Case,
@@ -66,7 +69,7 @@ from planner.plan import GIB, format_bytes
 from profiles.inputs import normalize_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORKFLOWS = ("replan", "after-backward", "accumulate", "optimizer", "eval")
+WORKFLOWS = ("replan", "after-backward", "accumulate", "optimizer", "eval", "data")
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,8 @@ def _check_workflow(run: _Run, name: str, budgets: dict[str, int]) -> list[Row]:
     base = Row(run.case.name, run.case.family, "all", workflow=name)
     started = time.perf_counter()
     try:
+        if name == "data":  # a stream of batches, planned with an envelope
+            return check_data(run)
         plans = PLANNERS[name](run, budgets)
     except Exception as error:  # a crash is a finding, not the end of the run
         base.outcome = f"planning crashed: {type(error).__name__}: {error}"
@@ -353,6 +358,7 @@ def workflow_summary(rows: list[Row]) -> dict[str, Any]:
         "rows": len(rows),
         "ok": sum(r.ok for r in rows),
         "over_budget": sum(r.measured_bytes > r.budget_bytes for r in measured),
+        "silent": sum(any(f.startswith("SILENT") for f in r.failures) for r in rows),
         "crashes": sum(any("crashed" in f for f in r.failures) for r in rows),
         "same_profile": f"{sum(bool(r.same_profile) for r in profiled)} of {len(profiled)}",
         "same_plan": f"{sum(bool(r.same_plan) for r in compared)} of {len(compared)}",
@@ -382,7 +388,8 @@ def render_markdown(result: dict) -> str:
         f"# Conformance in every workflow (CPU)\n\n{result['date']}, {result['machine']}, "
         f"{result['seconds']} s, solver limit {result['time_limit_s']:g} s. {s['models']} of "
         f"{result['cases']} models, {s['rows']} planned budgets, {s['ok']} "
-        f"hold; {s['over_budget']} over budget, {s['crashes']} crashes; prediction error "
+        f"hold; {s['over_budget']} over budget ({s.get('silent', 0)} without a warning), "
+        f"{s['crashes']} crashes; prediction error "
         f"{_pct(s['lowest_error_pct'])} to {_pct(s['worst_error_pct'])} of the measured peak "
         f"(budgets found infeasible were planned at the minimum the error named: "
         f"{s['at_minimum']} rows). Re-planned, planned "

@@ -9,6 +9,8 @@ sampler). Reported per run: every step's measured peak against the budget (the b
 the trainer holds counted, `data_streams`), losses and trained weights bit-identical to
 the run without the switch, and with buckets the mean predicted recompute of the plans the
 steps took against the plan for the longest batch, and what choosing a plan cost per step.
+The peer, for the Hugging Face Trainer runs: the switch planning the first batch only (as
+it did before envelopes), measured on the same stream.
 
     python benchmarks/data_as_it_arrives.py               # every model and workflow
     python benchmarks/data_as_it_arrives.py --models Mistral --workflows trainer-k1
@@ -79,6 +81,14 @@ def _budget(build: Any, precision: str | None) -> int:
                    autocast=autocast, optimizer=torch.optim.AdamW(model.parameters()))
     least = lowest_peak(top.problem(), 20.0).peak_bytes
     return (least + top.unplanned_peak_bytes) // 2
+
+
+class FirstBatchOnly(PlannedCheckpointing):
+    """The peer: the switch as it planned before envelopes, on the trainer's first batch
+    only (longer batches warn once; padding and held batches are not counted)."""
+
+    def _envelope(self, *args: Any) -> None:
+        return None
 
 
 def _sft_budget(build: Any, precision: str | None, workflow: str) -> int:
@@ -216,8 +226,9 @@ def _accelerate_run(build: Any, precision: str | None, budget: int,
     loader = torch.utils.data.DataLoader(ds.rows(ROWS, SHORTEST, LONGEST, seed=1),
                                          batch_size=BATCH, shuffle=True, collate_fn=collate,
                                          generator=torch.Generator().manual_seed(0))
+    table = None
     if planned:
-        plan_it(accelerator, model, collate(ds.rows(BATCH, 8, 8, seed=2)),
+        table = plan_it(accelerator, model, collate(ds.rows(BATCH, 8, 8, seed=2)),
                 budget_gb=budget / 2**30, optimizer=optimizer, timing="estimate",
                 envelope=Envelope(max_length=LONGEST, batch_size=BATCH))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -243,7 +254,7 @@ def _accelerate_run(build: Any, precision: str | None, budget: int,
                 out["peaks"].append(tracker.peak_bytes)
     out["weights"] = {k: v.detach().clone()
                       for k, v in accelerator.unwrap_model(model).state_dict().items()}
-    out["choices"] = choices
+    out["choices"], out["table"] = choices, table
     out["warnings"] = [str(w.message)[:200] for w in caught
                        if "Plan" in type(w.message).__name__]
     return out
@@ -266,12 +277,12 @@ def run_case(name: str, workflow: str) -> dict[str, Any]:
     budget = _sft_budget(build, precision, workflow) if workflow.startswith("sft") else \
         _budget(build, precision)
     buckets = "pow2" if workflow in ("trainer-k1", "lightning") else "one"
-    started = perf_counter()
+    started, first = perf_counter(), None
     with tempfile.TemporaryDirectory() as out:
         if workflow == "accelerate":
             plain = _accelerate_run(build, precision, budget, planned=False)
             planned = _accelerate_run(build, precision, budget, planned=True)
-            table = None
+            table = planned["table"]
         elif workflow == "lightning":
             from planner.lightning import PlannedCheckpointing as LightningSwitch
 
@@ -286,7 +297,15 @@ def run_case(name: str, workflow: str) -> dict[str, Any]:
                                           timing="estimate")
             planned = _trainer_run(build, precision, budget, workflow, switch, Path(out))
             table = switch.plan
-    return _compare(name, workflow, budget, plain, planned, table, perf_counter() - started)
+            first = _trainer_run(build, precision, budget, workflow,
+                                 FirstBatchOnly(budget_gb=budget / 2**30, timing="estimate"),
+                                 Path(out)) if workflow.startswith("trainer") else None
+    row = _compare(name, workflow, budget, plain, planned, table, perf_counter() - started)
+    if first is not None:  # the peer, measured in the same run
+        row.update(first_over=sum(p > budget for p in first["peaks"]),
+                   first_worst=max(first["peaks"]) / budget - 1,
+                   first_warnings=len(first["warnings"]))
+    return row
 
 
 def _compare(name: str, workflow: str, budget: int, plain: dict, planned: dict, table: Any,
@@ -319,8 +338,9 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
              "peak of the longest padded batch. Measured: every step's peak with the "
              "batches its trainer holds. `python benchmarks/data_as_it_arrives.py`.", "",
              "| model | workflow | steps | over budget | worst vs budget | losses = | "
-             "weights = | plans | mean recompute (ms) | longest plan's (ms) | choose/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "weights = | plans | mean recompute (ms) | longest plan's (ms) | choose/step | "
+             "first batch only: over, worst |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         choose = (f"{r['choose_ms']:.3f} ms / {r['step_ms']:.0f} ms "
                   f"({100 * r['choose_ms'] / r['step_ms']:.2f} %)"
@@ -331,7 +351,9 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['model']} | {r['workflow']} | {len(r['peaks'])} | {r['over']} | {worst} "
             f"| {r['losses_identical']} | {r['weights_identical']} | {r.get('entries', '')} "
             f"| {r.get('mean_recompute_ms', float('nan')):.2f} "
-            f"| {r.get('longest_recompute_ms', float('nan')):.2f} | {choose} |")
+            f"| {r.get('longest_recompute_ms', float('nan')):.2f} | {choose} | "
+            + (f"{r['first_over']} of {len(r['peaks'])}, {100 * r['first_worst']:+.2f} % "
+               f"({r['first_warnings']} warnings) |" if "first_over" in r else "|"))
     return "\n".join(lines) + "\n"
 
 

@@ -81,7 +81,7 @@ class Envelope(BaseModel):
         return sorted({*self.buckets, self.max_length})
 
     def describe(self) -> str:
-        rows = f"{self.batch_size} rows" if self.batch_size else "rows as many as the example's"
+        rows = f"{self.batch_size} rows" if self.batch_size else "the example's rows"
         held = f", {self.resident_batches} batches resident" if self.resident_batches > 1 \
             else ""
         if self.max_length is None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from planner import viz
 from planner.plan import GIB, Plan
+from planner.plan_table import PlanTable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,14 +51,23 @@ def _breakdown(plan: Plan) -> str:
             f"{rows}</table>")
 
 
-def html_report(plan: Plan, *, measured: Sequence[tuple[float, float]] | None = None,
+def html_report(plan: Plan | PlanTable, *,
+                measured: Sequence[tuple[float, float]] | None = None,
                 block: str | None = None, frontier_time_limit_s: float = 1.0,
                 n_budgets: int = 8) -> str:
     """The HTML text of the report: summary, plan table, graph, timeline, frontier.
 
     ``block`` also draws that block's nodes (default: the first recomputed block, if the
-    graph is collapsed).
+    graph is collapsed). A plan table: its buckets, then its longest plan as a plan's.
     """
+    table, buckets = None, ""
+    if isinstance(plan, PlanTable):
+        table, plan = plan, plan.plans[-1]
+        buckets = (f"<pre>{html.escape(table.summary())}</pre><h2>Plans per bucket</h2>"
+                   f"{table._repr_html_()}<img alt='buckets' "
+                   f"src='{figure_to_data_uri(viz.plot_buckets(table))}'>"
+                   f"<h2>The longest bucket's plan ({html.escape(table.entries[-1].label)})"
+                   "</h2>")
     sections: list[tuple[str, Figure]] = [("Graph", viz.plot_graph(plan))]
     if block is None:
         block = _first_recomputed_block(plan)
@@ -69,11 +79,11 @@ def html_report(plan: Plan, *, measured: Sequence[tuple[float, float]] | None = 
                                        time_limit_s=frontier_time_limit_s)))
     parts = [f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
              f"src='{figure_to_data_uri(fig)}'>" for title, fig in sections]
-    title = f"Checkpoint plan: {plan.model_name}"
+    title = f"Checkpoint plan{'s' if table else ''}: {plan.model_name}"
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
+        f"<h1>{html.escape(title)}</h1>{buckets}"
         f"<pre>{html.escape(plan.summary())}</pre>"
         f"<h2>Plan</h2>{plan._repr_html_()}{_breakdown(plan)}"
         + "".join(parts)
@@ -91,7 +101,7 @@ def _first_recomputed_block(plan: Plan) -> str | None:
     return None
 
 
-def write_html_report(plan: Plan, path: str | Path, **kwargs: object) -> Path:
+def write_html_report(plan: Plan | PlanTable, path: str | Path, **kwargs: object) -> Path:
     """Write :func:`html_report` to ``path`` (one file, images embedded); returns the path."""
     path = Path(path)
     path.write_text(html_report(plan, **kwargs), encoding="utf-8")  # type: ignore[arg-type]

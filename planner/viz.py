@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from planner.plan_table import PlanTable
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "module_groups",
     "node_status",
     "pareto",
+    "plot_buckets",
     "plot_frontier",
     "plot_graph",
     "plot_timeline",
@@ -695,4 +698,41 @@ def plot_frontier(profile_or_plan: Plan | GraphProfile, budgets: Sequence[int] |
                  f"({profile.timing} on {profile.device})")
     ax.grid(True, alpha=0.3)
     fig.legend(handles=handles, loc="outside right upper", frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------- plan tables
+
+
+def plot_buckets(table: PlanTable) -> Figure:
+    """A plan table's buckets: each plan's predicted peak against the budget (left) and
+    its predicted recompute time (right), unpadded and padded branches side by side."""
+    labels = sorted({e.length or 0 for e in table.entries})
+    branches = sorted({e.padded for e in table.entries}, key=lambda p: (p is not None, p))
+    unit, size = _unit(max(table.budget_bytes, *(p.predicted_peak_bytes
+                                                for p in table.plans)))
+    fig = _figure(11, 4.2)
+    peak_ax, time_ax = fig.subplots(1, 2)
+    width = 0.8 / len(branches)
+    colors = {None: "#56B4E9", False: "#56B4E9", True: "#CC79A7"}  # padded: another hue
+    for k, branch in enumerate(branches):
+        entries = {e.length or 0: e for e in table.entries if e.padded == branch}
+        xs = [i + (k - (len(branches) - 1) / 2) * width for i, length in enumerate(labels)
+              if length in entries]
+        name = "no mask" if branch is None else "padded" if branch else "unpadded"
+        peak_ax.bar(xs, [entries[n].plan.predicted_peak_bytes / size for n in labels
+                         if n in entries], width, color=colors[branch], label=name)
+        time_ax.bar(xs, [entries[n].plan.recompute_ms for n in labels if n in entries],
+                    width, color=colors[branch], label=name)
+    peak_ax.axhline(table.budget_bytes / size, color=BUDGET_COLOR, ls="--", lw=1.2,
+                    label="budget")
+    peak_ax.set_ylim(0, 1.25 * peak_ax.get_ylim()[1])  # room for the legend
+    for ax, ylabel in ((peak_ax, f"predicted peak ({unit})"),
+                       (time_ax, "predicted recompute (ms)")):
+        ax.set_xticks(range(len(labels)), [f"<= {n}" if n else "all" for n in labels])
+        ax.set_xlabel("bucket (tokens per row)")
+        ax.set_ylabel(ylabel)
+        ax.legend(frameon=False, fontsize=8)
+    fig.suptitle(f"{table.model_name}: {len(table.entries)} plans over "
+                 f"{table.envelope.describe()}", fontsize=10)
     return fig

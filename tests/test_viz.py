@@ -166,3 +166,28 @@ def test_show_html_opens_in_chromium(plan: Plan, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert _png_size(shot) == (1200, 2400)
 
+
+
+def test_a_plan_table_is_drawn_and_reported(tmp_path: Path) -> None:
+    """A table's buckets: one bar per plan in each panel, the budget line, and the HTML
+    report leads with the table before its longest plan's plots."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from planner import Envelope
+    from planner.report import html_report
+
+    model = zoo.get("hf-llama", batch=2, seq_len=32).model
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    table = optimize(model, batch, budget_gb=1.0, timing="estimate", progress=False,
+                     envelope=Envelope(max_length=32, min_length=8, buckets="pow2"))
+    fig = viz.plot_buckets(table)
+    peaks, times = fig.axes
+    assert len(peaks.patches) == len(times.patches) == len(table.entries) == 6
+    assert {"unpadded", "padded", "budget"} <= set(_texts(fig).split("\n"))
+    width, height = _render(fig, tmp_path / "buckets.png")
+    assert width > 800 and height > 300
+    page = html_report(table, frontier_time_limit_s=0.2, n_budgets=3)
+    assert page.index("Plans per bucket") < page.index("The longest bucket's plan")
+    assert page.count("<img") >= 4
