@@ -351,6 +351,7 @@ def workflow_table(rows: list[Row]) -> str:
 
 def workflow_summary(rows: list[Row]) -> dict[str, Any]:
     measured = [r for r in rows if r.measured_bytes]
+    exact = [r for r in measured if r.workflow != "data"]  # data: a bound over a stream
     compared = [r for r in rows if r.same_plan is not None]
     profiled = [r for r in rows if r.same_profile is not None]
     return {
@@ -364,8 +365,12 @@ def workflow_summary(rows: list[Row]) -> dict[str, Any]:
         "same_plan": f"{sum(bool(r.same_plan) for r in compared)} of {len(compared)}",
         "tie_of_equal_cost": sum(r.note.endswith("of equal cost") for r in compared),
         "unproven_other": sum(r.note.endswith("another schedule") for r in compared),
-        "worst_error_pct": max((r.error_pct for r in measured), default=None),
-        "lowest_error_pct": min((r.error_pct for r in measured), default=None),
+        "worst_error_pct": max((r.error_pct for r in exact), default=None),
+        "lowest_error_pct": min((r.error_pct for r in exact), default=None),
+        "data_margin_pct": [min((r.error_pct for r in measured if r.workflow == "data"),
+                                default=None),
+                            max((r.error_pct for r in measured if r.workflow == "data"),
+                                default=None)],
         "at_minimum": sum("named minimum" in r.note for r in rows),
         "failed": [f"{r.model} / {r.workflow} @ {r.budget}: {'; '.join(r.failures)}"
                    for r in rows if not r.ok],
@@ -391,6 +396,8 @@ def render_markdown(result: dict) -> str:
         f"hold; {s['over_budget']} over budget ({s.get('silent', 0)} without a warning), "
         f"{s['crashes']} crashes; prediction error "
         f"{_pct(s['lowest_error_pct'])} to {_pct(s['worst_error_pct'])} of the measured peak "
+        f"(data: the table's highest prediction is {_pct(s['data_margin_pct'][0])} to "
+        f"{_pct(s['data_margin_pct'][1])} above the stream's highest step) "
         f"(budgets found infeasible were planned at the minimum the error named: "
         f"{s['at_minimum']} rows). Re-planned, planned "
         f"after a backward or in eval: the step profiled as on a fresh object "
