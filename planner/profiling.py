@@ -127,7 +127,35 @@ def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict,
                      "apply() turns it off.")
     notes.extend(_cpu_kernels_for_a_gpu(prof))
     notes.extend(_untraced_note(prof))
+    notes.extend(_routing_note(model, prof))
     return notes
+
+
+_ROUTED = re.compile(r"moe|expert", re.IGNORECASE)
+
+
+def _routing_note(model: nn.Module, prof: GraphProfile) -> list[str]:
+    """Routed experts whose ops depend on the routing (a loop over the experts a batch's
+    tokens went to, found by its ``nonzero``): their memory is the profiled batch's
+    routing's (also logged)."""
+    routed: Counter[str] = Counter()
+    for call in prof.module_calls:
+        try:
+            name = type(model.get_submodule(call.path)).__name__
+        except AttributeError:
+            continue
+        if _ROUTED.search(name) and any("nonzero" in node.target
+                                        for node in prof.nodes[call.start:call.stop]):
+            routed[name] += 1
+    if not routed:
+        return []
+    which = ", ".join(f"{name} x{n}" for name, n in routed.items())
+    log.warning("%s routes tokens to experts by their values (%s): the plan is exact for "
+                "the profiled batch's routing; another batch's may peak otherwise",
+                type(model).__name__, which)
+    return [f"Routed experts ({which}) run the experts the batch's tokens went to: memory "
+            "is the profiled batch's routing's, and another batch's may peak otherwise "
+            "(docs/limitations.md): plan with a margin."]
 
 
 def _batch_shapes(args: tuple, kwargs: dict) -> str:

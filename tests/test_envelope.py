@@ -244,3 +244,19 @@ def test_an_image_batch_has_an_envelope_of_rows_and_resident_batches() -> None:
     with pytest.raises(ValueError, match=r"integer token ids.*max_length=None"):
         optimize(base.model, x, budget_gb=1.0, loss_fn=base.loss_fn, timing="estimate",
                  progress=False, envelope=Envelope(max_length=64))
+
+
+@pytest.mark.parametrize("experts", ["eager", None])
+def test_a_plan_says_when_its_memory_follows_the_routing(experts: str | None) -> None:
+    """Mixtral's eager loop over the experts its tokens went to peaks otherwise on another
+    batch's routing (measured up to +2.4 %): the plan says so; its default grouped kernel
+    does not depend on the routing, and no note is made."""
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, **({"experts_implementation": experts} if experts else {}))
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = optimize(model, {"input_ids": ids, "labels": ids}, budget_gb=1.0,
+                    timing="estimate", progress=False)
+    assert ("Routed experts" in plan.note) == (experts == "eager"), plan.note
