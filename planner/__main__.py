@@ -156,10 +156,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _print_and_save(plan: Any, out: Path) -> int:
+    """A plan's or a plan table's summary, and the file it is saved to."""
     print(plan.summary())
     plan.save(out)
-    print(f"\n{_planned_for(plan.profile)}\nplan written to {out}")
+    profile = plan.plans[-1].profile if hasattr(plan, "entries") else plan.profile
+    print(f"\n{_planned_for(profile)}\n{'plans' if hasattr(plan, 'entries') else 'plan'} "
+          f"written to {out}")
     return 0
+
+
+def _envelope(args: argparse.Namespace) -> Any:
+    """The batches ``--max-length``, ``--buckets`` and ``--resident-batches`` name (None:
+    the example batch's shape only)."""
+    if args.max_length is None and args.resident_batches == 1:
+        if args.buckets != "one":
+            raise ValueError("--buckets needs --max-length: buckets are of lengths")
+        return None
+    from planner import Envelope
+
+    return Envelope(max_length=args.max_length, buckets=args.buckets,
+                    resident_batches=args.resident_batches)
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
@@ -170,14 +186,16 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
                     timing=args.timing, device=args.device, progress=not args.quiet,
                     grad_accumulation=args.grad_accumulation, offload=args.offload,
-                    host_budget_gb=args.host_budget_gb)
+                    host_budget_gb=args.host_budget_gb, envelope=_envelope(args))
     return _print_and_save(plan, args.out)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from planner import Plan
+    from planner import Plan, PlanTable
 
-    plan = Plan.load(args.plan)
+    with open(args.plan, "rb") as file:  # a table names its envelope first
+        head = file.read(256)
+    plan = PlanTable.load(args.plan) if b'"envelope"' in head else Plan.load(args.plan)
     print(plan.summary())
     if args.html is not None:
         from planner.report import write_html_report
@@ -309,6 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--host-budget-gb", type=_budget_gb, default=None,
                      help="host memory offload may take (with --offload; default: half the "
                      "machine's physical memory)")
+    opt.add_argument("--max-length", type=_count, default=None, metavar="TOKENS",
+                     help="plan every batch of up to this many tokens per row, padded or "
+                     "not (a plan table; default: the example batch's shape only)")
+    opt.add_argument("--buckets", default="one", choices=["one", "pow2"],
+                     help="with --max-length: one plan for the longest batch, or one per "
+                     "power of two (short batches recompute less)")
+    opt.add_argument("--resident-batches", type=_count, default=1, metavar="K",
+                     help="batches on the device during a step (Hugging Face Trainer: its "
+                     "gradient_accumulation_steps)")
     timing_options(opt, "plan.json")
     solver_options(opt)
     opt.set_defaults(func=cmd_optimize)

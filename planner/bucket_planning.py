@@ -15,6 +15,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
+import torch
 from torch import nn
 
 from planner.arguments import SolveOptions
@@ -23,6 +24,7 @@ from planner.plan import InfeasibleBudgetError, Plan, format_bytes
 from planner.plan_table import EdgeCheck, PlanTable, TableEntry, entries_in_order
 from planner.profiling import ProfiledStep, profile_model
 from planner.solving import solve_profiled
+from profiles.errors import ProfileError
 from profiles.inputs import normalize_inputs
 from solvers import simulate
 
@@ -44,7 +46,20 @@ class BucketPlanner:
 
     def profiled(self, args: tuple, kwargs: dict, **overrides: Any) -> ProfiledStep:
         inputs = kwargs if kwargs else args
-        profiled = profile_model(self.model, inputs, **{**self.profile_options, **overrides})
+        try:
+            profiled = profile_model(self.model, inputs,
+                                     **{**self.profile_options, **overrides})
+        except (ProfileError, RuntimeError, ValueError) as error:
+            if isinstance(error, InfeasibleBudgetError):
+                raise
+            shapes = ", ".join(f"{list(t.shape)}" for t in (*args, *kwargs.values())
+                               if isinstance(t, torch.Tensor))
+            raise ProfileError(
+                f"the envelope's batch of {shapes} (the example tiled to a bucket's length "
+                f"and rows) could not run: {type(error).__name__}: {error}. An envelope plans "
+                "batches made from the example: a loss_fn holding targets of the example's "
+                "shape cannot take them, so put the targets in the batch (Hugging Face "
+                "labels=), or plan without envelope=.") from error
         if not self.resident_extra:
             return profiled
         static = profiled.profile.static.model_copy(

@@ -80,7 +80,8 @@ class Envelope(BaseModel):
             return [*found, self.max_length]
         return sorted({*self.buckets, self.max_length})
 
-    def describe(self) -> str:
+    def describe(self, masks: bool = True) -> str:
+        """The envelope in words (``masks``: the batch has masks, so padding is a branch)."""
         rows = f"{self.batch_size} rows" if self.batch_size else "the example's rows"
         held = f", {self.resident_batches} batches resident" if self.resident_batches > 1 \
             else ""
@@ -88,8 +89,8 @@ class Envelope(BaseModel):
             return f"{rows}{held}"
         lengths = f"{self.max_length}" if self.min_length == self.max_length else \
             f"{self.min_length}-{self.max_length}"
-        pad = "padded or not" if self.padding else "unpadded"
-        return f"{rows} of {lengths} tokens, {pad}{held}"
+        pad = "" if not masks else ", padded or not" if self.padding else ", unpadded"
+        return f"{rows} of {lengths} tokens{pad}{held}"
 
 
 def _tokens(value: Any) -> bool:

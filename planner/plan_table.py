@@ -130,6 +130,10 @@ class PlanTable(_Strict):
                           for entry in self.entries]
         return cache[key]
 
+    def describe(self) -> str:
+        """The batches the table covers, in words."""
+        return self.envelope.describe(masks=bool(self.masks))
+
     def select_branch(self, args: tuple, kwargs: dict) -> bool | None:
         """The step's mask branch: whether a mask holds a zero (None: no masks)."""
         return padded(self.masks, args, kwargs) if self.masks else None
@@ -142,7 +146,7 @@ class PlanTable(_Strict):
         return shapes + branch
 
     def summary(self) -> str:
-        lines = [f"Plans for {self.model_name} over {self.envelope.describe()}: "
+        lines = [f"Plans for {self.model_name} over {self.describe()}: "
                  f"{len(self.entries)} plans, budget {format_bytes(self.budget_bytes)}",
                  f"  {'bucket':<28} {'predicted peak':>15} {'recompute':>11} {'regions':>8}"]
         for entry in self.entries:
@@ -189,7 +193,7 @@ class PlanTable(_Strict):
             f"<td>{e.plan.recompute_ms:.2f} ms</td>"
             f"<td>{len(e.plan.schedule.recompute_regions())}</td></tr>" for e in self.entries)
         return (f"<div><b>Plans for {html.escape(self.model_name)}</b> over "
-                f"{html.escape(self.envelope.describe())}, budget "
+                f"{html.escape(self.describe())}, budget "
                 f"{format_bytes(self.budget_bytes)}<table><tr><th>bucket</th>"
                 "<th>predicted peak</th><th>recompute</th><th>regions</th></tr>"
                 f"{rows}</table></div>")

@@ -71,7 +71,7 @@ class TableGuard(PlanGuard):
     def _outside(self, args: tuple, kwargs: dict) -> None:
         message = (f"{self.model_name} runs a batch outside its plans' envelope: "
                    f"{self.table.describe_inputs(args, kwargs, self.names)}, planned for "
-                   f"{self.table.envelope.describe()}. It runs under the plan for the longest "
+                   f"{self.table.describe()}. It runs under the plan for the longest "
                    f"batches, whose {self.budget} budget does not hold for it. Plan this "
                    "batch's bucket with planner.cover(model, batch)"
                    + self._cost() + ", or plan a wider envelope.")

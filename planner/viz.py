@@ -734,5 +734,5 @@ def plot_buckets(table: PlanTable) -> Figure:
         ax.set_ylabel(ylabel)
         ax.legend(frameon=False, fontsize=8)
     fig.suptitle(f"{table.model_name}: {len(table.entries)} plans over "
-                 f"{table.envelope.describe()}", fontsize=10)
+                 f"{table.describe()}", fontsize=10)
     return fig

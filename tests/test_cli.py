@@ -218,3 +218,23 @@ def test_a_model_whose_output_has_no_loss_is_told_what_the_cli_takes(
     line = _one_line(capsys.readouterr().err)
     assert "Cannot tell the training loss" in line and "(model, batch, loss_fn)" in line, line
     assert "pass loss_fn" not in line, line
+
+
+def test_optimize_plans_an_envelope_and_show_reads_the_table(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--max-length plans every batch up to it (a plan table, saved and shown); a model
+    whose loss holds the example's targets says why its envelope cannot be planned."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "plans.json"
+    assert _run(["-q", "optimize", "--model", "hf-llama", "--set", "seq_len=32",
+                 "--budget-gb", "1", "--max-length", "64", "--buckets", "pow2",
+                 "--resident-batches", "2", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "Plans for LlamaForCausalLM over the example's rows of 1-64 tokens, 2 batches " \
+        "resident" in said and "plans written to" in said
+    assert _run(["show", str(out)]) == 0
+    assert "<= 64 tokens" in capsys.readouterr().out
+    assert _run(["-q", "optimize", *TINY_GPT, "--budget-gb", "1", "--max-length", "64",
+                 "--out", str(tmp_path / "gpt.json")]) == 2
+    assert "put the targets in the batch" in _one_line(capsys.readouterr().err)
+    assert _run(["optimize", *TINY_GPT, "--budget-gb", "1", "--buckets", "pow2"]) == 2
