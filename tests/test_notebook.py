@@ -36,8 +36,11 @@ def test_notebook_executes(tmp_path: Path) -> None:
     assert Path(kernel_python).resolve() == Path(sys.executable).resolve()
     images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if "image/png" in out.get("data", {})]
-    assert len(images) == 5, ("graph, expanded block, timeline, frontier and the offload "
-                              "plan's graph are displayed")
+    assert len(images) == 6, ("graph, expanded block, timeline, frontier, the offload "
+                              "plan's graph and a plan table's buckets are displayed")
     tables = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if "Plan for" in out.get("data", {}).get("text/html", "")]
     assert tables, "the plan's _repr_html_ table is displayed"
+    buckets = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
+               if "Plans for" in out.get("data", {}).get("text/html", "")]
+    assert buckets, "a plan table's _repr_html_ is displayed"
