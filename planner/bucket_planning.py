@@ -113,8 +113,8 @@ def _label(length: int | None, pad: bool | None) -> str:
 
 def _checked_edges(entries: list[TableEntry], envelope: Envelope, planner: BucketPlanner,
                    args: tuple, kwargs: dict) -> tuple[list[TableEntry], list[EdgeCheck]]:
-    """Each bucket's shortest batch replayed under its plan; a length where that does
-    not hold gets a plan of its own."""
+    """Each bucket's shortest batch replayed under its plan; where that does not hold,
+    the lengths below the bucket's longest get plans of their own (`_planned_apart`)."""
     checks, extra = [], []
     below: dict[bool | None, int] = {}
     for entry in entries:
@@ -127,16 +127,40 @@ def _checked_edges(entries: list[TableEntry], envelope: Envelope, planner: Bucke
         a, k = batch_at(args, kwargs, shortest, envelope.batch_size, entry.padded)
         step = planner.profiled(a, k, timing="estimate")
         peak = _replayed_peak(step, entry.plan)
-        apart = peak is None or peak > entry.plan.budget_bytes
-        if apart:
+        covered_by = None
+        if peak is None or peak > entry.plan.budget_bytes:
             log.info("batches of %d tokens %s under the plan for %d tokens: planned apart",
-                        shortest, "run other ops" if peak is None else
-                        f"peak at {format_bytes(peak)}", entry.length)
-            extra.append(TableEntry(length=shortest, padded=entry.padded,
-                                    plan=planner.plan(_label(shortest, entry.padded), a, k)))
+                     shortest, "run other ops" if peak is None else
+                     f"peak at {format_bytes(peak)}", entry.length)
+            apart = _planned_apart(planner, entry, shortest, step, args, kwargs, envelope)
+            extra += apart
+            covered_by = apart[0].length
         checks.append(EdgeCheck(length=shortest, padded=entry.padded, bucket=entry.length,
-                                peak_bytes=peak, planned_apart=apart))
+                                peak_bytes=peak, planned_apart=covered_by is not None,
+                                covered_by=covered_by))
     return entries_in_order([*entries, *extra]), checks
+
+
+def _planned_apart(planner: BucketPlanner, entry: TableEntry, shortest: int,
+                   step: ProfiledStep, args: tuple, kwargs: dict,
+                   envelope: Envelope) -> list[TableEntry]:
+    """Plans for the lengths of ``entry``'s bucket below its longest, where the bucket's
+    plan does not hold at the shortest. Where the shortest runs other ops, the length just
+    below the longest is planned, and where the shortest runs its ops within its plan,
+    that plan covers the bucket up to there (the longest alone was the odd one out: a
+    buffer as long as the envelope, sliced whole); else the shortest gets a plan too."""
+    pad, longest = entry.padded, entry.length - 1
+    found = []
+    if longest > shortest:
+        a, k = batch_at(args, kwargs, longest, envelope.batch_size, pad)
+        plan = planner.plan(_label(longest, pad), a, k)
+        found.append(TableEntry(length=longest, padded=pad, plan=plan))
+        replay = _replayed_peak(step, plan)
+        if replay is not None and replay <= plan.budget_bytes:
+            return found
+    a, k = batch_at(args, kwargs, shortest, envelope.batch_size, pad)
+    return [TableEntry(length=shortest, padded=pad,
+                       plan=planner.plan(_label(shortest, pad), a, k)), *found]
 
 
 def _replayed_peak(step: ProfiledStep, plan: Plan) -> int | None:

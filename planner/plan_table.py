@@ -60,7 +60,10 @@ class EdgeCheck(_Strict):
     padded: bool | None
     bucket: PositiveInt
     peak_bytes: Bytes | None
-    planned_apart: bool = Field(False, description="the length got a plan of its own")
+    planned_apart: bool = Field(False, description="the bucket's plan did not hold there: "
+                                "other plans cover the lengths below its longest")
+    covered_by: PositiveInt | None = Field(None, description="the length of the plan that "
+                                           "covers it now (with planned_apart)")
 
 
 class PlanTable(_Strict):
@@ -172,7 +175,8 @@ class PlanTable(_Strict):
         lines = [f"checked at each bucket's shortest batch: {held} of {len(self.checks)} "
                  "within the bucket's plan"]
         lines += [f"  {c.length} tokens ({_replayed(c)} under the <= {c.bucket} plan): "
-                  "planned apart" for c in apart]
+                  + (f"covered by a plan at {c.covered_by}" if c.covered_by != c.length
+                     else "planned apart") for c in apart]
         return lines
 
     def log_summary(self, logger: logging.Logger) -> None:

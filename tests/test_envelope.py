@@ -190,13 +190,15 @@ def test_a_length_that_holds_more_than_its_buckets_longest_gets_its_own_plan() -
     table = optimize(model, ids, budget_gb=top.unplanned_peak_bytes / 2**30 * 1.01,
                      timing="estimate", progress=False,
                      envelope=Envelope(max_length=16, min_length=1, buckets=(8, 16)))
-    assert [e.length for e in table.entries] == [8, 9, 16]
-    assert [(c.length, c.planned_apart) for c in table.checks] == [(1, False), (9, True)]
+    # 9 runs the wide branch: it gets its own plan, and 10-15 one at 15
+    assert [e.length for e in table.entries] == [8, 9, 15, 16]
+    assert [(c.length, c.planned_apart, c.covered_by) for c in table.checks] == \
+        [(1, False, None), (9, True, 9)]
     assert "planned apart" in table.summary()
     apply(model, table)
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanMismatchWarning)
-        for length in (9, 16, 4):
+        for length in (9, 16, 4, 12):
             model.zero_grad(set_to_none=True)
             with PeakTracker([*model.parameters(), ids]) as tracker:
                 model(ids[:, :length]).backward()
@@ -260,3 +262,34 @@ def test_a_plan_says_when_its_memory_follows_the_routing(experts: str | None) ->
     plan = optimize(model, {"input_ids": ids, "labels": ids}, budget_gb=1.0,
                     timing="estimate", progress=False)
     assert ("Routed experts" in plan.note) == (experts == "eager"), plan.note
+
+
+def test_a_bucket_whose_longest_alone_runs_other_ops_is_covered_below_it() -> None:
+    """BERT slices its position buffer whole at its longest length (an alias) and in part
+    below it: the bucket's shortest batch runs other ops than its longest. The length just
+    below the longest gets the plan of the rest of the bucket, checked at the shortest;
+    every length then runs the ops of its own plan."""
+    from planner.emit import OpStreamWarning
+
+    config = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=32)
+    model = transformers.BertForMaskedLM(config)
+    ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    top = optimize(model, batch, budget_gb=1.0, timing="estimate", progress=False)
+    static = top.profile.static.total_bytes
+    table = optimize(model, batch, timing="estimate", progress=False,
+                     budget_gb=(static + (top.unplanned_peak_bytes - static) // 2) / 2**30,
+                     envelope=Envelope(max_length=32, min_length=9, buckets=(16, 32)))
+    assert [e.length for e in table.entries] == [16, 31, 32]
+    assert [(c.length, c.covered_by) for c in table.checks] == [(9, None), (17, 31)]
+    assert "covered by a plan at 31" in table.summary()
+    apply(model, table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpStreamWarning)
+        warnings.simplefilter("error", PlanMismatchWarning)
+        for length in (20, 32, 31, 12, 17):
+            model.zero_grad(set_to_none=True)
+            rows = ids[:, :length].contiguous()
+            model(input_ids=rows, labels=rows).loss.backward()
