@@ -24,7 +24,7 @@ from planner.plan import InfeasibleBudgetError, Plan, format_bytes
 from planner.plan_table import EdgeCheck, PlanTable, TableEntry, entries_in_order
 from planner.profiling import ProfiledStep, profile_model
 from planner.solving import solve_profiled
-from profiles.errors import ProfileError
+from profiles.errors import LossNotFoundError, ProfileError
 from profiles.inputs import normalize_inputs
 from solvers import simulate
 
@@ -50,13 +50,14 @@ class BucketPlanner:
             profiled = profile_model(self.model, inputs,
                                      **{**self.profile_options, **overrides})
         except (ProfileError, RuntimeError, ValueError) as error:
-            if isinstance(error, InfeasibleBudgetError):
-                raise
+            if isinstance(error, InfeasibleBudgetError | LossNotFoundError):
+                raise  # not the batch's shape: said as it is
             shapes = ", ".join(f"{list(t.shape)}" for t in (*args, *kwargs.values())
                                if isinstance(t, torch.Tensor))
             raise ProfileError(
                 f"the envelope's batch of {shapes} (the example tiled to a bucket's length "
-                f"and rows) could not run: {type(error).__name__}: {error}. An envelope plans "
+                f"and rows) could not run: {type(error).__name__}: "
+                f"{str(error).rstrip('.')}. An envelope plans "
                 "batches made from the example: a loss_fn holding targets of the example's "
                 "shape cannot take them, so put the targets in the batch (Hugging Face "
                 "labels=), or plan without envelope=.") from error

@@ -23,7 +23,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-__all__ = ["Envelope", "bucket_batches", "mask_inputs", "padded", "resident_bytes"]
+__all__ = ["SCANNED_ROWS", "Envelope", "bucket_batches", "mask_inputs", "padded",
+           "resident_bytes", "row_lengths"]
 
 InputKey = tuple[bool, str]  # (keyword, name) as InputSpec addresses an input
 
@@ -224,3 +225,28 @@ def resident_bytes(args: tuple, kwargs: dict) -> int:
             storages[storage.data_ptr() if value.device.type != "meta" else id(storage)] = \
                 storage.nbytes()
     return sum(storages.values())
+
+
+SCANNED_ROWS = 100_000  # a larger training set is not read for its longest row
+
+
+def row_lengths(dataset: Any) -> tuple[int, int] | None:
+    """The fewest and most ``input_ids`` of a row of a map-style training set (None: not
+    one, or larger than ``SCANNED_ROWS`` rows)."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        return None
+    if not 0 < size <= SCANNED_ROWS:
+        return None
+    column = getattr(dataset, "column_names", None)
+    if column is not None:  # a datasets.Dataset: read the one column
+        if "input_ids" not in column:
+            return None
+        rows = dataset.with_format(None)["input_ids"]
+    else:
+        rows = [row.get("input_ids") if isinstance(row, dict) else None for row in dataset]
+    if any(row is None for row in rows):
+        return None
+    lengths = [len(row) for row in rows]
+    return min(lengths), max(lengths)

@@ -31,7 +31,7 @@ from transformers import (
 
 from planner.api import apply, optimize
 from planner.arguments import _budget_bytes
-from planner.envelope import Envelope, sequence_length
+from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.loader import first_batch
 from planner.plan import Plan
 from planner.plan_table import PlanTable
@@ -178,7 +178,7 @@ def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader:
                         ) -> tuple[int | None, str]:
     """The longest batch the Trainer can give, and what says so: TRL's ``max_length``, the
     collator's ``max_length``, the training set's longest row (a map-style set of up to
-    ``_SCANNED_ROWS`` rows, rounded up to the collator's ``pad_to_multiple_of``), else the
+    ``SCANNED_ROWS`` rows, rounded up to the collator's ``pad_to_multiple_of``), else the
     tokenizer's ``model_max_length`` or the model's positions (``positions``: not over
     several processes, planned before a loader exists: the example batch is the longest
     there, unless a tokenizer says more), whichever is less."""
@@ -204,31 +204,6 @@ def trainers_max_length(args: TrainingArguments, model: torch.nn.Module, loader:
     if positions and isinstance(most, int):
         found.append((most, "the model's max_position_embeddings"))
     return min(found) if found else (None, "")
-
-
-_SCANNED_ROWS = 100_000  # a larger training set is not read for its longest row
-
-
-def row_lengths(dataset: Any) -> tuple[int, int] | None:
-    """The fewest and most ``input_ids`` of a row of a map-style training set (None: not
-    one, or larger than ``_SCANNED_ROWS`` rows)."""
-    try:
-        size = len(dataset)
-    except TypeError:
-        return None
-    if not 0 < size <= _SCANNED_ROWS:
-        return None
-    column = getattr(dataset, "column_names", None)
-    if column is not None:  # a datasets.Dataset: read the one column
-        if "input_ids" not in column:
-            return None
-        rows = dataset.with_format(None)["input_ids"]
-    else:
-        rows = [row.get("input_ids") if isinstance(row, dict) else None for row in dataset]
-    if any(row is None for row in rows):
-        return None
-    lengths = [len(row) for row in rows]
-    return min(lengths), max(lengths)
 
 
 @contextlib.contextmanager

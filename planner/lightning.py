@@ -31,7 +31,7 @@ from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_unflat
 
 from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
-from planner.envelope import Envelope, sequence_length
+from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.loader import first_batch
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 from planner.plan_table import PlanTable
@@ -233,7 +233,8 @@ def _loaders_envelope(loader: Any, batch: Any, max_length: int | None,
                       buckets: Any) -> Envelope | None:
     """The batches Lightning's loader gives: up to ``max_length`` tokens (default the
     collator's ``max_length`` or its tokenizer's ``model_max_length``), the loader's
-    ``batch_size`` rows; one batch on the device at a time (Lightning moves each batch in
+    ``batch_size`` rows, from the training set's shortest row (a map-style set of rows with
+    ``input_ids``; else from 1); one batch on the device at a time (Lightning moves each batch in
     its step; the next one waits on the host). None where the batch has no ``[rows,
     tokens]`` input, or no longest batch is known (the plan then covers the example's
     shape, and a longer batch warns)."""
@@ -249,7 +250,10 @@ def _loaders_envelope(loader: Any, batch: Any, max_length: int | None,
                     "batches up to the example's %d tokens; give max_length=", length)
         return None
     rows = getattr(loader, "batch_size", None)
-    return Envelope(max_length=max(found, length), batch_size=rows, buckets=buckets)
+    lengths = row_lengths(getattr(loader, "dataset", None))  # a batch is its longest row's
+    shortest = min(lengths[0], length) if lengths else 1
+    return Envelope(max_length=max(found, length), min_length=shortest, batch_size=rows,
+                    buckets=buckets)
 
 
 def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: float,
