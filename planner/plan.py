@@ -26,6 +26,7 @@ from profiles.schema import (
     Bytes,
     FileFormatError,
     GraphProfile,
+    Model,
     Seconds,
     Shape,
     SignedMs,
@@ -579,12 +580,18 @@ class Plan(_Strict):
         of file, an edited field out of bounds, a schedule its profile did not run) raises
         ``FileFormatError`` (a ``ValueError``) naming the file and the field; a missing
         file ``OSError``."""
-        plan = read_model(cls, path, "plan")
-        try:
-            plan.check()
-        except ValueError as error:
-            raise FileFormatError(f"{path}: {error}") from error
-        return plan
+        return read_checked(cls, path, "plan")
+
+
+def read_checked(cls: type[Model], path: str | Path, what: str) -> Model:
+    """``read_model``, then the model's own ``check()``: a file that does not hold
+    together raises ``FileFormatError`` naming the file."""
+    found = read_model(cls, path, what)
+    try:
+        found.check()
+    except ValueError as error:
+        raise FileFormatError(f"{path}: {error}") from error
+    return found
 
 
 def log_summary(plan: Any, logger: logging.Logger) -> None:

@@ -23,12 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from planner.envelope import Envelope, InputKey, padded
 from planner.plan import (
     PLAN_SCHEMA_VERSION,
-    FileFormatError,
     Plan,
     format_bytes,
     log_summary,
+    read_checked,
 )
-from profiles.schema import Bytes, read_model, write_atomic
+from profiles.schema import Bytes, write_atomic
 
 __all__ = ["EdgeCheck", "PlanTable", "TableEntry"]
 
@@ -207,12 +207,8 @@ class PlanTable(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> PlanTable:
-        table = read_model(cls, path, "plan table")
-        try:
-            table.check()
-        except ValueError as error:
-            raise FileFormatError(f"{path}: {error}") from error
-        return table
+        """Read a plan table, checked as ``Plan.load`` checks a plan."""
+        return read_checked(cls, path, "plan table")
 
 
 def _replayed(check: EdgeCheck) -> str:
