@@ -25,6 +25,7 @@ from planner import (
     remove,
     zoo,
 )
+from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
 
 transformers = pytest.importorskip("transformers")
@@ -206,9 +207,16 @@ def test_a_length_that_holds_more_than_its_buckets_longest_gets_its_own_plan() -
 
 
 def test_a_table_saves_loads_and_pickles_without_its_model(tmp_path: Path) -> None:
+    """Planning a table leaves the model as it was (the same parameter objects and bits,
+    no hooks); the table saves, loads and pickles without the model."""
     model = _llama()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     table = optimize(model, _batch(16), budget_gb=1.0, timing="estimate", progress=False,
-                     envelope=Envelope(max_length=16, min_length=16))
+                     envelope=Envelope(max_length=16, min_length=4, buckets=(8, 16)))
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(
+        after[n] is p and torch.equal(p, bits) for n, (p, bits) in before.items())
+    assert not model._forward_pre_hooks and not checkpointed_modules(model)
     table.save(tmp_path / "table.json")
     loaded = PlanTable.load(tmp_path / "table.json")
     assert loaded.entries == table.entries and loaded.envelope == table.envelope
