@@ -26,7 +26,6 @@ from planner.profiling import ProfiledStep, profile_model
 from planner.solving import solve_profiled
 from profiles.errors import LossNotFoundError, ProfileError
 from profiles.inputs import normalize_inputs
-from solvers import simulate
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +171,7 @@ def _replayed_peak(step: ProfiledStep, plan: Plan) -> int | None:
             [(c.start, c.stop, c.path) for c in step.profile.module_calls] != \
             [(c.start, c.stop, c.path) for c in plan.profile.module_calls]:
         return None
-    return simulate(step.problem(), plan.schedule).peak_bytes
+    return step.peak_of(plan.schedule)
 
 
 def covering(table: PlanTable, model: nn.Module, example_inputs: Any,

@@ -110,7 +110,9 @@ class StageSteps:
         last = spec.chunk_last(chunk)
         loss, output_bytes, loss_bytes, received = _stage_loss(module, microbatch, last, loss_fn)
         self.spec, self.chunk = spec, chunk
-        options = {"progress": False, **profile_options}
+        # a stage's plan is for the routing it profiled: its two steps are not bounded
+        # over routings (solvers.routing) and the note says so
+        options = {"progress": False, "bound_routing": False, **profile_options}
         self.steps = [profile_model(module, microbatch, loss_fn=loss,
                                     grad_accumulation=allocated, **options)
                       for allocated in (False, True)]

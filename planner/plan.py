@@ -39,6 +39,7 @@ from solvers.bounds import memory_lower_bound
 from solvers.from_profile import host_link, op_range_name, op_range_targets
 from solvers.pipeline import StageSpec
 from solvers.problem import Problem
+from solvers.routing import RoutingSpread, worst_routing
 from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
 PLAN_SCHEMA_VERSION = 3
@@ -230,6 +231,10 @@ class Plan(_Strict):
     pipeline: PipelineStage | None = Field(None, description="a pipeline stage's plan: "
                                            "one microbatch's step, planned for what the stage "
                                            "holds over its schedule")
+    routing: RoutingSpread | None = Field(None, description="routed experts that loop over "
+                                          "the experts a batch's tokens went to: the peak "
+                                          "is the worst over every routing "
+                                          "(solvers.routing)")
 
     @field_validator("schema_version")
     @classmethod
@@ -265,13 +270,21 @@ class Plan(_Strict):
         timeline = simulate(problem, self.schedule)
         unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
         b = timeline.breakdown
-        return _Replay(timeline.peak_bytes,
-                       {"static": b.static_bytes, "kept_activations": b.kept_activation_bytes,
-                        "recomputed_activations": b.recomputed_activation_bytes,
-                        "prefetched_activations": b.prefetched_activation_bytes,
-                        "gradients": b.gradient_bytes, "temporaries": b.temp_bytes},
-                       timeline.peak_label, timeline.recompute_time_ms,
-                       unplanned.peak_bytes, unplanned.total_time_ms,
+        breakdown = {"static": b.static_bytes, "kept_activations": b.kept_activation_bytes,
+                     "recomputed_activations": b.recomputed_activation_bytes,
+                     "prefetched_activations": b.prefetched_activation_bytes,
+                     "gradients": b.gradient_bytes, "temporaries": b.temp_bytes}
+        peak, peak_at, unplanned_peak = timeline.peak_bytes, timeline.peak_label, \
+            unplanned.peak_bytes
+        if self.routing is not None:  # the bound over routings, not the profiled one
+            worst = worst_routing(problem, self.routing, self.schedule)
+            if worst.peak_bytes > peak:
+                breakdown["routing"] = worst.peak_bytes - peak
+                peak, peak_at = worst.peak_bytes, f"{worst.label} (worst routing)"
+            unplanned_peak = worst_routing(problem, self.routing,
+                                           Schedule.store_all(problem.n_nodes)).peak_bytes
+        return _Replay(peak, breakdown, peak_at, timeline.recompute_time_ms,
+                       unplanned_peak, unplanned.total_time_ms,
                        timeline.stall_time_ms, timeline.transfer_time_ms,
                        timeline.offloaded_bytes)
 
@@ -442,6 +455,20 @@ class Plan(_Strict):
                      or static.optimizer_step_bytes else ", no optimizer counted")
         return f"forward + backward{optimizer}; {start}"
 
+    def routing_description(self) -> str:
+        """What the peak assumes of the routing ('' without routed experts)."""
+        spread = self.routing
+        if spread is None:
+            return ""
+        worst = worst_routing(self.problem(), spread, self.schedule)
+        full = [e for e, c in enumerate(worst.counts) if c == spread.tokens]
+        where = (f"the worst sends every token to experts {full}" if full else
+                 "no routing peaks above them")
+        return (f"routing: the peak is the worst over every routing of {spread.tokens} tokens "
+                f"to {spread.top_k} of {spread.experts} experts in each of {spread.layers} "
+                f"routed layers ({format_bytes(worst.profiled_peak_bytes)} at balanced "
+                f"counts; {where})")
+
     def attention_kernels(self) -> dict[str, int]:
         """The attention kernels the profiled step ran (kernel -> calls): the ones this plan
         assumes the device runs (``profiles.kernels``; the planned model warns, where a
@@ -457,6 +484,7 @@ class Plan(_Strict):
             *([f"  {self.sharding.describe()}"] if self.sharding else []),
             *([f"  {self.profile.parallel.describe()}"] if self.profile.parallel else []),
             *([f"  {self.pipeline.describe()}"] if self.pipeline else []),
+            *([f"  {self.routing_description()}"] if self.routing else []),
             f"  budget {format_bytes(self.budget_bytes)}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections import Counter
@@ -25,12 +26,14 @@ from planner.model_state import (
     structure_fingerprint,
 )
 from planner.plan import InputSpec
+from planner.routing_bound import routing_bound
 from planner.sharding import Sharding, rank_problem
 from profiles.inputs import normalize_inputs
 from profiles.kernels import attention_kernels
 from profiles.schema import GraphProfile
 from solvers import Problem, Schedule, simulate
 from solvers.from_profile import problem_from_profile
+from solvers.routing import RoutingSpread, worst_routing
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +48,19 @@ class ProfiledStep:
     structure: str  # structure_fingerprint() of the model
     sharding: Sharding | None = None
     notes: tuple[str, ...] = ()
+    routing: RoutingSpread | None = None  # routed experts' loops: plans bound every routing
 
     @property
     def unplanned_peak_bytes(self) -> int:
         """The peak of the step without checkpoints (as one rank runs it)."""
-        return simulate(self.problem(), Schedule.store_all(len(self.profile.nodes))).peak_bytes
+        return self.peak_of(Schedule.store_all(len(self.profile.nodes)))
+
+    def peak_of(self, schedule: Schedule) -> int:
+        """``schedule``'s peak on this step: at its worst routing, where its routed experts
+        loop over the experts its tokens went to (`solvers.routing`)."""
+        if self.routing is not None:
+            return worst_routing(self.problem(), self.routing, schedule).peak_bytes
+        return simulate(self.problem(), schedule).peak_bytes
 
     def problem(self) -> Problem:
         """The step as the solvers see it (per rank)."""
@@ -75,6 +86,7 @@ def profile_model(
     mesh_shape: tuple[int, ...] | None = None,
     mesh_dim_names: tuple[str, ...] | None = None,
     progress: bool = True,
+    bound_routing: bool = True,
 ) -> ProfiledStep:
     """Profile one training step of ``model`` as it will train, for :func:`solve` to plan
     at one budget or many. Arguments as :func:`optimize`.
@@ -84,6 +96,10 @@ def profile_model(
     new plan replaces it); the ``.grad`` the model holds now do not count (the step
     starts as ``grad_accumulation`` says); a model in ``eval()`` is profiled in ``train()``
     mode, each module's mode restored after, and the plan's note says so.
+
+    Routed experts that loop over the experts the batch's tokens went to are profiled at
+    forced routings (``bound_routing``, `planner.routing_bound`): plans then hold for every
+    routing; without it, for the profiled batch's.
     """
     parallel, ddp = _parallelism(model, world_size, sharding, shard_modules, parallelize,
                                  mesh_shape, mesh_dim_names)
@@ -96,15 +112,23 @@ def profile_model(
             log.info("planning under the ambient torch.autocast(%s)", autocast)
     with (_plan_suspended(model), _training_mode(model) as was_eval,
           _training_config(model) as cache_off):
-        prof = profiles.profile(model, _as_inputs(args, kwargs), loss_fn=loss_fn,
-                                optimizer=optimizer, autocast=autocast, timing=timing,
-                                device=device, execution=execution,
-                                grad_accumulation=grad_accumulation, progress=progress,
-                                parallel=parallel)
+        again = functools.partial(
+            profiles.profile, model, _as_inputs(args, kwargs), loss_fn=loss_fn,
+            optimizer=optimizer, autocast=autocast, timing=timing, device=device,
+            execution=execution, grad_accumulation=grad_accumulation, parallel=parallel)
+        prof = again(progress=progress)
+        routed = _routed_loops(model, prof)
+        bounded = routing_bound(model, again, ddp) if routed and bound_routing \
+            else None
+    if bounded is not None:
+        prof, routing = bounded
+    else:
+        routing = None
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
+    notes.extend(_routing_note(model, routed, routing))
     return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), ddp,
-                        tuple(notes))
+                        tuple(notes), routing)
 
 
 def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,
@@ -127,17 +151,15 @@ def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict,
                      "apply() turns it off.")
     notes.extend(_cpu_kernels_for_a_gpu(prof))
     notes.extend(_untraced_note(prof))
-    notes.extend(_routing_note(model, prof))
     return notes
 
 
 _ROUTED = re.compile(r"moe|expert", re.IGNORECASE)
 
 
-def _routing_note(model: nn.Module, prof: GraphProfile) -> list[str]:
+def _routed_loops(model: nn.Module, prof: GraphProfile) -> Counter[str]:
     """Routed experts whose ops depend on the routing (a loop over the experts a batch's
-    tokens went to, found by its ``nonzero``): their memory is the profiled batch's
-    routing's (also logged)."""
+    tokens went to, found by its ``nonzero``), by module type."""
     routed: Counter[str] = Counter()
     for call in prof.module_calls:
         try:
@@ -147,9 +169,22 @@ def _routing_note(model: nn.Module, prof: GraphProfile) -> list[str]:
         if _ROUTED.search(name) and any("nonzero" in node.target
                                         for node in prof.nodes[call.start:call.stop]):
             routed[name] += 1
+    return routed
+
+
+def _routing_note(model: nn.Module, routed: Counter[str],
+                  routing: RoutingSpread | None) -> list[str]:
+    """What a plan's note says of routed experts that loop over the routed ones: bounded
+    over every routing, or (where no bound could be made) the profiled routing's (also
+    logged)."""
     if not routed:
         return []
     which = ", ".join(f"{name} x{n}" for name, n in routed.items())
+    if routing is not None:
+        return [f"Routed experts ({which}) run the experts the batch's tokens went to: the "
+                f"plan holds for every routing of {routing.tokens} tokens to "
+                f"{routing.top_k} of {routing.experts} experts (a bound from "
+                f"{routing.experts} profiles at forced routings, solvers.routing)."]
     log.warning("%s routes tokens to experts by their values (%s): the plan is exact for "
                 "the profiled batch's routing; another batch's may peak otherwise",
                 type(model).__name__, which)

@@ -17,6 +17,7 @@ from solvers import SOLVERS, ModuleCall, OpRange, Problem, Schedule, Solution, S
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
 from solvers.from_profile import op_range_targets, problem_from_profile
+from solvers.routing import RoutingSpread, routed_problem, worst_routing
 from solvers.simulate import optimizer_step_peak
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
 def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
     """`solve` with its options checked: the plan, with the profile's notes."""
     plan = plan_for_profile(profiled.profile, profiled.inputs, profiled.structure, options,
-                            sharding=profiled.sharding)
+                            sharding=profiled.sharding, routing=profiled.routing)
     if profiled.notes:
         plan = plan.model_copy(update={"note": " ".join(filter(None, [plan.note,
                                                                       *profiled.notes]))})
@@ -63,19 +64,97 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
         budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
         offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges)
     return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint, options,
-                            sharding=plan.sharding)
+                            sharding=plan.sharding, routing=plan.routing)
 
 
 LOWEST_PEAK_SHARE = 0.25  # of the time limit, at least, for the lowest peak (infeasible)
 
 
+ROUTING_ROUNDS = 6  # solves, each at the routing the last plan peaked worst at
+
+
 def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str,
-                     options: SolveOptions, sharding: Sharding | None = None) -> Plan:
-    """The solving half of :func:`optimize`, for a profile already taken."""
+                     options: SolveOptions, sharding: Sharding | None = None,
+                     routing: RoutingSpread | None = None) -> Plan:
+    """The solving half of :func:`optimize`, for a profile already taken. With ``routing``
+    the budget holds for every routing (`_plan_for_every_routing`)."""
+    if routing is None:
+        return _plan_at(prof, inputs, structure, options, sharding)
+    return _plan_for_every_routing(prof, inputs, structure, options, sharding, routing)
+
+
+def _plan_for_every_routing(prof: GraphProfile, inputs: list[InputSpec], structure: str,
+                            options: SolveOptions, sharding: Sharding | None,
+                            routing: RoutingSpread) -> Plan:
+    """A plan whose worst routing (`solvers.routing`) fits the budget. Each round solves
+    the step as it runs at the routing the last plan peaked worst at (first the profiled
+    one); where that routing was solved already, at the budget less what the worst still
+    adds. The lowest worst peak found is the error's plan."""
+    budget_bytes, solve_at = options.budget_bytes, options.budget_bytes
+    counts: tuple[int, ...] | None = None
+    tried: set[tuple[tuple[int, ...] | None, int]] = set()
+    best: Plan | None = None
+    for _ in range(ROUTING_ROUNDS):
+        tried.add((counts, solve_at))
+        try:
+            plan, met = _plan_at(prof, inputs, structure, options.at(solve_at), sharding,
+                                 routing, counts), True
+        except InfeasibleBudgetError as error:
+            if error.plan is None:
+                raise
+            plan, met = error.plan, False
+        if best is None or plan.predicted_peak_bytes < best.predicted_peak_bytes:
+            best = plan
+        if plan.predicted_peak_bytes <= budget_bytes:
+            return plan.model_copy(update={"budget_bytes": budget_bytes})
+        worst = worst_routing(plan.problem(), routing, plan.schedule)
+        if (worst.counts, solve_at) not in tried:
+            counts = worst.counts
+        elif met:
+            solve_at -= worst.peak_bytes - budget_bytes
+        else:
+            break
+        log.info("the worst routing peaks %s over the budget: solving at %s for counts %s",
+                 format_bytes(worst.peak_bytes - budget_bytes), format_bytes(solve_at),
+                 list(counts or routing.base_counts))
+    raise _infeasible_for_every_routing(best, budget_bytes, prof, sharding, options)
+
+
+def _infeasible_for_every_routing(plan: Plan, budget_bytes: int, prof: GraphProfile,
+                                  sharding: Sharding | None,
+                                  options: SolveOptions) -> InfeasibleBudgetError:
+    """The error for a budget no plan found meets at every routing: the lowest worst peak
+    found, and its plan (error.plan), which a budget at that peak returns."""
+    peak = plan.predicted_peak_bytes
+    plan = plan.model_copy(update={"budget_bytes": peak})
+    problem = plan.problem()
+    head = (f"No checkpointing plan of {prof.model_name} found fits "
+            f"{format_bytes(budget_bytes)} at every routing of its experts: the lowest "
+            f"worst-routing peak found is {format_bytes(peak, round_up=True)} ({peak} "
+            f"bytes); ")
+    static = problem.static_bytes + sum(problem.param_grad_bytes)
+    rest = (f" Static memory alone is {format_bytes(static)}"
+            f"{' per rank' if sharding else ''}. Raise the budget or shrink the batch.")
+    offload = _offload_hint(problem, options)
+    return InfeasibleBudgetError(
+        f"{head}that plan is error.plan, and optimize(..., budget_gb=error.min_budget_gb) "
+        f"returns it.{rest}{offload.format_map(_PYTHON)}", peak, None, plan,
+        shell_message=f"{head}--budget-gb {peak / GIB!r} returns that plan.{rest}"
+                      f"{offload.format_map(_SHELL)}")
+
+
+def _plan_at(prof: GraphProfile, inputs: list[InputSpec], structure: str,
+             options: SolveOptions, sharding: Sharding | None,
+             routing: RoutingSpread | None = None,
+             counts: tuple[int, ...] | None = None) -> Plan:
+    """The plan of the profiled step at ``options``' budget; with ``routing``, solved for
+    the step at ``counts`` tokens per expert (None: the profiled counts)."""
     started = perf_counter()
-    problem = rank_problem(problem_from_profile(prof, op_ranges=options.op_ranges), sharding)
+    profiled = rank_problem(problem_from_profile(prof, op_ranges=options.op_ranges),
+                            sharding)
+    problem = profiled if counts is None else routed_problem(profiled, routing, list(counts))
     budget_bytes = options.budget_bytes
-    made = _PlanMaker(prof, inputs, structure, sharding, problem, options)
+    made = _PlanMaker(prof, inputs, structure, sharding, profiled, options, routing)
     unplanned = simulate(problem, Schedule.store_all(problem.n_nodes))
     if unplanned.peak_bytes <= budget_bytes:
         report = SolverReport(name="none", status=Status.OPTIMAL.value, objective_ms=0.0,
@@ -107,7 +186,8 @@ def plan_for_profile(prof: GraphProfile, inputs: list[InputSpec], structure: str
     if solution.peak_bytes is None or solution.peak_bytes > budget_bytes:
         at_minimum = made(solution.schedule, solution.peak_bytes, _report(solution),
                           record_offload=False)
-        _remember_minimum(digest, options, solution, at_minimum)
+        if routing is None:  # a bound over routings names its own minimum
+            _remember_minimum(digest, options, solution, at_minimum)
         raise _infeasible(prof, problem, options, solution, at_minimum)
     return made(solution.schedule, budget_bytes, _report(solution, options.time_limit_s))
 
@@ -159,16 +239,19 @@ class _PlanMaker:
     """`_make_plan` with what every plan of one `plan_for_profile` call shares."""
 
     def __init__(self, prof: GraphProfile, inputs: list[InputSpec], structure: str,
-                 sharding: Sharding | None, problem: Problem, options: SolveOptions) -> None:
+                 sharding: Sharding | None, problem: Problem, options: SolveOptions,
+                 routing: RoutingSpread | None = None) -> None:
         self.prof, self.inputs, self.structure = prof, inputs, structure
         self.sharding, self.problem, self.options = sharding, problem, options
+        self.routing = routing
 
     def __call__(self, schedule: Schedule, budget_bytes: int, report: SolverReport,
                  note: str = "", *, record_offload: bool = True) -> Plan:
         host = self.options.host_budget_bytes if self.options.offload and record_offload \
             else None
         return _make_plan(self.prof, schedule, budget_bytes, report, self.inputs,
-                          self.structure, note, self.sharding, self.problem, host)
+                          self.structure, note, self.sharding, self.problem, host,
+                          self.routing)
 
 
 def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solution:
@@ -300,7 +383,8 @@ def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleC
 def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                report: SolverReport, inputs: list[InputSpec], structure: str,
                note: str = "", sharding: Sharding | None = None,
-               problem: Problem | None = None, host_budget_bytes: int | None = None) -> Plan:
+               problem: Problem | None = None, host_budget_bytes: int | None = None,
+               routing: RoutingSpread | None = None) -> Plan:
     """The plan of ``schedule``; each checkpoint's target is the module call of its span.
     ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
     targets = _module_call_targets(profile)
@@ -312,5 +396,6 @@ def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                          "the profile ran")
     plan = Plan(structure_fingerprint=structure, budget_bytes=budget_bytes, note=note,
                 solver=report, schedule=schedule.with_targets(targets), inputs=inputs,
-                profile=profile, sharding=sharding, host_budget_bytes=host_budget_bytes)
+                profile=profile, sharding=sharding, host_budget_bytes=host_budget_bytes,
+                routing=routing)
     return plan.reusing(problem) if problem is not None else plan
