@@ -118,7 +118,7 @@ def profile_model(
             execution=execution, grad_accumulation=grad_accumulation, parallel=parallel)
         prof = again(progress=progress)
         routed = _routed_loops(model, prof)
-        bounded = routing_bound(model, again, ddp) if routed and bound_routing \
+        bounded = routing_bound(model, again, ddp, progress) if routed and bound_routing \
             else None
     if bounded is not None:
         prof, routing = bounded

@@ -25,8 +25,10 @@ MAX_EXPERTS = 16  # a bound costs a profile and a replay per expert of a layer
 
 
 def routing_bound(model: nn.Module, profile_again: Callable[..., GraphProfile],
-                  sharding: Sharding | None) -> tuple[GraphProfile, RoutingSpread] | None:
-    """The step profiled at balanced counts and how its problem moves with the routing;
+                  sharding: Sharding | None, progress: bool = False
+                  ) -> tuple[GraphProfile, RoutingSpread] | None:
+    """The step profiled at balanced counts and how its problem moves with the routing
+    (each profile with a progress bar when ``progress``);
     None where no bound can be made (experts not routed by an argument, layers of other
     sizes, more than `MAX_EXPERTS` experts, too few tokens to move one and keep every
     expert hit, or a step that changes otherwise with the counts): the plan then says it
@@ -38,7 +40,7 @@ def routing_bound(model: nn.Module, profile_again: Callable[..., GraphProfile],
                  type(model).__name__)
         return None
     with routing_forced(found, balanced_counts):
-        base = profile_again(progress=False)
+        base = profile_again(progress=progress)
     calls = {call for routed in found for call in routed.calls}
     if len(calls) != 1:
         log.info("%s: routed layers of other token counts %s: no bound over routings",
@@ -64,7 +66,7 @@ def routing_bound(model: nn.Module, profile_again: Callable[..., GraphProfile],
         for to in range(1, experts):
             with routing_forced(found, lambda t, k, e, to=to: moved_counts(
                     balanced_counts(t, k, e), to, step)):
-                moved = profile_again(progress=False)
+                moved = profile_again(progress=progress)
             shifts.append(problem_shift(problem, rank_problem(problem_from_profile(moved),
                                                               sharding)))
     except RoutingError as error:

@@ -277,17 +277,20 @@ def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solu
 
 def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],
                       structure: str, budget_bytes: int | None = None,
-                      sharding: Sharding | None = None) -> Plan:
+                      sharding: Sharding | None = None,
+                      routing: RoutingSpread | None = None) -> Plan:
     """A plan that runs ``schedule`` (regions of ``prof``'s module calls), e.g. one made by
-    hand or by another tool; its numbers come from ``simulate`` like every plan's."""
+    hand or by another tool; its numbers come from ``simulate`` like every plan's (with
+    ``routing``, a profiled step's, at its worst routing)."""
     problem = rank_problem(problem_from_profile(prof), sharding)
     timeline = simulate(problem, schedule)
     report = SolverReport(name="given", status=Status.FEASIBLE.value,
                           objective_ms=timeline.recompute_time_ms, bound_ms=None, gap=None,
                           solve_time_s=0.0)
-    return _make_plan(prof, schedule,
-                      timeline.peak_bytes if budget_bytes is None else budget_bytes, report,
-                      inputs, structure, sharding=sharding, problem=problem)
+    peak = timeline.peak_bytes if routing is None else \
+        worst_routing(problem, routing, schedule).peak_bytes
+    return _make_plan(prof, schedule, peak if budget_bytes is None else budget_bytes, report,
+                      inputs, structure, sharding=sharding, problem=problem, routing=routing)
 
 
 def _report(solution: Solution, time_limit_s: float | None = None) -> SolverReport:

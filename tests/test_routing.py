@@ -17,6 +17,7 @@ from planner import (
     replan,
     solve,
 )
+from planner.api import plan_for_schedule
 from planner.verification import measure_step
 from profiles import default_loss
 from profiles.routing import balanced_counts, routed_experts, routing_forced
@@ -132,6 +133,12 @@ def test_a_bounded_plan_keeps_its_bound_through_save_load_and_replan(tmp_path) -
     loaded = Plan.load(path)
     assert loaded.routing == plan.routing
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    given = plan_for_schedule(plan.profile, plan.schedule, plan.inputs,
+                              plan.structure_fingerprint, routing=plan.routing)
+    assert given.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert plan_for_schedule(plan.profile, plan.schedule, plan.inputs,
+                             plan.structure_fingerprint).predicted_peak_bytes \
+        <= plan.predicted_peak_bytes
     low = plan.profile.static.total_bytes + 1
     with pytest.raises(InfeasibleBudgetError, match="at every routing of its experts") as error:
         replan(loaded, budget_bytes=low)
