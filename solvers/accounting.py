@@ -17,9 +17,9 @@ save them. Where each rerun starts, stops and what it runs come from `solvers.fr
 
 What one region does, flat or with one level of children, is `solvers.region_analysis`.
 
-Recompute time: per rerun, the forward time of the nodes it runs plus its frame's
-`Problem.checkpoint_overhead_ms`; `profile_parts` adds them step by step in event order, so
-over the whole graph it equals `simulate`'s float sum exactly.
+Recompute time: per rerun, `solvers.clock`'s time of each step; `profile_parts` adds them
+step by step in event order, so over the whole graph it equals `simulate`'s float sum
+exactly.
 
 `profile` evaluates a window of nodes `[a, b)` only, counting the storages produced in the
 window plus those read in it from before `a` that the previous window does not hold
@@ -35,6 +35,7 @@ from typing import overload
 
 import numpy as np
 
+from solvers.clock import rerun_step_ms
 from solvers.problem import Problem
 from solvers.region_analysis import (
     BWD,
@@ -319,7 +320,6 @@ class _Slots:
         gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
         bwd_slot = [0] * n_fw
         off: list[list[int]] = [[0] * len(r.reruns) for r in plans]
-        fwd = p.fwd_time_ms
         time_ms = 0.0
         for j in range(b0 - 1, a0 - 1, -1):
             for pi, ri in at_trigger.get(j, ()):
@@ -328,9 +328,9 @@ class _Slots:
                 const.extend(rr.step_const)
                 gidx.extend([table_index(n, RERUN, j - a0)] * len(rr.step_const))
                 idle = rr.idle
-                for i in range(rr.start, rr.stop):
-                    step_ms = 0.0 if i in idle else fwd[i]
-                    time_ms += step_ms + rr.overhead_ms if i == rr.start else step_ms
+                for i in range(rr.start, rr.stop):  # summed as `simulate` sums its events
+                    time_ms += rerun_step_ms(p, i, i in idle,
+                                             rr.overhead_ms if i == rr.start else 0.0)
             bwd_slot[j - a0] = len(const)
             const.append(p.bwd_temp_bytes[j])
             gidx.append(table_index(n, BACKWARD, j - a0))

@@ -11,8 +11,8 @@ or one RECOMPUTE region per recomputable run, with keep = nothing, the matmul-li
 for tiny problems, any subset (only nodes that `Problem.can_keep` are ever kept); a segment
 of 2..`NEST_MAX_STAGES` stages may also be one parent region with one nested child per stage
 (`nested_options`: Rotor's two-level persistent checkpoints, for budgets below every flat
-schedule; children keep nothing or their matmuls). Recompute times include
-`Problem.checkpoint_overhead_ms` per rerun, as `simulate` charges it. Fronts
+schedule; children keep nothing or their matmuls). Recompute times are `solvers.clock`'s,
+as `simulate` charges them (`_rerun_ms`, through prefix sums). Fronts
 larger than `max_front` are thinned to one entry per memory bucket (`Front.prune`): the
 upper-bound pass keeps each bucket's fastest real entry, a second, lower-bound pass pairs
 that time with the bucket's least held bytes; the difference is reported as the gap.
@@ -104,6 +104,7 @@ from solvers.chain import (
     pinned_storages,
     stage_index,
 )
+from solvers.clock import rerun_overhead_ms
 from solvers.dp_bounds import SpanBounds
 from solvers.dp_options import (
     RerunRel,
@@ -326,12 +327,13 @@ def _add_conservative(ctx: Context, table: np.ndarray, s: int, sign: int) -> Non
 
 def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
               reruns: list[RerunRel]) -> float:
-    """Recompute time of a window option placed at `a`: the forward time of each rerun's
-    nodes less the idle ones, plus its `Problem.checkpoint_overhead_ms`."""
+    """Recompute time of a window option placed at `a`: `clock.rerun_ms` of each rerun
+    through prefix sums (the forward time of its nodes less the idle ones, plus its
+    `clock.rerun_overhead_ms`), equal to it up to float rounding."""
     total = 0.0
     for x, y, idle, kept in reruns:
         total += float(fwd_sum[a + y] - fwd_sum[a + x] - fwd[idle + a].sum())
-        total += p.checkpoint_overhead_ms(a + x, a + y, (kept + a).tolist())
+        total += rerun_overhead_ms(p, a + x, a + y, (kept + a).tolist())
     return total
 
 

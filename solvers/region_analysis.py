@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from solvers.clock import rerun_ms, rerun_overhead_ms
 from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
 
 if TYPE_CHECKING:
@@ -121,9 +122,9 @@ class RegionInfo(_Frame):
         p = ctx.p
         rules = frame_rules(p, own_packs(p, a, b))
         run = rules.run_steps(a)
-        time_ms = float(sum(p.fwd_time_ms[i] for i in run if i not in keep)
-                        + (p.checkpoint_overhead_ms(a, rules.rerun_stop, keep)
-                           if rules.reruns else 0.0))
+        time_ms = rerun_ms(p, a, rules.rerun_stop, rules.idle_steps(keep),
+                           rerun_overhead_ms(p, a, rules.rerun_stop, keep)) \
+            if rules.reruns else 0.0
         info = cls(a, b, keep, rules, p.region_inputs(a, b), time_ms)
         for i in rules.rerun_steps(a):
             if i not in run:  # F3: the rerun stops in its pack, nothing made
@@ -165,7 +166,7 @@ class Rerun(_Frame):
     Nodes in `cached` come from the SAC cache (no time, no new memory); `idle` are the steps
     that do no work (F3); `step_const` is each step's allocation + forward temporaries (0 when
     idle). `time_ms` is the forward time of the nodes run plus `overhead_ms`, the frame's
-    `Problem.checkpoint_overhead_ms`, which `simulate` charges to the first step.
+    `clock.rerun_overhead_ms`, which `simulate` charges to the first step.
     """
 
     start: int
@@ -277,7 +278,7 @@ class NestedRegionInfo(_Frame):
             held[s] = (end_of_frame if kept.last_step is None else
                        (BWD, min(kept.savers), 0) if kept.savers else (STEP, kept.last_step, 0))
         reruns = (Rerun(r.a, r.rules, r.keep & frozenset(r.steps()), tuple(r.step_const),
-                        p.checkpoint_overhead_ms(r.a, r.stop, r.keep), r.time_ms),
+                        rerun_overhead_ms(p, r.a, r.stop, r.keep), r.time_ms),
                   ) if r.packs else ()
         # savers are ascending: the first is the earliest, the last to run backward
         g = np.asarray([(x.storage, x.step, x.read_end, x.savers[0] if x.savers else -1)
@@ -385,15 +386,14 @@ class _NestedAnalysis:
         last = steps.stop
         cached = frame_keep & frozenset(steps)
         consts: list[int] = []
-        overhead_ms = p.checkpoint_overhead_ms(first, last, frame_keep)
-        time_ms = overhead_ms
+        overhead_ms = rerun_overhead_ms(p, first, last, frame_keep)
+        time_ms = rerun_ms(p, first, last, rules.idle_steps(cached), overhead_ms)
         for i in steps:
             if i not in run:  # F3: stops in its pack, nothing made
                 consts.append(0)
                 continue
             ci = self.owner.get(i) if parent else None
             consts.append(0 if i in cached else ctx.alloc[i] + p.fwd_temp_bytes[i])
-            time_ms += 0.0 if i in cached else p.fwd_time_ms[i]
             for s in p.outputs[i]:
                 pts = self._rerun_ends(s, i, r, first, last, parent)
                 if parent and s in self.child_args:

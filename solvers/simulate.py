@@ -36,11 +36,12 @@ reader inside the rerun or when the rerun stops.
   saves are not kept; its inputs and its kept outputs live until that rerun ends. A child's
   rerun first needs its inputs unpacked from the parent, which reruns the parent first.
 
-Time: forward and backward events cost the nodes' `fwd_time_ms` / `bwd_time_ms`; a rerun
-costs the `fwd_time_ms` of the nodes it runs (kept nodes are free) plus, once per frame that
-reruns (nested ones each on their own), `Problem.checkpoint_overhead_ms(start, rerun stop,
-keep)`: the host time of the checkpoint itself (frame, RNG, pack/unpack hooks, SAC policy),
-charged to the rerun's first event. Forward-side parts of that overhead are counted there
+Time (`solvers.clock`, the one place each step's cost is said): forward and backward events
+cost the nodes' `fwd_time_ms` / `bwd_time_ms`; a rerun costs the `fwd_time_ms` of the
+nodes it runs (kept nodes are free) plus, once per frame that reruns (nested ones each on
+their own), `clock.rerun_overhead_ms(start, rerun stop, keep)`: the host time of the
+checkpoint itself (frame, RNG, pack/unpack hooks, SAC policy), charged to the rerun's first
+event. Forward-side parts of that overhead are counted there
 too, so `recompute_time_ms` is everything checkpointing adds to the step.
 
 Gradients (`Problem.gradient_events`, the same under every schedule): the gradient of a
@@ -83,6 +84,7 @@ from enum import IntEnum
 from itertools import count
 from typing import NamedTuple
 
+from solvers.clock import rerun_overhead_ms, rerun_step_ms
 from solvers.copy_queues import CopyQueues
 from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
 from solvers.offload import OffloadGroup, offload_groups
@@ -434,7 +436,7 @@ class _Replay:
         label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
         if not_run:
             label += " (stops in its pack)"
-        time = (0.0 if cached or not_run else p.fwd_time_ms[i]) + overhead_ms
+        time = rerun_step_ms(p, i, cached or not_run, overhead_ms)
         if root is None:
             self._copy_out(i, env, time)
         self._record(label, "forward" if root is None else "recompute", i, time,
@@ -514,8 +516,8 @@ class _Replay:
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
                      f.region.stop, f.rules.rerun_stop)
         self._pass(f.region.start, f.rules.rerun_stop, env, f,
-                   self.p.checkpoint_overhead_ms(f.region.start, f.rules.rerun_stop,
-                                                 f.region.keep),
+                   rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop,
+                                     f.region.keep),
                    f.rules.last_not_run)
         self._release(Token(Hold.CHILD_INPUT, f.uid))
 

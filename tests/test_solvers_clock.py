@@ -1,0 +1,65 @@
+"""solvers.clock: one rule for what a rerun costs. `simulate`, the region analysis and the
+DP's prefix sums charge the same time for every region, kept set and early stop."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from solvers import Problem, Schedule, simulate
+from solvers.accounting import Context
+from solvers.clock import rerun_ms, rerun_overhead_ms, rerun_step_ms
+from solvers.dp import _rerun_ms
+from solvers.frame import frame_rules, own_packs
+from solvers.region_analysis import RegionInfo
+
+
+def _problem(overlaps: bool) -> Problem:
+    p = Problem.chain([8, 6, 4, 6, 2, 1], [0.7, 1.3, 0.1, 2.9, 0.5, 0.3])
+    return p.model_copy(update={"checkpoint_region_ms": 0.4, "checkpoint_pack_ms": 0.15,
+                                "checkpoint_sac_op_ms": 0.05, "node_ops": [1, 3, 2, 4, 1, 1],
+                                "host_overlaps_device": overlaps})
+
+
+def _regions(p: Problem):
+    n = p.n_nodes - 1  # the loss is never recomputed
+    for a, b in itertools.combinations(range(n + 1), 2):
+        inside = [i for i in range(a, b) if p.can_keep(i)]
+        for size in range(len(inside) + 1):
+            for keep in itertools.combinations(inside, size):
+                yield a, b, frozenset(keep)
+
+
+@pytest.mark.parametrize("overlaps", [False, True], ids=["cpu", "gpu"])
+def test_every_rerun_costs_the_same_in_simulate_region_analysis_and_the_dp(
+        overlaps: bool) -> None:
+    p = _problem(overlaps)
+    ctx = Context(p)
+    fwd = np.asarray(p.fwd_time_ms)
+    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
+    checked = 0
+    for a, b, keep in _regions(p):
+        rules = frame_rules(p, own_packs(p, a, b))
+        if not rules.reruns:
+            continue
+        stop, idle = rules.rerun_stop, rules.idle_steps(keep & frozenset(range(a, b)))
+        clock = rerun_ms(p, a, stop, idle, rerun_overhead_ms(p, a, stop, keep))
+        by_hand = sum(fwd[i] for i in range(a, stop) if i not in idle) + (
+            rerun_overhead_ms(p, a, stop, keep))
+        assert clock == pytest.approx(by_hand, rel=1e-12)
+        replay = simulate(p, Schedule.from_segments(p.n_nodes, [(a, b)], keep=sorted(keep)))
+        assert replay.recompute_time_ms == clock  # one rerun: the same sum, to the bit
+        assert RegionInfo.build(ctx, a, b, keep).time_ms == clock
+        relative = [(0, stop - a, np.asarray(sorted(idle), dtype=np.int64) - a,
+                     np.asarray(sorted(keep), dtype=np.int64) - a)]
+        assert _rerun_ms(p, a, fwd_sum, fwd, relative) == pytest.approx(clock, rel=1e-12)
+        checked += 1
+    assert checked > 20
+
+
+def test_a_step_of_a_pass_costs_its_node_unless_idle_plus_the_overhead_given() -> None:
+    p = _problem(False)
+    assert rerun_step_ms(p, 3, False) == 2.9
+    assert rerun_step_ms(p, 3, True, 0.25) == 0.25
