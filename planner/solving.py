@@ -108,8 +108,9 @@ def _plan_for_every_routing(prof: GraphProfile, inputs: list[InputSpec], structu
         if plan.predicted_peak_bytes <= budget_bytes:
             return plan.model_copy(update={"budget_bytes": budget_bytes})
         worst = worst_routing(plan.problem(), routing, plan.schedule)
-        if (worst.counts, solve_at) not in tried:
-            counts = worst.counts
+        at = None if list(worst.counts) == routing.base_counts else worst.counts
+        if (at, solve_at) not in tried:
+            counts = at
         elif met:
             solve_at -= worst.peak_bytes - budget_bytes
         else:
