@@ -117,13 +117,10 @@ def profile_model(
             optimizer=optimizer, autocast=autocast, timing=timing, device=device,
             execution=execution, grad_accumulation=grad_accumulation, parallel=parallel)
         prof = again(progress=progress)
-        routed = _routed_loops(model, prof)
-        bounded = routing_bound(model, again, ddp, progress) if routed and bound_routing \
-            else None
-    if bounded is not None:
-        prof, routing = bounded
-    else:
-        routing = None
+        routed, routing = _routed_loops(model, prof), None
+        if routed and bound_routing and \
+                (bounded := routing_bound(model, again, ddp, progress)) is not None:
+            prof, routing = bounded
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
     notes.extend(_routing_note(model, routed, routing))
