@@ -163,9 +163,9 @@ def _routed_loops(model: nn.Module, prof: GraphProfile) -> Counter[str]:
             name = type(model.get_submodule(call.path)).__name__
         except AttributeError:
             continue
-        if _ROUTED.search(name) and any("nonzero" in node.target
+        if _ROUTED.search(name) and any("nonzero" in node.target and node.module == call.path
                                         for node in prof.nodes[call.start:call.stop]):
-            routed[name] += 1
+            routed[name] += 1  # the module whose own forward loops (not those around it)
     return routed
 
 
