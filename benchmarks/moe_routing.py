@@ -28,7 +28,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gloo_ranks import free_port, spawn_ranks
+from results_files import write_results
 
 from planner import InfeasibleBudgetError, Plan, apply, profile_model, remove
 from planner.measure import PeakTracker, least_peak_over_gloo
@@ -51,7 +51,6 @@ from profiles.parallel import local_tensor
 from profiles.routing import routed_experts, routing_forced
 from solvers.routing import worst_routing
 
-RESULTS = Path(__file__).parent / "results"
 FRACTIONS = (0.8, 0.6, 0.45)  # of the unplanned step's activations, above static memory
 WORLD = 2
 
@@ -311,11 +310,7 @@ def main() -> None:
             rows += fsdp2_ranks(name, steps, folder)
     result = {"date": datetime.date.today().isoformat(),
               "seconds": time.perf_counter() - started, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe-routing-cpu.json").write_text(json.dumps(result, indent=1))
-    report = render(result)
-    (RESULTS / "moe-routing-cpu.md").write_text(report + "\n")
-    print(report)
+    write_results("moe-routing-cpu", result, render)
 
 
 if __name__ == "__main__":

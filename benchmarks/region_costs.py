@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import platform
 import time
 import warnings
-from pathlib import Path
 
 import torch
+from results_files import write_results  # benchmarks/, the script's folder
 from torch.utils.checkpoint import checkpoint
 
 from planner import apply, profile_model, zoo
@@ -40,7 +39,6 @@ from profiles.inputs import normalize_inputs
 from solvers import baselines
 from solvers.clock import rerun_overhead_ms
 
-RESULTS = Path(__file__).parent / "results"
 CASES = [("gpt", {"size": "small", "batch": b}) for b in (1, 4, 16)] + [
     ("hf-llama", {"batch": 4})]
 ROUNDS = 25
@@ -147,11 +145,7 @@ def main() -> None:
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "machine": platform.machine(),
               "seconds": time.perf_counter() - started, "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "region-costs-cpu.json").write_text(json.dumps(result, indent=1))
-    report = render(result)
-    (RESULTS / "region-costs-cpu.md").write_text(report + "\n")
-    print(report)
+    write_results("region-costs-cpu", result, render)
 
 
 if __name__ == "__main__":
