@@ -39,7 +39,7 @@ from solvers.bounds import memory_lower_bound
 from solvers.from_profile import host_link, op_range_name, op_range_targets
 from solvers.pipeline import StageSpec
 from solvers.problem import Problem
-from solvers.routing import RoutingSpread, worst_routing
+from solvers.routing import RoutingSpread, WorstRouting, worst_routing
 from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
 PLAN_SCHEMA_VERSION = 3
@@ -176,6 +176,7 @@ class _Replay(NamedTuple):
     stall_ms: float
     transfer_ms: float
     offloaded_bytes: int
+    worst: WorstRouting | None = None  # with routed experts: the worst routing's
 
 
 class PipelineStage(_Strict):
@@ -276,17 +277,19 @@ class Plan(_Strict):
                      "gradients": b.gradient_bytes, "temporaries": b.temp_bytes}
         peak, peak_at, unplanned_peak = timeline.peak_bytes, timeline.peak_label, \
             unplanned.peak_bytes
+        worst = None
         if self.routing is not None:  # the bound over routings, not the profiled one
-            worst = worst_routing(problem, self.routing, self.schedule)
+            worst = worst_routing(problem, self.routing, self.schedule, timeline)
             if worst.peak_bytes > peak:
                 breakdown["routing"] = worst.peak_bytes - peak
                 peak, peak_at = worst.peak_bytes, f"{worst.label} (worst routing)"
             unplanned_peak = worst_routing(problem, self.routing,
-                                           Schedule.store_all(problem.n_nodes)).peak_bytes
+                                           Schedule.store_all(problem.n_nodes),
+                                           unplanned).peak_bytes
         return _Replay(peak, breakdown, peak_at, timeline.recompute_time_ms,
                        unplanned_peak, unplanned.total_time_ms,
                        timeline.stall_time_ms, timeline.transfer_time_ms,
-                       timeline.offloaded_bytes)
+                       timeline.offloaded_bytes, worst)
 
     @property
     def model_name(self) -> str:
@@ -455,12 +458,16 @@ class Plan(_Strict):
                      or static.optimizer_step_bytes else ", no optimizer counted")
         return f"forward + backward{optimizer}; {start}"
 
+    @property
+    def worst_routing(self) -> WorstRouting | None:
+        """With routed experts (``routing``): the routing the predicted peak is at."""
+        return self._replay.worst
+
     def routing_description(self) -> str:
         """What the peak assumes of the routing ('' without routed experts)."""
-        spread = self.routing
-        if spread is None:
+        spread, worst = self.routing, self.worst_routing
+        if spread is None or worst is None:
             return ""
-        worst = worst_routing(self.problem(), spread, self.schedule)
         full = [e for e, c in enumerate(worst.counts) if c == spread.tokens]
         where = (f"the worst sends every token to experts {full}" if full else
                  "no routing peaks above them")

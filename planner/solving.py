@@ -107,7 +107,7 @@ def _plan_for_every_routing(prof: GraphProfile, inputs: list[InputSpec], structu
             best = plan
         if plan.predicted_peak_bytes <= budget_bytes:
             return plan.model_copy(update={"budget_bytes": budget_bytes})
-        worst = worst_routing(plan.problem(), routing, plan.schedule)
+        worst = plan.worst_routing
         at = None if list(worst.counts) == routing.base_counts else worst.counts
         if (at, solve_at) not in tried:
             counts = at

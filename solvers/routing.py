@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from solvers.problem import Problem
 from solvers.schedule import Schedule
-from solvers.simulate import simulate
+from solvers.simulate import Timeline, simulate
 
 __all__ = ["BYTE_FIELDS", "ProblemShift", "RoutingError", "RoutingSpread", "WorstRouting",
            "problem_shift", "routed_problem", "shifted", "worst_routing"]
@@ -151,14 +151,16 @@ class WorstRouting:
     counts: tuple[int, ...]
 
 
-def worst_routing(problem: Problem, spread: RoutingSpread, schedule: Schedule) -> WorstRouting:
+def worst_routing(problem: Problem, spread: RoutingSpread, schedule: Schedule,
+                  base: Timeline | None = None) -> WorstRouting:
     """The bound of the module docstring for ``schedule`` on ``problem`` (at the profiled
-    counts); the directions replay the same schedule, event for event.
+    counts; ``base``: its replay, when made already); the directions replay the same
+    schedule, event for event.
 
     Raises:
         RoutingError: a direction's replay has other events (not the same step).
     """
-    base = simulate(problem, schedule)
+    base = base or simulate(problem, schedule)
     peaks = np.array([e.peak_bytes for e in base.events], dtype=np.float64)
     gains = np.zeros((len(peaks), spread.experts))
     for d, shift in enumerate(spread.shifts, start=1):
