@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_snapshot import ModelSnapshot
 
 from planner import (
     InfeasibleBudgetError,
@@ -166,3 +167,18 @@ def test_a_rank_on_the_fake_process_group_is_bounded_whatever_its_placeholder_we
     assert step.profile.parallel is not None and step.profile.parallel.world_size == 2
     assert step.unplanned_peak_bytes > simulate(step.problem(), Schedule.store_all(
         len(step.profile.nodes))).peak_bytes  # the worst routing peaks above balanced
+
+
+def test_profiling_at_forced_routings_leaves_the_model_and_the_rng_as_they_were() -> None:
+    """The bound profiles the step E more times with the router's choice overwritten and
+    the experts class patched: afterwards the same parameter objects and bits, buffers,
+    hooks, the experts' own forward and the RNG state."""
+    model, batch = _mixtral()
+    experts_class = type(model.model.layers[0].mlp.experts)
+    forward = experts_class.__dict__["forward"]
+    before, rng = ModelSnapshot.of(model), torch.get_rng_state()
+    step = profile_model(model, batch, timing="estimate", progress=False)
+    assert step.routing is not None
+    assert before.differences(model) == []
+    assert torch.equal(rng, torch.get_rng_state())
+    assert experts_class.__dict__["forward"] is forward
