@@ -26,8 +26,10 @@ from planner.model_state import (
     structure_fingerprint,
 )
 from planner.plan import InputSpec
+from planner.region_calibration import calibrated_costs
 from planner.routing_bound import routing_bound
 from planner.sharding import Sharding, rank_problem
+from profiles.calibrate import CPU_MEASURED
 from profiles.inputs import normalize_inputs
 from profiles.kernels import attention_kernels
 from profiles.schema import GraphProfile
@@ -121,11 +123,30 @@ def profile_model(
         if routed and bound_routing and \
                 (bounded := routing_bound(model, again, ddp, progress)) is not None:
             prof, routing = bounded
+        if parallel is None and ddp is None and _host_timed(model, prof):
+            prof = _calibrated(model, args, kwargs, loss_fn, autocast, prof)
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
     notes.extend(_routing_note(model, routed, routing))
     return ProfiledStep(prof, _input_specs(args, kwargs), structure_fingerprint(model), ddp,
                         tuple(notes), routing)
+
+
+def _host_timed(model: nn.Module, prof: GraphProfile) -> bool:
+    """Whether the step was timed on this process's CPU (every cost host cost), where a
+    region's cost is measured on the model itself (`planner.region_calibration`)."""
+    costs = prof.checkpoint_costs
+    return costs is not None and costs.source == CPU_MEASURED and \
+        _model_device(model).type == "cpu"
+
+
+def _calibrated(model: nn.Module, args: tuple, kwargs: dict,
+                loss_fn: Callable[[Any], torch.Tensor] | None, autocast: torch.dtype | None,
+                prof: GraphProfile) -> GraphProfile:
+    """``prof`` with its checkpoint costs measured on ``model`` where it has blocks."""
+    costs = calibrated_costs(model, args, kwargs, loss_fn or profiles.default_loss, autocast,
+                             prof)
+    return prof if costs is None else prof.model_copy(update={"checkpoint_costs": costs})
 
 
 def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,

@@ -41,9 +41,9 @@ from torch.utils.checkpoint import (
 
 from profiles.schema import CheckpointCosts
 
-__all__ = ["MODES", "Chain", "calibrate_checkpoint_costs", "calibration_chains", "chain_runs",
-           "chain_step", "costs_from_samples", "interleaved_ms", "lower_quartile", "step_clock",
-           "tiny_chain"]
+__all__ = ["CPU_MEASURED", "MODES", "Chain", "calibrate_checkpoint_costs", "calibration_chains",
+           "chain_runs", "chain_step", "costs_from_samples", "interleaved_ms", "lower_quartile",
+           "step_clock", "tiny_chain"]
 
 MODES = ("plain", "checkpoint", "sac", "forward")
 REGIONS, OPS = 8, 4  # calibration chains: regions per step, tiny ops per region
@@ -186,3 +186,6 @@ def calibrate_checkpoint_costs(device: torch.device | str = "cpu", *, budget_s: 
                                  budget_s=budget_s)
     return costs_from_samples(samples, REGIONS, OPS,
                               f"measured on {device.type} with tiny ops")
+
+
+CPU_MEASURED = "measured on cpu with tiny ops"  # `CheckpointCosts.source` of a CPU calibration
