@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="smallest sizes, 2 timed steps")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (7; --quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (15; --quick 2)")
     parser.add_argument("--timing", default="measure", choices=["measure", "estimate"])
     parser.add_argument("--autocast", default=None, choices=sorted(AUTOCAST),
                         help="run every step under torch.autocast(this dtype)")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--peers", nargs="*", default=None, choices=ALL_PEERS,
                         help="peer strategies to run ('none' always runs)")
     opts = parser.parse_args(argv)
-    steps = opts.steps or (2 if opts.quick else 7)
+    steps = opts.steps or (2 if opts.quick else 15)
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
     autocast = AUTOCAST.get(opts.autocast)
