@@ -43,7 +43,7 @@ from profiles.schema import CheckpointCosts
 
 __all__ = ["CPU_MEASURED", "MODES", "Chain", "calibrate_checkpoint_costs", "calibration_chains",
            "chain_runs", "chain_step", "costs_from_samples", "interleaved_ms", "lower_quartile",
-           "step_clock", "tiny_chain"]
+           "measured_source", "step_clock", "tiny_chain"]
 
 MODES = ("plain", "checkpoint", "sac", "forward")
 REGIONS, OPS = 8, 4  # calibration chains: regions per step, tiny ops per region
@@ -184,8 +184,12 @@ def calibrate_checkpoint_costs(device: torch.device | str = "cpu", *, budget_s: 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         samples = interleaved_ms(chain_runs(calibration_chains(), device), device,
                                  budget_s=budget_s)
-    return costs_from_samples(samples, REGIONS, OPS,
-                              f"measured on {device.type} with tiny ops")
+    return costs_from_samples(samples, REGIONS, OPS, measured_source(device.type))
 
 
-CPU_MEASURED = "measured on cpu with tiny ops"  # `CheckpointCosts.source` of a CPU calibration
+def measured_source(device_type: str) -> str:
+    """`CheckpointCosts.source` of constants measured here on ``device_type``."""
+    return f"measured on {device_type} with tiny ops"
+
+
+CPU_MEASURED = measured_source("cpu")  # what `planner.region_calibration` calibrates further
