@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -74,11 +75,16 @@ def trace_inputs(module: nn.Module) -> tuple:
     function and its code, the module's own attributes (a float becomes a constant of the
     graph, a flag picks a branch), plain attributes of its class and of its bases up to
     ``nn.Module``, and the plain globals its forward names. Equal values trace alike; a
-    planned traced forward compares them at each training call (``planner.emit``)."""
+    planned traced forward compares them at each training call (``planner.emit``). Own
+    attributes count only where the forward's code can name them (`_names_read`): a
+    ``repr`` of an attribute it never reads (a Hugging Face module's ``config``: 0.23 ms)
+    would be paid on every call for nothing."""
     cls = type(module)
     forward = cls.forward
+    named = _names_read(cls, forward)
     own = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
                        if k not in _MODULE_STATE and k != "forward"  # a plan's wrapper
+                       and (named is None or k in named)
                        and not isinstance(v, torch.Tensor | nn.Module)))
     bases = cls.__mro__[:cls.__mro__.index(nn.Module)] if nn.Module in cls.__mro__ else ()
     shared = tuple((base.__qualname__, k, repr(v)) for base in bases
@@ -89,6 +95,56 @@ def trace_inputs(module: nn.Module) -> tuple:
     read = tuple((n, repr(names[n])) for n in (code.co_names if code else ())
                  if n in names and isinstance(names[n], _PLAIN))
     return (forward, code, own, shared, read)
+
+
+def _names_read(cls: type, forward: Any) -> frozenset[str] | None:
+    """Every name ``forward`` can read an attribute of its module by: the names and string
+    constants of its code (nested code too), of the functions it wraps or closes over, and
+    of the class's methods and properties those name, followed through. None when some
+    callable on the way has no Python code (then every attribute counts)."""
+    names: set[str] = set()
+    seen: set[int] = set()
+    todo: list[Any] = [forward]
+    while todo:
+        f = todo.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if isinstance(f, property):
+            todo += [f.fget, f.fset]
+            continue
+        f = getattr(f, "__func__", f)  # staticmethod, classmethod
+        code = getattr(f, "__code__", None)
+        if not isinstance(code, types.CodeType):
+            return None
+        todo.append(getattr(f, "__wrapped__", None))
+        todo += [c.cell_contents for c in f.__closure__ or ()
+                 if _filled(c) and isinstance(c.cell_contents, types.FunctionType)]
+        new = _code_names(code) - names
+        names |= new
+        todo += [m for m in (inspect.getattr_static(cls, n, None) for n in new)
+                 if isinstance(m, types.FunctionType | property | staticmethod | classmethod)]
+    return frozenset(names)
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The names and string constants of ``code`` and of the code nested in it."""
+    out: set[str] = set()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        out.update(c.co_names)
+        out.update(k for k in c.co_consts if isinstance(k, str))
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return out
 
 
 def _trace_key(module: nn.Module) -> tuple | None:

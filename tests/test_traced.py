@@ -6,6 +6,7 @@ children that no module wraps: with module calls only, those can never be one ch
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 
@@ -21,6 +22,7 @@ from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
 from planner.emit import TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
+from profiles.traced import trace_inputs
 from solvers import OpRange, Schedule, auto, simulate
 from solvers.from_profile import problem_from_profile
 from solvers.result import Status
@@ -241,3 +243,41 @@ def test_module_calls_go_first_only_where_cp_sat_searches(
     first = [True] if problem.n_nodes <= auto.DP_FIRST_MAX_NODES else []
     again = [] if first and answers[0].status == Status.OPTIMAL else [True]
     assert searched == ([True] if large else [*first, False, *again])
+
+
+def _logged(forward):
+    @functools.wraps(forward)
+    def run(self, *args):
+        return forward(self, *args)
+    return run
+
+
+class _Helped(nn.Module):
+    """Reads ``scale`` through a method and ``shift`` through a property, under a
+    decorator; never reads ``notes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.scale, self.shift, self.notes = nn.Linear(4, 4), 2.0, 0.5, []
+
+    @property
+    def offset(self) -> float:
+        return self.shift
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.offset
+
+    @_logged
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(self.lin(x))
+
+
+def test_trace_inputs_count_the_attributes_the_forward_can_read():
+    module = _Helped()
+    before = trace_inputs(module)
+    module.notes.append("a step")  # never read by the forward: the same trace
+    assert trace_inputs(module) == before
+    for name, value in (("scale", 3.0), ("shift", 1.0)):
+        changed = _Helped()
+        setattr(changed, name, value)
+        assert trace_inputs(changed) != trace_inputs(_Helped()), name
