@@ -17,6 +17,7 @@ proxies, never on tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import types
@@ -97,11 +98,13 @@ def trace_inputs(module: nn.Module) -> tuple:
     return (forward, code, own, shared, read)
 
 
+@functools.lru_cache(maxsize=1024)
 def _names_read(cls: type, forward: Any) -> frozenset[str] | None:
     """Every name ``forward`` can read an attribute of its module by: the names and string
     constants of its code (nested code too), of the functions it wraps or closes over, and
     of the class's methods and properties those name, followed through. None when some
-    callable on the way has no Python code (then every attribute counts)."""
+    callable on the way has no Python code (then every attribute counts). Cached per class
+    and forward: a planned call pays a lookup."""
     names: set[str] = set()
     seen: set[int] = set()
     todo: list[Any] = [forward]
