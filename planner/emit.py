@@ -337,7 +337,10 @@ class _Program:
 def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     """Evaluate one fx node of ``module``'s traced forward (as ``fx.Interpreter`` does),
     its attributes and children looked up on ``module`` now (FSDP2 may have replaced them)."""
-    args, kwargs = _as_written(fx.node.map_arg((node.args, node.kwargs), lambda a: env[a]))
+    build = node.meta.get(_ARGUMENTS)
+    if build is None:
+        build = node.meta[_ARGUMENTS] = _builder((node.args, node.kwargs))
+    args, kwargs = build(env)
     if node.op == "get_attr":
         return functools.reduce(getattr, str(node.target).split("."), module)
     if node.op == "call_function":
@@ -348,6 +351,32 @@ def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     if node.op == "call_module":
         return module.get_submodule(str(node.target))(*args, **kwargs)
     raise RuntimeError(f"unexpected fx node {node.format_node()}")
+
+
+_ARGUMENTS = "planner.arguments"  # fx node meta: its arguments' builder (`_builder`)
+
+
+def _builder(value: Any) -> Callable[[dict[fx.Node, Any]], Any]:
+    """What ``_as_written(map_arg(value, env))`` gives, as a function of ``env`` made once
+    per node: a node's arguments are read on every call of a planned traced forward."""
+    if isinstance(value, fx.Node):
+        return lambda env: env[value]
+    if isinstance(value, list) or type(value) is tuple:
+        parts = [_builder(v) for v in value]
+        if isinstance(value, list):
+            return lambda env: [part(env) for part in parts]
+        return lambda env: tuple(part(env) for part in parts)
+    if isinstance(value, dict):
+        items = [(k, _builder(v)) for k, v in value.items()]
+        return lambda env: {k: part(env) for k, part in items}
+    if isinstance(value, _CONSTANT):
+        return lambda env: value
+    # anything else that may hold nodes (a slice, a named tuple): as fx maps it
+    return lambda env: _as_written(fx.node.map_arg(value, lambda a: env[a]))
+
+
+_CONSTANT = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+             torch.memory_format, torch.layout, type(Ellipsis))
 
 
 def _as_written(value: Any) -> Any:
