@@ -49,9 +49,15 @@ _SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)
 def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
     """What to install on each checkpointed module: kept ops by (op, occurrence in the
     module's forward), the ops the forward is expected to run, buffers to restore."""
-    nodes = plan.profile.nodes
+    return schedule_specs(plan.profile, plan.schedule, plan.autocast_dtype, strict)
+
+
+def schedule_specs(profile: GraphProfile, schedule: Schedule, autocast_dtype: str | None,
+                   strict: bool = False) -> list[RegionSpec]:
+    """`region_specs` of ``schedule`` (its regions' targets set) on ``profile``."""
+    nodes = profile.nodes
     out = []
-    for region in plan.schedule.recompute_regions():  # pre-order: outer before nested
+    for region in schedule.recompute_regions():  # pre-order: outer before nested
         target = region.target
         path = target.path
         counter: Counter[str] = Counter()
@@ -67,9 +73,9 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
         ranged = isinstance(target, OpRange)
         out.append(RegionSpec(path, frozenset(keep_ops),
                               tuple(b.removeprefix(prefix)
-                                    for b in _mutated_buffers(plan.profile, region)),
+                                    for b in _mutated_buffers(profile, region)),
                               tuple(sorted(counter.items())), strict,
-                              autocast_dtype=plan.autocast_dtype,
+                              autocast_dtype=autocast_dtype,
                               first=target.first if ranged else "",
                               last=target.last if ranged else ""))
     return out

@@ -13,10 +13,10 @@ from planner.profiling import ProfiledStep
 from planner.sharding import Sharding, rank_problem
 from planner.solution_memo import ANSWERS, problem_digest
 from profiles.schema import GraphProfile
-from solvers import SOLVERS, ModuleCall, OpRange, Problem, Schedule, Solution, Status, simulate
+from solvers import SOLVERS, Problem, Schedule, Solution, Status, simulate
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
-from solvers.from_profile import op_range_targets, problem_from_profile
+from solvers.from_profile import problem_from_profile, span_targets
 from solvers.routing import RoutingSpread, routed_problem, worst_routing
 from solvers.simulate import optimizer_step_peak
 
@@ -372,18 +372,6 @@ def _offload_hint(problem: Problem, options: SolveOptions) -> str:
             "host memory) does not reach it either.")
 
 
-def _module_call_targets(profile: GraphProfile) -> dict[tuple[int, int], ModuleCall | OpRange]:
-    """What each span of the profile checkpoints: the first (outermost) module call where
-    several modules ran the same nodes (a wrapper and the module it wraps), else the op
-    range of a traced forward."""
-    targets: dict[tuple[int, int], ModuleCall | OpRange] = {}
-    for call in profile.module_calls:
-        targets.setdefault((call.start, call.stop), ModuleCall(path=call.path))
-    for span, target in op_range_targets(profile).items():
-        targets.setdefault(span, target)
-    return targets
-
-
 def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                report: SolverReport, inputs: list[InputSpec], structure: str,
                note: str = "", sharding: Sharding | None = None,
@@ -391,7 +379,7 @@ def _make_plan(profile: GraphProfile, schedule: Schedule, budget_bytes: int,
                routing: RoutingSpread | None = None) -> Plan:
     """The plan of ``schedule``; each checkpoint's target is the module call of its span.
     ``problem``: the plan's own (``rank_problem`` of the profile), when already built."""
-    targets = _module_call_targets(profile)
+    targets = span_targets(profile)
     missing = [r for r in [*schedule.recompute_regions(), *schedule.offloads]
                if (r.start, r.stop) not in targets]
     if missing:

@@ -33,6 +33,7 @@ from solvers.problem import (
     Problem,
     TracedCall,
 )
+from solvers.schedule import ModuleCall as CallTarget
 from solvers.schedule import OpRange
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "op_kind",
     "op_range_name",
     "problem_from_profile",
+    "span_targets",
     "unemittable_calls",
 ]
 
@@ -184,6 +186,18 @@ def op_range_name(path: str, first: str, last: str) -> str:
 def op_range_targets(profile: GraphProfile) -> dict[tuple[int, int], OpRange]:
     """The op range each ops span of ``profile`` checkpoints (`Problem.module_spans`)."""
     return {(span.start, span.stop): target for target, span in _op_ranges(profile, {})}
+
+
+def span_targets(profile: GraphProfile) -> dict[tuple[int, int], CallTarget | OpRange]:
+    """What each span of the profile checkpoints: the first (outermost) module call where
+    several modules ran the same nodes (a wrapper and the module it wraps), else the op
+    range of a traced forward."""
+    targets: dict[tuple[int, int], CallTarget | OpRange] = {}
+    for call in profile.module_calls:
+        targets.setdefault((call.start, call.stop), CallTarget(path=call.path))
+    for span, target in op_range_targets(profile).items():
+        targets.setdefault(span, target)
+    return targets
 
 
 def _op_ranges(profile: GraphProfile, new_id: dict[int, int]
