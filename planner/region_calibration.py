@@ -3,17 +3,21 @@
 The clock (`solvers.clock`) charges each recomputed region ``checkpoint_region_ms +
 checkpoint_pack_ms * P`` beyond its nodes (P: the tensors it saves). ``profiles.calibrate``
 measures those constants on chains of tiny ops under raw ``torch.utils.checkpoint``; at a
-real model's sizes and through the wrapper a plan installs (`planner.emit`), a region costs
-several times that: GPT small with its 4 blocks checkpointed measured about 1.7 ms per
-region on 2 CPU cores where the tiny-op constants charge 0.29 ms (issue 62), and plans of
-many small regions then measured 10-20 points slower than predicted.
+real model's sizes and through what a plan installs (`planner.emit`), a region costs
+several times that: GPT small with its 4 blocks checkpointed measured about 1 ms per
+region on 2 CPU cores where the tiny-op constants charge 0.29 ms, and a small op range of
+a Llama MLP about 0.5 ms where they charge 0.1 (issue 62).
 
-So where every cost is host cost (a step profiled and timed on the CPU), the profile is
-calibrated once more, on the model: its repeated blocks, each one call checkpointed by the
-planner's own wrapper, against the plain step, in interleaved rounds (lower quartiles). The
-step time that checkpointing adds beyond the blocks' reruns (as the clock times them) is
-what the regions cost; the tiny-op constants are scaled to add up to it, so regions that
-save more still cost more. The model, its gradients, buffers and RNG are left as they were.
+So where every cost is host cost (a step profiled and timed on the CPU), the two constants
+are measured on the model: two plans, installed as `planner.apply` installs them, are timed
+against the plain step in interleaved rounds (lower quartiles): every repeated block
+recomputed (large regions), and in each block its smallest span that saves something, an
+op range or a module call, with no random op (small regions, as plans of many regions
+cut them). What each
+adds beyond its reruns (the clock's node times), against its regions and saved tensors,
+gives ``region_ms`` and ``pack_ms`` (non-negative least squares over the two).
+``sac_op_ms`` stays the tiny-op SAC chains'. The model, its gradients, buffers and the RNG
+are left as they were.
 """
 
 from __future__ import annotations
@@ -28,80 +32,119 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.emit import ANY_PRECISION, RegionSpec, install_checkpoints, remove_checkpoints
+from planner.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
+from planner.install import schedule_specs
 from profiles.schema import CheckpointCosts, GraphProfile
 from solvers import Problem, Schedule, simulate
-from solvers.from_profile import problem_from_profile
+from solvers.from_profile import problem_from_profile, span_targets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CALIBRATION_S", "block_specs", "calibrated_costs", "scaled_costs"]
+__all__ = [
+    "CALIBRATION_S",
+    "Measured",
+    "calibrated_costs",
+    "calibration_schedules",
+    "fitted_costs",
+]
 
-CALIBRATION_S = 0.6  # seconds of interleaved steps (at least MIN_ROUNDS rounds)
+CALIBRATION_S = 0.8  # seconds of interleaved steps (at least MIN_ROUNDS rounds)
 MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 4, 16, 1
 
+Measured = tuple[float, int, int]  # (ms beyond the reruns, regions that rerun, tensors packed)
 
-def block_specs(profile: GraphProfile, problem: Problem
-                ) -> tuple[list[RegionSpec], Schedule] | None:
-    """The model's repeated blocks as checkpoints of one module call each, and the schedule
-    that recomputes them; None where a block is not one call of its module whose nodes all
-    recompute (its checkpoint would not be the region the clock times)."""
+
+def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Schedule]:
+    """Every block recomputed (each one call of its module), and, where every block has
+    one, the smallest span inside each block that saves something and draws no random
+    numbers (a dropout's rerun measured 0.8 ms over its node times on HF GPT-2: an error
+    of its op's time, not a region's cost); [] without two blocks that are whole module
+    calls of recomputable nodes."""
     blocks = problem.blocks()
-    if len(blocks) < 2:
-        return None
-    calls = {(c.start, c.stop): c for c in profile.module_calls if c.calls == 1}
-    specs = []
+    once = {c.path for c in profile.module_calls if c.calls == 1}  # one checkpoint per call
+    targets = {span: t for span, t in span_targets(profile).items() if t.path in once}
+    if len(blocks) < 2 or any(b not in targets or problem.recomputable_runs(*b) != [b]
+                              for b in blocks):
+        return []
+    packed = _packed_per_node(problem)
+    small = []
     for start, stop in blocks:
-        call = calls.get((start, stop))
-        if call is None or problem.recomputable_runs(start, stop) != [(start, stop)]:
-            return None
-        prefix = f"{call.path}." if call.path else ""
-        specs.append(RegionSpec(call.path, frozenset(), tuple(
-            b.removeprefix(prefix) for b in call.mutated_buffers),
-            autocast_dtype=ANY_PRECISION))
-    return specs, Schedule.from_segments(problem.n_nodes, blocks)
+        inside = [(sum(packed[a:b]), b - a, (a, b))
+                  for a, b in ((s.start, s.stop) for s in problem.module_spans or ())
+                  if start <= a and b <= stop and (a, b) != (start, stop)
+                  and (a, b) in targets and problem.recomputable_runs(a, b) == [(a, b)]
+                  and sum(packed[a:b]) > 0
+                  and not any(n.random for n in profile.nodes[a:b])]
+        if not inside:
+            small = []
+            break
+        small.append(min(inside)[2])
+    out = [Schedule.from_segments(problem.n_nodes, blocks)]
+    if small:
+        out.append(Schedule.from_segments(problem.n_nodes, small))
+    return [s.with_targets(targets) for s in out]
 
 
-def scaled_costs(costs: CheckpointCosts, plain_ms: list[float], planned_ms: list[float],
-                 nodes_ms: float, charged_ms: float, regions: int) -> CheckpointCosts:
-    """``costs`` with ``region_ms`` and ``pack_ms`` scaled so that the regions' charge,
-    ``charged_ms`` under ``costs`` (the clock's rerun ``nodes_ms`` apart), becomes what the
-    planned steps measured beyond the plain ones (lower quartiles) less ``nodes_ms``.
+def _packed_per_node(problem: Problem) -> list[int]:
+    """Tensors each node packs, as the clock counts them (`Problem.checkpoint_overhead_ms`
+    with only ``checkpoint_pack_ms`` 1)."""
+    unit = problem.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 1.0,
+                                      "checkpoint_sac_op_ms": 0.0})
+    return [round(unit.checkpoint_overhead_ms(i, i + 1)) for i in range(problem.n_nodes)]
+
+
+def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> CheckpointCosts:
+    """``costs`` with ``region_ms`` and ``pack_ms`` fitted to ``measured``: per plan, the
+    ms its regions added beyond their reruns, how many rerun, and the tensors they pack
+    (non-negative least squares; ``sac_op_ms`` kept).
 
     >>> c = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02)
-    >>> s = scaled_costs(c, [10.0] * 4, [17.0] * 4, nodes_ms=5.0, charged_ms=0.5, regions=2)
-    >>> round(s.region_ms, 6), round(s.pack_ms, 6), s.sac_op_ms
-    (0.4, 0.04, 0.02)
+    >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100), (4 * 0.5 + 8 * 0.02, 4, 8)])
+    >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.sac_op_ms
+    (0.5, 0.02, 0.02)
     """
-    added = _lower_quartile(planned_ms) - _lower_quartile(plain_ms)
-    scale = max(0.0, (added - nodes_ms) / charged_ms) if charged_ms > 0 else 1.0
+    region, pack = _nonnegative_fit(measured)
+    plans = "; ".join(f"{n} regions, {p} packs: {ms:.2f} ms" for ms, n, p in measured)
     return costs.model_copy(update={
-        "region_ms": costs.region_ms * scale, "pack_ms": costs.pack_ms * scale,
-        "source": f"{costs.source}; scaled x{scale:.2f} to this model's blocks checkpointed "
-                  f"({regions} regions, {len(planned_ms)} interleaved rounds: "
-                  f"{(added - nodes_ms) / regions:.3f} ms per region beyond its rerun)"})
+        "region_ms": region, "pack_ms": pack,
+        "source": f"{costs.source}; region and pack fitted to this model's checkpointed "
+                  f"blocks ({plans} beyond their reruns)"})
 
 
-def _lower_quartile(values: list[float]) -> float:
-    return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
+def _nonnegative_fit(measured: list[Measured]) -> tuple[float, float]:
+    """(r, k) >= 0 minimising sum (ms - r n - k p)^2."""
+    def one(column: int) -> tuple[float, float]:
+        den = sum(m[column] ** 2 for m in measured)
+        coef = max(0.0, sum(m[0] * m[column] for m in measured) / den) if den else 0.0
+        fit = (coef, 0.0) if column == 1 else (0.0, coef)
+        return fit, sum((m[0] - fit[0] * m[1] - fit[1] * m[2]) ** 2 for m in measured)
+
+    snn = sum(m[1] ** 2 for m in measured)
+    spp = sum(m[2] ** 2 for m in measured)
+    snp = sum(m[1] * m[2] for m in measured)
+    det = snn * spp - snp ** 2
+    if det > 1e-9 * snn * spp:
+        yn = sum(m[0] * m[1] for m in measured)
+        yp = sum(m[0] * m[2] for m in measured)
+        region, pack = (yn * spp - yp * snp) / det, (yp * snn - yn * snp) / det
+        if region >= 0 and pack >= 0:
+            return region, pack
+    return min((one(1), one(2)), key=lambda fit_residual: fit_residual[1])[0]
 
 
 def calibrated_costs(model: nn.Module, args: tuple, kwargs: dict,
                      loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
                      profile: GraphProfile, budget_s: float = CALIBRATION_S
                      ) -> CheckpointCosts | None:
-    """The profile's checkpoint costs scaled to what its blocks cost checkpointed on
+    """The profile's checkpoint costs with ``region_ms`` and ``pack_ms`` measured on
     ``model`` (module doc); None where the model has no blocks to checkpoint whole, the
-    profile has no costs, or the checkpointed step fails (logged)."""
+    profile has no costs, or a checkpointed step fails (logged)."""
     costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
-    found = block_specs(profile, problem) if costs is not None else None
-    if found is None:
+    schedules = calibration_schedules(profile, problem) if costs is not None else []
+    if not schedules:
         return None
-    specs, schedule = found
-    free = problem.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0})
-    nodes_ms = simulate(free, schedule).recompute_time_ms
-    charged_ms = simulate(problem, schedule).recompute_time_ms - nodes_ms
+    specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
     try:
         plain, planned = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
     except Exception as error:  # the model as it was; the tiny-op constants stay
@@ -109,15 +152,35 @@ def calibrated_costs(model: nn.Module, args: tuple, kwargs: dict,
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
         return None
-    scaled = scaled_costs(costs, plain, planned, nodes_ms, charged_ms, len(specs))
-    log.info("checkpoint costs calibrated on the model: %s", scaled.source)
-    return scaled
+    base = _lower_quartile(plain)
+    measured = []
+    for schedule, ms in zip(schedules, planned, strict=True):
+        nodes_ms = _charged(problem, schedule, 0.0, 0.0)  # the reruns' node time
+        measured.append((_lower_quartile(ms) - base - nodes_ms,
+                         round(_charged(problem, schedule, 1.0, 0.0) - nodes_ms),
+                         round(_charged(problem, schedule, 0.0, 1.0) - nodes_ms)))
+    fitted = fitted_costs(costs, measured)
+    log.info("checkpoint costs calibrated on the model: %s", fitted.source)
+    return fitted
+
+
+def _charged(problem: Problem, schedule: Schedule, region_ms: float, pack_ms: float
+             ) -> float:
+    """The clock's recompute time of ``schedule`` with these constants (SAC's 0)."""
+    return simulate(problem.model_copy(update={
+        "checkpoint_region_ms": region_ms, "checkpoint_pack_ms": pack_ms,
+        "checkpoint_sac_op_ms": 0.0}), schedule).recompute_time_ms
+
+
+def _lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
 
 def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
-                 specs: list[RegionSpec], budget_s: float) -> tuple[list[float], list[float]]:
-    """Step times (ms) without and with ``specs`` installed, interleaved round by round."""
+                 specs: list[list[Any]], budget_s: float
+                 ) -> tuple[list[float], list[list[float]]]:
+    """Step times (ms) without a plan and under each of ``specs``, interleaved by round."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext
@@ -132,20 +195,24 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
             p.grad = None
         return elapsed
 
+    # one installation per plan: its op-stream check runs in the warm-up round only
+    installations = [prepare_checkpoints(model, s) for s in specs]
     plain: list[float] = []
-    planned: list[float] = []
+    planned: list[list[float]] = [[] for _ in specs]
     started = time.perf_counter()
     with _state_kept(model):
         for round_ in range(WARMUP_ROUNDS + MAX_ROUNDS):
             times = [step()]
-            install_checkpoints(model, specs)
-            try:
-                times.append(step())
-            finally:
-                remove_checkpoints(model)
+            for installation in installations:
+                installation.install()
+                try:
+                    times.append(step())
+                finally:
+                    remove_checkpoints(model)
             if round_ >= WARMUP_ROUNDS:
                 plain.append(times[0])
-                planned.append(times[1])
+                for out, ms in zip(planned, times[1:], strict=True):
+                    out.append(ms)
             if len(plain) >= MIN_ROUNDS and time.perf_counter() - started > budget_s:
                 break
     return plain, planned

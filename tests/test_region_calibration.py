@@ -8,7 +8,7 @@ import torch
 import profiles
 from planner import profile_model, zoo
 from planner.emit import checkpointed_modules
-from planner.region_calibration import block_specs, calibrated_costs, scaled_costs
+from planner.region_calibration import calibrated_costs, calibration_schedules, fitted_costs
 from profiles.inputs import normalize_inputs
 from profiles.schema import CheckpointCosts
 from solvers.from_profile import problem_from_profile
@@ -16,28 +16,38 @@ from solvers.from_profile import problem_from_profile
 COSTS = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02, source="tiny ops")
 
 
-def test_scaled_costs_charge_what_the_regions_measured_beyond_their_reruns():
-    # planned steps 12 ms over plain, reruns 8 ms: the regions cost 4 ms, charged 1 ms
-    scaled = scaled_costs(COSTS, [20.0, 21.0, 20.0, 22.0], [32.0, 33.0, 32.0, 35.0],
-                          nodes_ms=8.0, charged_ms=1.0, regions=4)
-    assert (scaled.region_ms, scaled.pack_ms) == pytest.approx((0.4, 0.04))
-    assert scaled.sac_op_ms == COSTS.sac_op_ms  # measured by the tiny ops' SAC chains
-    assert "x4.00" in scaled.source and "1.000 ms per region" in scaled.source
-    # a step no slower than its reruns: the regions cost nothing beyond them
-    free = scaled_costs(COSTS, [20.0] * 4, [27.0] * 4, nodes_ms=8.0, charged_ms=1.0,
-                        regions=4)
+def test_fitted_costs_charge_what_each_plan_measured_beyond_its_reruns():
+    # large regions (4, packing 100 tensors) and small ones (4, packing 8): 0.5 ms a
+    # region, 0.02 a tensor, with noise
+    fitted = fitted_costs(COSTS, [(4.05, 4, 100), (2.15, 4, 8)])
+    assert fitted.region_ms == pytest.approx(0.5, abs=0.02)
+    assert fitted.pack_ms == pytest.approx(0.02, abs=0.002)
+    assert fitted.sac_op_ms == COSTS.sac_op_ms  # measured by the tiny ops' SAC chains
+    assert "4 regions, 100 packs: 4.05 ms" in fitted.source
+    # one plan alone: the fit keeps the ratio it cannot tell apart at its least squares
+    alone = fitted_costs(COSTS, [(4.0, 4, 100)])
+    assert 4 * alone.region_ms + 100 * alone.pack_ms == pytest.approx(4.0)
+    # never negative: small regions that measured dearer than large ones cost per region
+    skewed = fitted_costs(COSTS, [(2.0, 4, 100), (3.0, 4, 8)])
+    assert skewed.pack_ms == 0.0 and skewed.region_ms > 0
+    # a plan no slower than its reruns: the regions cost nothing beyond them
+    free = fitted_costs(COSTS, [(-1.0, 4, 100), (-0.5, 4, 8)])
     assert (free.region_ms, free.pack_ms) == (0.0, 0.0)
 
 
-def test_block_specs_checkpoint_each_block_call_whole():
+def test_calibration_schedules_are_whole_blocks_and_a_small_span_in_each():
     zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
     prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                             progress=False)
     problem = problem_from_profile(prof)
-    specs, schedule = block_specs(prof, problem)
-    assert [s.path for s in specs] == ["blocks.0", "blocks.1"]
-    assert not any(s.keep_ops or s.is_range for s in specs)
-    assert [(r.start, r.stop) for r in schedule.recompute_regions()] == problem.blocks()
+    blocks, small = calibration_schedules(prof, problem)
+    assert [(r.start, r.stop) for r in blocks.recompute_regions()] == problem.blocks()
+    assert [r.target.path for r in blocks.recompute_regions()] == ["blocks.0", "blocks.1"]
+    inner = small.recompute_regions()
+    assert len(inner) == 2 and all(
+        a <= r.start and r.stop <= b and (r.start, r.stop) != (a, b)
+        for r, (a, b) in zip(inner, problem.blocks(), strict=True))
+    assert not any(r.keep for r in [*blocks.recompute_regions(), *inner])
 
 
 def test_no_blocks_no_calibration():
@@ -45,7 +55,7 @@ def test_no_blocks_no_calibration():
     x = torch.randn(4, 8)
     prof = profiles.profile(model, (x,), loss_fn=lambda out: out.sum(), timing="measure",
                             progress=False)
-    assert block_specs(prof, problem_from_profile(prof)) is None
+    assert calibration_schedules(prof, problem_from_profile(prof)) == []
     assert calibrated_costs(model, (x,), {}, lambda out: out.sum(), None, prof,
                             budget_s=0.0) is None
 
@@ -72,12 +82,14 @@ def test_calibration_leaves_the_model_as_it_was():
     model.head.weight.grad = torch.ones_like(model.head.weight)  # a step half done
     prof = profiles.profile(model, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
                             progress=False)
-    before = _state(model)
+    before, objects = _state(model), [*model.parameters(), *model.buffers()]
     args, kwargs = normalize_inputs(model, zm.example_inputs)
     costs = calibrated_costs(model, args, kwargs, zm.loss_fn or profiles.default_loss, None,
                              prof, budget_s=0.0)
-    assert costs is not None and "scaled x" in costs.source
+    assert costs is not None and "fitted to this model's" in costs.source
     assert _same(before, _state(model))
+    assert all(a is b for a, b in zip(objects, [*model.parameters(), *model.buffers()],
+                                      strict=True))
     assert not checkpointed_modules(model)
 
 
@@ -87,8 +99,8 @@ def test_profile_model_on_the_cpu_charges_the_measured_region_cost():
                              progress=False)
     estimated = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
                               timing="estimate", progress=False)
-    assert "scaled x" in measured.profile.checkpoint_costs.source
-    assert "scaled" not in estimated.profile.checkpoint_costs.source
+    assert "fitted to this model's" in measured.profile.checkpoint_costs.source
+    assert "fitted" not in estimated.profile.checkpoint_costs.source
     # the clock charges the calibrated constants
     costs = measured.profile.checkpoint_costs
     problem = measured.problem()
