@@ -260,10 +260,14 @@ class Checkpointed(_Checkpoint):
                 f"{len(self.spec.keep_ops)} ops)")
 
 
+_Arguments = dict[fx.Node, Callable[[dict[fx.Node, Any]], Any]]
+
+
 class _Range:
     """One op range of a traced forward: its fx nodes, what flows in and what flows out."""
 
-    def __init__(self, graph: fx.Graph, spec: RegionSpec) -> None:
+    def __init__(self, graph: fx.Graph, spec: RegionSpec, arguments: _Arguments) -> None:
+        self.arguments = arguments
         names = [n.name for n in graph.nodes]
         if spec.first not in names or spec.last not in names or \
                 names.index(spec.first) > names.index(spec.last):
@@ -284,9 +288,9 @@ class _Range:
 
     def run(self, module: nn.Module, *values: Any) -> tuple:
         env = dict(zip(self.inputs, values, strict=True))
-        env.update((a, _run_node(module, a, env)) for a in self.attrs)
+        env.update((a, _run_node(module, a, env, self.arguments)) for a in self.attrs)
         for node in self.nodes:
-            env[node] = _run_node(module, node, env)
+            env[node] = _run_node(module, node, env, self.arguments)
             for dead in self.frees.get(node, ()):
                 env.pop(dead, None)
         return tuple(env[n] for n in self.outputs)
@@ -323,24 +327,25 @@ class _Program:
     ranges: dict[fx.Node, _Range]
     frees: dict[fx.Node, list[fx.Node]]
     code: str  # the graph's Python: equal code, equal program
+    arguments: _Arguments  # per node, its arguments' builder, for the program and its ranges
 
     @classmethod
     def cut(cls, graph: fx.Graph, specs: list[RegionSpec]) -> _Program:
-        ranges = {r.nodes[0]: r for r in (_Range(graph, spec) for spec in specs)}
+        arguments = {n: _builder((n.args, n.kwargs)) for n in graph.nodes}
+        ranges = {r.nodes[0]: r for r in (_Range(graph, spec, arguments) for spec in specs)}
         inside = {n for r in ranges.values() for n in r.nodes[1:]}
         outer = [n for n in graph.nodes if n not in inside]
         frees = _last_uses(outer, keep=set(), uses=lambda n: ranges[n].inputs
                            if n in ranges else _inputs(n))
-        return cls(outer, ranges, frees, graph.python_code("self").src)
+        return cls(outer, ranges, frees, graph.python_code("self").src, arguments)
 
 
-def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
+              arguments: _Arguments) -> Any:
     """Evaluate one fx node of ``module``'s traced forward (as ``fx.Interpreter`` does),
-    its attributes and children looked up on ``module`` now (FSDP2 may have replaced them)."""
-    build = node.meta.get(_ARGUMENTS)
-    if build is None:
-        build = node.meta[_ARGUMENTS] = _builder((node.args, node.kwargs))
-    args, kwargs = build(env)
+    its attributes and children looked up on ``module`` now (FSDP2 may have replaced them);
+    ``arguments`` builds its arguments from ``env`` (`_builder`)."""
+    args, kwargs = arguments[node](env)
     if node.op == "get_attr":
         return functools.reduce(getattr, str(node.target).split("."), module)
     if node.op == "call_function":
@@ -351,9 +356,6 @@ def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     if node.op == "call_module":
         return module.get_submodule(str(node.target))(*args, **kwargs)
     raise RuntimeError(f"unexpected fx node {node.format_node()}")
-
-
-_ARGUMENTS = "planner.arguments"  # fx node meta: its arguments' builder (`_builder`)
 
 
 def _builder(value: Any) -> Callable[[dict[fx.Node, Any]], Any]:
@@ -525,7 +527,7 @@ class TracedForward:
                 values = self.checkpoints[node.name](rng, [env[a] for a in rng.inputs])
                 env.update(zip(rng.outputs, values, strict=True))
             else:
-                env[node] = _run_node(self.module, node, env)
+                env[node] = _run_node(self.module, node, env, program.arguments)
             for dead in program.frees.get(node, ()):
                 env.pop(dead, None)
         raise RuntimeError("traced forward has no output node")
