@@ -45,6 +45,45 @@ def _tensors(model: nn.Module) -> _Tensors:
     return found
 
 
+class _AsApplied:
+    """The module tree and its tensors as applied, compared by identity from the root:
+    the check every step runs, cheap enough to cost nothing a step can see (building the
+    named tables every step cost 0.2 ms, 0.3-0.5 ms inside a step: GPT small and ResNet
+    on the CPU, 1 thread). When it fails, the named comparison says what changed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.root = model
+        self.records = [(m, tuple(m._modules.items()), len(m._parameters), len(m._buffers),
+                         tuple(_marks(m))) for m in model.modules()]
+        self.trainable = [t for m in model.modules() for t in m._parameters.values()
+                          if t is not None]
+
+    def unchanged(self, model: nn.Module) -> bool:
+        if model is not self.root:
+            return False
+        for module, children, n_params, n_buffers, marks in self.records:
+            table = module._modules
+            if len(table) != len(children) or len(module._parameters) != n_params \
+                    or len(module._buffers) != n_buffers:
+                return False
+            for name, child in children:
+                if table.get(name) is not child:
+                    return False
+            for buffer, name, t, shape, dtype, device in marks:
+                now = (module._buffers if buffer else module._parameters).get(name)
+                if now is not t or (t is not None and (
+                        t.shape != shape or t.dtype is not dtype or t.device != device)):
+                    return False
+        return True
+
+
+def _marks(module: nn.Module) -> Iterator[tuple[bool, str, Any, Any, Any, Any]]:
+    for buffer, table in ((False, module._parameters), (True, module._buffers)):
+        for name, t in table.items():
+            yield (buffer, name, t, *((t.shape, t.dtype, t.device) if t is not None
+                                     else (None, None, None)))
+
+
 def _sharded(model: nn.Module) -> bool:
     """FSDP2 swaps parameters between sharded and (mixed-precision) unsharded ones around
     each forward: their dtype and device are its own, not the user's change."""
@@ -84,6 +123,7 @@ class PlanGuard:
         self.budget = format_bytes(plan.budget_bytes)
         self.modules = dict(_walk(model))
         self.tensors = _tensors(model)
+        self.as_applied = _AsApplied(model)
         for_gpu = plan.profile.for_gpu
         self.devices = {d for _, _, d in self.tensors.values()} | ({"cuda"} if for_gpu else set())
         self.installed = [(path, model.get_submodule(path), wrapper)
@@ -113,9 +153,11 @@ class PlanGuard:
         if inputs:
             self._check_inputs(args, kwargs)
         self._check_precision(module)
-        self._check_grads(module)
-        if hasattr(self, "modules"):  # guards pickled before these checks have none
-            self._check_model(module)
+        as_applied = getattr(self, "as_applied", None)  # (guards pickled before it: none)
+        unchanged = as_applied is not None and as_applied.unchanged(module)
+        self._check_grads(module, as_applied.trainable if unchanged else None)
+        if hasattr(self, "modules"):  # (guards pickled before these checks have none)
+            self._check_model(module, unchanged)
         if not getattr(self, "parallel_checked", True):
             self._check_parallel(module)
 
@@ -148,8 +190,10 @@ class PlanGuard:
 
     # ------------------------------------------------------------------ the model
 
-    def _check_model(self, model: nn.Module) -> None:
-        changed = self._module_changes(model) or self._tensor_changes(model) \
+    def _check_model(self, model: nn.Module, as_applied: bool) -> None:
+        """``as_applied``: the tree and its tensors are known unchanged (`_AsApplied`)."""
+        changed = ("" if as_applied else
+                   self._module_changes(model) or self._tensor_changes(model)) \
             or self._wrapper_changes()
         if changed:
             self._complain(
@@ -201,10 +245,12 @@ class PlanGuard:
 
     # ------------------------------------------------------------------ the step
 
-    def _check_grads(self, module: nn.Module) -> None:
+    def _check_grads(self, module: nn.Module, params: list[torch.Tensor] | None) -> None:
+        """``params``: the model's parameters where the model is as applied."""
         if getattr(self, "grads_at_start", True):  # planned with them (or pickled before)
             return
-        if any(p.grad is not None for p in module.parameters() if p.requires_grad):
+        if any(p.grad is not None and p.requires_grad
+               for p in (module.parameters() if params is None else params)):
             self._complain(
                 f"{self.model_name} starts a training step with .grad allocated (gradient "
                 "accumulation, or zero_grad(set_to_none=False)), but its plan counted "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import pickle
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from planner import PlanMismatchError, PlanMismatchWarning, apply, remove
 from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
 from planner.emit import TracedForward, checkpointed_modules
+from planner.guard import PlanGuard
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_forward
 from solvers import Schedule
@@ -241,6 +243,35 @@ def test_a_model_changed_after_apply_warns_naming_the_change(change: object, nam
     with pytest.warns(PlanMismatchWarning, match="changed after its plan") as caught:
         model(x.to(next(model.parameters()).dtype)).sum().backward()
     assert any(named in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def _guard(model: nn.Module) -> PlanGuard:
+    return next(h for h in model._forward_pre_hooks.values() if isinstance(h, PlanGuard))
+
+
+def _retyped_in_place(model: Net) -> None:
+    model.head.weight.data = model.head.weight.data.double()  # same Parameter, new dtype
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.double(), _retyped_in_place,
+    lambda m: setattr(m.inner, "b", nn.Linear(16, 16)),
+    lambda m: setattr(m.inner.a, "adapter", nn.Linear(16, 16)),
+    lambda m: m.head.register_buffer("extra", torch.zeros(4096)),
+    lambda m: setattr(m.head, "bias", None),
+    lambda m: delattr(m, "head"),
+])
+def test_the_guard_cheap_check_sees_every_change_the_named_one_sees(change: object) -> None:
+    """Each step compares the model with itself as applied by identity (cheap), and names
+    the change only when that fails: the cheap check must never pass a changed model."""
+    model, _, plan = _planned()
+    apply(model, plan)
+    guard = _guard(model)
+    assert guard.as_applied.unchanged(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert _guard(clone).as_applied.unchanged(clone)
+    change(model)
+    assert not guard.as_applied.unchanged(model)
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
