@@ -45,21 +45,24 @@ def _tensors(model: nn.Module) -> _Tensors:
     return found
 
 
+_MISSING = object()
+
+
 class _AsApplied:
-    """The module tree and its tensors as applied, compared by identity from the root:
-    the check every step runs, cheap enough to cost nothing a step can see (building the
-    named tables every step cost 0.2 ms, 0.3-0.5 ms inside a step: GPT small and ResNet
-    on the CPU, 1 thread). When it fails, the named comparison says what changed."""
+    """The module tree and its tensors as applied, compared from the root: the check every
+    step runs, cheap enough to cost nothing a step can see (building the named tables every
+    step cost 0.2 ms, 0.3-0.5 ms inside a step: GPT small and ResNet on the CPU, 1 thread).
+    When it fails, the named comparison says what changed. Tensors are recorded by id, shape,
+    dtype and device, never held: a parameter replaced after apply (FSDP2's sharding) must
+    be freed. Passing implies the named comparison passes (same names, shapes, dtypes and
+    devices), whatever ids the allocator reuses."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.root = model
         self.records = [(m, tuple(m._modules.items()), len(m._parameters), len(m._buffers),
                          tuple(_marks(m))) for m in model.modules()]
-        self.trainable = [t for m in model.modules() for t in m._parameters.values()
-                          if t is not None]
 
     def unchanged(self, model: nn.Module) -> bool:
-        if model is not self.root:
+        if self.records[0][0] is not model:
             return False
         for module, children, n_params, n_buffers, marks in self.records:
             table = module._modules
@@ -67,21 +70,27 @@ class _AsApplied:
                     or len(module._buffers) != n_buffers:
                 return False
             for name, child in children:
-                if table.get(name) is not child:
+                if table.get(name, _MISSING) is not child:
                     return False
-            for buffer, name, t, shape, dtype, device in marks:
-                now = (module._buffers if buffer else module._parameters).get(name)
-                if now is not t or (t is not None and (
-                        t.shape != shape or t.dtype is not dtype or t.device != device)):
+            for buffer, name, tid, shape, dtype, device in marks:
+                now = (module._buffers if buffer else module._parameters).get(name, _MISSING)
+                if now is _MISSING or (id(now) if now is not None else None) != tid or (
+                        now is not None and (now.shape != shape or now.dtype is not dtype
+                                             or now.device != device)):
                     return False
         return True
 
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """The model's parameters, where `unchanged` said so."""
+        for module, *_ in self.records:
+            yield from (t for t in module._parameters.values() if t is not None)
 
-def _marks(module: nn.Module) -> Iterator[tuple[bool, str, Any, Any, Any, Any]]:
+
+def _marks(module: nn.Module) -> Iterator[tuple[bool, str, int | None, Any, Any, Any]]:
     for buffer, table in ((False, module._parameters), (True, module._buffers)):
         for name, t in table.items():
-            yield (buffer, name, t, *((t.shape, t.dtype, t.device) if t is not None
-                                     else (None, None, None)))
+            yield (buffer, name, *((id(t), t.shape, t.dtype, t.device) if t is not None
+                                   else (None, None, None, None)))
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -155,9 +164,11 @@ class PlanGuard:
         self._check_precision(module)
         as_applied = getattr(self, "as_applied", None)  # (guards pickled before it: none)
         unchanged = as_applied is not None and as_applied.unchanged(module)
-        self._check_grads(module, as_applied.trainable if unchanged else None)
+        self._check_grads(module, as_applied.parameters() if unchanged else None)
         if hasattr(self, "modules"):  # (guards pickled before these checks have none)
-            self._check_model(module, unchanged)
+            changed = self._check_model(module, unchanged)
+            if not unchanged and not changed and not _sharded(module):
+                self.as_applied = _AsApplied(module)  # a copy of the model: its own ids
         if not getattr(self, "parallel_checked", True):
             self._check_parallel(module)
 
@@ -190,8 +201,9 @@ class PlanGuard:
 
     # ------------------------------------------------------------------ the model
 
-    def _check_model(self, model: nn.Module, as_applied: bool) -> None:
-        """``as_applied``: the tree and its tensors are known unchanged (`_AsApplied`)."""
+    def _check_model(self, model: nn.Module, as_applied: bool) -> str:
+        """What changed ("" for nothing); ``as_applied``: the tree and its tensors are
+        known unchanged (`_AsApplied`)."""
         changed = ("" if as_applied else
                    self._module_changes(model) or self._tensor_changes(model)) \
             or self._wrapper_changes()
@@ -200,6 +212,7 @@ class PlanGuard:
                 f"{self.model_name} changed after its plan was applied: {changed}. The plan's "
                 f"memory is not this model's, so the {self.budget} budget does not hold. Run "
                 "planner.optimize() on the model as it is now, then apply() that plan.")
+        return changed
 
     def _module_changes(self, model: nn.Module) -> str:
         now = dict(_walk(model))
@@ -245,7 +258,7 @@ class PlanGuard:
 
     # ------------------------------------------------------------------ the step
 
-    def _check_grads(self, module: nn.Module, params: list[torch.Tensor] | None) -> None:
+    def _check_grads(self, module: nn.Module, params: Iterator[torch.Tensor] | None) -> None:
         """``params``: the model's parameters where the model is as applied."""
         if getattr(self, "grads_at_start", True):  # planned with them (or pickled before)
             return

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import io
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -259,6 +261,7 @@ def _retyped_in_place(model: Net) -> None:
     lambda m: setattr(m.inner.a, "adapter", nn.Linear(16, 16)),
     lambda m: m.head.register_buffer("extra", torch.zeros(4096)),
     lambda m: setattr(m.head, "bias", None),
+    lambda m: setattr(m.head, "weight", nn.Parameter(torch.randn(4, 16))),
     lambda m: delattr(m, "head"),
 ])
 def test_the_guard_cheap_check_sees_every_change_the_named_one_sees(change: object) -> None:
@@ -269,9 +272,23 @@ def test_the_guard_cheap_check_sees_every_change_the_named_one_sees(change: obje
     guard = _guard(model)
     assert guard.as_applied.unchanged(model)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        _guard(clone).check(clone, (), {}, inputs=False)  # a copy's tensors: new ids
         assert _guard(clone).as_applied.unchanged(clone)
     change(model)
     assert not guard.as_applied.unchanged(model)
+
+
+def test_the_guard_keeps_no_replaced_parameter_alive() -> None:
+    """A parameter replaced after apply (FSDP2's sharding replaces every one) is freed; the
+    guard, which saw no change (same shape, dtype, device), is as cheap again next step."""
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    weight = weakref.ref(model.head.weight)
+    model.head.weight = nn.Parameter(torch.randn(4, 16))
+    gc.collect()
+    assert weight() is None, "the guard keeps a replaced parameter alive"
+    _quiet_step(model, x)
+    assert _guard(model).as_applied.unchanged(model)
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
