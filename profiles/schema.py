@@ -258,7 +258,8 @@ class CheckpointCosts(_Strict):
 
     Measured with tiny ops (``profiles.calibrate``) or per-device defaults
     (``profiles.devices``). A region that reruns (something in it saves a tensor) costs
-    ``region_ms + pack_ms * saved tensors + (sac_op_ms * aten ops if it keeps nodes)``,
+    ``region_ms + pack_ms * saved tensors + (sac_op_ms * aten ops if it keeps nodes)``
+    (``+ range_ms`` for an op range),
     counted over the nodes up to its early stop (``solvers.Problem.checkpoint_overhead_ms``).
     """
 
@@ -268,6 +269,8 @@ class CheckpointCosts(_Strict):
                            "backward, repack and check in the rerun")
     sac_op_ms: Ms = Field(description="per aten op of a region with kept nodes: the "
                              "selective-checkpoint policy in forward and in the rerun")
+    range_ms: Ms = Field(0.0, description="per op range, beyond region_ms: its module's "
+                         "forward runs interpreted, and so does the rerun")
     source: str = Field("", description="how they were obtained")
 
 

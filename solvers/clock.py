@@ -19,9 +19,11 @@ from solvers.problem import Problem
 __all__ = ["rerun_ms", "rerun_overhead_ms", "rerun_step_ms"]
 
 
-def rerun_overhead_ms(p: Problem, first: int, stop: int, keep: Iterable[int] = ()) -> float:
-    """The host time a rerun of ``[first, stop)`` costs beyond its nodes."""
-    return p.checkpoint_overhead_ms(first, stop, keep)
+def rerun_overhead_ms(p: Problem, first: int, stop: int, keep: Iterable[int] = (),
+                      end: int | None = None) -> float:
+    """The host time a rerun of ``[first, stop)`` costs beyond its nodes; ``end``: the end of
+    its region (an op range costs more than a module call: `Problem.checkpoint_range_ms`)."""
+    return p.checkpoint_overhead_ms(first, stop, keep, end)
 
 
 def rerun_step_ms(p: Problem, i: int, idle: bool, overhead_ms: float = 0.0) -> float:

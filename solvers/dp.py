@@ -331,9 +331,9 @@ def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
     through prefix sums (the forward time of its nodes less the idle ones, plus its
     `clock.rerun_overhead_ms`), equal to it up to float rounding."""
     total = 0.0
-    for x, y, idle, kept in reruns:
+    for x, y, idle, kept, end in reruns:
         total += float(fwd_sum[a + y] - fwd_sum[a + x] - fwd[idle + a].sum())
-        total += rerun_overhead_ms(p, a + x, a + y, (kept + a).tolist())
+        total += rerun_overhead_ms(p, a + x, a + y, (kept + a).tolist(), a + end)
     return total
 
 

@@ -142,13 +142,15 @@ def nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
 
 class RerunRel(NamedTuple):
     """One rerun of a window option, relative to the window start: its `start` and early
-    `stop`, the `idle` steps that do no work and the `kept` nodes the SAC cache serves
-    (`Rerun.idle`, `Rerun.cached`); `dp._rerun_ms` prices it wherever the window lies."""
+    `stop`, the `idle` steps that do no work, the `kept` nodes the SAC cache serves
+    (`Rerun.idle`, `Rerun.cached`) and its region's `end`; `dp._rerun_ms` prices it
+    wherever the window lies."""
 
     start: int
     stop: int
     idle: np.ndarray
     kept: np.ndarray
+    end: int
 
 
 def _rel(nodes: Iterable[int], a: int) -> np.ndarray:
@@ -160,8 +162,8 @@ def reruns_rel(regions: tuple, a: int) -> list[RerunRel]:
     out = []
     for r in regions:
         if isinstance(r, NestedRegionInfo):
-            out.extend(RerunRel(q.start - a, q.stop - a, _rel(q.idle, a), _rel(q.cached, a))
-                       for q in r.reruns)
+            out.extend(RerunRel(q.start - a, q.stop - a, _rel(q.idle, a), _rel(q.cached, a),
+                                q.end - a) for q in r.reruns)
         elif r.packs:
             out.append(flat_rerun_rel(r, r.keep, a))
     return out
@@ -170,7 +172,8 @@ def reruns_rel(regions: tuple, a: int) -> list[RerunRel]:
 def flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int) -> RerunRel:
     """`reruns_rel`'s entry for flat region `r` (which reruns) keeping `keep`."""
     kept = keep & frozenset(r.steps())
-    return RerunRel(r.a - a, r.stop - a, _rel(r.rules.idle_steps(kept), a), _rel(kept, a))
+    return RerunRel(r.a - a, r.stop - a, _rel(r.rules.idle_steps(kept), a), _rel(kept, a),
+                    r.b - a)
 
 
 Spec = tuple[tuple[int, int, tuple[int, ...], tuple], ...]  # regions relative to a window

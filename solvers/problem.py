@@ -149,7 +149,9 @@ class Problem(BaseModel):
 
     Checkpoint overhead (`checkpoint_overhead_ms`): host time a RECOMPUTE region costs beyond
     re-running its nodes, `checkpoint_region_ms` per region, `checkpoint_pack_ms` per saved
-    tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes; all 0 by default (not
+    tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes, plus
+    `checkpoint_range_ms` when the region is an op range (a `kind="ops"` span that no module
+    call also spans: its module's forward runs interpreted); all 0 by default (not
     modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
     `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
     plus one if it saves a static tensor). `host_overlaps_device` (a GPU): that host time
@@ -196,6 +198,7 @@ class Problem(BaseModel):
     checkpoint_region_ms: float = 0.0
     checkpoint_pack_ms: float = 0.0
     checkpoint_sac_op_ms: float = 0.0
+    checkpoint_range_ms: float = 0.0
     node_ops: list[int] | None = None
     node_packed: list[int] | None = None
     storage_release: list[int] | None = None
@@ -262,7 +265,8 @@ class Problem(BaseModel):
             bad = [i for i, v in enumerate(getattr(self, field) or ()) if v < 0]
             _check(not bad, f"{field} must be non-negative; negative at indices {bad[:5]}.")
         _check(self.static_bytes >= 0, "static_bytes must be non-negative.")
-        for field in ("checkpoint_region_ms", "checkpoint_pack_ms", "checkpoint_sac_op_ms"):
+        for field in ("checkpoint_region_ms", "checkpoint_pack_ms", "checkpoint_sac_op_ms",
+                      "checkpoint_range_ms"):
             _check(getattr(self, field) >= 0, f"{field} must be non-negative.")
 
     def _check_storage_graph(self) -> None:
@@ -480,16 +484,26 @@ class Problem(BaseModel):
                 tuple(itertools.accumulate(ops, initial=0)),
                 tuple(itertools.accumulate(self.fwd_time_ms, initial=0.0)))
 
+    @cached_property
+    def _op_ranges(self) -> frozenset[tuple[int, int]]:
+        """The spans a checkpoint can cover only as an op range (no module call spans them)."""
+        spans = self.module_spans or ()
+        calls = {(s.start, s.stop) for s in spans if s.kind == "call"}
+        return frozenset((s.start, s.stop) for s in spans
+                         if s.kind == "ops" and (s.start, s.stop) not in calls)
+
     def checkpoint_overhead_ms(self, start: int, rerun_stop: int,
-                               keep: Iterable[int] = ()) -> float:
+                               keep: Iterable[int] = (), end: int | None = None) -> float:
         """Host time of one RECOMPUTE region beyond re-running its nodes.
 
         `start` is the region's first node, `rerun_stop` its early stop (exclusive: one past
-        the last node that saves something; `<= start`: nothing packs, no rerun, 0 ms).
+        the last node that saves something; `<= start`: nothing packs, no rerun, 0 ms), `end`
+        its end (None: not an op range).
         Over nodes `[start, rerun_stop)`, with P saved tensors and O aten ops::
 
             host = checkpoint_region_ms + checkpoint_pack_ms * P
                    + (checkpoint_sac_op_ms * O if a node of keep lies there else 0)
+                   + (checkpoint_range_ms if [start, end) is an op range else 0)
 
         The SAC term covers the policy in the forward and in the rerun; ops after the early
         stop and kept nodes past it (they never pay off) are not counted. With
@@ -515,6 +529,8 @@ class Problem(BaseModel):
                                                                     - packed[start])
         if self.checkpoint_sac_op_ms and any(start <= k < rerun_stop for k in keep):
             ms += self.checkpoint_sac_op_ms * (ops[rerun_stop] - ops[start])
+        if self.checkpoint_range_ms and (start, end) in self._op_ranges:
+            ms += self.checkpoint_range_ms
         if self.host_overlaps_device:
             return max(0.0, ms - (fwd[rerun_stop] - fwd[start]))
         return ms

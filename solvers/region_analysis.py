@@ -123,7 +123,7 @@ class RegionInfo(_Frame):
         rules = frame_rules(p, own_packs(p, a, b))
         run = rules.run_steps(a)
         time_ms = rerun_ms(p, a, rules.rerun_stop, rules.idle_steps(keep),
-                           rerun_overhead_ms(p, a, rules.rerun_stop, keep)) \
+                           rerun_overhead_ms(p, a, rules.rerun_stop, keep, b)) \
             if rules.reruns else 0.0
         info = cls(a, b, keep, rules, p.region_inputs(a, b), time_ms)
         for i in rules.rerun_steps(a):
@@ -175,6 +175,7 @@ class Rerun(_Frame):
     step_const: tuple[int, ...]
     overhead_ms: float
     time_ms: float
+    end: int  # the frame's region's end (its `overhead_ms` depends on it: op ranges)
 
     @property
     def idle(self) -> frozenset[int]:
@@ -278,7 +279,7 @@ class NestedRegionInfo(_Frame):
             held[s] = (end_of_frame if kept.last_step is None else
                        (BWD, min(kept.savers), 0) if kept.savers else (STEP, kept.last_step, 0))
         reruns = (Rerun(r.a, r.rules, r.keep & frozenset(r.steps()), tuple(r.step_const),
-                        rerun_overhead_ms(p, r.a, r.stop, r.keep), r.time_ms),
+                        rerun_overhead_ms(p, r.a, r.stop, r.keep, r.b), r.time_ms, r.b),
                   ) if r.packs else ()
         # savers are ascending: the first is the earliest, the last to run backward
         g = np.asarray([(x.storage, x.step, x.read_end, x.savers[0] if x.savers else -1)
@@ -377,8 +378,8 @@ class _NestedAnalysis:
                 pts.extend((BWD, k, 0) for k in self.ctx.savers[s] if ca <= k < stop)
         return pts
 
-    def _run(self, r: int, first: int, rules: FrameRules, frame_keep: frozenset[int],
-             parent: bool) -> None:
+    def _run(self, r: int, first: int, end: int, rules: FrameRules,
+             frame_keep: frozenset[int], parent: bool) -> None:
         """Rerun `r` of the frame entered at `first` with `rules` (of the parent or a child):
         steps, instances."""
         p, ctx = self.p, self.ctx
@@ -386,7 +387,7 @@ class _NestedAnalysis:
         last = steps.stop
         cached = frame_keep & frozenset(steps)
         consts: list[int] = []
-        overhead_ms = rerun_overhead_ms(p, first, last, frame_keep)
+        overhead_ms = rerun_overhead_ms(p, first, last, frame_keep, end)
         time_ms = rerun_ms(p, first, last, rules.idle_steps(cached), overhead_ms)
         for i in steps:
             if i not in run:  # F3: stops in its pack, nothing made
@@ -404,15 +405,16 @@ class _NestedAnalysis:
                     self._hold(s, [(STEP, i, r), *pts])
                 else:
                     self.made.append((s, r, i, pts))
-        self.reruns.append(Rerun(first, rules, cached, tuple(consts), overhead_ms, time_ms))
+        self.reruns.append(Rerun(first, rules, cached, tuple(consts), overhead_ms, time_ms,
+                                 end))
 
     def result(self) -> NestedRegionInfo:
         self._hold_originals()
         if self.rules.reruns:  # the parent's: every node up to its stop, child nodes fresh
-            self._run(0, self.a, self.rules, self.keep, True)
+            self._run(0, self.a, self.b, self.rules, self.keep, True)
         for ci in self.saving:  # a saving child's own: like a flat region, from its inputs
-            ca, _, ckeep = self.children[ci]
-            self._run(self.rerun_of[ci], ca, self.c_rules[ci], ckeep, False)
+            ca, cb, ckeep = self.children[ci]
+            self._run(self.rerun_of[ci], ca, cb, self.c_rules[ci], ckeep, False)
         key = _order(self.reruns)
         rows = [(s, r, i, *max(pts, key=key)) for s, r, i, pts in self.made if pts]
         cols = np.asarray(rows, dtype=np.int64).reshape(-1, 6).T

@@ -39,7 +39,7 @@ reader inside the rerun or when the rerun stops.
 Time (`solvers.clock`, the one place each step's cost is said): forward and backward events
 cost the nodes' `fwd_time_ms` / `bwd_time_ms`; a rerun costs the `fwd_time_ms` of the
 nodes it runs (kept nodes are free) plus, once per frame that reruns (nested ones each on
-their own), `clock.rerun_overhead_ms(start, rerun stop, keep)`: the host time of the
+their own), `clock.rerun_overhead_ms(start, rerun stop, keep, end)`: the host time of the
 checkpoint itself (frame, RNG, pack/unpack hooks, SAC policy), charged to the rerun's first
 event. Forward-side parts of that overhead are counted there
 too, so `recompute_time_ms` is everything checkpointing adds to the step.
@@ -517,7 +517,7 @@ class _Replay:
                      f.region.stop, f.rules.rerun_stop)
         self._pass(f.region.start, f.rules.rerun_stop, env, f,
                    rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop,
-                                     f.region.keep),
+                                     f.region.keep, f.region.stop),
                    f.rules.last_not_run)
         self._release(Token(Hold.CHILD_INPUT, f.uid))
 

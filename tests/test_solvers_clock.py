@@ -13,6 +13,7 @@ from solvers.accounting import Context
 from solvers.clock import rerun_ms, rerun_overhead_ms, rerun_step_ms
 from solvers.dp import _rerun_ms
 from solvers.frame import frame_rules, own_packs
+from solvers.problem import ModuleSpan
 from solvers.region_analysis import RegionInfo
 
 
@@ -53,7 +54,7 @@ def test_every_rerun_costs_the_same_in_simulate_region_analysis_and_the_dp(
         assert replay.recompute_time_ms == clock  # one rerun: the same sum, to the bit
         assert RegionInfo.build(ctx, a, b, keep).time_ms == clock
         relative = [(0, stop - a, np.asarray(sorted(idle), dtype=np.int64) - a,
-                     np.asarray(sorted(keep), dtype=np.int64) - a)]
+                     np.asarray(sorted(keep), dtype=np.int64) - a, b - a)]
         assert _rerun_ms(p, a, fwd_sum, fwd, relative) == pytest.approx(clock, rel=1e-12)
         checked += 1
     assert checked > 20
@@ -63,3 +64,53 @@ def test_a_step_of_a_pass_costs_its_node_unless_idle_plus_the_overhead_given() -
     p = _problem(False)
     assert rerun_step_ms(p, 3, False) == 2.9
     assert rerun_step_ms(p, 3, True, 0.25) == 0.25
+
+
+def _with_op_ranges(p: Problem) -> Problem:
+    """``p`` whose every span may be checkpointed, a few of them only as op ranges."""
+    n = p.n_nodes - 1
+    ranges = {(1, 3), (0, 2), (2, 5)}
+    spans = [ModuleSpan(start=a, stop=b, kind="ops" if (a, b) in ranges else "call")
+             for a, b in itertools.combinations(range(n + 1), 2)]
+    return p.model_copy(update={"module_spans": spans, "checkpoint_range_ms": 0.9})
+
+
+def test_an_op_range_costs_its_range_cost_more_in_every_place_that_charges_a_rerun() -> None:
+    """A checkpointed op range runs its module's forward interpreted: it costs
+    ``checkpoint_range_ms`` more than a module call of the same nodes would, and simulate,
+    the region analysis and the DP's prefix sums charge it alike."""
+    p = _with_op_ranges(_problem(False))
+    calls = p.model_copy(update={"checkpoint_range_ms": 0.0})
+    ctx = Context(p)
+    fwd = np.asarray(p.fwd_time_ms)
+    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
+    ranges = 0
+    for a, b, keep in _regions(p):
+        rules = frame_rules(p, own_packs(p, a, b))
+        if not rules.reruns:
+            continue
+        sched = Schedule.from_segments(p.n_nodes, [(a, b)], keep=sorted(keep))
+        extra = 0.9 if (a, b) in {(1, 3), (0, 2), (2, 5)} else 0.0
+        clock = simulate(p, sched).recompute_time_ms
+        assert clock == pytest.approx(simulate(calls, sched).recompute_time_ms + extra)
+        assert RegionInfo.build(ctx, a, b, keep).time_ms == pytest.approx(clock, rel=1e-12)
+        stop, idle = rules.rerun_stop, rules.idle_steps(keep & frozenset(range(a, b)))
+        relative = [(0, stop - a, np.asarray(sorted(idle), dtype=np.int64) - a,
+                     np.asarray(sorted(keep), dtype=np.int64) - a, b - a)]
+        assert _rerun_ms(p, a, fwd_sum, fwd, relative) == pytest.approx(clock, rel=1e-12)
+        ranges += extra > 0
+    assert ranges >= 3
+
+
+def test_exact_solvers_price_op_ranges_as_simulate_does() -> None:
+    """With op ranges dearer, the DP and CP-SAT still find bruteforce's optimum."""
+    from solvers import bruteforce, cpsat, dp
+
+    p = _with_op_ranges(_problem(False)).model_copy(update={"checkpoint_range_ms": 5.0})
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    lowest = bruteforce.min_feasible_budget(p)[0]
+    for budget in (lowest, (lowest + store) // 2):
+        best = bruteforce.solve(p, budget, 60.0)
+        for solver in (cpsat, dp):
+            found = solver.solve(p, budget, 20.0)
+            assert found.objective_ms == pytest.approx(best.objective_ms, rel=1e-6, abs=1e-6)
