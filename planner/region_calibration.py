@@ -8,15 +8,19 @@ several times that: GPT small with its 4 blocks checkpointed measured about 1 ms
 region on 2 CPU cores where the tiny-op constants charge 0.29 ms, and a small op range of
 a Llama MLP about 0.5 ms where they charge 0.1 (issue 62).
 
-So where every cost is host cost (a step profiled and timed on the CPU), the two constants
-are measured on the model: two plans, installed as `planner.apply` installs them, are timed
+So where every cost is host cost (a step profiled and timed on the CPU), the constants are
+measured on the model: two plans, installed as `planner.apply` installs them, are timed
 against the plain step in interleaved rounds (the median of each round's difference):
-every repeated block recomputed (large regions), and in each block its smallest span that
-saves something, an op range or a module call, with no random op (small regions, as plans
-of many regions cut them). What each adds beyond its reruns (the clock's node times),
-against its regions and saved tensors, gives ``region_ms`` and ``pack_ms`` (non-negative
-least squares over the two). ``sac_op_ms`` stays the tiny-op SAC chains'. The model, its
-gradients, buffers and the RNG are left as they were.
+every repeated block recomputed (large regions, module calls), and in each block its
+smallest span that saves something, an op range or a module call, with no random op (small
+regions, as plans of many regions cut them). What each adds beyond its reruns (the clock's
+node times), against its regions and saved tensors, gives ``region_ms`` and ``pack_ms``
+(non-negative least squares over the two). Where the small spans are op ranges, the two
+plans measure the two kinds of region instead: an op range runs its module's forward
+through the interpreter, and cost GPT small 0.8 ms a region where a block's module call
+cost 0.15 ms (four of each); ``pack_ms`` then stays the tiny-op chains' and ``range_ms``
+is what a range costs more (`Problem.checkpoint_range_ms`). ``sac_op_ms`` stays the tiny-op
+SAC chains'. The model, its gradients, buffers and the RNG are left as they were.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ __all__ = [
 CALIBRATION_S = 0.8  # seconds of interleaved steps (at least MIN_ROUNDS rounds)
 MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 4, 16, 1
 
-Measured = tuple[float, int, int]  # (ms beyond the reruns, regions that rerun, tensors packed)
+# (ms beyond the reruns, regions that rerun, tensors packed, of the regions the op ranges)
+Measured = tuple[float, int, int, int]
 
 
 def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Schedule]:
@@ -88,29 +93,40 @@ def _packed_per_node(problem: Problem) -> list[int]:
     """Tensors each node packs, as the clock counts them (`Problem.checkpoint_overhead_ms`
     with only ``checkpoint_pack_ms`` 1)."""
     unit = problem.model_copy(update={"checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 1.0,
-                                      "checkpoint_sac_op_ms": 0.0})
+                                      "checkpoint_sac_op_ms": 0.0, "checkpoint_range_ms": 0.0})
     return [round(unit.checkpoint_overhead_ms(i, i + 1)) for i in range(problem.n_nodes)]
 
 
 def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> CheckpointCosts:
-    """``costs`` with ``region_ms`` and ``pack_ms`` fitted to ``measured``: per plan, the
-    ms its regions added beyond their reruns, how many rerun, and the tensors they pack
-    (non-negative least squares; ``sac_op_ms`` kept).
+    """``costs`` fitted to ``measured``: per plan, the ms its regions added beyond their
+    reruns, how many rerun, the tensors they pack and how many of them are op ranges.
+    Without op ranges, ``region_ms`` and ``pack_ms`` (non-negative least squares); with
+    them, ``pack_ms`` stays the tiny-op chains' and a module call's and an op range's
+    region costs are fitted (``range_ms``: what a range costs more). ``sac_op_ms`` kept.
 
     >>> c = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02)
-    >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100), (4 * 0.5 + 8 * 0.02, 4, 8)])
-    >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.sac_op_ms
-    (0.5, 0.02, 0.02)
+    >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100, 0), (4 * 0.5 + 8 * 0.02, 4, 8, 0)])
+    >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.range_ms, f.sac_op_ms
+    (0.5, 0.02, 0.0, 0.02)
+    >>> f = fitted_costs(c, [(4 * 0.2 + 100 * 0.01, 4, 100, 0), (4 * 0.9 + 4 * 0.01, 4, 4, 4)])
+    >>> round(f.region_ms, 6), round(f.range_ms, 6), f.pack_ms
+    (0.2, 0.7, 0.01)
     """
-    region, pack = _nonnegative_fit(measured)
-    plans = "; ".join(f"{n} regions, {p} packs: {ms:.2f} ms" for ms, n, p in measured)
+    if any(m[3] for m in measured):
+        call, op_range = _nonnegative_fit([(ms - costs.pack_ms * p, n - r, r)
+                                           for ms, n, p, r in measured])
+        update = {"region_ms": call, "range_ms": max(0.0, op_range - call)}
+    else:
+        region, pack = _nonnegative_fit([m[:3] for m in measured])
+        update = {"region_ms": region, "pack_ms": pack, "range_ms": 0.0}
+    plans = "; ".join(f"{n} regions ({r} op ranges), {p} packs: {ms:.2f} ms"
+                      for ms, n, p, r in measured)
     return costs.model_copy(update={
-        "region_ms": region, "pack_ms": pack,
-        "source": f"{costs.source}; region and pack fitted to this model's checkpointed "
-                  f"blocks ({plans} beyond their reruns)"})
+        **update, "source": f"{costs.source}; region costs fitted to this model's "
+                            f"checkpointed blocks ({plans} beyond their reruns)"})
 
 
-def _nonnegative_fit(measured: list[Measured]) -> tuple[float, float]:
+def _nonnegative_fit(measured: list[tuple[float, int, int]]) -> tuple[float, float]:
     """(r, k) >= 0 minimising sum (ms - r n - k p)^2."""
     def one(column: int) -> tuple[float, float]:
         den = sum(m[column] ** 2 for m in measured)
@@ -151,23 +167,28 @@ def calibrated_costs(model: nn.Module, args: tuple, kwargs: dict,
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
         return None
+    # in the profile's time: its node times may be off the step's by a scale (ResNet's
+    # forward timed 7.8 and 9.6 ms in two profiles), which its reruns then carry
+    scale = (sum(problem.fwd_time_ms) + sum(problem.bwd_time_ms)) / statistics.median(plain)
     measured = []
     for schedule, ms in zip(schedules, planned, strict=True):
-        nodes_ms = _charged(problem, schedule, 0.0, 0.0)  # the reruns' node time
-        measured.append((_paired_ms(ms, plain) - nodes_ms,
-                         round(_charged(problem, schedule, 1.0, 0.0) - nodes_ms),
-                         round(_charged(problem, schedule, 0.0, 1.0) - nodes_ms)))
+        nodes_ms = _charged(problem, schedule)  # the reruns' node time
+        measured.append((_paired_ms(ms, plain) * scale - nodes_ms,
+                         round(_charged(problem, schedule, region_ms=1.0) - nodes_ms),
+                         round(_charged(problem, schedule, pack_ms=1.0) - nodes_ms),
+                         round(_charged(problem, schedule, range_ms=1.0) - nodes_ms)))
     fitted = fitted_costs(costs, measured)
     log.info("checkpoint costs calibrated on the model: %s", fitted.source)
     return fitted
 
 
-def _charged(problem: Problem, schedule: Schedule, region_ms: float, pack_ms: float
-             ) -> float:
+def _charged(problem: Problem, schedule: Schedule, region_ms: float = 0.0,
+             pack_ms: float = 0.0, range_ms: float = 0.0) -> float:
     """The clock's recompute time of ``schedule`` with these constants (SAC's 0)."""
     return simulate(problem.model_copy(update={
         "checkpoint_region_ms": region_ms, "checkpoint_pack_ms": pack_ms,
-        "checkpoint_sac_op_ms": 0.0}), schedule).recompute_time_ms
+        "checkpoint_sac_op_ms": 0.0, "checkpoint_range_ms": range_ms}),
+        schedule).recompute_time_ms
 
 
 def _paired_ms(planned: list[float], plain: list[float]) -> float:

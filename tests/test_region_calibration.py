@@ -19,20 +19,35 @@ COSTS = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02, source="tin
 def test_fitted_costs_charge_what_each_plan_measured_beyond_its_reruns():
     # large regions (4, packing 100 tensors) and small ones (4, packing 8): 0.5 ms a
     # region, 0.02 a tensor, with noise
-    fitted = fitted_costs(COSTS, [(4.05, 4, 100), (2.15, 4, 8)])
+    fitted = fitted_costs(COSTS, [(4.05, 4, 100, 0), (2.15, 4, 8, 0)])
     assert fitted.region_ms == pytest.approx(0.5, abs=0.02)
     assert fitted.pack_ms == pytest.approx(0.02, abs=0.002)
     assert fitted.sac_op_ms == COSTS.sac_op_ms  # measured by the tiny ops' SAC chains
-    assert "4 regions, 100 packs: 4.05 ms" in fitted.source
+    assert fitted.range_ms == 0.0  # no op range measured: none charged more
+    assert "4 regions (0 op ranges), 100 packs: 4.05 ms" in fitted.source
     # one plan alone: the fit keeps the ratio it cannot tell apart at its least squares
-    alone = fitted_costs(COSTS, [(4.0, 4, 100)])
+    alone = fitted_costs(COSTS, [(4.0, 4, 100, 0)])
     assert 4 * alone.region_ms + 100 * alone.pack_ms == pytest.approx(4.0)
     # never negative: small regions that measured dearer than large ones cost per region
-    skewed = fitted_costs(COSTS, [(2.0, 4, 100), (3.0, 4, 8)])
+    skewed = fitted_costs(COSTS, [(2.0, 4, 100, 0), (3.0, 4, 8, 0)])
     assert skewed.pack_ms == 0.0 and skewed.region_ms > 0
     # a plan no slower than its reruns: the regions cost nothing beyond them
-    free = fitted_costs(COSTS, [(-1.0, 4, 100), (-0.5, 4, 8)])
+    free = fitted_costs(COSTS, [(-1.0, 4, 100, 0), (-0.5, 4, 8, 0)])
     assert (free.region_ms, free.pack_ms) == (0.0, 0.0)
+
+
+def test_fitted_costs_tell_an_op_range_from_a_module_call():
+    """Blocks as module calls and small op ranges (GPT small measured 0.59 ms for four
+    blocks beyond their reruns, 3.30 ms for four ranges): each kind gets its own cost; the
+    tensors keep the tiny ops' cost, which two plans cannot tell apart from a region's."""
+    fitted = fitted_costs(COSTS, [(4 * 0.2 + 100 * 0.01, 4, 100, 0),
+                                  (4 * 0.9 + 4 * 0.01, 4, 4, 4)])
+    assert fitted.region_ms == pytest.approx(0.2)
+    assert fitted.range_ms == pytest.approx(0.7)
+    assert fitted.pack_ms == COSTS.pack_ms
+    # ranges that measure cheaper than calls cost nothing more, never less
+    cheaper = fitted_costs(COSTS, [(4 * 0.9, 4, 100, 0), (4 * 0.2, 4, 4, 4)])
+    assert cheaper.range_ms == 0.0 and cheaper.region_ms > 0
 
 
 def test_calibration_schedules_are_whole_blocks_and_a_small_span_in_each():
@@ -104,5 +119,5 @@ def test_profile_model_on_the_cpu_charges_the_measured_region_cost():
     # the clock charges the calibrated constants
     costs = measured.profile.checkpoint_costs
     problem = measured.problem()
-    assert (problem.checkpoint_region_ms, problem.checkpoint_pack_ms) == (costs.region_ms,
-                                                                          costs.pack_ms)
+    assert (problem.checkpoint_region_ms, problem.checkpoint_pack_ms,
+            problem.checkpoint_range_ms) == (costs.region_ms, costs.pack_ms, costs.range_ms)
