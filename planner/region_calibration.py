@@ -17,9 +17,11 @@ regions, as plans of many regions cut them). What each adds beyond its reruns (t
 node times), against its regions and saved tensors, gives ``region_ms`` and ``pack_ms``
 (non-negative least squares over the two). Where the small spans are op ranges, the two
 plans measure the two kinds of region instead: an op range runs its module's forward
-through the interpreter, and cost GPT small 0.8 ms a region where a block's module call
-cost 0.15 ms (four of each); ``pack_ms`` then stays the tiny-op chains' and ``range_ms``
-is what a range costs more (`Problem.checkpoint_range_ms`). ``sac_op_ms`` stays the tiny-op
+through the interpreter (GPT small, two calibrations: 0.12 and 0.35 ms more than a block's
+module call; ResNet: none); ``pack_ms`` then stays the tiny-op chains' and ``range_ms`` is
+what a range costs more (`Problem.checkpoint_range_ms`). Measured ms are scaled to the
+profile's time (its step over the plain step's), where the reruns they are set against
+are counted. ``sac_op_ms`` stays the tiny-op
 SAC chains'. The model, its gradients, buffers and the RNG are left as they were.
 """
 

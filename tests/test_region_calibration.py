@@ -121,3 +121,34 @@ def test_profile_model_on_the_cpu_charges_the_measured_region_cost():
     problem = measured.problem()
     assert (problem.checkpoint_region_ms, problem.checkpoint_pack_ms,
             problem.checkpoint_range_ms) == (costs.region_ms, costs.pack_ms, costs.range_ms)
+
+
+def test_calibration_measures_in_the_profile_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host twice as slow as the profile (or a profile timed fast): every plan measures
+    twice its prediction, and the region cost stays in the profile's own ms, where the
+    reruns it is added to are counted (unscaled, the reruns' error would be charged to the
+    regions: GPT small's blocks measured 0.59 and 7.16 ms beyond their reruns so)."""
+    from planner import region_calibration
+    from solvers import simulate
+
+    zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
+                            device="cpu", progress=False)
+    problem = problem_from_profile(prof)
+    step_ms = sum(problem.fwd_time_ms) + sum(problem.bwd_time_ms)
+    costs = CheckpointCosts(region_ms=0.5, pack_ms=0.0, sac_op_ms=0.0, source="tiny ops")
+    prof = prof.model_copy(update={"checkpoint_costs": costs})
+    charged = problem.model_copy(update={"checkpoint_region_ms": 0.5,
+                                         "checkpoint_pack_ms": 0.0})
+    plans = calibration_schedules(prof, problem)
+
+    def slow_host(*_: object) -> tuple[list[float], list[list[float]]]:
+        plain = [2 * step_ms] * 4
+        return plain, [[2 * (step_ms + simulate(charged, s).recompute_time_ms)] * 4
+                       for s in plans]
+
+    monkeypatch.setattr(region_calibration, "_timed_steps", slow_host)
+    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
+    fitted = calibrated_costs(zm.model, args, kwargs, zm.loss_fn, None, prof)
+    assert fitted is not None
+    assert fitted.region_ms == pytest.approx(0.5, rel=1e-6)
