@@ -40,6 +40,7 @@ from frontier_compile import COMPILE, COMPILE_BUDGETS, compile_backend, compile_
 from frontier_measure import TIME_UP, Runner, distinct_peaks, grads_match, planned
 from frontier_peers import eager_peer, replay_peers
 from frontier_report import format_row, make_result, write_result
+from torch import nn
 
 import planner
 from planner import zoo
@@ -113,9 +114,10 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
                 timing: str, peers: list[str] | None = None, *,
                 autocast: torch.dtype | None = None, deadline: float | None = None,
                 compile_budgets: tuple[float, ...] = COMPILE_BUDGETS, warmup: int = 2,
-                op_ranges: bool = True, solve_time_limit_s: float = 60.0
+                op_ranges: bool = True, solve_time_limit_s: float = 60.0, passes: int = 0
                 ) -> list[dict[str, Any]]:
-    """Every selected peer, then our plans at their measured peaks, on zoo model ``name``.
+    """Every selected peer, then our plans at their measured peaks, on zoo model ``name``;
+    then, ``passes`` times, every row's step timed again (`Runner.retime`).
     ``autocast``: every step under ``torch.autocast(dtype)``; ``deadline``: a
     ``time.perf_counter()`` value past which what is left is recorded as not run;
     ``warmup``: untimed steps before the timed ones; ``op_ranges``: as in ``optimize``;
@@ -124,6 +126,7 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
     zm = zoo.get(name, **kwargs)
     runner = Runner(zm, device, steps, autocast, deadline, warmup)
     rows: list[dict[str, Any]] = []
+    timed: list[tuple[dict[str, Any], nn.Module, Callable[[], Any]]] = []
     short = {"batch": "b", "seq_len": "seq", "num_hidden_layers": "L", "n_layer": "L"}
     model_label = f"{zm.name} " + " ".join(f"{short.get(k, k)}{v}" for k, v in kwargs.items()
                                            if k not in ("device", "size"))
@@ -132,6 +135,9 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         out = {"model": model_label, "strategy": strategy, "kind": kind, **fields}
         if "step_ms" in out:
             out["overhead"] = out["step_ms"] / out["base_step_ms"] - 1.0
+            if runner.last_timed is not None:
+                timed.append((out, *runner.last_timed))
+        runner.last_timed = None
         rows.append(out)
         print(format_row(out), flush=True)
         return out
@@ -153,6 +159,9 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
             grads = eager_peer(peer, zm, runner, reference, row)
             reference = grads if peer == "none" and grads is not None else reference
     first = our_plans(zm, runner, timing, rows, reference, row, op_ranges, solve_time_limit_s)
+    if passes and timed:
+        print(f"   timing every row {passes} more times", flush=True)
+        runner.retime(timed, passes)
     if first is not None:
         replay_peers(zm, first, rows)
     return rows
@@ -210,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="smallest sizes, 2 timed steps")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (15; --quick 2)")
+    parser.add_argument("--passes", type=int, default=None,
+                        help="times every row is timed again, the median kept (2; --quick 0)")
     parser.add_argument("--timing", default="measure", choices=["measure", "estimate"])
     parser.add_argument("--autocast", default=None, choices=sorted(AUTOCAST),
                         help="run every step under torch.autocast(this dtype)")
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="peer strategies to run ('none' always runs)")
     opts = parser.parse_args(argv)
     steps = opts.steps or (2 if opts.quick else 15)
+    passes = opts.passes if opts.passes is not None else (0 if opts.quick else 2)
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
     autocast = AUTOCAST.get(opts.autocast)
@@ -229,9 +241,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         print(f"== {name} {kwargs}", flush=True)
         rows += bench_model(name, kwargs, opts.device, steps, opts.quick, opts.timing,
-                            opts.peers, autocast=autocast, op_ranges=not opts.quick)
+                            opts.peers, autocast=autocast, op_ranges=not opts.quick,
+                            passes=passes)
     result = make_result(opts.device, "quick" if opts.quick else "full", steps, opts.timing,
                          autocast, started, rows)
+    result["passes"] = passes
     stem = (f"frontier-{opts.device}" + (f"-{opts.autocast}" if opts.autocast else "")
             + ("-quick" if opts.quick else ""))
     write_result(result, opts.out, stem)
