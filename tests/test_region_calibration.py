@@ -152,3 +152,30 @@ def test_calibration_measures_in_the_profile_time(monkeypatch: pytest.MonkeyPatc
     fitted = calibrated_costs(zm.model, args, kwargs, zm.loss_fn, None, prof)
     assert fitted is not None
     assert fitted.region_ms == pytest.approx(0.5, rel=1e-6)
+
+
+def test_no_plan_pays_for_its_place_in_a_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host where the second step of each round costs 1 ms more (it pays what the first
+    left): plans that cost nothing measure nothing, whichever place they would always have
+    had in a fixed order."""
+    from planner import region_calibration
+
+    class Installation:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+    place: list[int] = []
+
+    def installed_step(step, model, installation):
+        place.append(0 if installation is None else installation.k)
+        return 10.0 + (1.0 if len(place) % 3 == 2 else 0.0)  # three steps a round
+
+    monkeypatch.setattr(region_calibration, "prepare_checkpoints",
+                        lambda model, spec: Installation(spec))
+    monkeypatch.setattr(region_calibration, "_installed_step", installed_step)
+    model = torch.nn.Linear(2, 2)
+    plain, planned = region_calibration._timed_steps(model, (), {}, None, None, [1, 2],
+                                                     budget_s=0.0)
+    assert len(plain) == region_calibration.MIN_ROUNDS
+    # over every 3 rounds each step had each place once: the same time in total
+    assert sum(plain[:3]) == sum(planned[0][:3]) == sum(planned[1][:3]) == 31.0
