@@ -173,9 +173,9 @@ def _plan_at(prof: GraphProfile, inputs: list[InputSpec], structure: str,
     left = max(0.05, options.time_limit_s - _margin(options.time_limit_s)
                - (perf_counter() - started))
     digest = problem_digest(problem)
-    solution = ANSWERS.get(digest, options)
+    solution, stopped = ANSWERS.get(digest, options), False
     if solution is None:  # identical calls get identical plans (`solution_memo`)
-        solution = _searched(prof, problem, options, left, started)
+        solution, stopped = _searched(prof, problem, options, left, started)
         named = ANSWERS.minimum(digest, options)
         if named is not None and (solution.peak_bytes is None
                                   or solution.peak_bytes > budget_bytes):
@@ -189,7 +189,7 @@ def _plan_at(prof: GraphProfile, inputs: list[InputSpec], structure: str,
                           record_offload=False)
         if routing is None:  # a bound over routings names its own minimum
             _remember_minimum(digest, options, solution, at_minimum)
-        raise _infeasible(prof, problem, options, solution, at_minimum)
+        raise _infeasible(prof, problem, options, solution, at_minimum, stopped)
     return made(solution.schedule, budget_bytes, _report(solution, options.time_limit_s))
 
 
@@ -208,9 +208,10 @@ def _remember_minimum(digest: str, options: SolveOptions, lowest: Solution,
 
 
 def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left: float,
-              started: float) -> Solution:
+              started: float) -> tuple[Solution, bool]:
     """The solvers' answer, or when they found nothing the lowest-peak schedule (which may
-    not fit the budget: then it names the minimum)."""
+    not fit the budget: then it names the minimum); and whether the solvers' time limit
+    stopped them before they found one (a longer search may)."""
     # the optimizer step after the backward peaks the same under every schedule: a budget
     # below it is infeasible whatever the solvers find for forward and backward
     if optimizer_step_peak(problem) <= options.budget_bytes:
@@ -219,7 +220,7 @@ def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left:
         solution = Solution(solver=options.solver, status=Status.INFEASIBLE, schedule=None,
                             budget_bytes=options.budget_bytes, objective_ms=None)
     if solution.feasible and solution.schedule is not None:
-        return solution
+        return solution, False
     # the minimum the error names is the lowest peak this search finds: with what is
     # left of the limit after a search that took all of it, only the baselines ran
     # (Inception-v3: every block's 200.4 MiB, where 5 s of CP-SAT finds 187.2)
@@ -228,7 +229,7 @@ def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left:
     lowest = lowest_peak(problem, left)
     if lowest.schedule is None or lowest.peak_bytes is None:
         raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
-    return lowest
+    return lowest, solution.status == Status.TIMED_OUT
 
 
 def _margin(limit: float) -> float:
@@ -303,10 +304,12 @@ def _report(solution: Solution, time_limit_s: float | None = None) -> SolverRepo
 
 
 def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
-                lowest: Solution, at_minimum: Plan) -> InfeasibleBudgetError:
+                lowest: Solution, at_minimum: Plan, stopped: bool = False
+                ) -> InfeasibleBudgetError:
     """The error for a budget no schedule met: the lowest peak of any schedule found (a
     budget that yields a plan, carried as ``.plan``) and, when proven, the bound no schedule
-    goes below."""
+    goes below; ``stopped``: the solvers' time limit ended their search (said, with the
+    remedy)."""
     budget_bytes = options.budget_bytes
     peak = at_minimum.predicted_peak_bytes
     floor = optimizer_step_peak(problem)
@@ -329,6 +332,10 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
     head = (f"No checkpointing plan of {prof.model_name} fits {format_bytes(budget_bytes)}: "
             f"the lowest peak found is {format_bytes(peak, round_up=True)} ({peak} bytes, by "
             f"{lowest.solver}); ")
+    if stopped:  # before what is proven: the budget is not
+        proof = (f" The {options.solver} search stopped at its time limit "
+                 f"({options.time_limit_s:g} s) before it found a plan within the budget or "
+                 f"proved there is none: a longer one (TIME_LIMIT) may find one.{proof}")
     body = (f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
             f"state{', per rank' if at_minimum.sharding else ''}) is "
             f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}.")
@@ -341,6 +348,8 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
              f"{offload.format_map(_SHELL)} Raise --budget-gb or shrink the "
              "batch (--set); mixed precision and sharded parameters are planned from Python "
              "(planner.optimize(..., autocast=torch.bfloat16, parallelize=...)).")
+    python = python.replace("TIME_LIMIT", "time_limit_s")
+    shell = shell.replace("TIME_LIMIT", "--time-limit")
     return InfeasibleBudgetError(python, peak, bound if bound is not None and bound <= peak
                                  else None, at_minimum, shell_message=shell)
 

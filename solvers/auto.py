@@ -170,6 +170,10 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     if not best.feasible:
         mfb = [r.min_feasible_budget_bytes for r in exact if r.min_feasible_budget_bytes]
         best = best.model_copy(update={"min_feasible_budget_bytes": max(mfb, default=None)})
+        # nothing fits, proven by none of them, and one stopped at its limit: not decided
+        if not any(map(_proven_infeasible, exact)) and any(
+                r.status == Status.TIMED_OUT for r in exact):
+            best = best.timed_out()
     return best.model_copy(update={"solver": f"auto/{best.solver}",
                                    "solve_time_s": time.perf_counter() - t0}), unbounded
 

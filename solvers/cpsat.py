@@ -432,7 +432,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
     except TimeoutError:
         logger.info("cpsat: building the model took the whole %.1f s", time_limit_s)
-        return _no_schedule(problem, budget_bytes, t0)
+        return _no_schedule(problem, budget_bytes, t0).timed_out()
     obj = sum(round(r.time_ms * TIME_SCALE) * v for r, v in zip(cands, mdl.x, strict=True))
     mdl.model.Minimize(obj)
     if hint is not None:
@@ -447,9 +447,11 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         if st == cp_model.INFEASIBLE:
             mfb = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
             return _no_schedule(problem, budget_bytes, t0, mfb)
-        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if st == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"cpsat: invalid model ({mdl.model.Validate()})")
+        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):  # UNKNOWN: the limit came first
             logger.info("cpsat found no schedule in %.1f s", time_limit_s)
-            return _no_schedule(problem, budget_bytes, t0)
+            return _no_schedule(problem, budget_bytes, t0).timed_out()
         chosen_x = [v for v in mdl.x if solver.Value(v)]
         chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
         sched = _schedule(problem.n_nodes, chosen)
@@ -458,8 +460,10 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
                               proven_optimal=st == cp_model.OPTIMAL,
                               bound_ms=min(bound, solver.ObjectiveValue() / TIME_SCALE),
                               space=space)
-        if sol.feasible or time.perf_counter() - t0 > time_limit_s:
+        if sol.feasible:
             return sol
+        if time.perf_counter() - t0 > time_limit_s:
+            return sol.timed_out()
         logger.error("cpsat model/simulate mismatch on %s; adding a no-good cut",
                      sched.describe())
         mdl.model.AddBoolOr([v.Not() for v in chosen_x] +

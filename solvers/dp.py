@@ -1194,8 +1194,10 @@ def _solve_layout(ctx: Context, lay: _Layout, budget_bytes: int, deadline: float
     if proof.best is not None:
         return _answer(problem, lay, proof.best, proof.bound, proof.nested, budget_bytes, t0)
     mfb = memory_lower_bound(problem)
-    return Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
-                    budget_bytes=budget_bytes, objective_ms=None,
-                    solve_time_s=time.perf_counter() - t0,
-                    min_feasible_budget_bytes=mfb, min_feasible_budget_exact=False,
-                    space=proof.infeasible_over)
+    found_none = Solution(solver="dp", status=Status.INFEASIBLE, schedule=None,
+                          budget_bytes=budget_bytes, objective_ms=None,
+                          solve_time_s=time.perf_counter() - t0,
+                          min_feasible_budget_bytes=mfb, min_feasible_budget_exact=False,
+                          space=proof.infeasible_over)
+    stopped = proof.infeasible_over is None and time.perf_counter() > proof.deadline(deadline)
+    return found_none.timed_out() if stopped else found_none

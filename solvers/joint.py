@@ -274,8 +274,9 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
                 break
         if not complete:
             break
-    return _answer(problem, budget_bytes, search.best, search.bounds if complete else None,
-                   chain, shapes.shares, t0)
+    found = _answer(problem, budget_bytes, search.best, search.bounds if complete else None,
+                    chain, shapes.shares, t0)
+    return found if complete else found.timed_out()
 
 
 class _Search:

@@ -19,11 +19,14 @@ __all__ = ["Solution", "Status"]
 
 
 class Status(str, Enum):
-    """Outcome of a solve."""
+    """Outcome of a solve. INFEASIBLE: the solver found no schedule within the budget and
+    ran to its end (with a `space`, it proved none of that space fits); TIMED_OUT: its time
+    limit stopped it first, so whether one fits is not known."""
 
     OPTIMAL = "optimal"
     FEASIBLE = "feasible"
     INFEASIBLE = "infeasible"
+    TIMED_OUT = "timed out"
 
 
 class Solution(BaseModel):
@@ -36,7 +39,8 @@ class Solution(BaseModel):
     (None: nothing is proven but the trivial bound 0). When INFEASIBLE, `schedule` is the
     lowest-peak schedule the solver found (or None) and `min_feasible_budget_bytes` the
     smallest budget that could work (exact when `min_feasible_budget_exact`, else a lower
-    bound); with a `space`, no schedule of that space fits the budget (proven).
+    bound); with a `space`, no schedule of that space fits the budget (proven). TIMED_OUT
+    is INFEASIBLE's fields with nothing proven about the budget (`space` None).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -61,8 +65,15 @@ class Solution(BaseModel):
 
     @property
     def feasible(self) -> bool:
-        """True unless INFEASIBLE."""
-        return self.status != Status.INFEASIBLE
+        """A schedule within the budget: OPTIMAL or FEASIBLE."""
+        return self.status in (Status.OPTIMAL, Status.FEASIBLE)
+
+    def timed_out(self) -> Solution:
+        """This answer, TIMED_OUT where it found no schedule within the budget: for a
+        search its time limit stopped, which proves nothing (its `space` dropped)."""
+        if self.feasible:
+            return self
+        return self.model_copy(update={"status": Status.TIMED_OUT, "space": None})
 
     @classmethod
     def scored(

@@ -115,6 +115,34 @@ def test_budget_below_minimum_names_a_minimum_that_works() -> None:
     assert report.within_budget, report.summary()
 
 
+def test_a_search_its_time_limit_stopped_says_so_and_proves_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solver stopped by its time limit before it found a plan within the budget: the
+    error says the search stopped and how to search longer, and claims no proof from it;
+    where the lowest-peak search then meets the budget, that is the plan."""
+    import planner.solving as solving
+
+    zm = zoo.get("gpt", size="tiny")
+    prof, inputs, structure = _profile(zm)
+
+    def stopped(problem: object, budget_bytes: int, limit_s: float) -> Solution:
+        return Solution(solver="auto", status=Status.TIMED_OUT, schedule=None,
+                        budget_bytes=budget_bytes, objective_ms=None)
+
+    monkeypatch.setitem(solving.SOLVERS, "auto", stopped)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        plan_for_profile(prof, inputs, structure,
+                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5))
+    message, shell = str(caught.value), caught.value.shell_message
+    assert "stopped at its time limit (5 s)" in message and "time_limit_s" in message
+    assert "a longer one (--time-limit)" in shell
+    ANSWERS.clear()
+    plan = plan_for_profile(prof, inputs, structure,
+                            SolveOptions(caught.value.min_budget_bytes, time_limit_s=5))
+    assert plan.schedule == caught.value.plan.schedule
+    assert plan.solver.status == "feasible"  # the lowest-peak search's: nothing proven
+
+
 def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The error promises that its minimum returns its plan: a search at that budget that
@@ -131,9 +159,10 @@ def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
     named = caught.value.min_budget_bytes
     searched = solving._searched
 
-    def finds_nothing_as_low(*args: object, **kwargs: object) -> Solution:
-        found = searched(*args, **kwargs)
-        return found.model_copy(update={"status": Status.INFEASIBLE, "peak_bytes": named + 1})
+    def finds_nothing_as_low(*args: object, **kwargs: object) -> tuple[Solution, bool]:
+        found, _ = searched(*args, **kwargs)
+        return found.model_copy(update={"status": Status.INFEASIBLE,
+                                        "peak_bytes": named + 1}), True
 
     monkeypatch.setattr(solving, "_searched", finds_nothing_as_low)
     plan = plan_for_profile(prof, inputs, structure, SolveOptions(named, time_limit_s=5))
@@ -145,10 +174,10 @@ def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
         plan_for_profile(prof, inputs, structure,
                          SolveOptions(prof.static.total_bytes + 1, time_limit_s=5))
 
-    def proves_one(*args: object, **kwargs: object) -> Solution:
+    def proves_one(*args: object, **kwargs: object) -> tuple[Solution, bool]:
         return Solution(solver="fresh", status=Status.OPTIMAL, schedule=plan.schedule,
                         budget_bytes=named, objective_ms=1.0, bound_ms=1.0, gap=0.0,
-                        peak_bytes=named)
+                        peak_bytes=named), False
 
     monkeypatch.setattr(solving, "_searched", proves_one)
     again = plan_for_profile(prof, inputs, structure, SolveOptions(named, time_limit_s=5))

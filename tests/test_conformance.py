@@ -10,6 +10,7 @@ BatchNorm without momentum and a step counter, a loss computed inside forward.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -129,7 +130,8 @@ def test_the_lowest_peak_searches_merged_stages_with_the_dp_too() -> None:
     """The loss-inside model is no chain of its stages, but of merged ones: the DP's
     bisection (its nested schedules) goes below every baseline and CP-SAT's least peak over
     module calls (34.3 % of its activations saved; 45.2 % with the DP)."""
-    from solvers import auto, baselines, cpsat, dp, simulate
+    from solvers import auto, baselines, cpsat, dp
+    from solvers.accounting import evaluate
 
     p = _problem("loss inside forward, (loss, logits)")
     assert not dp.applies(p)
@@ -137,8 +139,9 @@ def test_the_lowest_peak_searches_merged_stages_with_the_dp_too() -> None:
     others = [cpsat.min_peak(auto.calls_only(p), 2.0, deterministic=True).bytes]
     others += [fn(p, 0, 1.0).peak_bytes for fn in baselines.BASELINES.values()]
     assert lowest.peak_bytes < min(b for b in others if b)
-    assert dp.solve(p, lowest.peak_bytes, 10.0).feasible
-    assert simulate(p, lowest.schedule).peak_bytes == lowest.peak_bytes
+    # the peak it names is its schedule's, counted apart from `simulate`, which scored it
+    assert evaluate(p, lowest.schedule)[0] == lowest.peak_bytes
+    assert dp.solve(p, lowest.peak_bytes, math.inf).feasible  # no limit: not for want of time
 
 
 def test_changes_after_apply_hold_or_warn_on_a_real_model() -> None:

@@ -194,7 +194,6 @@ def test_a_recomputed_function_is_measured_as_predicted() -> None:
     finally:
         remove(model)
     assert all(torch.equal(grads[k], expected[k]) for k in expected)
-    assert plan.predicted_peak_bytes == simulate(problem, schedule).peak_bytes
     assert abs(plan.predicted_peak_bytes - peak) <= 0.001 * peak, (plan.predicted_peak_bytes,
                                                                    peak)
 

@@ -273,3 +273,25 @@ def test_accounting_and_bound_on_grad_accumulation_and_saved_loss() -> None:
             assert evaluate(p, sched) == (tl.peak_bytes, tl.recompute_time_ms)
             assert memory_lower_bound(p) <= tl.peak_bytes
     assert simulate(no_grad, Schedule.store_all(3)).peak_bytes == 7
+
+
+@pytest.mark.parametrize("name", ["cpsat", "dp", "auto", "joint"])
+def test_a_search_its_limit_stopped_is_timed_out_not_infeasible(name: str) -> None:
+    """A zero time limit stops every search before it decides anything: TIMED_OUT, never
+    INFEASIBLE (which says the budget cannot be met), and no space claimed as proven."""
+    from solvers import joint
+
+    p = Problem.chain([4] * 30, [1.0] * 30)
+    # the least budget the DP meets: no baseline does (they run whatever the limit)
+    budget = next(b for b in range(memory_lower_bound(p), 10**3)
+                  if dp.solve(p, b, math.inf).feasible)
+    assert not any(fn(p, budget, 1.0).feasible for fn in baselines.BASELINES.values())
+    if name == "joint":  # its base solver, stopped as well (it gets a floor of time)
+        sol = joint.solve(p, budget, 0.0, base=lambda *args: dp.solve(*args[:2], 0.0))
+    else:
+        sol = SOLVERS[name](p, budget, 0.0)
+    assert sol.status == Status.TIMED_OUT and not sol.feasible
+    assert sol.space is None and sol.objective_ms is None
+    # run to its end, the DP proves a budget below every schedule's peak infeasible
+    below = dp.solve(p, memory_lower_bound(p) - 1, math.inf)
+    assert below.status == Status.INFEASIBLE and below.space is not None
