@@ -184,6 +184,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     model = _load_model(args.model, args.set)
     plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
                     loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
+                    deterministic=args.deterministic,
                     timing=args.timing, device=args.device, progress=not args.quiet,
                     grad_accumulation=args.grad_accumulation, offload=args.offload,
                     host_budget_gb=args.host_budget_gb, envelope=_envelope(args))
@@ -219,7 +220,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{model.name}: unplanned peak {format_bytes(unplanned)}, static "
           f"{format_bytes(static)}; planning at static + {100 * args.fraction:.0f} % of the "
           f"activations = {format_bytes(budget)}\n")
-    plan = solve(step, budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit)
+    plan = solve(step, budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit,
+                 deterministic=args.deterministic)
     status = _print_and_save(plan, args.out)
     report = verify(model.model, plan, model.example_inputs, model.loss_fn)
     print(f"\none measured training step of the planned model ({report.device}):\n  "
@@ -301,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     def solver_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--solver", default="auto", help="auto, cpsat, dp or a baseline name")
         p.add_argument("--time-limit", type=_positive, default=60.0, help="solver seconds")
+        p.add_argument("--deterministic", action="store_true",
+                       help="the same plan on a loaded machine as on a quiet one (the "
+                       "limit counts CP-SAT's work, not seconds; the DP runs to its end)")
 
     demo = sub.add_parser("demo", help="plan the built-in GPT-style model")
     demo.add_argument("--size", default="small", help="zoo GPT size: tiny, small, gpt2, "

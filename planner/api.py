@@ -66,6 +66,7 @@ def optimize(
     offload: bool = False,
     host_budget_gb: float | None = None,
     op_ranges: bool = True,
+    deterministic: bool = False,
     pipeline: Any = None,
     envelope: Envelope | dict[str, Any] | None = None,
 ) -> Plan | PlanTable:
@@ -109,6 +110,11 @@ def optimize(
     ``op_ranges=False`` checkpoints module calls only: no op range inside a forward
     (:mod:`profiles.traced`), so no module's forward is replaced by its fx trace.
 
+    ``deterministic=True`` gives the same plan, status and bound on a loaded machine as on
+    a quiet one: CP-SAT then counts ``time_limit_s`` in its own measure of work (about
+    seconds on a quiet machine, more on a busy one) and the DP runs to its own end, so the
+    call may take longer than the limit. Offload's search still counts seconds.
+
     A pipeline stage: ``model`` is the stage's module, ``example_inputs`` one microbatch of
     its input (after the first stage, a tensor that requires grad), and ``pipeline=dict(
     schedule="1F1B", stage_index=r, num_stages=p, n_microbatches=m)`` (torch's names;
@@ -140,13 +146,14 @@ def optimize(
                                     "shard_modules": shard_modules,
                                     "parallelize": parallelize, "mesh_shape": mesh_shape,
                                     "offload": offload, "host_budget_gb": host_budget_gb,
-                                    "op_ranges=False": not op_ranges},
+                                    "op_ranges=False": not op_ranges,
+                                    "deterministic": deterministic},
                            optimizer=optimizer, autocast=autocast, timing=timing,
                            device=device, execution=execution)
     options = SolveOptions.checked(budget_bytes=_budget_bytes(budget_gb), solver=solver,
                                    time_limit_s=time_limit_s,
                                    offload=offload, host_budget_gb=host_budget_gb,
-                                   op_ranges=op_ranges)
+                                   op_ranges=op_ranges, deterministic=deterministic)
     profile_options = dict(loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
                            grad_accumulation=grad_accumulation, timing=timing, device=device,
                            execution=execution, world_size=world_size, sharding=sharding,

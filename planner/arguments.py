@@ -72,7 +72,8 @@ class SolveOptions:
     """How a profiled step is planned, checked once and passed whole from the API to the
     solvers: the budget, the solver and its time limit, whether saved activations may go to
     host memory and how much of it they may take (`host_budget_bytes`, bytes, used only
-    with `offload`), and whether op ranges of traced forwards may be checkpointed."""
+    with `offload`), whether op ranges of traced forwards may be checkpointed, and whether
+    the search is `deterministic` (the same plan on a loaded machine as on a quiet one)."""
 
     budget_bytes: int
     solver: str = "auto"
@@ -80,17 +81,22 @@ class SolveOptions:
     offload: bool = False
     host_budget_bytes: int = 0
     op_ranges: bool = True
+    deterministic: bool = False
 
     @classmethod
     def checked(cls, budget_gb: float | None = None, *, budget_bytes: int | None = None,
                 solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
-                host_budget_gb: float | None = None, op_ranges: bool = True) -> SolveOptions:
+                host_budget_gb: float | None = None, op_ranges: bool = True,
+                deterministic: bool = False) -> SolveOptions:
         """The options of `optimize`, `solve` and `replan`, each checked with a message a
         person can act on (exactly one of ``budget_gb`` and ``budget_bytes``)."""
         budget = _budget_arg(budget_gb, budget_bytes)
         _check_solver_options(solver, time_limit_s)
         host = host_budget_arg(offload, host_budget_gb)
-        return cls(budget, solver, float(time_limit_s), offload, host or 0, bool(op_ranges))
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+        return cls(budget, solver, float(time_limit_s), offload, host or 0, bool(op_ranges),
+                   deterministic)
 
     def at(self, budget_bytes: int) -> SolveOptions:
         """The same options at another budget."""

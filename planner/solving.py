@@ -4,6 +4,7 @@ offload, the joint one; the error for a budget no schedule meets."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from time import perf_counter
 
 from planner.arguments import SolveOptions
@@ -13,7 +14,7 @@ from planner.profiling import ProfiledStep
 from planner.sharding import Sharding, rank_problem
 from planner.solution_memo import ANSWERS, problem_digest
 from profiles.schema import GraphProfile
-from solvers import SOLVERS, Problem, Schedule, Solution, Status, simulate
+from solvers import SOLVERS, Problem, Schedule, Solution, Status, deterministic_solver, simulate
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
 from solvers.from_profile import problem_from_profile, span_targets
@@ -26,10 +27,11 @@ log = logging.getLogger(__name__)
 def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
           budget_bytes: int | None = None, solver: str = "auto",
           time_limit_s: float = 60.0, offload: bool = False,
-          host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
+          host_budget_gb: float | None = None, op_ranges: bool = True,
+          deterministic: bool = False) -> Plan:
     """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
     call it as often as you like, each call solves without profiling. ``offload``,
-    ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
+    ``host_budget_gb``, ``op_ranges`` and ``deterministic`` as in :func:`optimize`.
 
     >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
     >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
@@ -39,7 +41,8 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
                         f"{type(profiled).__name__}; for a Plan use replan(plan, budget_gb=...)")
     return solve_profiled(profiled, SolveOptions.checked(
         budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
-        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges))
+        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges,
+        deterministic=deterministic))
 
 
 def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
@@ -54,15 +57,18 @@ def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
 
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
            solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
-           host_budget_gb: float | None = None, op_ranges: bool = True) -> Plan:
+           host_budget_gb: float | None = None, op_ranges: bool = True,
+           deterministic: bool = False) -> Plan:
     """A plan for the same model, inputs and precision at another budget (no profiling);
-    ``offload``, ``host_budget_gb`` and ``op_ranges`` as in :func:`optimize`.
+    ``offload``, ``host_budget_gb``, ``op_ranges`` and ``deterministic`` as in
+    :func:`optimize`.
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
     options = SolveOptions.checked(
         budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
-        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges)
+        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges,
+        deterministic=deterministic)
     return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint, options,
                             sharding=plan.sharding, routing=plan.routing)
 
@@ -226,7 +232,7 @@ def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left:
     # (Inception-v3: every block's 200.4 MiB, where 5 s of CP-SAT finds 187.2)
     limit = options.time_limit_s
     left = max(LOWEST_PEAK_SHARE * limit, limit - _margin(limit) - (perf_counter() - started))
-    lowest = lowest_peak(problem, left)
+    lowest = lowest_peak(problem, left, deterministic=options.deterministic)
     if lowest.schedule is None or lowest.peak_bytes is None:
         raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
     return lowest, solution.status == Status.TIMED_OUT
@@ -259,14 +265,14 @@ class _PlanMaker:
 def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solution:
     """The named solver, or with offload the joint one (`solvers.joint`, the DP beneath);
     an offload plan is taken only where it adds less time than the named solver's."""
-    budget_bytes, solver = options.budget_bytes, options.solver
+    budget_bytes = options.budget_bytes
     if not options.offload or problem.host_link is None:
         if options.offload:
             log.warning("%s: no host link is known for this device (profiles.devices): "
                         "planning without offload", problem.name)
-        return SOLVERS[solver](problem, budget_bytes, time_limit_s)
+        return _named_solver(options)(problem, budget_bytes, time_limit_s)
     started = perf_counter()
-    plain = SOLVERS[solver](problem, budget_bytes, time_limit_s / 2)
+    plain = _named_solver(options)(problem, budget_bytes, time_limit_s / 2)
     left = max(0.05, time_limit_s - (perf_counter() - started))
     # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
     joint = solvers_joint.solve(problem, budget_bytes, left,
@@ -275,6 +281,12 @@ def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solu
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
     return joint
+
+
+def _named_solver(options: SolveOptions) -> Callable[[Problem, int, float], Solution]:
+    """``options.solver``, deterministic where the options say so."""
+    return deterministic_solver(options.solver) if options.deterministic \
+        else SOLVERS[options.solver]
 
 
 def plan_for_schedule(prof: GraphProfile, schedule: Schedule, inputs: list[InputSpec],

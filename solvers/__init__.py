@@ -1,9 +1,12 @@
 """Torch-free decision code: problems, schedules, the simulator and the solvers.
 
 `SOLVERS` maps a name to `solve(problem, budget_bytes, time_limit_s) -> Solution`: the exact
-solvers (`cpsat`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline.
+solvers (`cpsat`, `dp`, `auto`, `bruteforce` for tiny graphs) and every baseline;
+`deterministic_solver(name)` the same solver deciding by its work, never by the clock.
 """
 
+import functools
+import math
 from collections.abc import Callable
 
 from solvers import auto, baselines, bruteforce, cpsat, dp, joint
@@ -33,6 +36,19 @@ SOLVERS: dict[str, Callable[[Problem, int, float], Solution]] = {
     **baselines.BASELINES,
 }
 
+
+def deterministic_solver(name: str) -> Callable[[Problem, int, float], Solution]:
+    """`SOLVERS[name]` with the same answer on a loaded machine as on a quiet one: CP-SAT
+    (and `auto`, which runs it) counts the limit in its own measure of work, the DP and
+    brute force run to their own end; the baselines read no clock that decides."""
+    solve = SOLVERS[name]
+    if solve in (auto.solve, cpsat.solve):
+        return functools.partial(solve, deterministic=True)
+    if solve in (dp.solve, bruteforce.solve):
+        return lambda problem, budget_bytes, _limit_s: solve(problem, budget_bytes, math.inf)
+    return solve
+
+
 __all__ = [
     "MATMUL_KINDS",
     "RECOMPUTE",
@@ -58,6 +74,7 @@ __all__ = [
     "baselines",
     "bruteforce",
     "cpsat",
+    "deterministic_solver",
     "dp",
     "joint",
     "memory_lower_bound",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -37,12 +38,29 @@ def cpsat_fits(problem: Problem) -> bool:
 NEAR_TIE = 1e-3  # answers this close in recompute time are told apart by their proofs
 
 
+class _Clock:
+    """What `solve` reads of time. Deterministic: no time passes (every share of the limit
+    is what it would be at the start), the DP runs to its own end (it stops on its work,
+    not on seconds) and CP-SAT counts its own measure of work: the same answer on a loaded
+    machine as on a quiet one, in more or fewer seconds than the limit."""
+
+    def __init__(self, started: float, deterministic: bool) -> None:
+        self.started, self.deterministic = started, deterministic
+
+    def elapsed(self) -> float:
+        return 0.0 if self.deterministic else time.perf_counter() - self.started
+
+    def dp_limit(self, seconds: float) -> float:
+        return math.inf if self.deterministic else seconds
+
+
 def _rank(sol: Solution) -> tuple:
     return (not sol.feasible, sol.objective_ms if sol.feasible else 0.0,
             sol.status != Status.OPTIMAL, sol.peak_bytes or 0)
 
 
-def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> Solution:
+def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
+          deterministic: bool = False) -> Solution:
     """Best result of the exact solvers that fit the graph and the time limit, and the baselines.
 
     Chains of blocks: the DP first (fast), then CP-SAT warm-started with its schedule on what
@@ -55,35 +73,38 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> So
     smallest proven gap); `solver` names which one, prefixed `auto/`.
     Status, `bound_ms`, `gap` and `space` come from the strongest bound an exact solver
     proved over a space that holds the answer (`_proven_over_a_space`); none: FEASIBLE with
-    no bound.
+    no bound. ``deterministic``: the same answer whatever the machine's load (`_Clock`).
     """
     t0 = time.perf_counter()
+    clock = _Clock(t0, deterministic)
     calls = calls_only(problem)
     if calls is problem or dp.applies(problem) or problem.n_nodes > LARGE_GRAPH_NODES:
-        return _solve(problem, budget_bytes, time_limit_s)[0]
+        return _solve(problem, budget_bytes, time_limit_s, clock=clock)[0]
     # a small graph gets the DP over op ranges first: proven over a space that holds
     # CP-SAT's, its answer is final (the zoo MLP took 5 s in CP-SAT over module calls for
     # a budget only op ranges meet, which the DP proves in 0.03 s; and 8 s to find that
     # nothing fits a budget where the DP proves it)
-    proven = _small_graph_dp(problem, budget_bytes, time_limit_s)
+    proven = _small_graph_dp(problem, budget_bytes, time_limit_s, clock)
     if proven is not None and _dp_holds_cpsat(problem):
-        left = max(0.0, time_limit_s - (time.perf_counter() - t0))
-        best, _ = _solve(problem, budget_bytes, left, dp_answer=proven)
+        left = max(0.0, time_limit_s - clock.elapsed())
+        best, _ = _solve(problem, budget_bytes, left, dp_answer=proven, clock=clock)
         return best.model_copy(update={"solve_time_s": time.perf_counter() - t0})
     # op ranges multiply CP-SAT's candidates: on graphs that are not chains (no DP over
     # every module-call segmentation to start from) module calls alone are solved first
     # (in CALLS_FIRST of the time), and their answer warm-starts the search with op
     # ranges, so that op ranges never answer worse than module calls; large graphs go
     # straight to the DP, whose space holds the module calls' (CP-SAT rarely runs there)
-    first, unbounded = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s, last=False)
-    left = max(0.0, time_limit_s - (time.perf_counter() - t0))
+    first, unbounded = _solve(calls, budget_bytes, CALLS_FIRST * time_limit_s, last=False,
+                              clock=clock)
+    left = max(0.0, time_limit_s - clock.elapsed())
     # CP-SAT after a DP answer with a gap that found no bound at all over module calls,
     # the smaller space, finds none over op ranges in the time either (Llama, 8 layers:
     # 6 s each, no bound); where it bounded something it runs again (conformance: 10 of
     # its proofs come from the op-range pass)
     no_bound = first.feasible and (first.gap is None or first.gap >= 1.0)
     best, _ = _solve(problem, budget_bytes, left, given=[first], after_a_gap=not unbounded,
-                     dp_answer=proven, dp_share=NO_BOUND_DP_SHARE if no_bound else None)
+                     dp_answer=proven, dp_share=NO_BOUND_DP_SHARE if no_bound else None,
+                     clock=clock)
     return best.model_copy(update={"solve_time_s": time.perf_counter() - t0})
 
 
@@ -106,14 +127,15 @@ AFTER_A_GAP_MAX_S = 6.0  # and at most this: the proofs it finds come in 1 to 5 
 def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
            given: Sequence[Solution] = (), after_a_gap: bool = True,
            dp_answer: Solution | None = None, dp_share: float | None = None,
-           last: bool = True) -> tuple[Solution, bool]:
+           last: bool = True, clock: _Clock | None = None) -> tuple[Solution, bool]:
     """`solve` over ``problem``'s own regions; ``given``: answers found otherwise (kept
     with their own proofs), one of which may warm-start CP-SAT; ``after_a_gap``: CP-SAT
     may follow a DP answer with a gap on a mid-size graph; ``dp_answer``: the DP's proven
     answer on this problem, if it ran already; ``dp_share``: at least this share of the
-    time for the DP; ``last``: no search follows (what this one leaves goes unused). Also
-    returns whether CP-SAT ran there and found no bound."""
+    time for the DP; ``last``: no search follows (what this one leaves goes unused);
+    ``clock``: `solve`'s. Also returns whether CP-SAT ran there and found no bound."""
     t0 = time.perf_counter()
+    clock = _Clock(t0, clock.deterministic if clock else False)
     exact: list[Solution] = []
     # baselines first: on very large graphs they take seconds, and the exact solvers get
     # what is left of the time limit
@@ -123,7 +145,7 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
     # up to about half a second late; scoring) and for picking the answer, so that auto
     # itself returns in time
     reserve = min(0.05 * time_limit_s, 3.0)
-    left = max(0.0, time_limit_s - reserve - (time.perf_counter() - t0))
+    left = max(0.0, time_limit_s - reserve - clock.elapsed())
     # over module calls CP-SAT is what proves plans of graphs that are not chains
     use_cpsat = cpsat_fits(problem)
     # on large graphs CP-SAT runs only after a DP that proved no gap (`chain_done`), and
@@ -133,9 +155,10 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
         share = max(share, LARGE_GRAPH_DP_SHARE)
     share = max(share, dp_share or 0.0)
     answered = _answered(problem, left, time_limit_s, use_cpsat, after_a_gap) if last else None
-    d = dp_answer or dp.solve(problem, budget_bytes, left * share, answered_limit_s=answered)
+    d = dp_answer or dp.solve(problem, budget_bytes, clock.dp_limit(left * share),
+                              answered_limit_s=answered)
     exact.append(d)
-    left = time_limit_s - reserve - (time.perf_counter() - t0)
+    left = time_limit_s - reserve - clock.elapsed()
     # a DP answer proven optimal on a graph of over 200 nodes is final (its space holds
     # CP-SAT's); a large graph's with a proven gap leaves CP-SAT little to add (it rarely
     # finds a schedule there); on mid-size graphs CP-SAT, warm-started with it, may find a
@@ -160,7 +183,8 @@ def _solve(problem: Problem, budget_bytes: int, time_limit_s: float,
         exact.append(cpsat.solve(problem, budget_bytes,
                                  min(left, AFTER_A_GAP * time_limit_s, AFTER_A_GAP_MAX_S)
                                  if gap_left else left,
-                                 hint=start.schedule if start.feasible else d.schedule))
+                                 hint=start.schedule if start.feasible else d.schedule,
+                                 deterministic=clock.deterministic))
         unbounded = gap_left and (exact[-1].gap is None or exact[-1].gap >= 1.0)
     best = min(exact + base, key=_rank)
     if not best.feasible:
@@ -209,14 +233,14 @@ DP_FIRST_MAX_NODES = 200  # small graphs: the DP over op ranges first, final whe
 DP_FIRST_SHARE = 0.1  # of the limit, for that first DP
 
 
-def _small_graph_dp(problem: Problem, budget_bytes: int, time_limit_s: float
+def _small_graph_dp(problem: Problem, budget_bytes: int, time_limit_s: float, clock: _Clock
                     ) -> Solution | None:
     """On a graph of at most `DP_FIRST_MAX_NODES` nodes, the DP's answer if it proves it
     optimal over its space (or that nothing of it fits) in `DP_FIRST_SHARE` of the limit;
     else None."""
     if problem.n_nodes > DP_FIRST_MAX_NODES:
         return None
-    found = dp.solve(problem, budget_bytes, DP_FIRST_SHARE * time_limit_s)
+    found = dp.solve(problem, budget_bytes, clock.dp_limit(DP_FIRST_SHARE * time_limit_s))
     return found if found.status == Status.OPTIMAL or _proven_infeasible(found) else None
 
 
@@ -331,19 +355,22 @@ def calls_only(problem: Problem) -> Problem:
     return share_unplanned(problem, calls)  # op ranges change no unplanned lifetime
 
 
-def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
+def lowest_peak(problem: Problem, time_limit_s: float = 30.0, *,
+                deterministic: bool = False) -> Solution:
     """The lowest-peak schedule the solvers find, scored at its own peak (FEASIBLE there).
 
-    Deterministic, so that asking for that peak as a budget finds it again: the baselines,
+    Reproducible, so that asking for that peak as a budget finds it again: the baselines,
     brute force on tiny problems, CP-SAT minimising the peak with a deterministic time limit
     (`cpsat_fits`), and a bisection of the budget with the dp (over merged stages where the
     graph is not a chain of its own), whose nested schedules may go lower.
     `min_feasible_budget_bytes` is then the proven schedule-independent lower bound
     (`memory_lower_bound`); when CP-SAT proved its least peak, `least_peak_bytes` and
-    `least_peak_space` say over which schedules.
+    `least_peak_space` say over which schedules. Its searches stop at CP-SAT's measure of
+    work, or at the seconds of ``time_limit_s`` where that comes first; ``deterministic``:
+    at work alone, the DP's steps run to their own end (`_Clock`).
     """
     t0 = time.perf_counter()
-    deadline = t0 + time_limit_s
+    deadline = math.inf if deterministic else t0 + time_limit_s
     found: list[tuple[int, str, Schedule]] = []
     least = cpsat.MinPeak(0, None, None)
     for name, fn in baselines.BASELINES.items():
@@ -368,14 +395,15 @@ def lowest_peak(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         share = 0.4 * time_limit_s / (2 if calls is not problem else 1)
         for space in [calls, problem] if calls is not problem else [problem]:
             wall = 0.4 * time_limit_s - (time.perf_counter() - t0)  # the share, in seconds
-            minimum = cpsat.min_peak(space, share, deterministic=True, wall_s=max(0.1, wall))
+            minimum = cpsat.min_peak(space, share, deterministic=True,
+                                     wall_s=None if deterministic else max(0.1, wall))
             if minimum.schedule is not None:
                 found.append((max(minimum.bytes, floor), "cpsat", minimum.schedule))
                 least = minimum if minimum.optimal_over is not None else least
     best = min(found, key=lambda f: (f[0], f[1])) if found else None
     if best is not None:  # chains, and graphs whose merged stages make one (ResNets)
         proof = _dp_bisection(problem, bound, best[0], found, time_limit_s, deadline,
-                              exact=dp_proves)
+                              exact=dp_proves, clock=_Clock(t0, deterministic))
         if proof is not None:
             least = cpsat.MinPeak(min(peak for peak, _, _ in found), None, proof)
         best = min(found, key=lambda f: (f[0], f[1]))
@@ -401,12 +429,14 @@ BISECTION_CALL_S = 1.0  # the least time a bisection step may take, while time i
 
 def _dp_bisection(problem: Problem, bound: int, best: int,
                   found: list[tuple[int, str, Schedule]], time_limit_s: float,
-                  deadline: float, exact: bool) -> SearchSpace | None:
+                  deadline: float, exact: bool, clock: _Clock | None = None
+                  ) -> SearchSpace | None:
     """Budgets bisected between ``bound`` (no schedule peaks below it) and ``best`` (the
     lowest peak found) with the DP, its schedules added to ``found``: 8 steps, or with
     ``exact`` until it proves that no schedule of its space peaks below the lowest found
     (then returns that space; else None). Each step gets an eighth of half the time, or
     up to `BISECTION_CALL_S` where that is more and the time left holds it."""
+    clock = clock or _Clock(0.0, deterministic=False)
     lo, hi = bound - 1, best - 1  # lo: infeasible; is anything at or below hi?
     per_call = 0.5 * time_limit_s / 8
     proof: SearchSpace | None = None  # over which lo is proven infeasible (the DP's space)
@@ -418,7 +448,7 @@ def _dp_bisection(problem: Problem, bound: int, best: int,
         mid = hi if hi - lo <= 1 else (lo + hi) // 2
         # a call may run past its share while time is left: a DP pass that needs 1 s
         # (Swin-T) finds nothing in a share of 0.3 s, however many such calls run
-        sol = dp.solve(problem, mid, min(left, max(per_call, BISECTION_CALL_S)),
+        sol = dp.solve(problem, mid, clock.dp_limit(min(left, max(per_call, BISECTION_CALL_S))),
                        first_fit=True, shared=shared)
         if sol.feasible and sol.schedule is not None and sol.peak_bytes is not None:
             found.append((sol.peak_bytes, "dp", sol.schedule))

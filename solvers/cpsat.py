@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -398,6 +399,8 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
     ctx = ctx or Context(problem)
     started = time.perf_counter()
     deadline = started + min(time_limit_s, wall_s if wall_s is not None else time_limit_s)
+    if deterministic and wall_s is None:
+        deadline = math.inf  # the model built whatever it takes: work decides, not seconds
     try:
         cands, space = candidates(ctx, deadline=deadline)
         mdl = _build(ctx, cands, None, deadline)
@@ -423,13 +426,17 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
-          *, hint: Schedule | None = None) -> Solution:
-    """Least recompute time with simulated peak <= budget over the model's schedule space."""
+          *, hint: Schedule | None = None, deterministic: bool = False) -> Solution:
+    """Least recompute time with simulated peak <= budget over the model's schedule space.
+    ``deterministic``: one worker, a fixed seed and ``time_limit_s`` of CP-SAT's own measure
+    of work (about seconds on a quiet machine), the model built whatever it takes: the same
+    answer, status and bound on a loaded machine as on a quiet one."""
     t0 = time.perf_counter()
     ctx = Context(problem)
+    deadline = None if deterministic else t0 + time_limit_s
     try:
-        cands, space = candidates(ctx, deadline=t0 + time_limit_s)
-        mdl = _build(ctx, cands, budget_bytes, t0 + time_limit_s)
+        cands, space = candidates(ctx, deadline=deadline)
+        mdl = _build(ctx, cands, budget_bytes, deadline)
     except TimeoutError:
         logger.info("cpsat: building the model took the whole %.1f s", time_limit_s)
         return _no_schedule(problem, budget_bytes, t0).timed_out()
@@ -441,11 +448,12 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
             mdl.model.AddHint(v, (r.a, r.b, r.keep) in chosen)
     logger.debug("cpsat: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
     while True:
-        left = time_limit_s - (time.perf_counter() - t0)
-        solver = _solver(left)
+        left = time_limit_s if deterministic else time_limit_s - (time.perf_counter() - t0)
+        solver = _solver(left, deterministic=deterministic)
         st = solver.Solve(mdl.model)
         if st == cp_model.INFEASIBLE:
-            mfb = _min_budget(problem, ctx, time_limit_s - (time.perf_counter() - t0))
+            mfb = _min_budget(problem, ctx, left if deterministic
+                              else time_limit_s - (time.perf_counter() - t0), deterministic)
             return _no_schedule(problem, budget_bytes, t0, mfb)
         if st == cp_model.MODEL_INVALID:
             raise RuntimeError(f"cpsat: invalid model ({mdl.model.Validate()})")
@@ -480,9 +488,10 @@ def _no_schedule(problem: Problem, budget_bytes: int, started_s: float,
                     min_feasible_budget_bytes=mfb, min_feasible_budget_exact=exact)
 
 
-def _min_budget(problem: Problem, ctx: Context, time_limit_s: float) -> tuple[int, bool]:
-    found = min_peak(problem, time_limit_s, ctx) if time_limit_s > 0.1 else MinPeak(0, None,
-                                                                                    None)
+def _min_budget(problem: Problem, ctx: Context, time_limit_s: float,
+                deterministic: bool = False) -> tuple[int, bool]:
+    found = min_peak(problem, time_limit_s, ctx, deterministic=deterministic) \
+        if time_limit_s > 0.1 else MinPeak(0, None, None)
     if found.bytes == 0:
         return memory_lower_bound(problem), False
     return found.bytes, found.proven

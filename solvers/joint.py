@@ -245,15 +245,16 @@ def moved_bytes(problem: Problem, calls: list[tuple[int, int]], stored: float = 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
           host_budget_bytes: float = math.inf, base: Base = dp.solve,
-          keeps_offloaded: bool = True) -> Solution:
+          keeps_offloaded: bool = True, deterministic: bool = False) -> Solution:
     """The fastest schedule of the space (module doc) within both budgets
     (`host_budget_bytes`: host memory the offloaded activations may take; unlimited by
     default);
     `keeps_offloaded=False` where torch cannot move what a checkpoint keeps (SAC's cache)
     through saved-tensor hooks: offloaded calls are then stored, and their pieces keep
-    nothing."""
+    nothing. ``deterministic``: the whole search, each base solve run to its end (the
+    same answer on a loaded machine as on a quiet one; it may take long)."""
     t0 = time.perf_counter()
-    deadline = t0 + time_limit_s
+    deadline = math.inf if deterministic else t0 + time_limit_s
     chain = [call for call in offload_chain(problem) if moved_bytes(problem, [call])
              ] if problem.host_link is not None else []  # calls that move something
     shapes = _Shapes(STORED_SHARES if keeps_offloaded else (1.0,),

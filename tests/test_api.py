@@ -73,12 +73,13 @@ def test_plans_honour_budgets_measured_on_cpu(zoo_model: zoo.ZooModel, fraction:
 def test_optimize_apply_round_trip_and_batchnorm_state(tmp_path: object) -> None:
     model = zoo.get("resnet", batch=16)
     first = optimize(model.model, model.example_inputs, budget_gb=1e3, loss_fn=model.loss_fn,
-                     progress=False)
+                     progress=False, deterministic=True)
     assert not first.checkpointing and "No checkpointing needed" in first.note
     static = first.profile.static.total_bytes
     budget = static + 0.7 * (first.unplanned_peak_bytes - static)
     plan = optimize(model.model, model.example_inputs, budget_gb=budget / GIB,
-                    loss_fn=model.loss_fn, timing="estimate", progress=False)
+                    loss_fn=model.loss_fn, timing="estimate", progress=False,
+                    deterministic=True)
     assert plan.checkpointing and plan.predicted_peak_bytes <= plan.budget_bytes
     assert plan.solver.space  # says what it is optimal over
     path = f"{tmp_path}/plan.json"
@@ -104,12 +105,12 @@ def test_budget_below_minimum_names_a_minimum_that_works() -> None:
     model = zoo.get("gpt", size="tiny")
     with pytest.raises(InfeasibleBudgetError, match=r"lowest peak found is [\d.]+ MiB") as info:
         optimize(model.model, model.example_inputs, budget_gb=1e-4, loss_fn=model.loss_fn,
-                 progress=False, time_limit_s=10)
+                 progress=False, time_limit_s=10, deterministic=True)
     error = info.value
     assert error.min_budget_bytes > 1e-4 * GIB
     assert error.lower_bound_bytes is None or error.lower_bound_bytes <= error.min_budget_bytes
     plan = optimize(model.model, model.example_inputs, budget_gb=error.min_budget_gb,
-                    loss_fn=model.loss_fn, progress=False)
+                    loss_fn=model.loss_fn, progress=False, deterministic=True)
     assert plan.predicted_peak_bytes <= error.min_budget_bytes
     report = verify(model.model, plan, model.example_inputs, model.loss_fn, repeats=1)
     assert report.within_budget, report.summary()
@@ -155,7 +156,8 @@ def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
     prof, inputs, structure = _profile(zm)
     with pytest.raises(InfeasibleBudgetError) as caught:
         plan_for_profile(prof, inputs, structure,
-                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5))
+                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5,
+                                      deterministic=True))
     named = caught.value.min_budget_bytes
     searched = solving._searched
 
@@ -165,14 +167,16 @@ def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
                                         "peak_bytes": named + 1}), True
 
     monkeypatch.setattr(solving, "_searched", finds_nothing_as_low)
-    plan = plan_for_profile(prof, inputs, structure, SolveOptions(named, time_limit_s=5))
+    plan = plan_for_profile(prof, inputs, structure,
+                            SolveOptions(named, time_limit_s=5, deterministic=True))
     assert plan.schedule == caught.value.plan.schedule
     assert plan.predicted_peak_bytes == named == plan.budget_bytes
     assert plan.solver.status == "feasible"
     ANSWERS.clear()  # no answer given yet: a search that meets the budget keeps its own
     with pytest.raises(InfeasibleBudgetError):
         plan_for_profile(prof, inputs, structure,
-                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5))
+                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5,
+                                      deterministic=True))
 
     def proves_one(*args: object, **kwargs: object) -> tuple[Solution, bool]:
         return Solution(solver="fresh", status=Status.OPTIMAL, schedule=plan.schedule,
@@ -180,7 +184,8 @@ def test_the_named_minimum_returns_the_errors_plan_when_a_new_search_misses_it(
                         peak_bytes=named), False
 
     monkeypatch.setattr(solving, "_searched", proves_one)
-    again = plan_for_profile(prof, inputs, structure, SolveOptions(named, time_limit_s=5))
+    again = plan_for_profile(prof, inputs, structure,
+                             SolveOptions(named, time_limit_s=5, deterministic=True))
     assert (again.solver.name, again.solver.status) == ("fresh", "optimal")
 
 
@@ -205,7 +210,8 @@ def test_a_search_that_took_the_whole_limit_leaves_the_lowest_peak_its_share(
     real = solving.lowest_peak
     monkeypatch.setattr(solving, "_solve", search_to_the_limit)
     monkeypatch.setattr(solving, "lowest_peak",
-                        lambda problem, limit_s: given.append(limit_s) or real(problem, limit_s))
+                        lambda problem, limit_s, **kwargs: given.append(limit_s)
+                        or real(problem, limit_s, **kwargs))
     with pytest.raises(InfeasibleBudgetError):
         solve(step, budget_bytes=step.profile.static.total_bytes + 1, time_limit_s=20)
     assert given == [pytest.approx(5.0)]
@@ -372,3 +378,39 @@ def test_identical_calls_get_identical_plans_without_a_second_search(
     solve(step, budget_bytes=budget + 1, time_limit_s=5)
     solve(step, budget_bytes=budget, time_limit_s=6)
     assert calls == [budget, budget + 1, budget]
+
+
+def test_a_deterministic_plan_is_the_same_on_a_loaded_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deterministic=True: the plan, its status and its bound do not depend on the clock (a
+    machine so loaded that a second passes at every read of it); the search that counts
+    seconds finds nothing there, and its error says why."""
+    import itertools
+    import time
+
+    import planner.solving as solving
+
+    zm = zoo.get("gpt", size="tiny")
+    step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
+                         progress=False)
+    static = step.profile.static.total_bytes
+    budget = static + (_unplanned(step) - static) * 2 // 5
+    quiet = solve(step, budget_bytes=budget, time_limit_s=5, deterministic=True)
+    ANSWERS.clear()
+    seconds = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(seconds)))
+    monkeypatch.setattr(solving, "perf_counter", time.perf_counter)
+    loaded = solve(step, budget_bytes=budget, time_limit_s=5, deterministic=True)
+    assert loaded.schedule == quiet.schedule
+    assert (loaded.solver.status, loaded.solver.bound_ms) == (quiet.solver.status,
+                                                             quiet.solver.bound_ms)
+    ANSWERS.clear()  # counting seconds, the search stops before it finds a plan
+    with pytest.raises(InfeasibleBudgetError, match="stopped at its time limit"):
+        solve(step, budget_bytes=budget, time_limit_s=5)
+
+
+def _unplanned(step: object) -> int:
+    from solvers import Schedule, simulate
+
+    problem = step.problem()
+    return simulate(problem, Schedule.store_all(problem.n_nodes)).peak_bytes

@@ -100,9 +100,9 @@ def test_graphs_that_are_not_chains_get_cpsat_at_their_least_peak() -> None:
     p = _problem("torchvision inception_v3")
     assert p.n_nodes > auto.CPSAT_MAX_NODES and not auto.dp.applies(p)
     calls = auto.calls_only(p)
-    least = cpsat.min_peak(calls, 20.0)
+    least = cpsat.min_peak(calls, 20.0, deterministic=True)
     assert least.optimal_over is not None and least.schedule is not None
-    sol = auto.solve(calls, least.bytes, 20.0)
+    sol = auto.solve(calls, least.bytes, 20.0, deterministic=True)
     assert sol.feasible and sol.peak_bytes <= least.bytes
     assert sol.space is not None and sol.space.contains(calls, sol.schedule)
 
@@ -113,7 +113,7 @@ def test_infeasible_error_names_the_space_its_minimum_is_proven_over() -> None:
     from solvers.auto import lowest_peak
 
     p = _problem("U-Net (BatchNorm, concatenated skips)")
-    lowest = lowest_peak(p, 10.0)
+    lowest = lowest_peak(p, 10.0, deterministic=True)
     assert lowest.least_peak_space is not None
     assert lowest.least_peak_bytes == lowest.peak_bytes
     case = next(c for c in CASES if c.name == "U-Net (BatchNorm, concatenated skips)")
@@ -121,7 +121,7 @@ def test_infeasible_error_names_the_space_its_minimum_is_proven_over() -> None:
     step = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                          progress=False)
     with pytest.raises(InfeasibleBudgetError, match="proven by CP-SAT") as caught:
-        solve(step, budget_bytes=lowest.peak_bytes - 1, time_limit_s=10.0)
+        solve(step, budget_bytes=lowest.peak_bytes - 1, time_limit_s=10.0, deterministic=True)
     assert "least peak of non-overlapping module calls" in str(caught.value)
     assert caught.value.min_budget_bytes == lowest.peak_bytes
 

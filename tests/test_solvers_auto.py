@@ -11,7 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import check_reported_numbers, problems
 
-from solvers import Problem, Schedule, Status, auto, baselines, dp, memory_lower_bound, simulate
+from solvers import (
+    Problem,
+    Schedule,
+    Status,
+    auto,
+    baselines,
+    cpsat,
+    dp,
+    memory_lower_bound,
+    simulate,
+)
 from solvers.spaces import every_flat
 from solvers.testing import transformer
 
@@ -89,7 +99,7 @@ def test_dp_pins_long_skips_and_compacts_empty_stages() -> None:
         assert sol.feasible and sol.peak_bytes <= budget
         assert sol.status == Status.OPTIMAL  # 8 stages: the dp covers its space
         _no_worse_than_baselines(p, budget, sol)  # block-aligned baselines lie in that space
-        _no_worse_than_baselines(p, budget, auto.solve(p, budget, 10.0))
+        _no_worse_than_baselines(p, budget, auto.solve(p, budget, 10.0, deterministic=True))
 
 
 def test_auto_falls_back_to_baselines_when_exact_solvers_run_out_of_time() -> None:
@@ -143,7 +153,8 @@ def test_a_dp_answer_with_a_gap_on_a_mid_size_graph_warm_starts_cpsat(
     monkeypatch.setattr(auto.dp, "solve", lambda *args, **kwargs: with_gap)
     asked: list[tuple[float, Schedule | None]] = []
 
-    def recorded(problem: Problem, budget_bytes: int, limit_s: float, hint=None):
+    def recorded(problem: Problem, budget_bytes: int, limit_s: float, hint=None,
+                 deterministic: bool = False):
         asked.append((limit_s, hint))
         return with_gap.model_copy(update={"solver": "cpsat", "bound_ms": None, "gap": None})
 
@@ -176,7 +187,8 @@ def test_cpsat_after_a_gap_runs_over_op_ranges_only_where_it_bounded_module_call
     monkeypatch.setattr(auto.dp, "applies", lambda problem: False)  # the two-pass path
     spaces: list[int] = []
 
-    def recorded(problem: Problem, budget_bytes: int, limit_s: float, hint=None):
+    def recorded(problem: Problem, budget_bytes: int, limit_s: float, hint=None,
+                 deterministic: bool = False):
         spaces.append(len(problem.module_spans or ()))
         return with_gap.model_copy(update={"solver": "cpsat", "gap": 0.3 if bounded else 1.0})
 
@@ -228,7 +240,7 @@ def test_a_small_graph_the_dp_proves_over_cpsats_space_is_not_searched_again(
               + memory_lower_bound(p)) // 2
     assert not dp.solve(auto.calls_only(p), budget, math.inf).feasible  # op ranges only
     monkeypatch.setattr(auto.cpsat, "solve", lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
-    sol = auto.solve(p, budget, 60.0)
+    sol = auto.solve(p, budget, 60.0, deterministic=True)
     assert sol.solver == "auto/dp" and sol.status == Status.OPTIMAL
 
 
@@ -246,13 +258,13 @@ def test_a_budget_the_dp_proves_nothing_fits_is_not_searched_by_cpsat_and_names_
     monkeypatch.setattr(auto.cpsat, "solve", lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
     monkeypatch.setattr(auto.cpsat, "min_peak",
                         lambda *args, **kwargs: pytest.fail("CP-SAT ran"))
-    sol = auto.solve(p, budget, 60.0)
+    sol = auto.solve(p, budget, 60.0, deterministic=True)
     assert not sol.feasible and sol.space is not None  # proven, over the DP's space
-    lowest = auto.lowest_peak(p, 30.0)
+    lowest = auto.lowest_peak(p, 30.0, deterministic=True)
     assert lowest.least_peak_prover == "the DP"
     assert lowest.least_peak_bytes == lowest.peak_bytes > budget
     assert lowest.least_peak_space == sol.space or lowest.least_peak_space.nested
-    assert dp.solve(p, lowest.peak_bytes, 30.0).feasible
+    assert dp.solve(p, lowest.peak_bytes, math.inf).feasible
     cpsat_least = real_min_peak(p, 10.0, deterministic=True)  # proven over its own space
     assert cpsat_least.optimal_over is not None and cpsat_least.bytes >= lowest.peak_bytes
 
@@ -312,3 +324,25 @@ def test_a_bisection_step_may_run_past_its_share_while_time_is_left(
     limits.clear()
     auto._dp_bisection(p, 0, 10**9, found, 2.0, 1000.6, exact=False)  # 0.6 s left
     assert limits == [pytest.approx(0.6 - 2.0 / 16)] * 8
+
+
+def test_a_deterministic_search_answers_alike_on_a_loaded_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic: the same schedule, status and bound on a machine so loaded that a
+    second passes at every read of the clock as on a quiet one; the same load stops the
+    search that counts seconds before it proves anything."""
+    import itertools
+    import time
+
+    p = transformer(4, 1)
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    budget = memory_lower_bound(p) + (store - memory_lower_bound(p)) // 3
+    quiet = [solve(p, budget, 5.0, deterministic=True) for solve in (auto.solve, cpsat.solve)]
+    assert all(q.status == Status.OPTIMAL for q in quiet)  # decided by work alone
+    seconds = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(seconds)))
+    for q, solve in zip(quiet, (auto.solve, cpsat.solve), strict=True):
+        loaded = solve(p, budget, 5.0, deterministic=True)
+        assert (loaded.schedule, loaded.status, loaded.bound_ms, loaded.solver) == (
+            q.schedule, q.status, q.bound_ms, q.solver)
+        assert solve(p, budget, 5.0).status != Status.OPTIMAL  # counting seconds

@@ -20,6 +20,7 @@ from solvers import (
     baselines,
     bruteforce,
     cpsat,
+    deterministic_solver,
     dp,
     memory_lower_bound,
     min_feasible_budget,
@@ -73,7 +74,7 @@ def _same(a: float, b: float) -> bool:
 def test_milp_reaches_bruteforce_optimum(p: Problem, frac: float) -> None:
     budget = _budget(p, frac)
     best = bruteforce.solve(p, budget, math.inf)
-    sol = cpsat.solve(p, budget, 20.0)
+    sol = cpsat.solve(p, budget, 20.0, deterministic=True)
     assert sol.feasible == best.feasible
     if best.feasible:
         assert sol.status == Status.OPTIMAL and _same(sol.objective_ms, best.objective_ms)
@@ -116,8 +117,8 @@ def test_reported_peaks_are_counted_and_optimum_beats_baselines(p: Problem,
                                                                 frac: float) -> None:
     budget = _budget(p, frac)
     opt = SOLVERS["cpsat"](p, budget, 20.0)
-    for name, solve in SOLVERS.items():
-        sol = solve(p, budget, 20.0)
+    for name in SOLVERS:
+        sol = deterministic_solver(name)(p, budget, 20.0)
         check_reported_numbers(p, sol)
         nested = sol.schedule is not None and any(r.children for r in sol.schedule.regions)
         if sol.feasible and not nested:  # cpsat is exact over flat schedules only; the DP
@@ -129,14 +130,14 @@ def test_reported_peaks_are_counted_and_optimum_beats_baselines(p: Problem,
 @given(problems(max_nodes=6))
 def test_min_feasible_budget_is_tight(p: Problem) -> None:
     mfb, exact = min_feasible_budget(p)
-    assert auto.solve(p, mfb, 20.0).feasible
-    assert auto.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+    assert auto.solve(p, mfb, 20.0, deterministic=True).feasible
+    assert auto.solve(p, mfb - 1, 20.0, deterministic=True).status == Status.INFEASIBLE
     if exact:  # the flat minimum: cpsat (flat schedules) agrees
-        assert cpsat.solve(p, mfb, 20.0).feasible
-        below = cpsat.solve(p, mfb - 1, 20.0)
+        assert cpsat.solve(p, mfb, 20.0, deterministic=True).feasible
+        below = cpsat.solve(p, mfb - 1, 20.0, deterministic=True)
         assert below.status == Status.INFEASIBLE and below.min_feasible_budget_bytes == mfb
     else:  # below every flat schedule, reached by a nested one
-        assert not cpsat.solve(p, mfb, 20.0).feasible
+        assert not cpsat.solve(p, mfb, 20.0, deterministic=True).feasible
         assert any(r.children for r in dp.solve(p, mfb, math.inf).schedule.regions)
 
 
@@ -147,8 +148,8 @@ def test_no_solver_keeps_unkeepable_nodes(p: Problem, frac: float, kinds: list[s
     p = p.model_copy(update={"op_kind": kinds[:p.n_nodes]})  # save_matmuls keeps linears
     budget = _budget(p, frac)
     best = bruteforce.solve(p, budget, math.inf)
-    for name, solve in SOLVERS.items():
-        sol = solve(p, budget, 20.0)
+    for name in SOLVERS:
+        sol = deterministic_solver(name)(p, budget, 20.0)
         if sol.schedule is not None:
             assert keeps_only_keepable(p, sol.schedule), name
         if name in ("cpsat", "auto"):  # exact over the brute-force space, keepable respected
@@ -182,8 +183,8 @@ def test_exact_solvers_give_up_a_keep_that_is_not_keepable() -> None:
 def test_min_feasible_budget_beyond_bruteforce_is_milp_tight() -> None:
     p = Problem.chain([10, 30, 10, 30, 10, 30, 10, 30, 10, 30, 1], [1.0] * 11)
     mfb, _ = min_feasible_budget(p)
-    assert cpsat.solve(p, mfb, 20.0).feasible
-    assert cpsat.solve(p, mfb - 1, 20.0).status == Status.INFEASIBLE
+    assert cpsat.solve(p, mfb, 20.0, deterministic=True).feasible
+    assert cpsat.solve(p, mfb - 1, 20.0, deterministic=True).status == Status.INFEASIBLE
 
 
 def blocks_with_ops() -> Problem:
@@ -246,7 +247,7 @@ def test_dp_on_block_chain_and_non_chain() -> None:
 def test_infeasible_solutions_carry_minimum() -> None:
     p = blocks_with_ops()
     for name in ("cpsat", "dp", "auto"):
-        sol = SOLVERS[name](p, 5, 10.0)
+        sol = deterministic_solver(name)(p, 5, 10.0)
         assert sol.status == Status.INFEASIBLE
         assert sol.min_feasible_budget_bytes is not None and sol.min_feasible_budget_bytes > 5
 

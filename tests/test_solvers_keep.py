@@ -148,10 +148,10 @@ def test_dp_bound_holds_over_every_kept_subset(seed: int, front_points: int,
         lower = dp._run(ctx, lay, budget - p.static_bytes, 2000, True,
                         math.inf, {}, len(lay.stages)).found
         assert lower is not None and lower[0] <= best + 1e-9, budget  # before any claim
-        sol = dp.solve(p, budget, 30.0)
+        sol = dp.solve(p, budget, math.inf)
         assert sol.feasible and sol.peak_bytes <= budget
         assert sol.bound_ms <= best + 1e-9 <= sol.objective_ms + 2e-9
-        coarse = dp.solve(p, budget, 30.0, keep_front=False)  # nothing or the matmuls
+        coarse = dp.solve(p, budget, math.inf, keep_front=False)  # nothing or the matmuls
         assert not coarse.feasible or sol.objective_ms <= coarse.objective_ms
         assert sol.space.keep == "stage-any"
 
@@ -221,7 +221,7 @@ def test_a_keep_analysis_shared_by_identical_blocks_keeps_each_blocks_own_nodes(
     monkeypatch.setattr(dp._Pass, "_keep_options", recorded)
     unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     for budget in range(p.static_bytes + 40, unplanned + 1, 4):
-        sol = dp.solve(p, budget, 30.0)
+        sol = dp.solve(p, budget, math.inf)
         for region in sol.schedule.recompute_regions() if sol.schedule else ():
             assert all(region.start <= k < region.stop for k in region.keep), region
     assert {a for a, _ in options} - {1}, "no block other than the first offered keeps"

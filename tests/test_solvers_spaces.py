@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,7 +50,7 @@ def test_auto_bounds_hold_over_the_space_they_name(p: Problem, frac: float) -> N
     """Whatever auto claims is checked by enumeration over the space it names: the answer
     lies in it, the bound is at most the optimum there, OPTIMAL means equal to it."""
     budget = _budget(p, frac)
-    sol = auto.solve(p, budget, 10.0)
+    sol = auto.solve(p, budget, 10.0, deterministic=True)
     assert sol.feasible
     if sol.space is None:
         assert sol.status == Status.FEASIBLE and sol.bound_ms is None and sol.gap is None
@@ -86,10 +88,10 @@ def _chain() -> Problem:
 
 def test_a_flat_optimum_is_claimed_over_flat_schedules_only() -> None:
     p = _chain()
-    flat = cpsat.solve(p, 142, 10.0)
+    flat = cpsat.solve(p, 142, 10.0, deterministic=True)
     assert flat.status == Status.OPTIMAL and flat.objective_ms == 5.0
     assert flat.space == every_flat(p) and "flat" in str(flat.space)
-    best = auto.solve(p, 142, 10.0)
+    best = auto.solve(p, 142, 10.0, deterministic=True)
     assert best.objective_ms == 4.0 and any(r.children for r in best.schedule.regions)
     # the nested answer is outside cpsat's space: its proof is the dp's, over nested schedules
     assert not flat.space.contains(p, best.schedule)
@@ -129,7 +131,7 @@ def test_a_bound_holds_for_the_same_schedule_found_by_another_solver() -> None:
     schedule; auto took CP-SAT's copy and reported CP-SAT's bound (gap 100 %), not the DP's
     bound over a space that holds that very schedule (gap 10.7 %)."""
     p, budget = _halfway_transformer()
-    by_dp = dp.solve(p, budget, 30.0)
+    by_dp = dp.solve(p, budget, math.inf)
     assert by_dp.feasible and by_dp.bound_ms and by_dp.bound_ms > 0
     same = by_dp.model_copy(update={"solver": "cpsat", "bound_ms": 0.0, "gap": 1.0,
                                     "status": Status.FEASIBLE, "space": every_flat(p)})
@@ -143,7 +145,7 @@ def test_a_near_tie_is_broken_by_the_stronger_proof(monkeypatch: pytest.MonkeyPa
     65 % over its space, the DP's 2.854 ms with 17 % over its own; the answer 0.035 %
     faster won and the user was told far less."""
     p, budget = _halfway_transformer()
-    by_dp = dp.solve(p, budget, 30.0)
+    by_dp = dp.solve(p, budget, math.inf)
     assert by_dp.status == Status.OPTIMAL
     # where CP-SAT's space is one the DP's holds, a proven DP answer is final (CP-SAT does
     # not run): this is the case where CP-SAT searches more than the DP does
@@ -155,7 +157,7 @@ def test_a_near_tie_is_broken_by_the_stronger_proof(monkeypatch: pytest.MonkeyPa
             "space": every_flat(p), "objective_ms": by_dp.objective_ms * factor,
             "schedule": Schedule.store_all(p.n_nodes)})
         monkeypatch.setattr(auto.cpsat, "solve", lambda *a, found=faster, **k: found)
-        answer = auto.solve(p, budget, 30.0)
+        answer = auto.solve(p, budget, 30.0, deterministic=True)
         assert answer.solver == winner  # beyond a near tie, recompute time decides
         assert (answer.gap == 0.0) == (winner == "auto/dp")
 
@@ -181,7 +183,7 @@ def test_a_proof_over_module_calls_alone_outlives_a_near_tie_without_one(
     ranges CP-SAT then found another schedule 1e-15 ms faster with no bound, and the
     answer carried a gap of 100 %: the first answer's proof was not among those weighed."""
     p, budget = _halfway_transformer()
-    first = dp.solve(p, budget, 30.0)
+    first = dp.solve(p, budget, math.inf)
     assert first.status == Status.OPTIMAL
     first = first.model_copy(update={"solver": "auto/dp"})
     unproven = first.model_copy(update={"solver": "dp", "bound_ms": None, "gap": None,
@@ -206,7 +208,7 @@ def test_the_dps_bound_proves_another_solvers_answer_inside_its_space() -> None:
 
     p = transformer(4, 1)
     every = SOLVERS["every_block"](p, 10**18, 1.0)
-    by_dp = dp.solve(p, every.peak_bytes, 30.0)
+    by_dp = dp.solve(p, every.peak_bytes, math.inf)
     assert by_dp.status == Status.OPTIMAL and by_dp.space.cuts == "dp-chain"
     assert by_dp.schedule != every.schedule and by_dp.objective_ms < every.objective_ms
     by_cpsat = every.model_copy(update={"solver": "cpsat", "bound_ms": 0.0, "gap": 1.0,

@@ -86,3 +86,119 @@ def test_every_library_module_has_its_tests_findable() -> None:
                     f"| {package}/{module.name} |" not in index:
                 missing.append(f"{package}/{module.name}")
     assert not missing, f"modules whose tests a newcomer cannot find: {missing}"
+
+
+# calls that search with a limit in seconds (``optimize`` and friends default to 60 s)
+SEARCHES = {"solve", "min_peak", "lowest_peak", "min_feasible_budget", "optimize", "replan",
+            "plan_for_profile", "solve_profiled", "plan_rank"}
+EXACT = {"auto", "cpsat", "milp", "dp", "bruteforce"}  # the solvers a limit may stop
+DEFAULT_LIMITED = {"optimize", "replan", "plan_for_profile", "solve_profiled", "plan_rank"}
+# what only a search run to its end may claim: a status, a bound, a proof, a space
+VERDICTS = {"status", "gap", "bound_ms", "proven", "optimal_over", "space",
+            "least_peak_bytes", "least_peak_space", "min_feasible_budget_exact",
+            "lower_bound_bytes"}
+
+
+def _limit(call: ast.Call) -> ast.expr | None:
+    """The seconds a search call is given (None: its default)."""
+    for keyword in call.keywords:
+        if keyword.arg == "time_limit_s":
+            return keyword.value
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else \
+        getattr(call.func, "id", None)
+    position = {"min_peak": 1, "lowest_peak": 1}.get(name, 2)  # solve(p, budget, limit)
+    if name in SEARCHES - DEFAULT_LIMITED or isinstance(call.func, ast.Subscript):
+        return call.args[position] if len(call.args) > position else None
+    return None
+
+
+def _counts_seconds(call: ast.Call) -> bool:
+    """Whether ``call`` is a search its time limit may stop: not ``deterministic=True``,
+    not unlimited (``math.inf``), not a zero limit (which stops it always)."""
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else \
+        getattr(call.func, "id", None)
+    if isinstance(call.func, ast.Subscript):  # SOLVERS[name]: a baseline reads no clock
+        key = call.func.slice
+        if ast.unparse(call.func.value) != "SOLVERS" or (
+                isinstance(key, ast.Constant) and key.value not in EXACT):
+            return False
+    elif name not in SEARCHES:
+        return False
+    if any(isinstance(k, ast.keyword) and k.arg == "deterministic"  # SolveOptions' too
+           and ast.unparse(k.value) != "False" for k in ast.walk(call)):
+        return False
+    limit = _limit(call)
+    if limit is None:
+        return name in DEFAULT_LIMITED or name in ("lowest_peak", "min_peak")
+    text = ast.unparse(limit)
+    return "inf" not in text and text not in ("0", "0.0")
+
+
+def _is_verdict(node: ast.Assert) -> bool:
+    for n in ast.walk(node.test):
+        if isinstance(n, ast.Attribute) and (n.attr in VERDICTS or (
+                isinstance(n.value, ast.Name) and n.value.id == "Status")):
+            return True
+        if isinstance(n, ast.Constant) and n.value in ("optimal", "infeasible"):
+            return True
+    return False
+
+
+def _baseline_names(node: ast.AST) -> set[str]:
+    """Names a loop over the baselines binds (``for name, solve in BASELINES.items()``):
+    the baselines read no clock that decides."""
+    return {n.id for loop in ast.walk(node) if isinstance(loop, ast.For)
+            and "BASELINES" in ast.unparse(loop.iter)
+            for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+
+
+def _timed_verdicts(tree: ast.Module) -> list[str]:
+    """Functions that assert a status, bound or proof and run a search that counts
+    seconds: on a loaded machine the search may stop before it proves what they assert."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        baselines = _baseline_names(node)
+        if any(isinstance(c, ast.Call) and _counts_seconds(c) and not (
+                isinstance(c.func, ast.Name) and c.func.id in baselines)
+               for c in ast.walk(node)) and any(isinstance(a, ast.Assert) and _is_verdict(a)
+                                                for a in ast.walk(node)):
+            found.append(node.name)
+    return found
+
+
+# tests whose point is a search that counts seconds, on a clock they drive themselves
+ON_PURPOSE = {
+    "test_api.py::test_a_deterministic_plan_is_the_same_on_a_loaded_machine",
+    "test_api.py::test_a_search_its_time_limit_stopped_says_so_and_proves_nothing",
+    "test_solvers_auto.py::test_a_deterministic_search_answers_alike_on_a_loaded_machine",
+    "test_solvers_dp_pinned.py::"
+    "test_a_bounded_answer_searches_on_for_its_proof_until_its_own_limit",
+}
+# asserting a verdict after a search that counts seconds, not yet made deterministic (issue
+# 63): the list only shrinks
+TIMED_VERDICTS_LEFT: set[str] = set()
+
+
+def test_no_new_test_asserts_a_verdict_of_a_search_that_counts_seconds() -> None:
+    found = {f"{path.name}::{name}" for path in sorted(TESTS.glob("test_*.py"))
+             for name in _timed_verdicts(ast.parse(path.read_text()))} - ON_PURPOSE
+    assert not found - TIMED_VERDICTS_LEFT, (
+        "tests asserting a status, bound or proof after a search its time limit may stop "
+        "(pass deterministic=True, or math.inf to the DP and brute force): "
+        f"{sorted(found - TIMED_VERDICTS_LEFT)}")
+    assert not TIMED_VERDICTS_LEFT - found, (
+        "made deterministic: remove from TIMED_VERDICTS_LEFT "
+        f"{sorted(TIMED_VERDICTS_LEFT - found)}")
+
+
+def test_the_rule_sees_a_verdict_after_a_timed_search() -> None:
+    source = ("def test_a():\n    sol = cpsat.solve(p, b, 10.0)\n"
+              "    assert sol.status == Status.OPTIMAL\n"
+              "def test_b():\n    sol = cpsat.solve(p, b, 10.0, deterministic=True)\n"
+              "    assert sol.status == Status.OPTIMAL\n"
+              "def test_c():\n    sol = SOLVERS['dp'](p, b, math.inf)\n    assert sol.gap == 0\n"
+              "def test_d():\n    plan = optimize(m, x, budget_gb=1)\n"
+              "    assert plan.solver.status == 'optimal'\n")
+    assert _timed_verdicts(ast.parse(source)) == ["test_a", "test_d"]
