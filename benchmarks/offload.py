@@ -53,13 +53,14 @@ def _row(problem: Problem, schedule: Schedule | None, step_ms: float) -> dict[st
             "moved_gib": tl.offloaded_bytes / GIB, "offloaded_calls": len(schedule.offloads)}
 
 
-def ours(problem: Problem, budget: int, step_ms: float, time_limit_s: float) -> dict[str, Any]:
+def ours(problem: Problem, budget: int, step_ms: float, time_limit_s: float,
+         deterministic: bool = False) -> dict[str, Any]:
     """Recompute only (auto) and with offload (joint) at `budget`."""
     started = time.perf_counter()
-    plain = auto.solve(problem, budget, time_limit_s)
+    plain = auto.solve(problem, budget, time_limit_s, deterministic=deterministic)
     plain_s = time.perf_counter() - started
     started = time.perf_counter()
-    both = joint.solve(problem, budget, time_limit_s)
+    both = joint.solve(problem, budget, time_limit_s, deterministic=deterministic)
     joint_s = time.perf_counter() - started
     if plain.feasible and (not both.feasible or plain.objective_ms <= both.objective_ms):
         best = plain
@@ -76,7 +77,9 @@ def ours(problem: Problem, budget: int, step_ms: float, time_limit_s: float) -> 
                                     step_ms), "solve_s": plain_s + joint_s,
                              "bound": None if both.bound_ms is None else
                              min(both.bound_ms, plain.bound_ms or both.bound_ms) / step_ms,
-                             "status": both.status.value}}
+                             "status": both.status.value,
+                             "schedule": (best.schedule.describe() if best.feasible
+                                          else None)}}
 
 
 def peers(problem: Problem, step_ms: float) -> dict[str, dict[str, Any]]:
@@ -91,7 +94,7 @@ def peers(problem: Problem, step_ms: float) -> dict[str, dict[str, Any]]:
             _row(problem, store.with_offloads(chain), step_ms)}
 
 
-def bench(quick: bool, time_limit_s: float) -> dict[str, Any]:
+def bench(quick: bool, time_limit_s: float, deterministic: bool = False) -> dict[str, Any]:
     zm = (zoo.get("gpt", size="small", batch=2, device="meta") if quick else
           zoo.get("gpt", size="gpt2-medium", batch=8, device="meta"))
     profiled = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
@@ -105,13 +108,15 @@ def bench(quick: bool, time_limit_s: float) -> dict[str, Any]:
           f"({link.source})", flush=True)
     anchors = []
     for name, (gib, _) in ({} if quick else ANCHORS_GIB).items():
-        row = {"anchor": name, **ours(problem, int(gib * GIB), step_ms, time_limit_s)}
+        row = {"anchor": name, **ours(problem, int(gib * GIB), step_ms, time_limit_s,
+                                      deterministic)}
         anchors.append(row)
         _print(f"at {gib:.2f} GiB ({name})", row)
     rows = []
     for name, peer in peers(problem, step_ms).items():
         row = {"peer": name, "theirs": peer,
-               **ours(problem, int(peer["peak_gib"] * GIB), step_ms, time_limit_s)}
+               **ours(problem, int(peer["peak_gib"] * GIB), step_ms, time_limit_s,
+                      deterministic)}
         rows.append(row)
         print(f"  {name}: peak {peer['peak_gib']:.2f} GiB, overhead {peer['overhead']:.1%} "
               f"(stall {peer['stall_ms']:.0f} ms)", flush=True)
@@ -212,15 +217,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT (smoke test)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the solvers decide by their work, never by the clock: the same "
+                        "answers on a loaded machine (writes offload-predicted-deterministic)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.getLogger("profiles").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     result = {"when": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
               f"{torch.get_num_threads()} threads", "torch": torch.__version__,
-              "result": bench(args.quick, args.time_limit)}
+              "deterministic": args.deterministic,
+              "result": bench(args.quick, args.time_limit, args.deterministic)}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("offload-predicted-quick" if args.quick else "offload-predicted")
+    stem = args.out / ("offload-predicted" + ("-quick" if args.quick else "")
+                       + ("-deterministic" if args.deterministic else ""))
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     plot(result, stem.with_suffix(".png"))
