@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from solvers import baselines, bruteforce, cpsat, dp
+from solvers import baselines, bruteforce, cpsat, dp, dp_space
 from solvers.accounting import Context
 from solvers.bounds import memory_lower_bound
 from solvers.problem import Problem
@@ -252,7 +252,7 @@ def _proven_infeasible(solution: Solution) -> bool:
 def _dp_holds_cpsat(problem: Problem) -> bool:
     """Whether the DP's space holds every schedule of CP-SAT's candidate regions."""
     regions, _ = cpsat.candidates(Context(problem))
-    return dp.holds_regions(problem, [(r.a, r.b, frozenset(r.keep)) for r in regions])
+    return dp_space.holds_regions(problem, [(r.a, r.b, frozenset(r.keep)) for r in regions])
 
 
 def _best_proven(problem: Problem, best: Solution, found: list[Solution],

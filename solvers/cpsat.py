@@ -45,7 +45,7 @@ from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
 from solvers.simulate import simulate
-from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions, matmul_keep
+from solvers.spaces import FULL_KEEP_MAX_LEN, SearchSpace, flat_regions
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _keep_options(problem: Problem, a: int, b: int, full: bool) -> list[frozense
         return [frozenset(c) for r in range(len(nodes) + 1)
                 for c in itertools.combinations(nodes, r)]
     opts = [frozenset()]
-    mm = matmul_keep(problem, a, b)
+    mm = problem.matmul_keep(a, b)
     if mm and len(mm) < b - a:
         opts.append(mm)
     return opts

@@ -132,18 +132,19 @@ from solvers.dp_pinned import (
     reader_split_bound,
     sure_holds,
 )
+from solvers.dp_space import stop_limits
 from solvers.front import Front
-from solvers.inner import every_set, inner_options
+from solvers.inner import inner_options
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Region, Schedule
-from solvers.spaces import SearchSpace, chain_segments, matmul_keep
+from solvers.spaces import SearchSpace, chain_segments
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["applies", "chain_stages", "compact_stages", "holds_regions", "pinned_storages",
+__all__ = ["applies", "chain_stages", "compact_stages", "pinned_storages",
            "solve"]
 
 SUBSET_MAX_NODES = 8  # problems this small try every kept subset per segment
@@ -231,7 +232,7 @@ def _layout(ctx: Context, keep_front: bool = True, calls_first: bool = True) -> 
     readers = () if tiny else tuple(reader_holds(
         problem, st, pinned, frozenset(one_stage) | {h.storage for h in holds}))
     return _Layout(st, pinned, skips, up, low, SpanBounds(ctx, pinned | frozenset(skips)),
-                   _stop_limits(problem, st, skips), keep_front, holds,
+                   stop_limits(problem, st, skips), keep_front, holds,
                    frozenset(one_stage), cut_table(ctx, low, st, cut), through, calls_first,
                    readers)
 
@@ -266,24 +267,6 @@ def _either_space(a: SearchSpace | None, b: SearchSpace | None) -> SearchSpace |
         "text": f"{a.text}; over either of two chains of stages (a storage read two stages on "
                 "merges them: keeping the boundaries at module calls, or the first after it)",
         "nested": a.nested and b.nested})
-
-
-def _stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
-                 ) -> list[int]:
-    """Per stage t: segments starting there stop at stage u <= this (exclusive), so that none
-    holds a long skip's producer and a far reader (two stages on: single stages never do)."""
-    m = len(st)
-    stage_of = stage_index(problem, st)
-    first_far = [m] * m  # by the producer's stage
-    for s, far in skips.items():
-        t = stage_of[problem.storage_producer[s]]
-        first_far[t] = min(first_far[t], stage_of[far[0]])
-    out = [m] * m
-    low = m
-    for t in range(m - 1, -1, -1):  # least over the skips made at stage t or later
-        low = min(low, first_far[t])
-        out[t] = low
-    return out
 
 
 def _pin_tables(ctx: Context, pinned: frozenset[int], skips: dict[int, list[int]]
@@ -719,34 +702,6 @@ def _backtrack(f: Front, fronts: list[dict[tuple, Front]], st: list[tuple[int, i
             regions.extend(regions_at(spec_of(step), st[step.start][0]))
         pos, f = int(f.idx[pos]), fronts[step.start][step.held_rel]
     return sorted(regions, key=lambda r: r.start), relaxed
-
-
-def holds_regions(problem: Problem, regions: list[tuple[int, int, frozenset[int]]]) -> bool:
-    """Whether every set of these non-overlapping regions, each keeping as given, is a
-    schedule of the DP's space: each starts and stops at stages of the DP's chain (the
-    calls' one, over which it proves the answers it finds) and keeps nothing or its
-    matmul-like nodes (a segment of those stages recomputed), or lies inside a stage that
-    offers every set of its inner regions (`inner.every_set`); no segment holds a long
-    skip's producer and one of its far readers (`_stop_limits`)."""
-    ctx = Context(problem)
-    skips, stages = long_skips(problem, pinned_storages(problem))  # `_layout`'s stages
-    stage_at = {a: t for t, (a, _) in enumerate(stages)} | {problem.n_nodes: len(stages)}
-    stop_limit = _stop_limits(problem, stages, skips)
-    inner_sets: dict[tuple[int, int], set | None] = {}
-
-    def inside(a: int, b: int, keep: frozenset[int]) -> bool:
-        x, y = next(((x, y) for x, y in stages if x <= a and b <= y), (a, a))
-        if (x, y) not in inner_sets:
-            every = every_set(ctx, x, y) if problem.module_spans is not None else None
-            inner_sets[x, y] = None if every is None else {
-                (r.a, r.b, frozenset(r.keep)) for regions in every for r in regions}
-        return inner_sets[x, y] is not None and (a, b, keep) in inner_sets[x, y]
-
-    def segment(a: int, b: int, keep: frozenset[int]) -> bool:
-        return (a in stage_at and b in stage_at and stage_at[b] <= stop_limit[stage_at[a]]
-                and (not keep or keep == matmul_keep(problem, a, b)))
-
-    return all(segment(a, b, keep) or inside(a, b, keep) for a, b, keep in regions)
 
 
 def _space(problem: Problem, lay: _Layout, *, nested: bool) -> SearchSpace:

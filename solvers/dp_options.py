@@ -18,7 +18,6 @@ from solvers.chain import checkpoint_runs, is_empty
 from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
 from solvers.schedule import RECOMPUTE, Region
-from solvers.spaces import matmul_keep
 
 __all__ = ["RerunRel", "Spec", "flat_options", "flat_rerun_rel", "keep_sets", "nested_options",
            "regions_at", "reruns_rel", "span_options", "top_regions", "window_signature",
@@ -33,7 +32,7 @@ def flat_options(ctx: Context, a: int, b: int, single: bool,
     if not runs:
         return opts
     opts.append(tuple(ctx.region(x, y) for x, y in runs))
-    mm = tuple(ctx.region(x, y, matmul_keep(p, x, y)) for x, y in runs)
+    mm = tuple(ctx.region(x, y, p.matmul_keep(x, y)) for x, y in runs)
     if mm != opts[-1]:
         opts.append(mm)
     if subsets and len(runs) == 1:
@@ -53,7 +52,7 @@ def keep_sets(ctx: Context, a: int, b: int, subsets: bool) -> list[frozenset[int
     if subsets:
         return [frozenset(c) for r in range(len(keepable) + 1)
                 for c in itertools.combinations(keepable, r)]
-    mm = matmul_keep(p, a, b)
+    mm = p.matmul_keep(a, b)
     return [frozenset(), mm] if mm else [frozenset()]
 
 
@@ -90,7 +89,7 @@ def span_options(ctx: Context, a: int, b: int, single: bool,
         kids = [(sp.start, sp.stop) for sp in p.spans_within(x, y)
                 if worth_checkpointing(p, sp.start, sp.stop)]
         for keep_matmuls in (False, True):
-            spec = [(cx, cy, matmul_keep(p, cx, cy) if keep_matmuls else frozenset())
+            spec = [(cx, cy, p.matmul_keep(cx, cy) if keep_matmuls else frozenset())
                     for cx, cy in kids]
             if kids and (not keep_matmuls or any(k for _, _, k in spec)):
                 nested.append((ctx.region(x, y, (), children=spec),))
@@ -98,7 +97,7 @@ def span_options(ctx: Context, a: int, b: int, single: bool,
         [inner] if single and len(inner) > 1 else [])
     for group in groups:
         for keep_matmuls in (False, True):
-            regions = tuple(ctx.region(x, y, matmul_keep(p, x, y) if keep_matmuls else ())
+            regions = tuple(ctx.region(x, y, p.matmul_keep(x, y) if keep_matmuls else ())
                             for x, y in group)
             if keep_matmuls and all(not r.keep for r in regions):
                 continue
@@ -132,7 +131,7 @@ def nested_options(ctx: Context, stages: list[tuple[int, int]]) -> list[tuple]:
         return []
     out: list[tuple] = []
     for keep_matmuls in (False, True):
-        kids = tuple((cx, cy, matmul_keep(p, cx, cy) if keep_matmuls else frozenset())
+        kids = tuple((cx, cy, p.matmul_keep(cx, cy) if keep_matmuls else frozenset())
                      for cx, cy in pieces)
         if keep_matmuls and not any(k for _, _, k in kids):
             continue

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from solvers.accounting import Context, RegionInfo, profile_parts
 from solvers.frame import worth_checkpointing
 from solvers.front import pareto
-from solvers.spaces import matmul_keep
 
 __all__ = ["INNER_POINTS", "Piece", "every_set", "inner_front", "inner_options"]
 
@@ -45,7 +44,7 @@ def _candidates(ctx: Context, a: int, b: int) -> list[RegionInfo]:
             continue
         if not worth_checkpointing(p, x, y):
             continue
-        matmuls = matmul_keep(p, x, y)
+        matmuls = p.matmul_keep(x, y)
         out += [ctx.region(x, y, keep) for keep in {frozenset(), matmuls}]
     return out
 

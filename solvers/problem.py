@@ -543,6 +543,11 @@ class Problem(BaseModel):
         """
         return bool(self.recomputable[i]) and (self.keepable is None or bool(self.keepable[i]))
 
+    def matmul_keep(self, a: int, b: int) -> frozenset[int]:
+        """The keepable matmul-like nodes of ``[a, b)``: the one non-empty keep most solvers
+        try."""
+        return frozenset(i for i in range(a, b) if self.is_matmul(i) and self.can_keep(i))
+
     def recomputable_runs(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Maximal runs ``(a, b)`` of recomputable nodes inside ``[start, stop)``."""
         runs: list[tuple[int, int]] = []

@@ -12,11 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from solvers.dp_space import holds_regions
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 
-__all__ = ["SearchSpace", "chain_segments", "every_flat", "every_schedule", "flat_regions",
-           "matmul_keep"]
+__all__ = ["SearchSpace", "chain_segments", "every_flat", "every_schedule", "flat_regions"]
 
 FULL_KEEP_MAX_LEN = 8  # regions up to this many nodes may keep any subset ("short-any")
 
@@ -26,7 +26,7 @@ class SearchSpace(BaseModel):
 
     `cuts`: where RECOMPUTE regions may start and stop ("any" node boundary, "stages": the
     boundaries of `blocks()` and the single nodes between them, "dp-chain": the DP's chain
-    over module calls, where `dp.holds_regions` decides flat schedules and the rest are
+    over module calls, where `dp_space.holds_regions` decides flat schedules and the rest are
     its own answers, "solver": only schedules the solver itself produced). `keep`: what a
     region may keep ("any" keepable subset, "matmuls": nothing or all its keepable
     matmul-like nodes, "short-any": any subset in regions of at most `FULL_KEEP_MAX_LEN`
@@ -67,11 +67,9 @@ class SearchSpace(BaseModel):
 
 def _in_dp_chain(problem: Problem, schedule: Schedule) -> bool:
     """Whether a flat `schedule` recomputes only regions every set of which the DP's space
-    holds (`dp.holds_regions`, the one rule; imported here since the DP builds its spaces
-    from this module): ViT-tiny under bf16, CP-SAT's 0.5224 ms over whole calls, which the
-    DP bounded at 0.5224 ms without finding it. Otherwise not decided (False)."""
-    from solvers.dp import holds_regions
-
+    holds (`dp_space.holds_regions`, the one rule): ViT-tiny under bf16, CP-SAT's 0.5224 ms
+    over whole calls, which the DP bounded at 0.5224 ms without finding it. Otherwise not
+    decided (False)."""
     regions = [r for r in schedule.regions if r.is_recompute]
     if any(r.children for r in regions) or not all(problem.emittable(r.start, r.stop)
                                                    for r in regions):
@@ -88,12 +86,7 @@ def _keep_allowed(problem: Problem, a: int, b: int, keep: frozenset[int], rule: 
         return False
     if rule == "any" or (rule == "short-any" and b - a <= FULL_KEEP_MAX_LEN):
         return True
-    return not keep or keep == matmul_keep(problem, a, b)
-
-
-def matmul_keep(problem: Problem, a: int, b: int) -> frozenset[int]:
-    """The keepable matmul-like nodes of `[a, b)`: the one non-empty keep most solvers try."""
-    return frozenset(i for i in range(a, b) if problem.is_matmul(i) and problem.can_keep(i))
+    return not keep or keep == problem.matmul_keep(a, b)
 
 
 def _regions_word(problem: Problem) -> str:
@@ -135,7 +128,7 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
                    long_skip_nodes: int = 0, stage_keep: bool = False,
                    calls_chain: bool = False) -> SearchSpace:
     """The DP's space: segmentations of the chain of stages (membership: its own answers,
-    and on its chain over module calls, `calls_chain`, what `dp.holds_regions` decides);
+    and on its chain over module calls, `calls_chain`, what `dp_space.holds_regions` decides);
     with `long_skips`, no segment holds the producer and a far reader of one of them; with
     `stage_keep`, a stage's outermost region keeps any subset of its ops, others nothing or
     their matmuls (`dp_options.top_regions`); with module spans, a stage's sets of inner regions

@@ -19,6 +19,7 @@ from solvers import (
     baselines,
     cpsat,
     dp,
+    dp_space,
     memory_lower_bound,
     simulate,
 )
@@ -217,7 +218,7 @@ def test_the_dp_space_holds_each_cpsat_candidate_it_says_it_holds() -> None:
 
     p = _mlp_problem()
     regions, _ = cpsat.candidates(Context(p))
-    assert dp.holds_regions(p, [(r.a, r.b, frozenset(r.keep)) for r in regions])
+    assert dp_space.holds_regions(p, [(r.a, r.b, frozenset(r.keep)) for r in regions])
     stages = dp._layout(Context(p)).stages
     inside = 0
     for r in regions:

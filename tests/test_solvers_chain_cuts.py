@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from planner import profile_model
-from solvers import RECOMPUTE, Region, Schedule, dp, memory_lower_bound, simulate
+from solvers import RECOMPUTE, Region, Schedule, dp, dp_space, memory_lower_bound, simulate
 from solvers.accounting import Context
 from solvers.chain import long_skips, pinned_storages
 
@@ -81,7 +81,7 @@ def test_stages_keep_the_boundaries_between_calls() -> None:
 def _no_slower_than(p, a: int, b: int) -> None:
     """Region `[a, b)` is in the DP's space, and the DP, solving with no time limit, is no
     slower than it at its peak."""
-    assert dp.holds_regions(p, [(a, b, frozenset())])
+    assert dp_space.holds_regions(p, [(a, b, frozenset())])
     scored = simulate(p, Schedule.from_segments(p.n_nodes, [Region(a, b, RECOMPUTE)]))
     sol = dp.solve(p, scored.peak_bytes, math.inf)
     assert sol.feasible and sol.objective_ms <= scored.recompute_time_ms + 1e-9

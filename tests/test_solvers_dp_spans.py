@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_solvers_nested_accounting import graphs
 from test_solvers_properties import check_reported_numbers
 
-from solvers import SOLVERS, Schedule, Status, baselines, dp, memory_lower_bound, simulate
+from solvers import SOLVERS, Schedule, Status, baselines, dp, dp_space, memory_lower_bound, simulate
 from solvers.accounting import Context
 from solvers.testing import transformer
 
@@ -128,7 +128,7 @@ def _held_baselines_beaten(p, sol, budget: int) -> int:
     held = 0
     for name, baseline in baselines.BASELINES.items():
         base = baseline(p, budget, 1.0)
-        if base.feasible and dp.holds_regions(p, [(r.start, r.stop, frozenset(r.keep))
+        if base.feasible and dp_space.holds_regions(p, [(r.start, r.stop, frozenset(r.keep))
                                                   for r in base.schedule.recompute_regions()]):
             held += 1
             assert sol.feasible, f"the DP found nothing where {name} fits"

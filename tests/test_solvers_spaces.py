@@ -19,9 +19,10 @@ from solvers import (
     bruteforce,
     cpsat,
     dp,
+    dp_space,
     simulate,
 )
-from solvers.spaces import every_flat, flat_regions, matmul_keep
+from solvers.spaces import every_flat, flat_regions
 
 FEW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -101,7 +102,7 @@ def test_a_flat_optimum_is_claimed_over_flat_schedules_only() -> None:
 
 def test_membership_follows_cuts_keeps_and_nesting() -> None:
     p = _chain().model_copy(update={"op_kind": ["linear", "relu", "mm", "add", "x", "y"]})
-    assert matmul_keep(p, 0, 3) == frozenset({0, 2})
+    assert p.matmul_keep(0, 3) == frozenset({0, 2})
     matmuls = flat_regions(p, "any", "matmuls")
     stages = flat_regions(p, "stages", "matmuls")
     keep_mm = Schedule.from_segments(6, [Region(0, 3, "recompute", keep=frozenset({0, 2}))])
@@ -173,8 +174,9 @@ def test_the_dps_space_holds_no_segment_across_a_long_skip() -> None:
     p = random_dag(30, seed=0)
     skips, stages = long_skips(p, pinned_storages(p))
     assert skips and {0, 17} <= {a for a, _ in stages}  # both ends at the chain's stages
-    assert p.emittable(0, 17) and dp.holds_regions(p, [(0, 7, frozenset()), (7, 17, frozenset())])
-    assert not dp.holds_regions(p, [(0, 17, frozenset())])
+    assert p.emittable(0, 17)
+    assert dp_space.holds_regions(p, [(0, 7, frozenset()), (7, 17, frozenset())])
+    assert not dp_space.holds_regions(p, [(0, 17, frozenset())])
 
 
 def test_a_proof_over_module_calls_alone_outlives_a_near_tie_without_one(
