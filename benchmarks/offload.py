@@ -198,7 +198,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         y = min(100 * t["overhead"], top * (0.95 - 0.08 * k))
         ax.scatter(t["peak_gib"], y, marker="x", s=60, zorder=3, color="0.2")
         ax.annotate(f"{p['peer'].split(' (')[0]}: {t['overhead']:.0%}", (t["peak_gib"], y),
-                    textcoords="offset points", xytext=(-8, 4), fontsize=8, ha="right")
+                    textcoords="offset points", xytext=(8, -3), fontsize=8, ha="left")
     for k, (gib, goal) in enumerate(ANCHORS_GIB.values() if m["anchors"] else ()):
         ax.scatter(gib, 100 * goal, marker="*", color="tab:green", s=90, zorder=3,
                    label="DESIGN.md's goal at a measured H100 peak" if k == 0 else None)
