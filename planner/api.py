@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from planner.applying import apply
 from planner.arguments import (
     MAX_BUDGET_BYTES,
     MIN_BUDGET_BYTES,
@@ -27,7 +28,7 @@ from planner.arguments import (
 from planner.bucket_planning import plan_envelope
 from planner.envelope import Envelope
 from planner.guard import PlanGuard
-from planner.install import apply, region_specs, remove
+from planner.install import region_specs, remove
 from planner.model_state import structure_fingerprint
 from planner.plan import Plan, PlanMismatchWarning
 from planner.plan_table import PlanTable

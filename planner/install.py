@@ -36,7 +36,6 @@ from planner.offload import (
     suspended_offload,
 )
 from planner.plan import Plan, PlanMismatchError, PlanMismatchWarning
-from planner.plan_table import PlanTable
 from profiles.schema import GraphProfile
 from solvers import ModuleCall, OpRange, Region, Save, Schedule
 
@@ -105,28 +104,8 @@ def _guards(model: nn.Module) -> list[int]:
             if isinstance(hook, PlanGuard)]
 
 
-def apply(model: nn.Module, plan: Plan | PlanTable, *, strict: bool = False) -> nn.Module:
-    """Checkpoint ``model``'s own modules as ``plan`` says, and return ``model``.
-
-    The model keeps its class, module tree, parameters and ``state_dict``; compose it with
-    autocast, FSDP2 (``fully_shard`` its blocks after this), DDP and ``torch.compile`` as
-    usual. A guard (:class:`planner.guard.PlanGuard`) warns (``strict``: raises
-    ``PlanMismatchError``) when a training step is not the one planned: larger inputs,
-    other input dtypes or values, another autocast dtype, a changed model.
-    :func:`remove` undoes it. A :class:`~planner.plan_table.PlanTable` installs its plans
-    together; each step takes its bucket's (:mod:`planner.table_install`).
-
-    A refused plan changes nothing: every check runs, and every traced forward is traced,
-    before the plan already on the model (if any) is taken off.
-
-    Raises:
-        PlanMismatchError: the model's module tree or parameter shapes differ from the
-            planned model's, or the plan names modules or ranges the model lacks.
-    """
-    if isinstance(plan, PlanTable):
-        from planner.table_install import apply_table
-
-        return apply_table(model, plan, strict=strict)
+def apply_plan(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
+    """`planner.apply` of one plan (a table's plans: `planner.table_install`)."""
     installation = prepared(model, plan, strict)
     # nothing has changed so far; from here on the new plan replaces the old
     remove(model)

@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import profiles
+from planner.applying import apply
 from planner.emit import checkpointed_modules
-from planner.install import _guards, apply, remove
+from planner.install import _guards, remove
 from planner.model_state import _model_device, _training_config
 from planner.offload import offloaded_modules
 from planner.plan import Plan, PlanMismatchWarning, format_bytes

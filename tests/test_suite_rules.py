@@ -205,31 +205,28 @@ def test_the_rule_sees_a_verdict_after_a_timed_search() -> None:
 
 
 PACKAGES = ("profiles", "solvers", "planner")
-# import cycles between modules (lazy and type-only imports included), known and to be
-# broken (issue 63): the list only shrinks
-IMPORT_CYCLES_LEFT = {
-    frozenset({"planner.install", "planner.table_install"}),
-    frozenset({"solvers.accounting", "solvers.region_analysis"}),
-    frozenset({"solvers.span_views", "solvers.problem"}),
-    frozenset({"solvers.lifetimes", "solvers.problem"}),
-    frozenset({"profiles.fake_world", "profiles.parallel"}),
-    frozenset({"planner.install", "planner.table_install", "planner.bucket_planning",
-               "planner.profiling"}),
-    frozenset({"planner.install", "planner.table_install", "planner.bucket_planning",
-               "planner.profiling", "planner.region_calibration"}),
-    frozenset({"planner.install", "planner.table_install", "planner.bucket_planning",
-               "planner.solving", "planner.profiling"}),
-    frozenset({"planner.install", "planner.table_install", "planner.bucket_planning",
-               "planner.solving", "planner.profiling", "planner.region_calibration"}),
-}
+# import cycles between modules that run (lazy imports included, type-only ones not):
+# none; the list only shrinks
+IMPORT_CYCLES_LEFT: set[frozenset[str]] = set()
+
+
+def _type_only(tree: ast.Module) -> set[ast.AST]:
+    """The imports under ``if TYPE_CHECKING:``: never run, so they close no cycle."""
+    return {node for block in ast.walk(tree) if isinstance(block, ast.If)
+            and ast.unparse(block.test).endswith("TYPE_CHECKING")
+            for stmt in block.body for node in ast.walk(stmt)}
 
 
 def _imports(path: Path, module: str) -> set[str]:
-    """The library modules ``module`` imports, anywhere in it (a lazy import inside a
-    function closes a cycle as surely as one at the top, only later)."""
+    """The library modules ``module`` imports when it runs, anywhere in it (a lazy import
+    inside a function closes a cycle as surely as one at the top, only later)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+    tree = ast.parse(path.read_text())
+    skipped = _type_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
                 node.module.split(".")[0] in PACKAGES:
             out |= ({f"{node.module}.{a.name}" for a in node.names}
                     if node.module in PACKAGES else {node.module})
@@ -252,8 +249,10 @@ def _import_cycles() -> set[frozenset[str]]:
 
 def test_no_new_import_cycle() -> None:
     """Imports go one way (profiles -> solvers -> planner, and inside a package from the
-    lower module up); `solvers.spaces` and `solvers.dp` imported each other until the DP's
-    space got its own module (`solvers.dp_space`)."""
+    lower module up). Broken so far: `solvers.spaces` <-> `solvers.dp` (the DP's space got
+    its own module, `solvers.dp_space`) and `planner.install` -> `planner.table_install` ->
+    ... -> `planner.install` (five cycles: `apply` of a plan or a table is
+    `planner.applying`, above both installers)."""
     cycles = _import_cycles()
     assert not cycles - IMPORT_CYCLES_LEFT, f"new import cycles: {cycles - IMPORT_CYCLES_LEFT}"
     assert not IMPORT_CYCLES_LEFT - cycles, (
