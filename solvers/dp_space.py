@@ -14,7 +14,7 @@ __all__ = ["holds_regions", "stop_limits"]
 
 
 def stop_limits(problem: Problem, st: list[tuple[int, int]], skips: dict[int, list[int]]
-                 ) -> list[int]:
+                ) -> list[int]:
     """Per stage t: segments starting there stop at stage u <= this (exclusive), so that none
     holds a long skip's producer and a far reader (two stages on: single stages never do)."""
     m = len(st)
