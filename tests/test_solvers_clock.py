@@ -4,6 +4,7 @@ DP's prefix sums charge the same time for every region, kept set and early stop.
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -33,18 +34,28 @@ def _regions(p: Problem):
                 yield a, b, frozenset(keep)
 
 
+def _reruns(p: Problem):
+    """Each region of `_regions` that reruns something, with its frame's rules."""
+    for a, b, keep in _regions(p):
+        rules = frame_rules(p, own_packs(p, a, b))
+        if rules.reruns:
+            yield a, b, keep, rules
+
+
+def _forward_prefix(p: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """The forward times and their prefix sums, as the DP's `_rerun_ms` takes them."""
+    fwd = np.asarray(p.fwd_time_ms)
+    return fwd, np.concatenate([[0.0], np.cumsum(fwd)])
+
+
 @pytest.mark.parametrize("overlaps", [False, True], ids=["cpu", "gpu"])
 def test_every_rerun_costs_the_same_in_simulate_region_analysis_and_the_dp(
         overlaps: bool) -> None:
     p = _problem(overlaps)
     ctx = Context(p)
-    fwd = np.asarray(p.fwd_time_ms)
-    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
+    fwd, fwd_sum = _forward_prefix(p)
     checked = 0
-    for a, b, keep in _regions(p):
-        rules = frame_rules(p, own_packs(p, a, b))
-        if not rules.reruns:
-            continue
+    for a, b, keep, rules in _reruns(p):
         stop, idle = rules.rerun_stop, rules.idle_steps(keep & frozenset(range(a, b)))
         clock = rerun_ms(p, a, stop, idle, rerun_overhead_ms(p, a, stop, keep))
         by_hand = sum(fwd[i] for i in range(a, stop) if i not in idle) + (
@@ -82,13 +93,9 @@ def test_an_op_range_costs_its_range_cost_more_in_every_place_that_charges_a_rer
     p = _with_op_ranges(_problem(False))
     calls = p.model_copy(update={"checkpoint_range_ms": 0.0})
     ctx = Context(p)
-    fwd = np.asarray(p.fwd_time_ms)
-    fwd_sum = np.concatenate([[0.0], np.cumsum(fwd)])
+    fwd, fwd_sum = _forward_prefix(p)
     ranges = 0
-    for a, b, keep in _regions(p):
-        rules = frame_rules(p, own_packs(p, a, b))
-        if not rules.reruns:
-            continue
+    for a, b, keep, rules in _reruns(p):
         sched = Schedule.from_segments(p.n_nodes, [(a, b)], keep=sorted(keep))
         extra = 0.9 if (a, b) in {(1, 3), (0, 2), (2, 5)} else 0.0
         clock = simulate(p, sched).recompute_time_ms
@@ -104,13 +111,13 @@ def test_an_op_range_costs_its_range_cost_more_in_every_place_that_charges_a_rer
 
 def test_exact_solvers_price_op_ranges_as_simulate_does() -> None:
     """With op ranges dearer, the DP and CP-SAT still find bruteforce's optimum."""
-    from solvers import bruteforce, cpsat, dp
+    from solvers import bruteforce, deterministic_solver
 
     p = _with_op_ranges(_problem(False)).model_copy(update={"checkpoint_range_ms": 5.0})
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     lowest = bruteforce.min_feasible_budget(p)[0]
     for budget in (lowest, (lowest + store) // 2):
-        best = bruteforce.solve(p, budget, 60.0)
-        for solver in (cpsat, dp):
-            found = solver.solve(p, budget, 20.0)
+        best = bruteforce.solve(p, budget, math.inf)  # an optimum: searched to the end
+        for name in ("cpsat", "dp"):
+            found = deterministic_solver(name)(p, budget, 20.0)
             assert found.objective_ms == pytest.approx(best.objective_ms, rel=1e-6, abs=1e-6)
