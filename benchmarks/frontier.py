@@ -46,6 +46,7 @@ import planner
 from planner import zoo
 from planner.api import replan
 from planner.plan import InfeasibleBudgetError
+from solvers.simulate import simulate
 
 # what gpu_suite.py and the smoke test use of the frontier
 __all__ = ["AUTOCAST", "AUTO_SAC", "RESULTS", "bench_model", "compile_backend", "main",
@@ -137,7 +138,9 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
             out["overhead"] = out["step_ms"] / out["base_step_ms"] - 1.0
             if runner.last_timed is not None:
                 timed.append((out, *runner.last_timed))
-        runner.last_timed = None
+            if runner.last_host is not None:
+                out["host_ms"], out["base_host_ms"] = runner.last_host
+        runner.last_timed = runner.last_host = None
         rows.append(out)
         print(format_row(out), flush=True)
         return out
@@ -208,8 +211,20 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
             solver=plan.solver.name, solver_status=plan.solver.status,
             autocast_dtype=plan.autocast_dtype, grads_equal=equal, grad_max_abs_diff=diff,
             plan_schedule=plan.schedule.describe(),
-            predicted_overhead=plan.predicted_overhead)
+            predicted_overhead=plan.predicted_overhead,
+            predicted_host_overhead=predicted_host_overhead(plan))
     return first
+
+
+def predicted_host_overhead(plan: planner.Plan) -> float:
+    """The host's part of the plan's predicted overhead: what the clock charges for its
+    checkpoint regions, packs, policy hops and interpreted ranges (the plan's recompute time
+    less that of the same schedule with those costs 0), over the unplanned step."""
+    problem = plan.problem()
+    device_only = simulate(problem.model_copy(update={
+        "checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0, "checkpoint_sac_op_ms": 0.0,
+        "checkpoint_range_ms": 0.0}), plan.schedule).recompute_time_ms
+    return (plan.recompute_ms - device_only) / plan.baseline_step_ms
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

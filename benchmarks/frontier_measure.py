@@ -66,6 +66,10 @@ class Runner:
         self.state = {k: v.detach().clone() for k, v in zm.model.state_dict().items()}
         self.names = {p: n for n, p in zm.model.named_parameters()}
         self.last_timed: tuple[nn.Module, Callable[[], Any]] | None = None
+        # the host's share of the last paired_ms: median ms until backward() returned (its
+        # last launch issued; before the GPU's synchronize), of the module and of the plain
+        self.last_host: tuple[float, float] | None = None
+        self._host_ms = 0.0
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
@@ -95,6 +99,7 @@ class Runner:
             with autocast_context(self.device, self.autocast):
                 loss = self.loss_fn(module(*self.args, **self.kwargs))
             loss.backward()
+            self._host_ms = (time.perf_counter() - begin) * 1e3
             if self.device == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - begin) * 1e3
@@ -127,17 +132,18 @@ class Runner:
         measured -3.9 to +12.0 % as a ratio of medians on 2 cores)."""
         plain = contextlib.nullcontext
         samples: tuple[list[float], list[float]] = ([], [])
+        hosts: tuple[list[float], list[float]] = ([], [])
         for i in range(self.steps + self.warmup):
-            if i % 2:  # each goes first in every other round: the second step of a round
-                ms = self._step_ms(module, context)  # pays what the first left behind
-                base = self._step_ms(self.zm.model, plain)
-            else:
-                base = self._step_ms(self.zm.model, plain)
-                ms = self._step_ms(module, context)
-            if i >= self.warmup:
-                samples[0].append(ms)
-                samples[1].append(base)
+            order = [(module, context, 0), (self.zm.model, plain, 1)]
+            # each goes first in every other round: the second step of a round pays what
+            # the first left behind
+            for mod, ctx, k in (order if i % 2 else order[::-1]):
+                ms = self._step_ms(mod, ctx)
+                if i >= self.warmup:
+                    samples[k].append(ms)
+                    hosts[k].append(self._host_ms)
         self._reset()
+        self.last_host = (statistics.median(hosts[0]), statistics.median(hosts[1]))
         base_ms = statistics.median(samples[1])
         ratio = statistics.median(ms / base for ms, base in zip(*samples, strict=True))
         return ratio * base_ms, base_ms

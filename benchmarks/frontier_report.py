@@ -57,6 +57,30 @@ def format_row(r: dict[str, Any]) -> str:
             f"grads {_grads_word(r)}")
 
 
+def host_split(rows: list[dict[str, Any]]) -> list[str]:
+    """The host / device split of each timed row: the host's ms (until backward returned,
+    its last launch issued) against the step's, and for ours the clock's host part of the
+    predicted overhead."""
+    timed = [r for r in rows if r.get("status") == "ok" and "host_ms" in r]
+    if not timed:
+        return []
+    lines = ["", "Host / device split (first timing pass): host ms is the time until "
+             "`backward()` returned, before the device's synchronize; on a CPU it is the "
+             "step. Predicted host: the clock's charge for regions, packs, policy hops and "
+             "interpreted ranges, as a share of the unplanned step.", "",
+             "| model | strategy | step ms | host ms | host share | plain host share "
+             "| overhead | predicted | of it host | error |", "|---" * 10 + "|"]
+    for r in timed:
+        predicted = r.get("predicted_overhead")
+        error = None if predicted is None else predicted - r["overhead"]
+        lines.append(
+            f"| {r['model']} | {r['strategy']} | {r['step_ms']:.1f} | {r['host_ms']:.1f} | "
+            f"{r['host_ms'] / r['step_ms']:.0%} | {r['base_host_ms'] / r['base_step_ms']:.0%} | "
+            f"{_pct(r.get('overhead'))} | {_pct(predicted)} | "
+            f"{_pct(r.get('predicted_host_overhead'))} | {_pct(error)} |")
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Frontier on {result['device_name']} ({result.get('precision', 'fp32')}, "
              f"torch {result['torch']}, {result['date']}, {result['mode']} mode, "
@@ -95,6 +119,7 @@ def markdown(result: dict[str, Any]) -> str:
               "(MemTracker, RuntimeEstimator, SACEstimator on a fake-tensor step). The JSON "
               "rows hold its decisions (`ac_decisions`, `saved_ops`) and the adaptations made "
               "(see frontier_auto_sac.py)."]
+    lines += host_split(result["rows"])
     if any(r["strategy"].startswith(COMPILE) for r in result["rows"]):
         lines += ["", f"{COMPILE} (activation_memory_budget b): the model compiled once per "
                   "budget (backend in the JSON rows, `compile_s` its compile time, not in the "

@@ -13,6 +13,9 @@
 # run (2026-11-26) ran fp32, offload, bf16 in that order: no time was left for our offload
 # plans.
 #
+# LEASE=clock (the default since 2026-11-29): the fp32 and bf16 frontiers only, each row with
+# its host / device split (issue 62); LEASE=memory: the parts above.
+#
 #   bash benchmarks/gpu_lease.sh   # then: tar xzf gpu.tgz; results into benchmarks/results,
 #                                  # <case>.<gpu>.json profiles into profiles/recorded
 set -u
@@ -34,14 +37,21 @@ part() {  # part NAME OUTER_TIMEOUT_S ARGS...: one part of the suite, killed at 
   echo "== lease part $name exit $? at $(date +%T)"
 }
 
-echo "== lease part peak gaps (timeout 90 s) at $(date +%T)"
-timeout 90 python3 benchmarks/gpu_peak_gaps.py --out "$R"
-echo "== lease part peak gaps exit $? at $(date +%T)"
-part offload 180 --time-limit 140 --solve-time-limit 15
-echo "== lease part release check (timeout 150 s) at $(date +%T)"
-timeout 150 python3 benchmarks/offload_release_check.py --out "$R" --solve-time-limit 20
-echo "== lease part release check exit $? at $(date +%T)"
-part fp32 150 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 105 \
-  --solve-time-limit 15
+if [ "${LEASE:-clock}" = clock ]; then  # issue 62: the frontier's clock, host and device
+  part fp32 260 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 200 \
+    --solve-time-limit 20
+  part bf16 200 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 150 \
+    --solve-time-limit 20
+else
+  echo "== lease part peak gaps (timeout 90 s) at $(date +%T)"
+  timeout 90 python3 benchmarks/gpu_peak_gaps.py --out "$R"
+  echo "== lease part peak gaps exit $? at $(date +%T)"
+  part offload 180 --time-limit 140 --solve-time-limit 15
+  echo "== lease part release check (timeout 150 s) at $(date +%T)"
+  timeout 150 python3 benchmarks/offload_release_check.py --out "$R" --solve-time-limit 20
+  echo "== lease part release check exit $? at $(date +%T)"
+  part fp32 150 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 105 \
+    --solve-time-limit 15
+fi
 tar czf "$OUT/gpu.tgz" -C "$R" . && rm -rf "$R"
 ls -la "$OUT"
