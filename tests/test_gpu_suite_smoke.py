@@ -73,6 +73,22 @@ def test_rows_measured_and_planned(suite_run: tuple[Path, dict[str, Any]],
         assert r["peak_bytes"] <= r["budget_bytes"], r["strategy"]
 
 
+def test_rows_carry_their_host_and_device_split(suite_run: tuple[Path, dict[str, Any]]
+                                               ) -> None:
+    """Each timed row: the host's ms until backward returned (on a CPU the host runs all of
+    it, so a step's host time is its time), and for ours the clock's host part of the
+    predicted overhead, below the whole of it; the Markdown has the split's table."""
+    out, _ = suite_run
+    _, rows = _rows(out, "fp32")
+    timed = [r for r in rows if r["status"] == "ok" and "compile_s" not in r]
+    assert timed and all(0 < r["host_ms"] and 0 < r["base_host_ms"] for r in timed)
+    ours = [r for r in timed if r["kind"] == "ours"]
+    assert all(0 <= r["predicted_host_overhead"] <= r["predicted_overhead"] for r in ours)
+    assert any(r["predicted_host_overhead"] > 0 for r in ours)  # regions cost the host
+    assert "| model | strategy | step ms | host ms | host share |" in (
+        out / "frontier-cpu-tiny-fp32.md").read_text()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_compile_peer(suite_run: tuple[Path, dict[str, Any]], precision: str) -> None:
     _, rows = _rows(suite_run[0], precision)
@@ -133,3 +149,18 @@ def test_peak_gaps_part_runs_on_the_cpu_where_the_simulator_is_exact(tmp_path: P
     assert result["gap_unplanned_first"] == 0 and result["gap_unplanned_second"] == 0
     assert (tmp_path / "gpu-peak-gaps-cpu.md").read_text().startswith("# Where the GPU")
     assert json.loads((tmp_path / "gpu-peak-gaps-cpu.json").read_text())["batch"] == 2
+
+
+def test_plan_gap_part_runs_on_the_cpu_where_plan_and_step_agree(tmp_path: Path) -> None:
+    """benchmarks/gpu_plan_gap.py on the CPU under bf16 autocast: a plan of no region adds
+    nothing to the step's peak, on its first step after apply or later, and the step peaks
+    where the plan predicts (`PeakTracker` counts tensors, as the simulator does)."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_plan_gap_bench", SUITE.parent / "gpu_plan_gap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--device", "cpu", "--size", "tiny", "--batch", "2",
+                          "--autocast", "bfloat16", "--out", str(tmp_path)])
+    assert result["planned_minus_predicted"] == result["plain_minus_predicted"] == 0
+    assert result["first_planned_peak_bytes"] == result["planned_peak_bytes"]
+    assert (tmp_path / "gpu-plan-gap-cpu-bfloat16.md").read_text().startswith("# What an")
