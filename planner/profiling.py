@@ -26,7 +26,7 @@ from planner.model_state import (
     structure_fingerprint,
 )
 from planner.plan import InputSpec
-from planner.region_calibration import calibrated_costs
+from planner.region_calibration import calibrated_profile
 from planner.routing_bound import routing_bound
 from planner.sharding import Sharding, rank_problem
 from profiles.calibrate import CPU_MEASURED
@@ -143,10 +143,11 @@ def _host_timed(model: nn.Module, prof: GraphProfile) -> bool:
 def _calibrated(model: nn.Module, args: tuple, kwargs: dict,
                 loss_fn: Callable[[Any], torch.Tensor] | None, autocast: torch.dtype | None,
                 prof: GraphProfile) -> GraphProfile:
-    """``prof`` with its checkpoint costs measured on ``model`` where it has blocks."""
-    costs = calibrated_costs(model, args, kwargs, loss_fn or profiles.default_loss, autocast,
-                             prof)
-    return prof if costs is None else prof.model_copy(update={"checkpoint_costs": costs})
+    """``prof`` with its step's times and its checkpoint costs measured on ``model`` where
+    it has blocks (`planner.region_calibration`)."""
+    calibrated = calibrated_profile(model, args, kwargs, loss_fn or profiles.default_loss,
+                                    autocast, prof)
+    return prof if calibrated is None else calibrated
 
 
 def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,

@@ -9,7 +9,7 @@ region on 2 CPU cores where the tiny-op constants charge 0.29 ms, and a small op
 a Llama MLP about 0.5 ms where they charge 0.1 (issue 62).
 
 So where every cost is host cost (a step profiled and timed on the CPU), the constants are
-measured on the model: two plans, installed as `planner.apply` installs them, are timed
+measured on the model: plans, installed as `planner.apply` installs them, are timed
 against the plain step in interleaved rounds (the median of each round's difference):
 every repeated block recomputed (large regions, module calls), and in each block its
 smallest span that saves something, an op range or a module call, with no random op (small
@@ -19,10 +19,13 @@ node times), against its regions and saved tensors, gives ``region_ms`` and ``pa
 plans measure the two kinds of region instead: an op range runs its module's forward
 through the interpreter (GPT small, two calibrations: 0.12 and 0.35 ms more than a block's
 module call; ResNet: none); ``pack_ms`` then stays the tiny-op chains' and ``range_ms`` is
-what a range costs more (`Problem.checkpoint_range_ms`). Measured ms are scaled to the
-profile's time (its step over the plain step's), where the reruns they are set against
-are counted. ``sac_op_ms`` stays the tiny-op
-SAC chains'. The model, its gradients, buffers and the RNG are left as they were.
+what a range costs more (`Problem.checkpoint_range_ms`). The plain steps of those
+rounds also set the profile's time: its forward node times are scaled to their median
+forward and its backward node times to their median backward, so the reruns a region's
+measured ms are set against, and every plan's overhead, are counted in the step as it runs
+here. A third plan, every block recomputed keeping its matmuls, measures ``sac_op_ms``:
+what a selective policy costs per op beyond its regions and packs. The model, its
+gradients, buffers and the RNG are left as they were.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CALIBRATION_S",
     "Measured",
-    "calibrated_costs",
+    "Timed",
+    "calibrated_profile",
     "calibration_schedules",
     "fitted_costs",
 ]
@@ -56,16 +60,19 @@ __all__ = [
 CALIBRATION_S = 0.8  # seconds of interleaved steps (at least MIN_ROUNDS rounds)
 MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 4, 16, 1
 
-# (ms beyond the reruns, regions that rerun, tensors packed, of the regions the op ranges)
-Measured = tuple[float, int, int, int]
+# (ms beyond the reruns, regions that rerun, tensors packed, of the regions the op ranges,
+# aten ops under a selective policy)
+Measured = tuple[float, int, int, int, int]
 
 
 def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Schedule]:
     """Every block recomputed (each one call of its module), and, where every block has
     one, the smallest span inside each block that saves something and draws no random
     numbers (a dropout's rerun measured 0.8 ms over its node times on HF GPT-2: an error
-    of its op's time, not a region's cost); [] without two blocks that are whole module
-    calls of recomputable nodes."""
+    of its op's time, not a region's cost), and, where every block has matmuls to keep,
+    every block recomputed keeping them (a selective policy's cost per op: ResNet b16's
+    blocks so measured +51.3 % where the tiny-op chains' 0.018 ms an op predicted
+    +39.1 %); [] without two blocks that are whole module calls of recomputable nodes."""
     blocks = problem.blocks()
     once = {c.path for c in profile.module_calls if c.calls == 1}  # one checkpoint per call
     targets = {span: t for span, t in span_targets(profile).items() if t.path in once}
@@ -88,6 +95,10 @@ def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Sched
     out = [Schedule.from_segments(problem.n_nodes, blocks)]
     if small:
         out.append(Schedule.from_segments(problem.n_nodes, small))
+    kept = [problem.matmul_keep(*b) for b in blocks]
+    if all(kept):
+        out.append(Schedule.from_segments(problem.n_nodes, blocks,
+                                          keep=[k for ks in kept for k in ks]))
     return [s.with_targets(targets) for s in out]
 
 
@@ -101,28 +112,40 @@ def _packed_per_node(problem: Problem) -> list[int]:
 
 def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> CheckpointCosts:
     """``costs`` fitted to ``measured``: per plan, the ms its regions added beyond their
-    reruns, how many rerun, the tensors they pack and how many of them are op ranges.
-    Without op ranges, ``region_ms`` and ``pack_ms`` (non-negative least squares); with
-    them, ``pack_ms`` stays the tiny-op chains' and a module call's and an op range's
-    region costs are fitted (``range_ms``: what a range costs more). ``sac_op_ms`` kept.
+    reruns, how many rerun, the tensors they pack, how many of them are op ranges and the
+    aten ops a selective policy sees. Over the plans without a policy: without op ranges,
+    ``region_ms`` and ``pack_ms`` (non-negative least squares); with them, ``pack_ms``
+    stays the tiny-op chains' and a module call's and an op range's region costs are
+    fitted (``range_ms``: what a range costs more). Then ``sac_op_ms``: what the plans
+    with a policy cost beyond those, per op (kept where no plan has one).
 
     >>> c = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02)
-    >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100, 0), (4 * 0.5 + 8 * 0.02, 4, 8, 0)])
+    >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100, 0, 0),
+    ...                      (4 * 0.5 + 8 * 0.02, 4, 8, 0, 0)])
     >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.range_ms, f.sac_op_ms
     (0.5, 0.02, 0.0, 0.02)
-    >>> f = fitted_costs(c, [(4 * 0.2 + 100 * 0.01, 4, 100, 0), (4 * 0.9 + 4 * 0.01, 4, 4, 4)])
-    >>> round(f.region_ms, 6), round(f.range_ms, 6), f.pack_ms
-    (0.2, 0.7, 0.01)
+    >>> f = fitted_costs(c, [(4 * 0.2 + 100 * 0.01, 4, 100, 0, 0),
+    ...                      (4 * 0.9 + 4 * 0.01, 4, 4, 4, 0),
+    ...                      (4 * 0.2 + 90 * 0.01 + 60 * 0.05, 4, 90, 0, 60)])
+    >>> round(f.region_ms, 6), round(f.range_ms, 6), f.pack_ms, round(f.sac_op_ms, 6)
+    (0.2, 0.7, 0.01, 0.05)
     """
-    if any(m[3] for m in measured):
+    plain = [m for m in measured if not m[4]]
+    if any(m[3] for m in plain):
         call, op_range = _nonnegative_fit([(ms - costs.pack_ms * p, n - r, r)
-                                           for ms, n, p, r in measured])
-        update = {"region_ms": call, "range_ms": max(0.0, op_range - call)}
+                                           for ms, n, p, r, _ in plain])
+        update = {"region_ms": call, "range_ms": max(0.0, op_range - call),
+                  "pack_ms": costs.pack_ms}
     else:
-        region, pack = _nonnegative_fit([m[:3] for m in measured])
+        region, pack = _nonnegative_fit([m[:3] for m in plain])
         update = {"region_ms": region, "pack_ms": pack, "range_ms": 0.0}
-    plans = "; ".join(f"{n} regions ({r} op ranges), {p} packs: {ms:.2f} ms"
-                      for ms, n, p, r in measured)
+    policy = [(ms - update["region_ms"] * (n - r) - (update["region_ms"] + update["range_ms"])
+               * r - update["pack_ms"] * p, ops) for ms, n, p, r, ops in measured if ops]
+    if policy:
+        update["sac_op_ms"] = max(0.0, sum(ms for ms, _ in policy)
+                                  / sum(ops for _, ops in policy))
+    plans = "; ".join(f"{n} regions ({r} op ranges, {ops} ops under a policy), {p} packs: "
+                      f"{ms:.2f} ms" for ms, n, p, r, ops in measured)
     return costs.model_copy(update={
         **update, "source": f"{costs.source}; region costs fitted to this model's "
                             f"checkpointed blocks ({plans} beyond their reruns)"})
@@ -149,47 +172,71 @@ def _nonnegative_fit(measured: list[tuple[float, int, int]]) -> tuple[float, flo
     return min((one(1), one(2)), key=lambda fit_residual: fit_residual[1])[0]
 
 
-def calibrated_costs(model: nn.Module, args: tuple, kwargs: dict,
-                     loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
-                     profile: GraphProfile, budget_s: float = CALIBRATION_S
-                     ) -> CheckpointCosts | None:
-    """The profile's checkpoint costs with ``region_ms`` and ``pack_ms`` measured on
-    ``model`` (module doc); None where the model has no blocks to checkpoint whole, the
-    profile has no costs, or a checkpointed step fails (logged)."""
+def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
+                       loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
+                       profile: GraphProfile, budget_s: float = CALIBRATION_S
+                       ) -> GraphProfile | None:
+    """``profile`` with its node times set to the step as the calibration's plain steps
+    time it (`_step_scaled`) and its ``region_ms`` and ``pack_ms`` measured on ``model``
+    (module doc); None where the model has no blocks to checkpoint whole, the profile has
+    no costs, or a checkpointed step fails (logged)."""
     costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
     schedules = calibration_schedules(profile, problem) if costs is not None else []
-    if not schedules:
+    if costs is None or not schedules:
         return None
     specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
     try:
-        plain, planned = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
+        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
     except Exception as error:  # the model as it was; the tiny-op constants stay
         log.warning("could not time %s with its blocks checkpointed (%s: %s); a region's "
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
         return None
-    # in the profile's time: its node times may be off the step's by a scale (ResNet's
-    # forward timed 7.8 and 9.6 ms in two profiles), which its reruns then carry
-    scale = (sum(problem.fwd_time_ms) + sum(problem.bwd_time_ms)) / statistics.median(plain)
+    profile = _step_scaled(profile, timed)
+    problem = problem_from_profile(profile)
     measured = []
-    for schedule, ms in zip(schedules, planned, strict=True):
+    for schedule, ms in zip(schedules, timed.planned, strict=True):
         nodes_ms = _charged(problem, schedule)  # the reruns' node time
-        measured.append((_paired_ms(ms, plain) * scale - nodes_ms,
+        measured.append((_paired_ms(ms, timed.plain) - nodes_ms,
                          round(_charged(problem, schedule, region_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, pack_ms=1.0) - nodes_ms),
-                         round(_charged(problem, schedule, range_ms=1.0) - nodes_ms)))
+                         round(_charged(problem, schedule, range_ms=1.0) - nodes_ms),
+                         round(_charged(problem, schedule, sac_op_ms=1.0) - nodes_ms)))
     fitted = fitted_costs(costs, measured)
     log.info("checkpoint costs calibrated on the model: %s", fitted.source)
-    return fitted
+    return profile.model_copy(update={"checkpoint_costs": fitted})
+
+
+def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:
+    """``profile`` with its forward and its backward node times each scaled to the median of
+    the calibration's plain steps. The profile times the whole step in 5 back-to-back runs
+    after timing every op alone; its forward's share of the step then moves between
+    profiles (ResNet b16 on 2 cores: forward 6.8, 7.9, 9.4 ms and backward 12.2, 12.0,
+    10.2 in three profiles, where steps timed as the calibration times them read 7.0 and
+    9.5-9.8), and a plan's overhead, its reruns' forward time over the step, with it."""
+    forward = statistics.median(timed.plain_forward)
+    backward = statistics.median(t - f for t, f in zip(timed.plain, timed.plain_forward,
+                                                       strict=True))
+    fwd_sum = sum(n.fwd_time_ms for n in profile.nodes)
+    bwd_sum = sum(n.bwd_time_ms for n in profile.nodes)
+    if min(forward, backward, fwd_sum, bwd_sum) <= 0:
+        return profile
+    fwd, bwd = forward / fwd_sum, backward / bwd_sum
+    nodes = [n.model_copy(update={"fwd_time_ms": n.fwd_time_ms * fwd,
+                                  "bwd_time_ms": n.bwd_time_ms * bwd}) for n in profile.nodes]
+    step = profile.step and profile.step.model_copy(update={
+        "fwd_ms": forward, "bwd_ms": backward, "fwd_scale": profile.step.fwd_scale * fwd,
+        "bwd_scale": profile.step.bwd_scale * bwd})
+    return profile.model_copy(update={"nodes": nodes, "step": step})
 
 
 def _charged(problem: Problem, schedule: Schedule, region_ms: float = 0.0,
-             pack_ms: float = 0.0, range_ms: float = 0.0) -> float:
-    """The clock's recompute time of ``schedule`` with these constants (SAC's 0)."""
+             pack_ms: float = 0.0, range_ms: float = 0.0, sac_op_ms: float = 0.0) -> float:
+    """The clock's recompute time of ``schedule`` with these constants."""
     return simulate(problem.model_copy(update={
         "checkpoint_region_ms": region_ms, "checkpoint_pack_ms": pack_ms,
-        "checkpoint_sac_op_ms": 0.0, "checkpoint_range_ms": range_ms}),
+        "checkpoint_sac_op_ms": sac_op_ms, "checkpoint_range_ms": range_ms}),
         schedule).recompute_time_ms
 
 
@@ -201,19 +248,29 @@ def _paired_ms(planned: list[float], plain: list[float]) -> float:
     return statistics.median(a - b for a, b in zip(planned, plain, strict=True))
 
 
+class Timed(NamedTuple):
+    """Step times (ms) of the plain model and under each plan, round by round, and the
+    plain steps' forward (loss included)."""
+
+    plain: list[float]
+    planned: list[list[float]]
+    plain_forward: list[float]
+
+
 def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
-                 specs: list[list[Any]], budget_s: float
-                 ) -> tuple[list[float], list[list[float]]]:
-    """Step times (ms) without a plan and under each of ``specs``, interleaved by round."""
+                 specs: list[list[Any]], budget_s: float) -> Timed:
+    """Steps without a plan and under each of ``specs``, interleaved by round."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext
+    forward = [0.0]  # the last step's
 
     def step() -> float:
         begin = clock()
         with cast():
             loss = loss_fn(model(*args, **kwargs))
+        forward[0] = (clock() - begin) * 1e3
         loss.backward()
         elapsed = (clock() - begin) * 1e3
         for p in model.parameters():
@@ -222,21 +279,22 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
 
     # one installation per plan: its op-stream check runs in the warm-up round only
     installations = [prepare_checkpoints(model, s) for s in specs]
-    plain: list[float] = []
-    planned: list[list[float]] = [[] for _ in specs]
+    timed = Timed([], [[] for _ in specs], [])
     started = time.perf_counter()
     with _state_kept(model):
         for round_ in range(WARMUP_ROUNDS + MAX_ROUNDS):
-            times = [0.0] * (1 + len(installations))
+            times, plain_forward = [0.0] * (1 + len(installations)), 0.0
             for k in _round_order(round_, len(times)):
                 times[k] = _installed_step(step, model, installations[k - 1] if k else None)
+                plain_forward = plain_forward if k else forward[0]
             if round_ >= WARMUP_ROUNDS:
-                plain.append(times[0])
-                for out, ms in zip(planned, times[1:], strict=True):
+                timed.plain.append(times[0])
+                timed.plain_forward.append(plain_forward)
+                for out, ms in zip(timed.planned, times[1:], strict=True):
                     out.append(ms)
-            if len(plain) >= MIN_ROUNDS and time.perf_counter() - started > budget_s:
+            if len(timed.plain) >= MIN_ROUNDS and time.perf_counter() - started > budget_s:
                 break
-    return plain, planned
+    return timed
 
 
 def _round_order(round_: int, n: int) -> list[int]:
