@@ -160,8 +160,23 @@ def _timings(step: _Step, rec: _Recorded, timing: str, spec: DeviceSpec, device_
         return None, spec.checkpoint_costs(), timing
     timer = _Timer(torch.device(device_type), *repeats_warmup)
     measured = _measure_times(step, rec.recorder.records, timer, progress)
-    costs = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
-    return measured, costs, "measure" if measured is not None else "estimate"
+    return measured, host_checkpoint_costs(device_type), \
+        "measure" if measured is not None else "estimate"
+
+
+_HOST_COSTS: dict[tuple[str, ...], CheckpointCosts] = {}
+
+
+def host_checkpoint_costs(device_type: str) -> CheckpointCosts:
+    """The tiny-op constants of ``torch.utils.checkpoint`` on this host, measured once per
+    process, device, torch version and thread count: they are the host's and torch's, not a
+    model's, and measuring them anew for each profile cost 0.5 s of every plan (issue 62:
+    kept per host and torch version)."""
+    name = torch.cuda.get_device_name() if device_type == "cuda" else ""
+    key = (device_type, name, torch.__version__, str(torch.get_num_threads()))
+    if key not in _HOST_COSTS:
+        _HOST_COSTS[key] = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
+    return _HOST_COSTS[key]
 
 
 def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
