@@ -180,8 +180,8 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                        profile: GraphProfile, budget_s: float = CALIBRATION_S
                        ) -> GraphProfile | None:
     """``profile`` with its node times set to the step as the calibration's plain steps
-    time it (`_step_scaled`) and its ``region_ms`` and ``pack_ms`` measured on ``model``
-    (module doc); None where the model has no blocks to checkpoint whole, the profile has
+    time it (`_step_scaled`) and its checkpoint costs fitted to the plans measured on
+    ``model`` (module doc); None where the model has no blocks to checkpoint whole, the profile has
     no costs, or a checkpointed step fails (logged)."""
     costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
