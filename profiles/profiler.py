@@ -115,9 +115,9 @@ def profile(
             ``torch.bfloat16``), as mixed-precision training does.
         timing: ``"measure"`` runs ops on the model's device (warm median of ``repeats``)
             and calibrates the checkpoint overhead there (``profiles.calibrate``, for about
-            ``profiles.timing.CALIBRATION_S``, once per process and device); ``"estimate"`` uses FLOPs and the roofline
-            of ``device``, and its default checkpoint overhead; ``"auto"`` measures real
-            tensors and estimates meta/fake ones.
+            ``profiles.timing.CALIBRATION_S``, once per process and device); ``"estimate"``
+            uses FLOPs and the roofline of ``device``, and its default checkpoint overhead;
+            ``"auto"`` measures real tensors and estimates meta/fake ones.
         device: roofline for estimates (``"H100"``, ``"A100"``, ``"cpu"`` or a DeviceSpec);
             default: H100 when estimating on a GPU or meta, the CPU's when on the CPU.
         execution: how the forward is observed. ``"real"``: on the model's own tensors (on
