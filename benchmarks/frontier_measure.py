@@ -161,13 +161,15 @@ class Runner:
                passes: int) -> None:
         """Times each row's step ``passes`` more times, every row once per pass (a pass in
         the order of the last rotated by one), and sets its step ms, plain ms and overhead
-        to the median over all its passes; ``overhead_passes`` lists them. A drift of the
+        (and its host ms) to the median over all its passes; ``overhead_passes`` lists them.
+        A drift of the
         host (load from elsewhere, a slow minute) then hits every row of a model alike
         instead of the few measured while it lasted: one run's rows of the same schedule
         measured 27.6 and 37.4 % apart, one pass of 15 rounds each (HF GPT-2, 2 cores)."""
         for row, _, _ in timed:
             row["overhead_passes"] = [row["overhead"]]
             row["_passes"] = [(row["step_ms"], row["base_step_ms"])]
+            row["_hosts"] = [(row["host_ms"], row["base_host_ms"])] if "host_ms" in row else []
         for i in range(passes):
             shift = (i + 1) % max(len(timed), 1)
             for row, module, context in timed[shift:] + timed[:shift]:
@@ -175,12 +177,17 @@ class Runner:
                     break
                 ms, base = self.paired_ms(module, context)
                 row["_passes"].append((ms, base))
+                if row["_hosts"]:  # a row with its host's ms (`paired_ms` set them)
+                    row["_hosts"].append(self.last_host)
                 row["overhead_passes"].append(ms / base - 1.0)
         for row, _, _ in timed:
-            passes_ms = row.pop("_passes")
+            passes_ms, hosts = row.pop("_passes"), row.pop("_hosts")
             row["overhead"] = statistics.median(row["overhead_passes"])
             row["base_step_ms"] = statistics.median(base for _, base in passes_ms)
             row["step_ms"] = (1.0 + row["overhead"]) * row["base_step_ms"]
+            if hosts:  # the host's ms over the same passes
+                row["host_ms"] = statistics.median(h for h, _ in hosts)
+                row["base_host_ms"] = statistics.median(h for _, h in hosts)
 
 
 def grads_match(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]

@@ -64,9 +64,9 @@ def host_split(rows: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in rows if r.get("status") == "ok" and "host_ms" in r]
     if not timed:
         return []
-    lines = ["", "Host / device split (first timing pass): host ms is the time until "
-             "`backward()` returned, before the device's synchronize; on a CPU it is the "
-             "step. Predicted host: the clock's charge for regions, packs, policy hops and "
+    lines = ["", "Host / device split (medians over the step's passes): host ms is the time "
+             "until `backward()` returned, before the device's synchronize; on a CPU it is "
+             "the step. Predicted host: the clock's charge for regions, packs, policy hops and "
              "interpreted ranges, as a share of the unplanned step.", "",
              "| model | strategy | step ms | host ms | host share | plain host share "
              "| overhead | predicted | of it host | error |", "|---" * 10 + "|"]

@@ -68,16 +68,20 @@ def test_retimed_rows_keep_the_median_of_their_passes() -> None:
 
     def paired_ms(module, context):
         calls.append(module)
+        runner.last_host = (len(calls) + 0.5, 5.0)  # the host's ms of this timing
         return next(script[module])
 
     runner.paired_ms = paired_ms
-    a = {"step_ms": 20.0, "base_step_ms": 10.0, "overhead": 1.0}  # timed in a slow spell
+    a = {"step_ms": 20.0, "base_step_ms": 10.0, "overhead": 1.0,  # timed in a slow spell
+         "host_ms": 19.0, "base_host_ms": 9.0}
     b = {"step_ms": 12.0, "base_step_ms": 10.0, "overhead": 0.2}
     runner.retime([(a, "a", None), (b, "b", None)], passes=2)
     assert calls == ["b", "a", "a", "b"]
     assert a["overhead_passes"] == pytest.approx([1.0, 0.1, 0.15])
     assert a["overhead"] == pytest.approx(0.15) and a["step_ms"] == pytest.approx(11.5)
     assert a["base_step_ms"] == 10.0 and b["overhead"] == pytest.approx(0.2)
+    # the host's ms too: the median of the same passes (a's: 19, 2.5, 3.5)
+    assert (a["host_ms"], a["base_host_ms"]) == (3.5, 5.0) and "host_ms" not in b
 
 
 def test_hand_written_peers_wrap_the_policys_blocks() -> None:
