@@ -224,7 +224,8 @@ def predicted_host_overhead(plan: planner.Plan) -> float:
     device_only = simulate(problem.model_copy(update={
         "checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0, "checkpoint_sac_op_ms": 0.0,
         "checkpoint_range_ms": 0.0}), plan.schedule).recompute_time_ms
-    return (plan.recompute_ms - device_only) / plan.baseline_step_ms
+    return (plan.recompute_ms - device_only) / plan.baseline_step_ms \
+        if plan.baseline_step_ms else 0.0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
