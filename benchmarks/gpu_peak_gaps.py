@@ -28,6 +28,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,19 +191,27 @@ def gpt_parser(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = gpt_parser(__doc__)
+def lead_main(doc: str | None, name: str, run_lead: Callable[..., dict[str, Any]],
+              render_lead: Callable[[dict[str, Any]], str], argv: list[str] | None
+              ) -> dict[str, Any]:
+    """A GPU lead's command line: ``run_lead(device, size, batch, autocast)``, written to
+    ``<name>-<gpu or cpu>[-<autocast>].{json,md}`` under ``--out`` and printed."""
+    parser = gpt_parser(doc)
     parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None)
     opts = parser.parse_args(argv)
-    result = run(opts.device, opts.size, opts.batch, opts.autocast)
+    result = run_lead(opts.device, opts.size, opts.batch, opts.autocast)
     opts.out.mkdir(parents=True, exist_ok=True)
     where = gpu_slug(torch.cuda.get_device_name()) if opts.device == "cuda" else "cpu"
     suffix = f"-{opts.autocast}" if opts.autocast else ""
-    stem = opts.out / f"gpu-peak-gaps-{where}{suffix}"
+    stem = opts.out / f"{name}-{where}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(render(result))
-    print(render(result), flush=True)
+    stem.with_suffix(".md").write_text(render_lead(result))
+    print(render_lead(result), flush=True)
     return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return lead_main(__doc__, "gpu-peak-gaps", run, render, argv)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,13 @@ Writes gpu-plan-gap-<gpu or cpu>[-<autocast>].{json,md} under ``--out``.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from typing import Any
 
 import torch
 from frontier_measure import planned
-from gpu_peak_gaps import _live_at_peak, gpt_parser
-from record_profiles import gpu_slug
+from gpu_peak_gaps import _live_at_peak, lead_main
 
 import planner
 from planner import zoo
@@ -126,17 +124,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = gpt_parser(__doc__)
-    parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None)
-    opts = parser.parse_args(argv)
-    result = run(opts.device, opts.size, opts.batch, opts.autocast)
-    opts.out.mkdir(parents=True, exist_ok=True)
-    where = gpu_slug(torch.cuda.get_device_name()) if opts.device == "cuda" else "cpu"
-    stem = opts.out / f"gpu-plan-gap-{where}{'-' + opts.autocast if opts.autocast else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(render(result))
-    print(render(result), flush=True)
-    return result
+    return lead_main(__doc__, "gpu-plan-gap", run, render, argv)
 
 
 if __name__ == "__main__":
