@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         solve,
         verify,
     )
+    from planner.config import PlanConfig
     from planner.envelope import Envelope
     from planner.pipeline_rank import plan_rank
     from planner.plan import (
@@ -62,11 +63,13 @@ _LAZY = {
     "ProfileError": "profiles.errors",
     "Envelope": "planner.envelope",
     "PlanTable": "planner.plan_table",
+    "PlanConfig": "planner.config",
     "cover": "planner.table_install",
 }
 
 __all__ = ["Envelope", "FileFormatError", "InfeasibleBudgetError",
-           "InfeasibleRankBudgetError", "Plan", "PlanMismatchError", "PlanMismatchWarning",
+           "InfeasibleRankBudgetError", "Plan", "PlanConfig", "PlanMismatchError",
+           "PlanMismatchWarning",
            "PlanTable", "ProfileError", "ProfiledStep", "ToyBatchWarning", "VerifyReport",
            "apply", "cover", "measure_step", "optimize", "plan_rank", "profile_model",
            "remove", "replan", "solve", "verify"]

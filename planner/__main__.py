@@ -17,11 +17,14 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from planner.config import PROFILING, SEARCH, STEP, cli_flags, from_cli, positive
 from profiles.errors import ProfileError
 
 log = logging.getLogger("planner")
 
 GIB = 2**30
+# the command line plans for an H100 from any machine; optimize() plans for the model's device
+CLI_DEFAULTS = {"timing": "estimate", "device": "H100"}
 # errors that describe the user's input, not a bug: one line, exit code 2
 USER_ERRORS = (ValueError, TypeError, KeyError, OSError, ImportError, ProfileError)
 
@@ -121,7 +124,7 @@ def _profile(model: Any, args: argparse.Namespace) -> Any:
 
     started = time.perf_counter()
     step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
-                         timing=args.timing, device=args.device, progress=not args.quiet)
+                         progress=not args.quiet, **from_cli(args, (PROFILING,)))
     prof = step.profile
     log.info("profiled %s in %.1f s: %d ops, %d module calls", model.name,
              time.perf_counter() - started, len(prof.nodes), len(prof.module_calls))
@@ -183,11 +186,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
     model = _load_model(args.model, args.set)
     plan = optimize(model.model, model.example_inputs, budget_gb=args.budget_gb,
-                    loss_fn=model.loss_fn, solver=args.solver, time_limit_s=args.time_limit,
-                    deterministic=args.deterministic,
-                    timing=args.timing, device=args.device, progress=not args.quiet,
-                    grad_accumulation=args.grad_accumulation, offload=args.offload,
-                    host_budget_gb=args.host_budget_gb, envelope=_envelope(args))
+                    loss_fn=model.loss_fn, progress=not args.quiet, envelope=_envelope(args),
+                    **from_cli(args))
     return _print_and_save(plan, args.out)
 
 
@@ -220,8 +220,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{model.name}: unplanned peak {format_bytes(unplanned)}, static "
           f"{format_bytes(static)}; planning at static + {100 * args.fraction:.0f} % of the "
           f"activations = {format_bytes(budget)}\n")
-    plan = solve(step, budget_bytes=budget, solver=args.solver, time_limit_s=args.time_limit,
-                 deterministic=args.deterministic)
+    plan = solve(step, budget_bytes=budget, **from_cli(args, (SEARCH,)))
     status = _print_and_save(plan, args.out)
     report = verify(model.model, plan, model.example_inputs, model.loss_fn)
     print(f"\none measured training step of the planned model ({report.device}):\n  "
@@ -257,18 +256,8 @@ def _budget_gb(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
-    return value
-
-
 def _fraction(text: str) -> float:
-    value = _positive(text)
+    value = positive(text)
     if value >= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text!r}")
     return value
@@ -290,22 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def timing_options(p: argparse.ArgumentParser, out: str) -> None:
-        p.add_argument("--timing", default="estimate", choices=["auto", "measure", "estimate"],
-                       help="measure on this machine, or estimate from FLOPs and the device's "
-                       "roofline (default: estimate; optimize() in Python defaults to auto)")
-        p.add_argument("--device", default="H100",
-                       help="the device to plan for: H100, H200, A100, cpu (default: H100; "
-                       "optimize() in Python plans for the model's device)")
+        cli_flags(p, CLI_DEFAULTS, (PROFILING,))
         p.add_argument("--top", type=_count, default=10, help="rows in the table")
         p.add_argument("--out", type=Path, default=Path(out),
                        help=f"write the JSON here (default {out})")
 
     def solver_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--solver", default="auto", help="auto, cpsat, dp or a baseline name")
-        p.add_argument("--time-limit", type=_positive, default=60.0, help="solver seconds")
-        p.add_argument("--deterministic", action="store_true",
-                       help="the same plan on a loaded machine as on a quiet one (the "
-                       "limit counts CP-SAT's work, not seconds; the DP runs to its end)")
+        cli_flags(p, CLI_DEFAULTS, (SEARCH,))
 
     demo = sub.add_parser("demo", help="plan the built-in GPT-style model")
     demo.add_argument("--size", default="small", help="zoo GPT size: tiny, small, gpt2, "
@@ -323,15 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     opt.add_argument("--budget-gb", type=_budget_gb, required=True,
                      help="peak GiB (2**30 bytes) of one training step")
-    opt.add_argument("--grad-accumulation", action="store_true",
-                     help="steps start with every .grad allocated (micro-batches of gradient "
-                     "accumulation, zero_grad(set_to_none=False)); default: without .grad")
-    opt.add_argument("--offload", action="store_true",
-                     help="let the plan send module calls' saved activations to host memory "
-                     "and back")
-    opt.add_argument("--host-budget-gb", type=_budget_gb, default=None,
-                     help="host memory offload may take (with --offload; default: half the "
-                     "machine's physical memory)")
+    cli_flags(opt, CLI_DEFAULTS, (STEP,))
     opt.add_argument("--max-length", type=_count, default=None, metavar="TOKENS",
                      help="plan every batch of up to this many tokens per row, padded or "
                      "not (a plan table; default: the example batch's shape only)")

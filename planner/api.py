@@ -10,10 +10,8 @@ checks), :mod:`planner.model_state` (the model as planning finds it),
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from planner.applying import apply
@@ -26,7 +24,7 @@ from planner.arguments import (
     host_budget_arg,
 )
 from planner.bucket_planning import plan_envelope
-from planner.envelope import Envelope
+from planner.config import GROUPS, PARALLEL, PROFILING, STEP, PlanConfig, shows_options
 from planner.guard import PlanGuard
 from planner.install import region_specs, remove
 from planner.model_state import structure_fingerprint
@@ -36,41 +34,16 @@ from planner.profiling import UNTRACED_LINES, ProfiledStep, profile_model
 from planner.solving import plan_for_profile, plan_for_schedule, replan, solve, solve_profiled
 from planner.verification import VerifyReport, measure_step, verify
 
-__all__ = ["MAX_BUDGET_BYTES", "MIN_BUDGET_BYTES", "UNTRACED_LINES", "PlanGuard",
+__all__ = ["MAX_BUDGET_BYTES", "MIN_BUDGET_BYTES", "UNTRACED_LINES", "PlanConfig", "PlanGuard",
            "PlanMismatchWarning", "ProfiledStep", "SolveOptions", "VerifyReport", "apply",
            "default_host_budget_bytes", "host_budget_arg", "measure_step", "optimize",
            "plan_for_profile", "plan_for_schedule", "profile_model", "region_specs", "remove",
            "replan", "solve", "structure_fingerprint", "verify"]
 
 
-def optimize(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    budget_gb: float,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    autocast: torch.dtype | None = None,
-    grad_accumulation: bool = False,
-    solver: str = "auto",
-    time_limit_s: float = 60.0,
-    timing: str = "auto",
-    device: str | None = None,
-    execution: str = "auto",
-    world_size: int = 1,
-    sharding: str | None = None,
-    shard_modules: list[str] | None = None,
-    parallelize: Callable[[nn.Module, Any], Any] | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    mesh_dim_names: tuple[str, ...] | None = None,
-    progress: bool = True,
-    offload: bool = False,
-    host_budget_gb: float | None = None,
-    op_ranges: bool = True,
-    deterministic: bool = False,
-    pipeline: Any = None,
-    envelope: Envelope | dict[str, Any] | None = None,
-) -> Plan | PlanTable:
+@shows_options(*GROUPS)
+def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
+             config: PlanConfig | None = None, **options: Any) -> Plan | PlanTable:
     """Plan which module calls to checkpoint so one training step peaks under ``budget_gb``.
 
     The budget covers parameters, gradients, buffers, inputs, activations, temporaries and,
@@ -135,67 +108,48 @@ def optimize(
     takes its bucket's plan. Without an envelope the plan covers batches no larger than
     ``example_inputs``, of its mask branch.
 
+    Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the
+    fields of :class:`~planner.config.PlanConfig`, where each is described; an unknown one
+    is refused naming what was meant.
+
     Raises:
         InfeasibleBudgetError: no schedule fits; ``.min_budget_gb`` is a budget that does.
         ProfileError: one training step of the model could not run.
     """
-    if pipeline is not None:
-        return _plan_stage(model, example_inputs, pipeline, budget_gb, loss_fn=loss_fn,
-                           solver=solver, time_limit_s=time_limit_s,
-                           refused={"grad_accumulation": grad_accumulation,
-                                    "world_size": world_size != 1, "sharding": sharding,
-                                    "shard_modules": shard_modules,
-                                    "parallelize": parallelize, "mesh_shape": mesh_shape,
-                                    "offload": offload, "host_budget_gb": host_budget_gb,
-                                    "op_ranges=False": not op_ranges,
-                                    "deterministic": deterministic},
-                           optimizer=optimizer, autocast=autocast, timing=timing,
-                           device=device, execution=execution)
-    options = SolveOptions.checked(budget_bytes=_budget_bytes(budget_gb), solver=solver,
-                                   time_limit_s=time_limit_s,
-                                   offload=offload, host_budget_gb=host_budget_gb,
-                                   op_ranges=op_ranges, deterministic=deterministic)
-    profile_options = dict(loss_fn=loss_fn, optimizer=optimizer, autocast=autocast,
-                           grad_accumulation=grad_accumulation, timing=timing, device=device,
-                           execution=execution, world_size=world_size, sharding=sharding,
-                           shard_modules=shard_modules, parallelize=parallelize,
-                           mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names,
-                           progress=progress)
-    if envelope is not None:
-        return plan_envelope(model, example_inputs, _envelope(envelope), options,
+    config = PlanConfig.of(config, options, "optimize()")
+    if config.pipeline is not None:
+        return _plan_stage(model, example_inputs, budget_gb, config)
+    solve_options = config.solve_options(_budget_bytes(budget_gb))
+    profile_options = config.options(STEP, PROFILING, PARALLEL)
+    if config.envelope is not None:
+        return plan_envelope(model, example_inputs, config.envelope, solve_options,
                              profile_options)
-    return solve_profiled(profile_model(model, example_inputs, **profile_options), options)
+    return solve_profiled(profile_model(model, example_inputs, **profile_options),
+                          solve_options)
 
 
-def _envelope(envelope: Envelope | dict[str, Any]) -> Envelope:
-    if isinstance(envelope, Envelope):
-        return envelope
-    if isinstance(envelope, dict):
-        return Envelope(**envelope)
-    raise TypeError(f"envelope= takes a planner.Envelope (or its fields as a dict), not "
-                    f"{type(envelope).__name__}")
-
-
-def _plan_stage(model: nn.Module, microbatch: Any, pipeline: Any, budget_gb: float, *,
-                loss_fn: Callable[[Any], torch.Tensor] | None, solver: str,
-                time_limit_s: float, refused: dict[str, Any], **profile_options: Any) -> Plan:
+def _plan_stage(model: nn.Module, microbatch: Any, budget_gb: float,
+                config: PlanConfig) -> Plan:
     """``optimize(..., pipeline=...)``: the stage planned for its schedule."""
     from planner.pipeline import StageSteps, stage_spec
 
-    spec, target_bytes = stage_spec(pipeline)
+    spec, target_bytes = stage_spec(config.pipeline)
     if spec.num_chunks > 1:
         raise ValueError(f"pipeline= with num_chunks={spec.num_chunks}: a rank of several "
                          "model chunks is planned as a whole, its chunks together: "
                          "planner.plan_rank([chunk modules], [their microbatches], "
                          "pipeline=..., budget_gb=...) returns one plan per chunk")
-    given = sorted(name for name, value in refused.items() if value)
+    given = config.not_for_a_stage()
     if given:
         raise ValueError(f"pipeline= plans a stage on its own process; {given} with it is "
                          "not planned yet (a stage's steps after its first backward start "
                          "with gradients allocated: that is planned already)")
-    if loss_fn is not None and not spec.last:
+    if config.loss_fn is not None and not spec.last:
         raise ValueError(f"stage {spec.stage_index} of {spec.num_stages} is not the last: "
                          "its backward starts from the gradient the next stage sends; "
                          "give loss_fn to the last stage only")
-    steps = StageSteps(model, microbatch, spec, loss_fn, target_bytes, **profile_options)
-    return steps.plan(_budget_bytes(budget_gb), time_limit_s, solver)[0]
+    profile_options = {k: v for k, v in config.options(STEP, PROFILING).items()
+                       if k not in ("loss_fn", "grad_accumulation", "progress")}
+    steps = StageSteps(model, microbatch, spec, config.loss_fn, target_bytes,
+                       **profile_options)
+    return steps.plan(_budget_bytes(budget_gb), config.time_limit_s, config.solver)[0]

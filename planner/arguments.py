@@ -83,21 +83,6 @@ class SolveOptions:
     op_ranges: bool = True
     deterministic: bool = False
 
-    @classmethod
-    def checked(cls, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-                solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
-                host_budget_gb: float | None = None, op_ranges: bool = True,
-                deterministic: bool = False) -> SolveOptions:
-        """The options of `optimize`, `solve` and `replan`, each checked with a message a
-        person can act on (exactly one of ``budget_gb`` and ``budget_bytes``)."""
-        budget = _budget_arg(budget_gb, budget_bytes)
-        _check_solver_options(solver, time_limit_s)
-        host = host_budget_arg(offload, host_budget_gb)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-        return cls(budget, solver, float(time_limit_s), offload, host or 0, bool(op_ranges),
-                   deterministic)
-
     def at(self, budget_bytes: int) -> SolveOptions:
         """The same options at another budget."""
         return replace(self, budget_bytes=budget_bytes)

@@ -21,52 +21,52 @@ import torch
 from torch import nn
 
 from planner.api import apply, optimize
+from planner.config import PlanConfig
 from planner.plan import Plan
 
 __all__ = ["plan_for_processes", "planned"]
 
 _AUTOCAST = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DECIDED = ("autocast", "grad_accumulation", "world_size", "sharding", "parallelize",
+            "mesh_shape", "mesh_dim_names")
 
 
 def planned(accelerator: Any, model: nn.Module, batch: Any, *, budget_gb: float,
-            optimizer: torch.optim.Optimizer | None = None,
-            loss_fn: Callable[[Any], torch.Tensor] | None = None,
-            **optimize_options: Any) -> Plan:
+            config: PlanConfig | None = None, **options: Any) -> Plan:
     """Plan ``model``'s training step on ``batch`` at ``budget_gb`` GiB (per rank) as
     ``accelerator`` will run it (its ``mixed_precision``, ``gradient_accumulation_steps``,
     processes and DDP or FSDP2; ``optimizer`` counted when given), install the plan and
     return it. Call it before ``accelerator.prepare(model, ...)``, on every rank; other
-    keyword arguments go to :func:`planner.optimize`."""
-    decided = {"autocast", "grad_accumulation", "world_size", "sharding", "parallelize",
-               "mesh_shape", "mesh_dim_names"} & set(optimize_options)
-    if decided:
-        raise TypeError(f"planned() takes {sorted(decided)} from the Accelerator "
-                        "(mixed_precision, gradient_accumulation_steps, its processes and "
-                        "plugins); set them there")
+    options (keywords or ``config=``) are :class:`~planner.config.PlanConfig`'s."""
+    made = PlanConfig.for_switch(config, options, "planned()", _DECIDED, "the Accelerator "
+                                 "(mixed_precision, gradient_accumulation_steps, its "
+                                 "processes and plugins)")
     if getattr(model, "_original_forward", None) is not None:
         raise ValueError("planned() must run before accelerator.prepare(model): prepare "
                          "has already wrapped this model's forward")
     return plan_for_processes(
-        accelerator.state, model, batch, budget_gb=budget_gb, optimizer=optimizer,
-        loss_fn=loss_fn, grad_accumulation=accelerator.gradient_accumulation_steps > 1,
-        mesh=getattr(accelerator, "torch_device_mesh", None), **optimize_options)
+        accelerator.state, model, batch, budget_gb=budget_gb,
+        grad_accumulation=accelerator.gradient_accumulation_steps > 1,
+        mesh=getattr(accelerator, "torch_device_mesh", None), config=made)
 
 
 def plan_for_processes(state: Any, model: nn.Module, batch: Any, *, budget_gb: float,
-                       grad_accumulation: bool, mesh: Any = None, **options: Any) -> Plan:
+                       grad_accumulation: bool, mesh: Any = None,
+                       config: PlanConfig | None = None, **options: Any) -> Plan:
     """Plan and install ``model``'s step as accelerate's ``state`` (an
     ``AcceleratorState``) runs it on each rank: rank 0 plans, every rank installs its
-    plan. ``mesh``: the accelerator's device mesh, where it has one."""
+    plan. ``mesh``: the accelerator's device mesh, where it has one; ``config`` and
+    ``options`` what the switch was given (the processes' options override them)."""
     precision = str(state.mixed_precision)
     if precision not in _AUTOCAST:
         raise ValueError(f"planned() plans mixed precision 'no', 'bf16' or 'fp16', not "
                          f"{precision!r}")
     options = {"autocast": _AUTOCAST[precision], "grad_accumulation": grad_accumulation,
-               "progress": False, **_processes(state, mesh), **options}
+               **options, **_processes(state, mesh)}
     plan, failure = None, None
     if state.process_index == 0:
         try:
-            plan = optimize(model, batch, budget_gb=budget_gb, **options)
+            plan = optimize(model, batch, budget_gb=budget_gb, config=config, **options)
         except Exception as error:  # the other ranks must hear of it, not wait
             failure = error
     if state.num_processes > 1:

@@ -31,6 +31,7 @@ from transformers import (
 
 from planner.api import apply, optimize
 from planner.arguments import _budget_bytes
+from planner.config import PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.loader import first_batch
 from planner.plan import Plan
@@ -41,12 +42,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PlannedCheckpointing"]
 
+_DECIDED = ("autocast", "grad_accumulation", "optimizer", "loss_fn")
+
 
 class PlannedCheckpointing(TrainerCallback):
     """Plan and install activation checkpointing at ``budget_gb`` GiB per device when
-    training starts; ``plan`` holds the plan after that. Other keyword arguments go to
-    :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); those the
-    trainer decides (``autocast``, ``grad_accumulation``, ``optimizer``) come from it.
+    training starts; ``plan`` holds the plan after that. Other options (keywords or
+    ``config=``) are :class:`~planner.config.PlanConfig`'s (``time_limit_s``, ``offload``,
+    ``device``, ...), checked here; those the trainer decides (``autocast``,
+    ``grad_accumulation``, ``optimizer``, ``loss_fn``) come from it.
     ``example_batch``: one rank's batch, needed over several processes (planned when the
     Trainer is built, before its data loader exists).
 
@@ -61,15 +65,12 @@ class PlannedCheckpointing(TrainerCallback):
 
     def __init__(self, budget_gb: float, example_batch: dict | None = None, *,
                  max_length: int | None = None, buckets: Any = "one",
-                 **optimize_options: Any) -> None:
-        decided = {"autocast", "grad_accumulation", "optimizer", "loss_fn"} & set(
-            optimize_options)
-        if decided:
-            raise TypeError(f"PlannedCheckpointing takes {sorted(decided)} from the Trainer "
-                            "(TrainingArguments bf16/fp16 and gradient_accumulation_steps, its "
-                            "optimizer and loss); set them there")
+                 config: PlanConfig | None = None, **options: Any) -> None:
+        self.config = PlanConfig.for_switch(
+            config, options, "PlannedCheckpointing", _DECIDED, "the Trainer (TrainingArguments "
+            "bf16/fp16 and gradient_accumulation_steps, its optimizer and loss)")
         _budget_bytes(budget_gb)  # a wrong budget is said now, not when training starts
-        if "envelope" in optimize_options:
+        if self.config.envelope is not None:
             raise TypeError("PlannedCheckpointing builds the envelope from the Trainer (its "
                             "collator's or tokenizer's max_length, batch size and "
                             "accumulation); give max_length= or buckets= to change it")
@@ -78,7 +79,6 @@ class PlannedCheckpointing(TrainerCallback):
         self.example_batch = example_batch
         self.max_length = max_length
         self.buckets = buckets
-        self.options = {"progress": False, **optimize_options}
         self.plan: Plan | PlanTable | None = None
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
@@ -117,7 +117,7 @@ class PlannedCheckpointing(TrainerCallback):
                 grad_accumulation=args.gradient_accumulation_steps > 1,
                 optimizer=optimizer_cls([p for p in model.parameters() if p.requires_grad],
                                         **optimizer_kwargs), envelope=envelope,
-                **self.options)
+                config=self.config)
         if state.is_world_process_zero:
             self.plan.log_summary(log)
 
@@ -139,7 +139,7 @@ class PlannedCheckpointing(TrainerCallback):
                 model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args),
                 loss_fn=loss_fn, grad_accumulation=args.gradient_accumulation_steps > 1,
                 optimizer=getattr(optimizer, "optimizer", optimizer), envelope=envelope,
-                **self.options)
+                config=self.config)
         apply(model, self.plan)
         if state.is_world_process_zero:
             self.plan.log_summary(log)

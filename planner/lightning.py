@@ -20,6 +20,7 @@ with :func:`plan_in_configure_model`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_unflat
 
 from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
+from planner.config import SEARCH, PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.loader import first_batch
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
@@ -131,7 +133,7 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
 
 
 def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
-               settings: dict[str, Any], options: dict[str, Any]) -> Plan | PlanTable:
+               settings: dict[str, Any], config: PlanConfig) -> Plan | PlanTable:
     """Plan and install ``module``'s training step on ``batch`` (module docstring)."""
     if not module.automatic_optimization:
         raise ValueError("Planned checkpointing plans Lightning's automatic optimization (one "
@@ -140,33 +142,30 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     step = getattr(module.training_step, "__self__", None)
     if not isinstance(step, TrainingStep):  # planned before: the same wrapper plans again
         step = TrainingStep(module)
-    per_rank = options.get("parallelize") is not None
-    options = {"progress": False, **options}
+    per_rank = config.parallelize is not None
     with _quiet_logging(module):
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
-                        **{**settings, "grad_accumulation": settings["grad_accumulation"]
-                           and not per_rank}, **options)
+                        config=config, **{**settings, "grad_accumulation":
+                                          settings["grad_accumulation"] and not per_rank})
     if per_rank and isinstance(plan, PlanTable):
         plan = plan.model_copy(update={"entries": [
-            e.model_copy(update={"plan": _room_for_last_gradients(e.plan, options)})
+            e.model_copy(update={"plan": _room_for_last_gradients(e.plan, config)})
             for e in plan.entries]})
     elif per_rank:
-        plan = _room_for_last_gradients(plan, options)
+        plan = _room_for_last_gradients(plan, config)
     apply(step, plan)
     module.training_step = step.run
     return plan
 
 
-def _room_for_last_gradients(plan: Plan, options: dict[str, Any]) -> Plan:
+def _room_for_last_gradients(plan: Plan, config: PlanConfig) -> Plan:
     """A rank's plan is made for a step that starts with no gradients (per-rank planning
     has no other), but Lightning frees the last step's sharded gradients only after the
     forward: plan for the budget less those, so that the forward beside them fits too."""
     grads = plan.profile.static.grad_bytes
     try:
         return replan(plan, budget_bytes=plan.budget_bytes - grads,
-                      time_limit_s=options.get("time_limit_s", 60.0),
-                      offload=options.get("offload", False),
-                      op_ranges=options.get("op_ranges", True))
+                      **config.options(SEARCH))
     except InfeasibleBudgetError as error:
         least = error.min_budget_bytes + grads
         raise InfeasibleBudgetError(
@@ -176,30 +175,30 @@ def _room_for_last_gradients(plan: Plan, options: dict[str, Any]) -> Plan:
             f"\n{error}", least, plan=error.plan) from error
 
 
-def _check_options(options: dict[str, Any]) -> None:
-    decided = _DECIDED & set(options)
-    if decided:
-        raise TypeError(f"Lightning decides {sorted(decided)} (Trainer precision and "
-                        "accumulate_grad_batches, the module's training_step); set them there")
+def _switch_config(config: PlanConfig | None, options: dict[str, Any],
+                   switch: str) -> PlanConfig:
+    return PlanConfig.for_switch(config, options, switch, _DECIDED, "Lightning (Trainer "
+                                 "precision and accumulate_grad_batches, the module's "
+                                 "training_step)")
 
 
 class PlannedCheckpointing(Callback):
     """Plan and install activation checkpointing at ``budget_gb`` GiB per device when
-    fitting starts; ``plan`` holds the plan after that. Other keyword arguments go to
-    :func:`planner.optimize` (``time_limit_s``, ``offload``, ``device``, ...); precision,
-    gradient accumulation, the optimizer and the loss come from the trainer and module."""
+    fitting starts; ``plan`` holds the plan after that. Other options (keywords or
+    ``config=``) are :class:`~planner.config.PlanConfig`'s (``time_limit_s``, ``offload``,
+    ``device``, ...), checked here; precision, gradient accumulation and the loss come
+    from the trainer and module, the optimizer too unless given."""
 
     def __init__(self, budget_gb: float, *, example_batch: Any = None,
                  max_length: int | None = None, buckets: Any = "one",
-                 **optimize_options: Any) -> None:
-        _check_options(optimize_options)
+                 config: PlanConfig | None = None, **options: Any) -> None:
+        self.config = _switch_config(config, options, "PlannedCheckpointing")
         _budget_bytes(budget_gb)  # a wrong budget is said now, not when fitting starts
         Envelope(max_length=max_length or 1, buckets=buckets)  # said now, not when fitting
         self.budget_gb = budget_gb
         self.example_batch = example_batch
         self.max_length = max_length
         self.buckets = buckets
-        self.options = optimize_options
         self.plan: Plan | PlanTable | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -223,8 +222,12 @@ class PlannedCheckpointing(Callback):
             first_batch(loader) if self.example_batch is None else self.example_batch)
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
         envelope = _loaders_envelope(loader, batch, self.max_length, self.buckets)
+        config = self.config if "optimizer" in self.config.given() else \
+            dataclasses.replace(self.config, optimizer=optimizer)
+        if "envelope" not in self.config.given():
+            config = dataclasses.replace(config, envelope=envelope)
         self.plan = _plan_step(pl_module, batch, self.budget_gb, _trainer_settings(trainer),
-                               {"optimizer": optimizer, "envelope": envelope, **self.options})
+                               config)
         if trainer.is_global_zero:
             self.plan.log_summary(log)
 
@@ -257,8 +260,8 @@ def _loaders_envelope(loader: Any, batch: Any, max_length: int | None,
 
 
 def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: float,
-                            parallelize: Any = None,
-                            **optimize_options: Any) -> Plan | PlanTable:
+                            parallelize: Any = None, config: PlanConfig | None = None,
+                            **options: Any) -> Plan | PlanTable:
     """Plan ``module.training_step`` on ``batch`` (one rank's) at ``budget_gb`` GiB per
     rank, install the plan and return it; call it in ``configure_model`` before sharding.
 
@@ -267,12 +270,11 @@ def plan_in_configure_model(module: LightningModule, batch: Any, *, budget_gb: f
     runs over the strategy's device mesh (its shape and dimension names), as
     :func:`planner.optimize`'s ``parallelize`` (its first argument is the wrapper whose
     ``module`` is this LightningModule). The optimizer is not built yet here: pass
-    ``optimizer=`` to count its state."""
-    _check_options(optimize_options)
-    trainer = module.trainer
-    options = dict(optimize_options)
+    ``optimizer=`` to count its state. Other options: :class:`~planner.config.PlanConfig`'s."""
+    made = _switch_config(config, options, "plan_in_configure_model()")
     if parallelize is not None:
         mesh = module.device_mesh
-        options.update(parallelize=lambda step, mesh: parallelize(step.module, mesh),
-                       mesh_shape=tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
-    return _plan_step(module, batch, budget_gb, _trainer_settings(trainer), options)
+        made = dataclasses.replace(
+            made, parallelize=lambda step, mesh: parallelize(step.module, mesh),
+            mesh_shape=tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
+    return _plan_step(module, batch, budget_gb, _trainer_settings(module.trainer), made)

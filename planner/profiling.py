@@ -16,6 +16,7 @@ from torch import nn
 
 import profiles
 from planner.arguments import _as_inputs, _input_specs, _parallelism
+from planner.config import PARALLEL, PROFILING, STEP, PlanConfig, shows_options
 from planner.install import _plan_suspended
 from planner.model_state import (
     _ambient_autocast,
@@ -70,28 +71,13 @@ class ProfiledStep:
                             self.sharding)
 
 
-def profile_model(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    autocast: torch.dtype | None = None,
-    grad_accumulation: bool = False,
-    timing: str = "auto",
-    device: str | None = None,
-    execution: str = "auto",
-    world_size: int = 1,
-    sharding: str | None = None,
-    shard_modules: list[str] | None = None,
-    parallelize: Callable[[nn.Module, Any], Any] | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    mesh_dim_names: tuple[str, ...] | None = None,
-    progress: bool = True,
-    bound_routing: bool = True,
-) -> ProfiledStep:
+@shows_options(STEP, PROFILING, PARALLEL)
+def profile_model(model: nn.Module, example_inputs: Any = None, *,
+                  config: PlanConfig | None = None, bound_routing: bool = True,
+                  **options: Any) -> ProfiledStep:
     """Profile one training step of ``model`` as it will train, for :func:`solve` to plan
-    at one budget or many. Arguments as :func:`optimize`.
+    at one budget or many. Options as :func:`optimize`'s: the fields of
+    :class:`~planner.config.PlanConfig` of the step, profiling and parallelism.
 
     Whatever state the object is in, the step profiled is the training step: a plan
     already applied is taken off while profiling and put back as it was (``apply`` of the
@@ -103,8 +89,10 @@ def profile_model(
     forced routings (``bound_routing``, `planner.routing_bound`): plans then hold for every
     routing; without it, for the profiled batch's.
     """
-    parallel, ddp = _parallelism(model, world_size, sharding, shard_modules, parallelize,
-                                 mesh_shape, mesh_dim_names)
+    c = PlanConfig.of(config, options, "profile_model()", (STEP, PROFILING, PARALLEL))
+    parallel, ddp = _parallelism(model, c.world_size, c.sharding, c.shard_modules,
+                                 c.parallelize, c.mesh_shape, c.mesh_dim_names)
+    autocast = c.autocast
     _refuse_existing_checkpointing(model)
     toy_batch = example_inputs is None
     args, kwargs = normalize_inputs(model, example_inputs)
@@ -117,17 +105,17 @@ def profile_model(
         # one process on the CPU: the calibration times the whole step, the profile need not
         calibrates = parallel is None and ddp is None and _model_device(model).type == "cpu"
         again = functools.partial(
-            profiles.profile, model, _as_inputs(args, kwargs), loss_fn=loss_fn,
-            optimizer=optimizer, autocast=autocast, timing=timing, device=device,
-            execution=execution, grad_accumulation=grad_accumulation, parallel=parallel,
+            profiles.profile, model, _as_inputs(args, kwargs), loss_fn=c.loss_fn,
+            optimizer=c.optimizer, autocast=autocast, timing=c.timing, device=c.device,
+            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel,
             time_step=not calibrates)
-        prof = again(progress=progress)
+        prof = again(progress=c.progress)
         routed, routing = _routed_loops(model, prof), None
         if routed and bound_routing and \
-                (bounded := routing_bound(model, again, ddp, progress)) is not None:
+                (bounded := routing_bound(model, again, ddp, c.progress)) is not None:
             prof, routing = bounded
         if calibrates and _host_timed(model, prof):
-            prof = _calibrated(model, args, kwargs, loss_fn, autocast, prof)
+            prof = _calibrated(model, args, kwargs, c.loss_fn, autocast, prof)
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
     notes.extend(_routing_note(model, routed, routing))

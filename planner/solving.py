@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from time import perf_counter
+from typing import Any
 
-from planner.arguments import SolveOptions
+from planner.arguments import SolveOptions, _budget_arg
+from planner.config import SEARCH, PlanConfig, shows_options
 from planner.offload import KEEPS_THROUGH_HOOKS
 from planner.plan import GIB, InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
 from planner.profiling import ProfiledStep
@@ -24,14 +26,15 @@ from solvers.simulate import optimizer_step_peak
 log = logging.getLogger(__name__)
 
 
+@shows_options(SEARCH)
 def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
-          budget_bytes: int | None = None, solver: str = "auto",
-          time_limit_s: float = 60.0, offload: bool = False,
-          host_budget_gb: float | None = None, op_ranges: bool = True,
-          deterministic: bool = False) -> Plan:
+          budget_bytes: int | None = None, config: PlanConfig | None = None,
+          **options: Any) -> Plan:
     """Plan a step profiled by :func:`profile_model` at ``budget_gb`` (or ``budget_bytes``);
-    call it as often as you like, each call solves without profiling. ``offload``,
-    ``host_budget_gb``, ``op_ranges`` and ``deterministic`` as in :func:`optimize`.
+    call it as often as you like, each call solves without profiling. Options: the search's
+    fields of :class:`~planner.config.PlanConfig` (``solver``, ``time_limit_s``,
+    ``offload``, ``host_budget_gb``, ``op_ranges``, ``deterministic``), as in
+    :func:`optimize`.
 
     >>> step = profile_model(model, batch, loss_fn=loss_fn)  # doctest: +SKIP
     >>> plans = [solve(step, budget_gb=b) for b in (4, 6, 8)]  # doctest: +SKIP
@@ -39,10 +42,8 @@ def solve(profiled: ProfiledStep, budget_gb: float | None = None, *,
     if not isinstance(profiled, ProfiledStep):
         raise TypeError(f"solve() takes what profile_model() returns, not "
                         f"{type(profiled).__name__}; for a Plan use replan(plan, budget_gb=...)")
-    return solve_profiled(profiled, SolveOptions.checked(
-        budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
-        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges,
-        deterministic=deterministic))
+    return solve_profiled(profiled, PlanConfig.of(config, options, "solve()", (SEARCH,))
+                          .solve_options(_budget_arg(budget_gb, budget_bytes)))
 
 
 def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
@@ -55,22 +56,18 @@ def solve_profiled(profiled: ProfiledStep, options: SolveOptions) -> Plan:
     return plan
 
 
+@shows_options(SEARCH)
 def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | None = None,
-           solver: str = "auto", time_limit_s: float = 60.0, offload: bool = False,
-           host_budget_gb: float | None = None, op_ranges: bool = True,
-           deterministic: bool = False) -> Plan:
+           config: PlanConfig | None = None, **options: Any) -> Plan:
     """A plan for the same model, inputs and precision at another budget (no profiling);
-    ``offload``, ``host_budget_gb``, ``op_ranges`` and ``deterministic`` as in
-    :func:`optimize`.
+    options as :func:`solve`'s.
 
     >>> cheaper = replan(plan, budget_gb=6)  # doctest: +SKIP
     """
-    options = SolveOptions.checked(
-        budget_gb, budget_bytes=budget_bytes, solver=solver, time_limit_s=time_limit_s,
-        offload=offload, host_budget_gb=host_budget_gb, op_ranges=op_ranges,
-        deterministic=deterministic)
-    return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint, options,
-                            sharding=plan.sharding, routing=plan.routing)
+    solve_options = PlanConfig.of(config, options, "replan()", (SEARCH,)).solve_options(
+        _budget_arg(budget_gb, budget_bytes))
+    return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint,
+                            solve_options, sharding=plan.sharding, routing=plan.routing)
 
 
 LOWEST_PEAK_SHARE = 0.25  # of the time limit, at least, for the lowest peak (infeasible)

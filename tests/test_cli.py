@@ -171,7 +171,7 @@ def test_the_cli_says_the_device_and_timing_it_planned_for(capsys: pytest.Captur
     assert _run(["optimize", "--help"]) == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "optimize() in Python defaults to auto" in said, said
-    assert "optimize() in Python plans for the model's device" in said, said
+    assert "here: H100; optimize() in Python defaults to None" in said, said
     assert _run(["-q", "optimize", "--model", "mlp", "--set", "batch=4", "--budget-gb", "1",
                  "--offload", "--out", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out

@@ -181,7 +181,7 @@ def test_optimize_refuses_what_it_does_not_plan_for_a_stage() -> None:
     with pytest.raises(ValueError, match="is not the last"):
         optimize(module, (inputs,), budget_gb=1, pipeline=spec,
                  loss_fn=lambda out: harness.next_token_loss(out, target))
-    with pytest.raises(ValueError, match=r"\['offload', 'op_ranges=False'\] with it is not"):
+    with pytest.raises(ValueError, match=r"\['offload=True', 'op_ranges=False'\] with it is not"):
         optimize(module, (inputs,), budget_gb=1, pipeline=spec, offload=True,
                  op_ranges=False)
     with pytest.raises(ValueError, match="not below num_stages"):
