@@ -43,7 +43,7 @@ import torch
 import profiles
 from planner import apply, profile_model, solve, zoo
 from planner.api import measure_step, plan_for_schedule
-from planner.emit import checkpointed_modules
+from planner.runtime.emit import checkpointed_modules
 from profiles.calibrate import (
     OPS,
     REGIONS,

@@ -44,8 +44,8 @@ from torch.utils._pytree import tree_map
 import profiles
 from planner import InfeasibleBudgetError, apply, profile_model, solve
 from planner.api import measure_step
-from planner.emit import OpStreamWarning, TracedForward, checkpointed_modules
 from planner.plan import Plan, PlanMismatchWarning, format_bytes
+from planner.runtime.emit import OpStreamWarning, TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_inputs
 

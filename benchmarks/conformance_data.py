@@ -35,10 +35,10 @@ from planner import (
     optimize,
     remove,
 )
-from planner.emit import OpStreamWarning
 from planner.envelope import Envelope, batch_at, mask_inputs, sequence_length
 from planner.measure import PeakTracker
 from planner.plan import GIB
+from planner.runtime.emit import OpStreamWarning
 
 RESIDENT = 2
 META = "sample_source"  # metadata a batch carries beside its tensors

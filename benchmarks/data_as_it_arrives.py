@@ -39,7 +39,7 @@ import data_streams as ds
 
 from planner import optimize
 from planner.envelope import Envelope
-from planner.hf_trainer import PlannedCheckpointing
+from planner.switches.hf_trainer import PlannedCheckpointing
 from solvers.auto import lowest_peak
 
 RESULTS = Path(__file__).parent / "results"
@@ -214,8 +214,8 @@ def _accelerate_run(build: Any, precision: str | None, budget: int,
     accelerate's loader sends the current batch to the device (the next one waits)."""
     from accelerate import Accelerator
 
-    from planner.hf_accelerate import planned as plan_it
     from planner.measure import PeakTracker
+    from planner.switches.hf_accelerate import planned as plan_it
 
     torch.manual_seed(0)
     model = build()
@@ -284,7 +284,7 @@ def run_case(name: str, workflow: str) -> dict[str, Any]:
             planned = _accelerate_run(build, precision, budget, planned=True)
             table = planned["table"]
         elif workflow == "lightning":
-            from planner.lightning import PlannedCheckpointing as LightningSwitch
+            from planner.switches.lightning import PlannedCheckpointing as LightningSwitch
 
             plain = _lightning_run(build, precision, budget, None)
             switch = LightningSwitch(budget_gb=budget / 2**30, max_length=LONGEST,

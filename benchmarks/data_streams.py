@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, models
 
 from planner.measure import PeakTracker
 from planner.plan_table import PlanTable
-from planner.table_install import TableGuard
+from planner.runtime.table_install import TableGuard
 
 VOCAB = 512
 

@@ -18,8 +18,8 @@ from torch import nn
 import planner
 from planner import zoo
 from planner.api import measure_step
-from planner.emit import checkpointed_modules
-from planner.guard import PlanGuard
+from planner.runtime.emit import checkpointed_modules
+from planner.runtime.guard import PlanGuard
 
 GIB = 2**30
 TIME_UP = "not run: the run's time limit was reached"

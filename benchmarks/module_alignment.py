@@ -2,7 +2,7 @@
 
     python benchmarks/module_alignment.py
 
-A plan is emitted on the model's modules (``planner.emit``), so the solvers choose among
+A plan is emitted on the model's modules (``planner.runtime.emit``), so the solvers choose among
 module calls (flat, or nested one level inside a call). The graph allows more: any
 contiguous run of ops. This profiles GPT-2-medium (24 x 1024, batch 8 x 1024, fp32, meta
 device, estimated H100 times) once and solves both spaces with ``auto`` at the measured

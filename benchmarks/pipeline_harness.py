@@ -20,8 +20,8 @@ from torch import nn
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, replan
 from planner.measure import PeakTracker
-from planner.pipeline import StageSteps, stage_loss, stage_peak_bytes
-from planner.pipeline_rank import RankSteps
+from planner.pipeline.rank import RankSteps
+from planner.pipeline.stage import StageSteps, stage_loss, stage_peak_bytes
 from planner.plan import PipelineStage
 from planner.zoo import GPTBlock
 from solvers.pipeline import RUNTIME_SCHEDULES, StageSpec

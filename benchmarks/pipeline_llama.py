@@ -9,7 +9,7 @@ built on the meta device in bf16; a stage is the first stage's embedding and lay
 stage's layers, or the last stage's layers, norm and LM head, run on one microbatch of
 1 x 4096 tokens (torchtitan's ``module_fqns_per_model_part``), trained with AdamW (its
 state counted, in the parameters' bf16). Each stage's step is profiled
-on the meta device with the H100's estimated timing (``planner.pipeline.StageSteps``) and
+on the meta device with the H100's estimated timing (``planner.pipeline.stage.StageSteps``) and
 every number is the planner's replay of the stage over one 1F1B step
 (``solvers.pipeline``): stage r of p holds min(m, p - r) microbatches.
 
@@ -21,7 +21,7 @@ Per budget (per GPU), three ways to run the pipeline:
   (``StageSteps.plan``: the least recompute whose stage peak fits);
 - **per-stage plans, balanced split**: the split of the layers (each stage between
   ``--layers`` bounds) whose slowest stage is fastest, each stage planned
-  (``planner.pipeline_split.plan_pipeline``).
+  (``planner.pipeline.split.plan_pipeline``).
 
 A stage's time is one microbatch's forward, backward and recompute; the pipeline's step is
 (m + p - 1) slots of the slowest stage (1F1B's bubble model: every slot waits for the
@@ -30,10 +30,10 @@ slowest stage).
 Interleaved1F1B (``--chunks``, default 2): the same 16 layers as 4 ranks x 2 chunks of 2
 layers (stage c·4 + r on rank r), every rank's chunks replayed together over one step
 (``solvers.pipeline.rank_peak``); every layer checkpointed on every chunk against each
-rank's chunks planned together (``planner.pipeline_rank.RankSteps.plan``). A rank's time is
+rank's chunks planned together (``planner.pipeline.rank.RankSteps.plan``). A rank's time is
 its chunks' times for one microbatch; the step is m + (p - 1)/v slots of the slowest rank
 (the interleaved bubble); and the chunks' layers balanced (1 to 3 a chunk,
-``planner.pipeline_split.plan_interleaved``).
+``planner.pipeline.split.plan_interleaved``).
 
 Zero-bubble schedules in a V (``--v-schedules``, default ZBVZeroBubble and DualPipeV): 4
 ranks x 2 chunks of 2 layers, rank r holding stages r and 7 - r; each rank's unplanned
@@ -54,9 +54,9 @@ import torch
 from torch import nn
 
 from planner import zoo
-from planner.pipeline import StageSteps
-from planner.pipeline_rank import RankSteps
-from planner.pipeline_split import PipelinePlan, plan_interleaved, plan_pipeline
+from planner.pipeline.rank import RankSteps
+from planner.pipeline.split import PipelinePlan, plan_interleaved, plan_pipeline
+from planner.pipeline.stage import StageSteps
 from planner.plan import GIB, InfeasibleBudgetError, format_bytes
 from solvers import Schedule, simulate
 from solvers.baselines import policy_schedule
@@ -351,7 +351,7 @@ def _v_section(schedules: list[dict]) -> list[str]:
     lines = ["", "## Zero-bubble schedules in a V: 4 ranks x 2 chunks of 2 layers", "",
              "Rank r holds stages r and 7 - r (rank 0 the first and the last). Each backward "
              "is split into the input's gradient and, later, the weights' "
-             "(`planner.split_backward` measures what a microbatch holds between them, on "
+             "(`planner.pipeline.split_backward` measures what a microbatch holds between them, on "
              "the meta device with the H100's fused kernels). Only the chunk that is the "
              "pipeline's first stage is planned: under the split torch reruns a checkpointed "
              "region once more per parameter group, so stages after the first run as "

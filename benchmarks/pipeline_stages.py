@@ -10,7 +10,7 @@ the rank's chunks planned together (`planner.plan_rank`) halfway between the ran
 memory and its unplanned peak (or at the least rank peak found). The zero-bubble schedules
 split each backward: InterleavedZeroBubble with one and two chunks per rank, ZBVZeroBubble
 and DualPipeV with two in a V (stages r and 2p - 1 - r); planned as Interleaved1F1B is,
-their stages after the first run as profiled (`planner.split_backward`).
+their stages after the first run as profiled (`planner.pipeline.split_backward`).
 ``--schedules`` runs some of them. Each rank's measured peak counts everything its process
 holds (`PeakTracker(follow_resizes=True)`, as a GPU allocator counts); the prediction
 replays the rank's passes in its schedule's order from the profile of one microbatch per
@@ -104,8 +104,8 @@ def render(result: dict) -> str:
              "A GPT cut into stages of two blocks (width 128, 4 x 64 tokens per microbatch), "
              "torch's schedules over gloo, one process per rank (x2: two stages per "
              "rank, `stages` counts ranks, `stage` is the rank); measured: "
-             "everything the process holds. Predicted: `planner.pipeline.stage_peak_bytes`, "
-             "for a rank of chunks `planner.pipeline_rank.RankSteps.peak`.", "",
+             "everything the process holds. Predicted: `planner.pipeline.stage.stage_peak_bytes`, "
+             "for a rank of chunks `planner.pipeline.rank.RankSteps.peak`.", "",
              f"{len(rows)} stage peaks: {exact} within 64 bytes, worst "
              f"{worst['error_pct']:+.2f} % ({worst['schedule']}, {worst['stages']} stages, "
              f"stage {worst['stage']}{', planned' if worst['planned'] else ''}); "

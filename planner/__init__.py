@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     )
     from planner.config import PlanConfig
     from planner.envelope import Envelope
-    from planner.pipeline_rank import plan_rank
+    from planner.pipeline.rank import plan_rank
     from planner.plan import (
         FileFormatError,
         InfeasibleBudgetError,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         PlanMismatchWarning,
     )
     from planner.plan_table import PlanTable
-    from planner.table_install import cover
+    from planner.runtime.table_install import cover
     from profiles.errors import ProfileError
     from profiles.inputs import ToyBatchWarning
 
@@ -52,7 +52,7 @@ _LAZY = {
     "apply": "planner.api",
     "measure_step": "planner.api",
     "optimize": "planner.api",
-    "plan_rank": "planner.pipeline_rank",
+    "plan_rank": "planner.pipeline.rank",
     "remove": "planner.api",
     "replan": "planner.api",
     "verify": "planner.api",
@@ -64,7 +64,7 @@ _LAZY = {
     "Envelope": "planner.envelope",
     "PlanTable": "planner.plan_table",
     "PlanConfig": "planner.config",
-    "cover": "planner.table_install",
+    "cover": "planner.runtime.table_install",
 }
 
 __all__ = ["Envelope", "FileFormatError", "InfeasibleBudgetError",

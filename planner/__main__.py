@@ -199,7 +199,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     plan = PlanTable.load(args.plan) if b'"envelope"' in head else Plan.load(args.plan)
     print(plan.summary())
     if args.html is not None:
-        from planner.report import write_html_report
+        from planner.reports.report import write_html_report
 
         write_html_report(plan, args.html)
         print(f"\nHTML report written to {args.html}")

@@ -4,7 +4,7 @@ The public surface of the planner. :func:`optimize` (profile, then solve) is her
 rest is re-exported from the modules that hold it: :mod:`planner.arguments` (argument
 checks), :mod:`planner.model_state` (the model as planning finds it),
 :mod:`planner.profiling` (``profile_model``), :mod:`planner.solving` (``solve``,
-``replan``), :mod:`planner.install` (``apply``, ``remove``) and
+``replan``), :mod:`planner.runtime.install` (``apply``, ``remove``) and
 :mod:`planner.verification` (``verify``, ``measure_step``).
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from torch import nn
 
-from planner.applying import apply
 from planner.arguments import (
     MAX_BUDGET_BYTES,
     MIN_BUDGET_BYTES,
@@ -25,12 +24,13 @@ from planner.arguments import (
 )
 from planner.bucket_planning import plan_envelope
 from planner.config import GROUPS, PARALLEL, PROFILING, STEP, PlanConfig, shows_options
-from planner.guard import PlanGuard
-from planner.install import region_specs, remove
 from planner.model_state import structure_fingerprint
 from planner.plan import Plan, PlanMismatchWarning
 from planner.plan_table import PlanTable
 from planner.profiling import UNTRACED_LINES, ProfiledStep, profile_model
+from planner.runtime.applying import apply
+from planner.runtime.guard import PlanGuard
+from planner.runtime.install import region_specs, remove
 from planner.solving import plan_for_profile, plan_for_schedule, replan, solve, solve_profiled
 from planner.verification import VerifyReport, measure_step, verify
 
@@ -77,7 +77,7 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     blocks); ``sharding="ddp"`` adds DDP's gradient buckets to the single process's step.
 
     ``offload=True`` also lets the plan send module calls' saved activations to host memory
-    and back (:mod:`planner.offload`), within ``host_budget_gb`` (default
+    and back (:mod:`planner.runtime.offload`), within ``host_budget_gb`` (default
     ``default_host_budget_bytes``); ``plan.offloads`` and ``plan.stall_ms`` say what and
     at what cost.
 
@@ -95,9 +95,9 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     ``"GPipe"`` and ``"InterleavedZeroBubble"`` too; ``target_bytes``: the last stage's
     target per microbatch). The plan keeps the stage's peak over one step of its schedule
     within ``budget_gb``: the microbatches it holds, its receive buffers, and on the last
-    stage ``loss_fn``'s outputs (:mod:`planner.pipeline`); ``plan.pipeline`` says the stage
+    stage ``loss_fn``'s outputs (:mod:`planner.pipeline.stage`); ``plan.pipeline`` says the stage
     and that peak. Under a zero-bubble schedule a stage after the first runs as profiled
-    (``planner.split_backward``). Several stages per rank (``Interleaved1F1B``,
+    (``planner.pipeline.split_backward``). Several stages per rank (``Interleaved1F1B``,
     ``ZBVZeroBubble``, ``DualPipeV``): :func:`planner.plan_rank`.
 
     The batches a plan covers: ``envelope=Envelope(max_length=512)`` (or its fields as a
@@ -131,7 +131,7 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
 def _plan_stage(model: nn.Module, microbatch: Any, budget_gb: float,
                 config: PlanConfig) -> Plan:
     """``optimize(..., pipeline=...)``: the stage planned for its schedule."""
-    from planner.pipeline import StageSteps, stage_spec
+    from planner.pipeline.stage import StageSteps, stage_spec
 
     spec, target_bytes = stage_spec(config.pipeline)
     if spec.num_chunks > 1:

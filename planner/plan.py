@@ -182,7 +182,7 @@ class _Replay(NamedTuple):
 class PipelineStage(_Strict):
     """The stage a plan is for, its budget, and its peak over one step of its schedule as
     replayed when planned (from the stage's profiles before and after its first backward,
-    :mod:`planner.pipeline`); ``None`` once the schedule is edited."""
+    :mod:`planner.pipeline.stage`); ``None`` once the schedule is edited."""
 
     spec: StageSpec
     budget_bytes: Bytes

@@ -17,7 +17,6 @@ from torch import nn
 import profiles
 from planner.arguments import _as_inputs, _input_specs, _parallelism
 from planner.config import PARALLEL, PROFILING, STEP, PlanConfig, shows_options
-from planner.install import _plan_suspended
 from planner.model_state import (
     _ambient_autocast,
     _model_device,
@@ -29,6 +28,7 @@ from planner.model_state import (
 from planner.plan import InputSpec
 from planner.region_calibration import calibrated_profile
 from planner.routing_bound import routing_bound
+from planner.runtime.install import _plan_suspended
 from planner.sharding import Sharding, rank_problem
 from profiles.calibrate import CPU_MEASURED
 from profiles.inputs import normalize_inputs

@@ -3,7 +3,7 @@
 The clock (`solvers.clock`) charges each recomputed region ``checkpoint_region_ms +
 checkpoint_pack_ms * P`` beyond its nodes (P: the tensors it saves). ``profiles.calibrate``
 measures those constants on chains of tiny ops under raw ``torch.utils.checkpoint``; at a
-real model's sizes and through what a plan installs (`planner.emit`), a region costs
+real model's sizes and through what a plan installs (`planner.runtime.emit`), a region costs
 several times that: GPT small with its 4 blocks checkpointed measured about 1 ms per
 region on 2 CPU cores where the tiny-op constants charge 0.29 ms, and a small op range of
 a Llama MLP about 0.5 ms where they charge 0.1 (issue 62).
@@ -40,8 +40,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from planner.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
-from planner.install import schedule_specs
+from planner.runtime.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
+from planner.runtime.install import schedule_specs
 from profiles.schema import CheckpointCosts, GraphProfile
 from solvers import Problem, Schedule, simulate
 from solvers.from_profile import problem_from_profile, span_targets

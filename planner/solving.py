@@ -10,9 +10,9 @@ from typing import Any
 
 from planner.arguments import SolveOptions, _budget_arg
 from planner.config import SEARCH, PlanConfig, shows_options
-from planner.offload import KEEPS_THROUGH_HOOKS
 from planner.plan import GIB, InfeasibleBudgetError, InputSpec, Plan, SolverReport, format_bytes
 from planner.profiling import ProfiledStep
+from planner.runtime.offload import KEEPS_THROUGH_HOOKS
 from planner.sharding import Sharding, rank_problem
 from planner.solution_memo import ANSWERS, problem_digest
 from profiles.schema import GraphProfile

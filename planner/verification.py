@@ -17,12 +17,12 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import profiles
-from planner.applying import apply
-from planner.emit import checkpointed_modules
-from planner.install import _guards, remove
 from planner.model_state import _model_device, _training_config
-from planner.offload import offloaded_modules
 from planner.plan import Plan, PlanMismatchWarning, format_bytes
+from planner.runtime.applying import apply
+from planner.runtime.emit import checkpointed_modules
+from planner.runtime.install import _guards, remove
+from planner.runtime.offload import offloaded_modules
 from profiles.inputs import normalize_inputs
 
 

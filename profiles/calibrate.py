@@ -1,6 +1,6 @@
 """Measure the fixed costs of ``torch.utils.checkpoint`` on a device, with tiny ops.
 
-A planned model (``planner.emit``) runs each checkpointed module call as
+A planned model (``planner.runtime.emit``) runs each checkpointed module call as
 ``checkpoint(region, *inputs, use_reentrant=False)``, with a selective-checkpoint (SAC)
 policy when the region keeps nodes. Beyond re-running its nodes, that costs host time the
 node timings do not see (``CheckpointCosts`` says what each constant covers). Here they are

@@ -76,7 +76,7 @@ def trace_inputs(module: nn.Module) -> tuple:
     function and its code, the module's own attributes (a float becomes a constant of the
     graph, a flag picks a branch), plain attributes of its class and of its bases up to
     ``nn.Module``, and the plain globals its forward names. Equal values trace alike; a
-    planned traced forward compares them at each training call (``planner.emit``). Own
+    planned traced forward compares them at each training call (``planner.runtime.emit``). Own
     attributes count only where the forward's code can name them (`_names_read`): a
     ``repr`` of an attribute it never reads (a Hugging Face module's ``config``: 0.23 ms)
     would be paid on every call for nothing."""

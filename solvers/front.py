@@ -1,6 +1,6 @@
 """Pareto fronts of (cost, loss) points, both to be small: one definition of dominance and of
 thinning for every solver and plot (`dp`'s chained fronts, `keep`'s and `inner`'s subset
-fronts, `planner.viz`'s frontier).
+fronts, `planner.reports.viz`'s frontier).
 
 A point is on the front when every cheaper point is worse by more than `tol`; ties on cost
 go to the lesser loss, then to the earlier point. A front too long is thinned to one entry

@@ -1,5 +1,5 @@
 """What offloading a module call moves, and when it comes back: the one rule that both
-`simulate` and the planner's saved-tensor hooks (`planner.offload`) follow.
+`simulate` and the planner's saved-tensor hooks (`planner.runtime.offload`) follow.
 
 While an offloaded call runs, every tensor an op saves for backward outside a checkpoint
 goes through the offload hooks, and so does the input save of a top-level checkpoint that

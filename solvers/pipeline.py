@@ -38,7 +38,7 @@ stage ``r`` of ``p``, for one step of ``m`` microbatches:
   ``ZBVZeroBubble`` and ``DualPipeV`` (two chunks in a V: stages ``r`` and ``2p − 1 − r``;
   DualPipeV also runs full backwards). From its "I" to its "W" a microbatch holds what
   its forward saved and the gradients captured for the weights' pass
-  (``SplitBackward.held``, measured by ``planner.split_backward``); each pass peaks as
+  (``SplitBackward.held``, measured by ``planner.pipeline.split_backward``); each pass peaks as
   measured above the live bytes before it. The pipeline's first stage runs no "I" and a
   full backward as its "W". The last stage keeps its output, a view, and with it what the
   weights' pass does not free, until the step ends (``SplitBackward.finished``).
@@ -198,7 +198,7 @@ def held_after_forward(timeline: Timeline, static_bytes: int) -> int:
 
 class SplitBackward(NamedTuple):
     """A split backward ("I", then "W") of one microbatch of a stage after the first, as
-    measured (``planner.split_backward``): each pass's peak above the live bytes before it,
+    measured (``planner.pipeline.split_backward``): each pass's peak above the live bytes before it,
     before the stage's first weights' pass and after it; what the microbatch holds from
     its "I" to its "W" beyond what its forward left; and what it holds from its "W" to the
     step's end beyond what a full backward leaves (the last stage keeps its output, and

@@ -100,7 +100,7 @@ def test_the_command_lines_flags_are_the_configs() -> None:
 
 def test_a_switch_says_a_wrong_option_when_it_is_made() -> None:
     """Before, options went through to optimize() and were said when training started."""
-    hf = pytest.importorskip("planner.hf_trainer")
+    hf = pytest.importorskip("planner.switches.hf_trainer")
     with pytest.raises(ValueError, match="unknown solver 'nope'"):
         hf.PlannedCheckpointing(budget_gb=1.0, solver="nope")
     with pytest.raises(TypeError, match="did you mean time_limit_s="):

@@ -18,8 +18,8 @@ from planner.api import (
     structure_fingerprint,
 )
 from planner.arguments import _input_specs
-from planner.emit import Checkpointed, TracedForward, checkpointed_modules
 from planner.plan import Plan
+from planner.runtime.emit import Checkpointed, TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
 from solvers import Region, Schedule, baselines, dp, simulate
 from solvers.from_profile import problem_from_profile

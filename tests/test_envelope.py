@@ -1,5 +1,5 @@
 """Every batch that arrives: a plan table over an envelope of lengths, mask branches and
-resident batches (planner.envelope, planner.plan_table, planner.table_install) keeps each
+resident batches (planner.envelope, planner.plan_table, planner.runtime.table_install) keeps each
 step's measured peak within the budget, results as the unplanned model's; a batch outside
 the envelope, or a padded batch under a plan made without padding, is said."""
 
@@ -25,8 +25,8 @@ from planner import (
     remove,
     zoo,
 )
-from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
+from planner.runtime.emit import checkpointed_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -277,7 +277,7 @@ def test_a_bucket_whose_longest_alone_runs_other_ops_is_covered_below_it() -> No
     below it: the bucket's shortest batch runs other ops than its longest. The length just
     below the longest gets the plan of the rest of the bucket, checked at the shortest;
     every length then runs the ops of its own plan."""
-    from planner.emit import OpStreamWarning
+    from planner.runtime.emit import OpStreamWarning
 
     config = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64,

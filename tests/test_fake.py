@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import profiles
 from planner import apply, profile_model, remove, solve, zoo
-from planner.emit import OpStreamWarning
 from planner.plan import InfeasibleBudgetError
+from planner.runtime.emit import OpStreamWarning
 from profiles.devices import device_spec
 from profiles.kernels import (
     ATTENTION_OPS,

@@ -1,6 +1,7 @@
 """A planned model runs what was planned, or says why not, at the step where it changes
-(planner.guard and the traced forwards of planner.emit): every change of the issue's list
-either leaves results and memory as planned, or warns naming it; never silent."""
+(planner.runtime.guard and the traced forwards of planner.runtime.emit): every change of the
+issue's list either leaves results and memory as planned, or warns naming it; never
+silent."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import profiles
 from planner import PlanMismatchError, PlanMismatchWarning, apply, remove
 from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
-from planner.emit import TracedForward, checkpointed_modules
-from planner.guard import PlanGuard
+from planner.runtime.emit import TracedForward, checkpointed_modules
+from planner.runtime.guard import PlanGuard
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_forward
 from solvers import Schedule

@@ -1,4 +1,4 @@
-"""`planner.hf_accelerate.planned`: plan and install before ``accelerator.prepare``, with
+"""`planner.switches.hf_accelerate.planned`: plan and install before ``accelerator.prepare``, with
 the accelerator's precision and accumulation; training is accelerate's own."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from planner import InfeasibleBudgetError, PlanMismatchWarning, apply, optimize,
 from planner.measure import PeakTracker
 
 accelerate = pytest.importorskip("accelerate")
-from planner.hf_accelerate import planned  # noqa: E402  (needs accelerate)
+from planner.switches.hf_accelerate import planned  # noqa: E402  (needs accelerate)
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""`planner.hf_trainer.PlannedCheckpointing`: one callback plans and installs checkpointing
+"""`planner.switches.hf_trainer.PlannedCheckpointing`: one callback plans and installs checkpointing
 inside Hugging Face Trainer, and training is the trainer's own, within the budget."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from budgets import halfway_budget_gb
 
 from planner import PlanMismatchWarning, PlanTable, optimize, zoo
-from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
+from planner.runtime.emit import checkpointed_modules
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from planner.hf_trainer import PlannedCheckpointing  # noqa: E402  (needs transformers)
+from planner.switches.hf_trainer import PlannedCheckpointing  # noqa: E402  (needs transformers)
 
 GIB = 2**30
 
@@ -79,16 +79,16 @@ def test_the_switch_plans_the_trainers_step_and_trains_like_the_trainer(
     """With the callback, Trainer's steps run the plan made on its first batch, with its
     precision and AdamW, its checkpoints rerunning inside them; each step peaks within the
     budget; losses and trained weights are bit-identical to Trainer without it."""
-    import planner.emit
+    import planner.runtime.emit
 
     reruns: list[int] = []
-    real_checkpoint = planner.emit.checkpoint
+    real_checkpoint = planner.runtime.emit.checkpoint
 
     def counting_checkpoint(*args: Any, **kwargs: Any) -> Any:
         reruns.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(planner.emit, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(planner.runtime.emit, "checkpoint", counting_checkpoint)
     base = zoo.get("hf-llama", batch=4)
     model = base.model
     if lora_bf16:

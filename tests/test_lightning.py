@@ -1,4 +1,4 @@
-"""`planner.lightning`: one callback plans and installs checkpointing inside Lightning's
+"""`planner.switches.lightning`: one callback plans and installs checkpointing inside Lightning's
 Trainer (its ``training_step``, precision and optimizer), and training is Lightning's own,
 within the budget; `plan_in_configure_model` does it under ``ModelParallelStrategy``."""
 
@@ -17,7 +17,7 @@ from planner import Plan, PlanMismatchWarning, optimize, zoo
 from planner.measure import PeakTracker
 
 pl = pytest.importorskip("lightning.pytorch")
-from planner.lightning import (  # noqa: E402  (needs lightning)
+from planner.switches.lightning import (  # noqa: E402  (needs lightning)
     PlannedCheckpointing,
     TrainingStep,
     plan_in_configure_model,
@@ -113,11 +113,11 @@ def test_the_callback_plans_training_step_and_trains_like_lightning(
     """With the callback, Lightning's steps run the plan made on its first batch with its
     precision and AdamW, checkpoints rerunning inside; each step peaks within the budget;
     losses and trained weights are bit-identical to Lightning without it."""
-    import planner.emit
+    import planner.runtime.emit
 
     reruns: list[int] = []
-    real_checkpoint = planner.emit.checkpoint
-    monkeypatch.setattr(planner.emit, "checkpoint",
+    real_checkpoint = planner.runtime.emit.checkpoint
+    monkeypatch.setattr(planner.runtime.emit, "checkpoint",
                         lambda *a, **k: reruns.append(1) or real_checkpoint(*a, **k))
     base = zoo.get("hf-llama", batch=4)
     ids = base.example_inputs["input_ids"]

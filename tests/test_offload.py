@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import profiles
-from planner import viz, zoo
+from planner import zoo
 from planner.api import (
     ProfiledStep,
     apply,
@@ -28,8 +28,9 @@ from planner.api import (
     remove,
     solve,
 )
-from planner.offload import offloaded_modules
 from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
+from planner.reports import viz
+from planner.runtime.offload import offloaded_modules
 from profiles.inputs import normalize_inputs
 from solvers import Offload, Problem, Region, Schedule, SimulationError, simulate
 from solvers.offload import offload_groups
@@ -118,7 +119,7 @@ def test_a_landed_release_is_the_first_call_that_ends_after_the_copies(
 
 
 def test_the_hooks_wait_for_a_calls_copies_and_let_them_go_at_its_release_only() -> None:
-    from planner.offload import OffloadHooks, _Copy, _Release
+    from planner.runtime.offload import OffloadHooks, _Copy, _Release
 
     class Event:
         def __init__(self) -> None:
@@ -423,11 +424,11 @@ def test_torch_compile_is_refused_with_an_offload_plan(gpt) -> None:
 
 
 def test_offloaded_keeps_on_a_torch_that_cannot_move_them_are_refused(gpt, monkeypatch) -> None:
-    import planner.install
+    import planner.runtime.install
 
     model, step = gpt
     plan = _plan(step, "offloaded keeps")
-    monkeypatch.setattr(planner.install, "KEEPS_THROUGH_HOOKS", {})
+    monkeypatch.setattr(planner.runtime.install, "KEEPS_THROUGH_HOOKS", {})
     with pytest.raises(PlanMismatchError, match=r"2\.14"):
         apply(model.model, plan)
     assert not offloaded_modules(model.model)  # nothing half-installed

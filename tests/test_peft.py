@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from planner import InfeasibleBudgetError, Plan, apply, optimize, remove, replan, verify, zoo
-from planner.emit import checkpointed_modules
+from planner.runtime.emit import checkpointed_modules
 
 peft = pytest.importorskip("peft")
 

@@ -1,4 +1,4 @@
-"""Pipeline stages (`solvers.pipeline`, `planner.pipeline`): torch's GPipe and 1F1B run
+"""Pipeline stages (`solvers.pipeline`, `planner.pipeline.stage`): torch's GPipe and 1F1B run
 over gloo, one process per stage, each with its own plan; the order each stage runs its
 microbatches in is the one the replay assumes, each stage's measured peak is the predicted
 one (within a kilobyte), and losses and gradients are those of the same pipeline
@@ -108,7 +108,7 @@ def test_a_stage_plan_installs_in_its_pipelines_group_and_nowhere_else() -> None
 
 def _small_stage_steps(num_stages: int, n_microbatches: int) -> Any:
     """Stage r of the harness's GPT holding k blocks, profiled once per (r, k)."""
-    from planner.pipeline import StageSteps
+    from planner.pipeline.stage import StageSteps
 
     @functools.cache
     def steps(rank: int, blocks: int) -> StageSteps:
@@ -127,7 +127,7 @@ def test_the_split_makes_the_slowest_stage_fastest_within_the_budget() -> None:
     the head) at a budget below the even split's unplanned stage 0: every stage of the
     split found within the budget, planned as its stage; a budget no split meets names
     a split and the least budget it was found to fit."""
-    from planner.pipeline_split import plan_pipeline
+    from planner.pipeline.split import plan_pipeline
 
     steps = _small_stage_steps(2, MICROBATCHES)
     budget = int(0.9 * steps(0, 2).peak())
@@ -151,7 +151,7 @@ def test_the_split_search_is_the_best_of_every_split() -> None:
     import math
     import random
 
-    from planner.pipeline_split import _min_max_split
+    from planner.pipeline.split import _min_max_split
 
     rng = random.Random(0)
     for _ in range(200):
@@ -202,7 +202,7 @@ def test_profile_options_pass_through_to_a_stages_steps() -> None:
     import warnings
 
     from planner import PlanMismatchWarning, apply, remove
-    from planner.pipeline import StageSteps
+    from planner.pipeline.stage import StageSteps
 
     spec = harness.spec_of("1F1B", 0, 2, 4)
     module, (inputs, _) = harness.build_stage(0, 2), harness.microbatch(0)
@@ -295,9 +295,9 @@ def test_an_interleaved_split_makes_the_slowest_rank_fastest_within_the_budget()
     heaviest rank: every rank of the split found within the budget, its time the least
     over every split of chunk layers (enumerated apart on the same rank plans); a budget
     no split meets names one and the least budget it was found to fit."""
-    from planner.pipeline import StageSteps
-    from planner.pipeline_rank import RankSteps
-    from planner.pipeline_split import plan_interleaved
+    from planner.pipeline.rank import RankSteps
+    from planner.pipeline.split import plan_interleaved
+    from planner.pipeline.stage import StageSteps
 
     ranks, chunks, blocks = 2, 2, 8
     spec = [harness.spec_of("Interleaved1F1B", r, ranks, MICROBATCHES, chunks)

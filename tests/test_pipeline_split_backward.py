@@ -1,5 +1,5 @@
 """Why a zero-bubble schedule's stages after the first run unplanned
-(`planner.pipeline.StageSteps.plannable`, `solvers.pipeline.SPLIT_BACKWARD_SCHEDULES`):
+(`planner.pipeline.stage.StageSteps.plannable`, `solvers.pipeline.SPLIT_BACKWARD_SCHEDULES`):
 what torch's split backward does to a checkpointed stage, measured. If torch changes this,
 the reason must be revisited."""
 

@@ -1,4 +1,4 @@
-"""Zero-bubble pipelines (`solvers.pipeline_orders`, `planner.split_backward`): torch's
+"""Zero-bubble pipelines (`solvers.pipeline_orders`, `planner.pipeline.split_backward`): torch's
 InterleavedZeroBubble, ZBVZeroBubble and DualPipeV split a stage's backward into the
 input's gradient and, later, the weights'. Their orders are torch's; over gloo each rank
 peaks where the replay says and within its budget, the pipeline's first stage planned (its
@@ -20,7 +20,7 @@ pytest.importorskip("torch.distributed.pipelining")
 import pipeline_harness as harness  # benchmarks/, on the path in conftest
 
 from planner import InfeasibleBudgetError, optimize
-from planner.split_backward import measure_split_backward
+from planner.pipeline.split_backward import measure_split_backward
 from solvers.pipeline import StageSpec
 from solvers.schedule import RECOMPUTE, Region, Schedule
 

@@ -22,13 +22,13 @@ from torch import nn
 
 from planner import Plan, PlanMismatchError, apply, optimize, remove, replan, zoo
 from planner.api import region_specs
-from planner.emit import (
+from planner.plan import FileFormatError, InfeasibleBudgetError, format_bytes
+from planner.runtime.emit import (
     OpStreamWarning,
     checkpointed_modules,
     install_checkpoints,
     remove_checkpoints,
 )
-from planner.plan import FileFormatError, InfeasibleBudgetError, format_bytes
 from profiles import GraphProfile
 from solvers import ModuleCall
 

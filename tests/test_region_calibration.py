@@ -7,13 +7,13 @@ import torch
 
 import profiles
 from planner import profile_model, zoo
-from planner.emit import checkpointed_modules
 from planner.region_calibration import (
     Timed,
     calibrated_profile,
     calibration_schedules,
     fitted_costs,
 )
+from planner.runtime.emit import checkpointed_modules
 from profiles.inputs import normalize_inputs
 from profiles.schema import CheckpointCosts
 from solvers.from_profile import problem_from_profile

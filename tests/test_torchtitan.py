@@ -1,4 +1,4 @@
-"""`planner.torchtitan.PlannedAC`: a torchtitan activation-checkpointing policy that plans
+"""`planner.switches.torchtitan.PlannedAC`: a torchtitan activation-checkpointing policy that plans
 on the meta model, as torchtitan applies its policies (``ac_config.build().apply(model)``
 before materialising), and trains like the model without it, within the budget.
 
@@ -26,7 +26,7 @@ from torchtitan.models.common.attention import (
 )
 from torchtitan.models.llama3 import llama3_configs
 
-from planner.torchtitan import PlannedAC
+from planner.switches.torchtitan import PlannedAC
 
 GIB = 2**30
 BATCH, SEQ = 2, 128

@@ -20,7 +20,7 @@ import profiles
 from planner import Plan, PlanMismatchError, apply, optimize, remove
 from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
-from planner.emit import TracedForward, checkpointed_modules
+from planner.runtime.emit import TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_inputs
 from solvers import OpRange, Schedule, auto, simulate

@@ -175,7 +175,7 @@ def test_a_plan_table_is_drawn_and_reported(tmp_path: Path) -> None:
     import torch
 
     from planner import Envelope
-    from planner.report import html_report
+    from planner.reports.report import html_report
 
     model = zoo.get("hf-llama", batch=2, seq_len=32).model
     ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -20,8 +20,8 @@ from planner import (
     verify,
     zoo,
 )
-from planner.emit import checkpointed_modules
 from planner.measure import PeakTracker
+from planner.runtime.emit import checkpointed_modules
 
 GIB = 2**30
 

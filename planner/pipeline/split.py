@@ -7,7 +7,7 @@ recompute). Stages hold different numbers of microbatches (stage r of p holds mi
 under 1F1B) and the first and last hold the embedding and the head: a uniform split with
 one checkpointing setting makes the stage that holds most recompute most, and sets the
 step. Here each candidate (stage, layer count) is profiled once and planned for what it
-holds (:meth:`planner.pipeline.StageSteps.plan`); a min-max dynamic program over contiguous
+holds (:meth:`planner.pipeline.stage.StageSteps.plan`); a min-max dynamic program over contiguous
 splits picks the split.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from functools import cache
 from typing import NamedTuple
 
-from planner.pipeline import StageSteps
-from planner.pipeline_rank import RankSteps
+from planner.pipeline.rank import RankSteps
+from planner.pipeline.stage import StageSteps
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 
 __all__ = ["PipelinePlan", "RankPlan", "StagePlan", "plan_interleaved", "plan_pipeline"]
@@ -139,7 +139,7 @@ def plan_interleaved(rank_steps: Callable[[int, tuple[int, ...]], RankSteps],
     layers a chunk (default: one either side of an even split), and each rank's chunk
     plans, that make the slowest rank fastest with every rank within ``budget_gb``.
     ``rank_steps(r, layers)`` is rank ``r`` with its chunks holding ``layers`` layers
-    (:class:`planner.pipeline_rank.RankSteps`); each is planned once, on ladders of plans
+    (:class:`planner.pipeline.rank.RankSteps`); each is planned once, on ladders of plans
     its chunks share with the other candidates that hold them.
 
     Raises:

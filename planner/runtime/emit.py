@@ -38,8 +38,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from planner.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
 from planner.plan import PlanMismatchError, PlanMismatchWarning
+from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
 from profiles.kernels import attention_kernels
 from profiles.traced import trace_forward, trace_inputs
 
@@ -589,7 +589,7 @@ class Installation:
     def install(self) -> list[str]:
         """Set the wrappers on the modules (traced forwards inside their call's checkpoint);
         returns the paths. The same wrappers each time: a plan table swaps installations
-        in and out between steps (`planner.table_install`)."""
+        in and out between steps (`planner.runtime.table_install`)."""
         for forward in self.traced:
             forward.inner = forward.module.__dict__.get("forward")
             forward.module.forward = forward

@@ -6,7 +6,7 @@ lazily, inside the functions; figures are plain ``matplotlib.figure.Figure`` obj
 pyplot state), so they render with any backend, display in Jupyter, and save with
 ``fig.savefig("x.png")``.
 
->>> from planner import viz  # doctest: +SKIP
+>>> from planner.reports import viz  # doctest: +SKIP
 >>> viz.plot_timeline(plan).savefig("timeline.png")  # doctest: +SKIP
 """
 

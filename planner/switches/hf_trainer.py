@@ -8,7 +8,7 @@ loader (``accelerator.prepare`` has run, which on one process leaves the model a
 Over several processes DDP or FSDP2 wrap the model before ``on_train_begin``, so the
 callback plans when the trainer is built (``on_init_end``), on ``example_batch`` (one
 rank's batch: no data loader exists yet), with the optimizer ``TrainingArguments.optim``
-names and each rank's DDP or FSDP2 step (``planner.hf_accelerate.plan_for_processes``).
+names and each rank's DDP or FSDP2 step (``planner.switches.hf_accelerate.plan_for_processes``).
 It refuses, when the trainer is built, the trainer's own ``gradient_checkpointing`` (a plan
 replaces it; both would rerun each layer twice).
 """
@@ -33,9 +33,9 @@ from planner.api import apply, optimize
 from planner.arguments import _budget_bytes
 from planner.config import PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
-from planner.loader import first_batch
 from planner.plan import Plan
 from planner.plan_table import PlanTable
+from planner.switches.loader import first_batch
 from profiles.errors import LossNotFoundError
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class PlannedCheckpointing(TrainerCallback):
         """Over several processes: plan now, before accelerate wraps the model."""
         from accelerate.state import AcceleratorState
 
-        from planner.hf_accelerate import plan_for_processes
+        from planner.switches.hf_accelerate import plan_for_processes
 
         if self.example_batch is None or model is None:
             raise ValueError(

@@ -4,7 +4,7 @@ chunks, chosen together so that the rank's peak over one step is within its budg
 time it spends on its chunks' microbatches is least. Under a zero-bubble schedule a chunk
 after the pipeline's first stage runs as profiled (its ladder is its unplanned step).
 
-Every chunk is a stage of its own (:mod:`planner.pipeline` profiles it for one microbatch);
+Every chunk is a stage of its own (:mod:`planner.pipeline.stage` profiles it for one microbatch);
 the rank's peak replays the schedule's passes over all of its chunks
 (:func:`solvers.pipeline.rank_peak`). Each chunk offers a ladder of plans: unplanned, its
 lowest-peak plan, and plans at evenly spaced one-microbatch budgets between the two; every
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from planner.arguments import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
-from planner.pipeline import StageSteps, stage_spec
+from planner.pipeline.stage import StageSteps, stage_spec
 from planner.plan import (
     GIB,
     InfeasibleBudgetError,

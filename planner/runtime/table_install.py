@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.emit import Installation, checkpointed_modules, remove_checkpoints
-from planner.guard import PlanGuard, _argument_names
-from planner.install import prepared, remove, use_cache_off
 from planner.model_state import _model_device
 from planner.plan import PlanMismatchError, PlanMismatchWarning, format_bytes
 from planner.plan_table import PlanTable
+from planner.runtime.emit import Installation, checkpointed_modules, remove_checkpoints
+from planner.runtime.guard import PlanGuard, _argument_names
+from planner.runtime.install import prepared, remove, use_cache_off
 
 __all__ = ["TableGuard", "apply_table", "cover"]
 

@@ -13,7 +13,7 @@ GiB in one run and 8.83 GiB in the next). In the backward an offloaded call's co
 back all at once: when the gradient of the output of the call named by the plan's prefetch
 arrives (a tensor hook registered by a forward hook on that module), or when first unpacked;
 the compute stream waits on an event, never on the device. A checkpoint
-(`planner.emit.Checkpointed`) pauses the hooks inside its forward and rerun: its own hooks
+(`planner.runtime.emit.Checkpointed`) pauses the hooks inside its forward and rerun: its own hooks
 take what is saved there. Its input save comes before the pause, so a checkpoint inside an
 offloaded call moves its inputs ("offloaded checkpointing"); and on torch >= 2.14 the
 outputs a top-level checkpoint keeps (SAC's cache, packed through the hooks around the

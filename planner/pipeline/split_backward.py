@@ -33,9 +33,9 @@ from torch.distributed.pipelining._backward import (
     stage_backward_weight,
 )
 
-from planner.install import _plan_suspended
 from planner.measure import PeakTracker
 from planner.model_state import _training_config, _training_mode
+from planner.runtime.install import _plan_suspended
 from profiles.devices import DeviceSpec, device_spec
 from profiles.kernels import FusedKernels
 from profiles.swap import swapped_tensors

@@ -34,9 +34,9 @@ from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
 from planner.config import SEARCH, PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
-from planner.loader import first_batch
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
 from planner.plan_table import PlanTable
+from planner.switches.loader import first_batch
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class PlannedCheckpointing(Callback):
             raise ValueError(
                 f"PlannedCheckpointing plans one process; this Trainer runs "
                 f"{trainer.world_size}, whose model the strategy wraps before fitting starts. "
-                "Plan in configure_model: planner.lightning.plan_in_configure_model(self, "
+                "Plan in configure_model: planner.switches.lightning.plan_in_configure_model(self, "
                 "batch, budget_gb=..., parallelize=...) before fully_shard (docs/recipes.md)")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

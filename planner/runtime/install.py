@@ -14,28 +14,28 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from planner.emit import (
-    Installation,
-    RegionSpec,
-    checkpointed_modules,
-    prepare_checkpoints,
-    remove_checkpoints,
-)
-from planner.guard import PlanGuard
 from planner.model_state import (
     _cached_configs,
     _model_device,
     _refuse_existing_checkpointing,
     structure_fingerprint,
 )
-from planner.offload import (
+from planner.plan import Plan, PlanMismatchError, PlanMismatchWarning
+from planner.runtime.emit import (
+    Installation,
+    RegionSpec,
+    checkpointed_modules,
+    prepare_checkpoints,
+    remove_checkpoints,
+)
+from planner.runtime.guard import PlanGuard
+from planner.runtime.offload import (
     KEEPS_THROUGH_HOOKS,
     install_offload,
     offloaded_modules,
     remove_offload,
     suspended_offload,
 )
-from planner.plan import Plan, PlanMismatchError, PlanMismatchWarning
 from profiles.schema import GraphProfile
 from solvers import ModuleCall, OpRange, Region, Save, Schedule
 
@@ -105,7 +105,7 @@ def _guards(model: nn.Module) -> list[int]:
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Module:
-    """`planner.apply` of one plan (a table's plans: `planner.table_install`)."""
+    """`planner.apply` of one plan (a table's plans: `planner.runtime.table_install`)."""
     installation = prepared(model, plan, strict)
     # nothing has changed so far; from here on the new plan replaces the old
     remove(model)

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from planner.arguments import MAX_BUDGET_BYTES, MIN_BUDGET_BYTES
+from planner.pipeline.split_backward import measure_split_backward
 from planner.plan import GIB, InfeasibleBudgetError, PipelineStage, Plan, format_bytes
 from planner.profiling import profile_model
 from planner.solving import solve
-from planner.split_backward import measure_split_backward
 from profiles.inputs import normalize_inputs
 from solvers.pipeline import ChunkReplay, StageBoundary, StageSpec, held_after_forward, rank_peak
 from solvers.problem import Problem

@@ -1,6 +1,6 @@
 """One self-contained HTML page for a plan: its table and its plots as embedded PNGs.
 
->>> from planner.report import write_html_report  # doctest: +SKIP
+>>> from planner.reports.report import write_html_report  # doctest: +SKIP
 >>> write_html_report(plan, "report.html")  # doctest: +SKIP
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner import viz
 from planner.plan import GIB, Plan
 from planner.plan_table import PlanTable
+from planner.reports import viz
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
