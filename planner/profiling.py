@@ -102,19 +102,16 @@ def profile_model(model: nn.Module, example_inputs: Any = None, *,
             log.info("planning under the ambient torch.autocast(%s)", autocast)
     with (_plan_suspended(model), _training_mode(model) as was_eval,
           _training_config(model) as cache_off):
-        # one process on the CPU: the calibration times the whole step, the profile need not
-        calibrates = parallel is None and ddp is None and _model_device(model).type == "cpu"
         again = functools.partial(
             profiles.profile, model, _as_inputs(args, kwargs), loss_fn=c.loss_fn,
             optimizer=c.optimizer, autocast=autocast, timing=c.timing, device=c.device,
-            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel,
-            time_step=not calibrates)
+            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel)
         prof = again(progress=c.progress)
         routed, routing = _routed_loops(model, prof), None
         if routed and bound_routing and \
                 (bounded := routing_bound(model, again, ddp, c.progress)) is not None:
             prof, routing = bounded
-        if calibrates and _host_timed(model, prof):
+        if parallel is None and ddp is None and _host_timed(model, prof):
             prof = _calibrated(model, args, kwargs, c.loss_fn, autocast, prof)
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
@@ -136,8 +133,9 @@ def _calibrated(model: nn.Module, args: tuple, kwargs: dict,
                 prof: GraphProfile) -> GraphProfile:
     """``prof`` with its step's times and its checkpoint costs measured on ``model`` where
     it has blocks (`planner.region_calibration`)."""
-    return calibrated_profile(model, args, kwargs, loss_fn or profiles.default_loss,
-                              autocast, prof)
+    calibrated = calibrated_profile(model, args, kwargs, loss_fn or profiles.default_loss,
+                                    autocast, prof)
+    return prof if calibrated is None else calibrated
 
 
 def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,

@@ -178,27 +178,25 @@ def _nonnegative_fit(measured: list[tuple[float, int, int]]) -> tuple[float, flo
 def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                        loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
                        profile: GraphProfile, budget_s: float = CALIBRATION_S
-                       ) -> GraphProfile:
+                       ) -> GraphProfile | None:
     """``profile`` with its node times set to the step as the calibration's plain steps
-    time it (`_step_scaled`; the profile, asked not to time its step, left its op times as
-    timed alone) and its checkpoint costs fitted to the plans measured on ``model`` (module
-    doc). Where the model has no blocks to checkpoint whole, the profile has no costs, or a
-    checkpointed step fails (logged), only the plain steps are timed and the costs stay."""
+    time it (`_step_scaled`) and its checkpoint costs fitted to the plans measured on
+    ``model`` (module doc); None where the model has no blocks to checkpoint whole, the profile has
+    no costs, or a checkpointed step fails (logged)."""
     costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
     schedules = calibration_schedules(profile, problem) if costs is not None else []
+    if costs is None or not schedules:
+        return None
     specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
     try:
-        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs,
-                             budget_s if specs else 0.0)
+        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
     except Exception as error:  # the model as it was; the tiny-op constants stay
         log.warning("could not time %s with its blocks checkpointed (%s: %s); a region's "
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
-        schedules, timed = [], _timed_steps(model, args, kwargs, loss_fn, autocast, [], 0.0)
+        return None
     profile = _step_scaled(profile, timed)
-    if costs is None or not schedules:
-        return profile
     problem = problem_from_profile(profile)
     measured = []
     for schedule, ms in zip(schedules, timed.planned, strict=True):

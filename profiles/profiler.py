@@ -101,7 +101,6 @@ def profile(
     warmup: int = 2,
     progress: bool = True,
     parallel: Parallelism | None = None,
-    time_step: bool = True,
 ) -> GraphProfile:
     """Profile one training step (forward, loss, backward) of ``model`` as it runs eagerly.
 
@@ -143,9 +142,6 @@ def profile(
             mesh's size, and the step recorded is that copy's on ``example_inputs`` (one
             rank's batch), with its runtime's memory measured at every node; the optimizer
             state and step count ``1/world_size`` of the model's. Times are estimated.
-        time_step: with ``timing="measure"``, scale the op times (each timed alone) to the
-            whole step, timed here; False leaves them as timed alone, for a caller that
-            times the step itself and scales them (`planner.region_calibration` on the CPU).
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
 
@@ -163,7 +159,7 @@ def profile(
         rec = _record_with_fallback(step, request.execution == "real", request.abstract, spec,
                                     optimizer, progress)
         measured, costs, timing = _timings(step, rec, request.timing, spec, step.device_type,
-                                           (repeats, warmup), progress, time_step)
+                                           (repeats, warmup), progress)
         # the same program as recorded: a real recording ran the real device's kernels
         kernels = None if rec.real else spec
         observed = _backward_memory(step, rec, kernels)

@@ -151,16 +151,15 @@ class _MeasuredTimes:
 
 
 def _timings(step: _Step, rec: _Recorded, timing: str, spec: DeviceSpec, device_type: str,
-             repeats_warmup: tuple[int, int], progress: bool, time_step: bool = True
+             repeats_warmup: tuple[int, int], progress: bool
              ) -> tuple[_MeasuredTimes | None, CheckpointCosts, str]:
     """(measured op times or None, checkpoint costs, the timing that holds): measured and
     calibrated on the device with ``timing="measure"``, else the roofline's estimates (also
-    when the measured run took another path than the recorded one). ``time_step``: op
-    times scaled to the whole step timed here (`_measure_times`)."""
+    when the measured run took another path than the recorded one)."""
     if timing != "measure":
         return None, spec.checkpoint_costs(), timing
     timer = _Timer(torch.device(device_type), *repeats_warmup)
-    measured = _measure_times(step, rec.recorder.records, timer, progress, time_step)
+    measured = _measure_times(step, rec.recorder.records, timer, progress)
     return measured, host_checkpoint_costs(device_type), \
         "measure" if measured is not None else "estimate"
 
@@ -181,15 +180,12 @@ def host_checkpoint_costs(device_type: str) -> CheckpointCosts:
 
 
 def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
-                   progress: bool, time_step: bool = True) -> _MeasuredTimes | None:
+                   progress: bool) -> _MeasuredTimes | None:
     """Forward/backward wall time of every op (loss last), on real tensors.
 
     Isolated op times carry costs a whole step does not (cold caches, per-call engine
     entry), most visibly on CPU; so the whole step is timed too and op times are scaled to
-    add up to it: ops give the split, the step gives the total. Without ``time_step`` the
-    op times stay as timed alone (scale 1), for a caller that times the step itself and
-    scales them (the planner's calibration on the CPU: 0.25-0.37 s of each plan's 4 s
-    saved, issue 62's planning time). Runs on copies of the
+    add up to it: ops give the split, the step gives the total. Runs on copies of the
     buffers, so the model's statistics do not move. Returns None when the real run does
     not dispatch the ops the profile saw (the forward branched differently).
     """
@@ -221,8 +217,7 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                 times.append((record.estimated_ms, 2 * record.estimated_ms))
         _time_function_backwards(times, recorder.functions, timer)
         del recorder
-        step_fwd_ms, step_bwd_ms = _measure_step(step, timer) if time_step else \
-            (sum(f for f, _ in times), sum(b for _, b in times))
+        step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
     fwd_scale = _scale(step_fwd_ms, sum(f for f, _ in times))
     bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
     return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
