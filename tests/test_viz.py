@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from planner import Plan, viz, zoo
+from planner import Plan, zoo
 from planner.__main__ import main as cli_main
 from planner.api import optimize, replan
 from planner.plan import format_bytes
+from planner.reports import viz
 from solvers import Schedule, simulate
 from solvers.from_profile import problem_from_profile
 
