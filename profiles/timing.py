@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from profiles.backward import _fresh_args, _grad_outputs
 from profiles.calibrate import calibrate_checkpoint_costs
@@ -202,19 +203,25 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                         "%d); op times are estimated instead", len(names), len(records))
             return None
         times: list[tuple[float, float]] = []
+        timed: dict[tuple, tuple[float, float]] = {}  # by `_alike` key: repeated blocks' ops
         for (func, args, kwargs), record in _bar(list(zip(recorder.calls, records,
                                                           strict=True)), "timing ops", progress):
+            key = _alike(func, args, kwargs, record.grad_enabled)
+            if key in timed:
+                times.append(timed[key])
+                continue
             try:
-                if record.grad_enabled:
-                    times.append(_measure_op(func, args, kwargs, timer))
-                else:
-                    times.append((timer.median_ms(lambda: None,
-                                                  lambda _, f=func, a=args, k=kwargs:
-                                                  f(*a, **k)), 0.0))
+                times.append(_measure_op(func, args, kwargs, timer) if record.grad_enabled
+                             else (timer.median_ms(lambda: None,
+                                                   lambda _, f=func, a=args, k=kwargs:
+                                                   f(*a, **k)), 0.0))
             except Exception as error:  # an op that cannot be rerun alone: estimate it
                 log.warning("could not time %s alone (%s); using its roofline estimate",
                             record.name, type(error).__name__)
                 times.append((record.estimated_ms, 2 * record.estimated_ms))
+                continue
+            if key is not None:
+                timed[key] = times[-1]
         _time_function_backwards(times, recorder.functions, timer)
         del recorder
         step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
@@ -222,6 +229,38 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
     bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
     return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
                           step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+
+
+# ops whose time follows their inputs' values (their outputs' shapes do): timed every time
+VALUE_TIMED = frozenset({"nonzero", "unique", "_unique", "_unique2", "unique_consecutive",
+                         "unique_dim", "masked_select", "repeat_interleave", "bincount",
+                         "_local_scalar_dense", "index_put", "index_put_", "_index_put_impl_"})
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+def _alike(func: Any, args: Any, kwargs: Any, grad_enabled: bool) -> tuple | None:
+    """What an op's time follows: the op, and each argument's shape, strides, dtype, device
+    and ``requires_grad`` (a tensor) or value (anything else). Ops with the same key take
+    the same time, so each is timed once: the repeated blocks of a transformer are most of
+    its ops, and timing them again only gave each block its own noise (GPT small: 4 times
+    the ops, and blocks that differed by a few percent, so a plan chose among equal blocks
+    by that noise). None where the time follows values (`VALUE_TIMED`) or an argument
+    has no plain value: timed on its own."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet is None or getattr(packet, "__name__", "") in VALUE_TIMED:
+        return None
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list[Any] = [func, grad_enabled, str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device,
+                        leaf.requires_grad))
+        elif isinstance(leaf, _PLAIN):
+            key.append((type(leaf), leaf))
+        else:
+            return None
+    return tuple(key)
 
 
 def _time_function_backwards(times: list[tuple[float, float]],

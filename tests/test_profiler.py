@@ -508,3 +508,34 @@ def test_a_timed_run_does_not_count_freeing_what_it_returns() -> None:
         return Graph()
 
     assert timer.median_ms(lambda: None, run) == pytest.approx(2.0)
+
+
+def test_ops_alike_are_timed_once_and_take_the_same_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's repeated blocks run the same ops on tensors of the same shapes: each is
+    timed once (issue 62's planning time) and every block gets the same times, so a plan
+    does not choose among equal blocks by timing noise. An op whose time follows its
+    values (``nonzero``) is timed each time."""
+    from profiles import timing
+
+    timed: list[str] = []
+    measure_op = timing._measure_op
+
+    def counted(func, args, kwargs, timer):
+        timed.append(str(func))
+        return measure_op(func, args, kwargs, timer)
+
+    monkeypatch.setattr(timing, "_measure_op", counted)
+    zm = zoo.get("mlp", batch=8, width=32, depth=3)
+    prof = _profile(zm, timing="measure", repeats=1, warmup=0)
+    layers = [[n for n in prof.nodes if n.module.startswith(f"layers.{i}")]
+              for i in range(3)]
+    assert layers[0] and all(len(layer) == len(layers[0]) for layer in layers)
+    for a, b in zip(layers[0], layers[2], strict=True):
+        assert (a.fwd_time_ms, a.bwd_time_ms) == (b.fwd_time_ms, b.bwd_time_ms)
+    assert timed.count("aten.addmm.default") == 3  # the stem's, the layers' (once), the head's
+    x = torch.randn(4, 8)
+    assert timing._alike(torch.ops.aten.nonzero.default, (x,), {}, False) is None
+    assert timing._alike(torch.ops.aten.add.Tensor, (x, 1), {}, True) == \
+        timing._alike(torch.ops.aten.add.Tensor, (torch.randn(4, 8), 1), {}, True)
+    assert timing._alike(torch.ops.aten.add.Tensor, (x, 1), {}, True) != \
+        timing._alike(torch.ops.aten.add.Tensor, (x.t(), 1), {}, True)  # other strides
