@@ -38,8 +38,9 @@ import torch
 
 from planner import zoo
 from planner.api import profile_model
-from solvers import Problem, Schedule, auto, baselines, dp, simulate
+from solvers import Problem, Schedule, auto, baselines, simulate
 from solvers.choice_bound import choice_bound
+from solvers.dp import search as dp
 from solvers.from_profile import problem_from_profile
 
 GIB = 2**30

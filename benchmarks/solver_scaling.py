@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solvers import SOLVERS, Problem, Schedule, Solution, dp, simulate
+from solvers import SOLVERS, Problem, Schedule, Solution, simulate
+from solvers.dp import search as dp
 from solvers.testing import random_dag, transformer
 
 MiB = 2**20

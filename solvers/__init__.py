@@ -12,6 +12,7 @@ from collections.abc import Callable
 from solvers import auto, baselines, bruteforce, cpsat, dp, joint
 from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
+from solvers.dp import search as dp_search
 from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
 from solvers.result import Solution, Status
 from solvers.schedule import (
@@ -31,7 +32,7 @@ SOLVERS: dict[str, Callable[[Problem, int, float], Solution]] = {
     "auto": auto.solve,
     "cpsat": cpsat.solve,
     "milp": cpsat.solve,  # its name before 2026-11 (scripts, plans and the CLI may use it)
-    "dp": dp.solve,
+    "dp": dp_search.solve,
     "bruteforce": bruteforce.solve,
     **baselines.BASELINES,
 }
@@ -44,7 +45,7 @@ def deterministic_solver(name: str) -> Callable[[Problem, int, float], Solution]
     solve = SOLVERS[name]
     if solve in (auto.solve, cpsat.solve):
         return functools.partial(solve, deterministic=True)
-    if solve in (dp.solve, bruteforce.solve):
+    if solve in (dp_search.solve, bruteforce.solve):
         return lambda problem, budget_bytes, _limit_s: solve(problem, budget_bytes, math.inf)
     return solve
 

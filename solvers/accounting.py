@@ -23,7 +23,7 @@ exactly.
 
 `profile` evaluates a window of nodes `[a, b)` only, counting the storages produced in the
 window plus those read in it from before `a` that the previous window does not hold
-(`external`): for chains this splits the peak into per-segment parts (see `solvers.dp`).
+(`external`): for chains this splits the peak into per-segment parts (see `solvers.dp.search`).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class WindowParts:
     storage intervals and the per-node constants (allocations, temporaries); the gradient and
     loss bytes, which differ between otherwise identical blocks (parameter gradients pile up),
     come from the position-dependent table. So identical windows at different positions share
-    one `WindowParts` (see `solvers.dp`).
+    one `WindowParts` (see `solvers.dp.search`).
     """
 
     local: np.ndarray  # int64 per slot

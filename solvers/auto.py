@@ -8,9 +8,11 @@ import math
 import time
 from collections.abc import Sequence
 
-from solvers import baselines, bruteforce, cpsat, dp, dp_space
+from solvers import baselines, bruteforce, cpsat
 from solvers.accounting import Context
 from solvers.bounds import memory_lower_bound
+from solvers.dp import search as dp
+from solvers.dp import space as dp_space
 from solvers.problem import Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Schedule

@@ -112,7 +112,7 @@ class Front:
     """Pareto front of (held bytes, recompute ms) with back-pointers, as numpy arrays.
 
     Each entry also carries `fwd`, at most its held bytes: what it holds at the later
-    windows' forward events beyond what those count by position (`solvers.dp`'s passes that
+    windows' forward events beyond what those count by position (`solvers.dp.search`'s passes that
     count pinned storages in the residue; otherwise `held` itself). Where the two differ
     (lower-bound passes only, `optimistic`), the front is three-way: it keeps every entry
     that no kept one dominates in held bytes, `fwd` and time (`_with_fwd_front`), so times

@@ -15,7 +15,7 @@ inputs ("offloaded keeps": a fraction of the bytes for most of the time): the fi
 of the set stored, the rest checkpointed (s in `STORED_SHARES`; the earliest calls have the
 longest forward to copy in). A stored one may also recompute its pieces
 (`offload_pieces`: the regions inside it, module calls or op ranges, that free the most
-bytes per ms of rerun, `solvers.inner`), so it moves only what is dear to recompute.
+bytes per ms of rerun, `solvers.dp.inner`), so it moves only what is dear to recompute.
 Every other decision is the base solver's (the DP by default: keep or recompute per
 activation over module calls), planned on `ideal(calls)`, the problem where those calls hold
 nothing for the backward (re-planned for less when the real copies run over the budget).
@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from solvers import dp
 from solvers.accounting import Context
+from solvers.dp import search as dp
+from solvers.dp.inner import inner_front
 from solvers.frame import worth_checkpointing
-from solvers.inner import inner_front
 from solvers.offload import offload_groups
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -186,7 +186,7 @@ def checkpointed(schedule: Schedule, regions: Iterable[Region]) -> Schedule:
 def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bool = True
                    ) -> list[dict[tuple[int, int], tuple[Region, ...]]]:
     """Two levels of regions inside each call to recompute while the rest of it is offloaded
-    (`solvers.inner`: an attention's dropout and the matmul reading it, say): the set that
+    (`solvers.dp.inner`: an attention's dropout and the matmul reading it, say): the set that
     frees the most bytes per ms of rerun, and the one freeing the most bytes at no less than
     `PIECE_RATIO` times the call's own bytes per ms (it moves less and reruns more). Calls
     with no such regions are left out. `keeps=False`: regions that keep nothing."""

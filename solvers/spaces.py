@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from solvers.dp_space import holds_regions
+from solvers.dp.space import holds_regions
 from solvers.problem import Problem
 from solvers.schedule import Schedule
 
@@ -132,7 +132,7 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
     with `long_skips`, no segment holds the producer and a far reader of one of them; with
     `stage_keep`, a stage's outermost region keeps any subset of its ops, others nothing or
     their matmuls (`dp_options.top_regions`); with module spans, a stage's sets of inner regions
-    (`solvers.inner`)."""
+    (`solvers.dp.inner`)."""
     shape = "flat, or a call with its sub-calls nested one level" if nested else "flat"
     kept = ("any subset of its ops" if any_keep else
             "any subset of its ops when it is a stage's outermost region, else nothing or its "
@@ -144,7 +144,7 @@ def chain_segments(problem: Problem, *, nested: bool, any_keep: bool, long_skips
              "stages on)") if long_skips else ""
     inner = ("; a single stage may instead recompute a set of disjoint regions inside it "
              "(module calls or op ranges of traced forwards, each keeping nothing or its "
-             "matmuls), from the sets `solvers.inner` offers"
+             "matmuls), from the sets `solvers.dp.inner` offers"
              if problem.module_spans is not None else "")
     return SearchSpace(text=f"segmentations of the chain of {unit} into "
                        f"{_regions_word(problem)} ({shape}), each keeping {kept}{inner}{apart}",

@@ -130,8 +130,9 @@ def test_the_lowest_peak_searches_merged_stages_with_the_dp_too() -> None:
     """The loss-inside model is no chain of its stages, but of merged ones: the DP's
     bisection (its nested schedules) goes below every baseline and CP-SAT's least peak over
     module calls (34.3 % of its activations saved; 45.2 % with the DP)."""
-    from solvers import auto, baselines, cpsat, dp
+    from solvers import auto, baselines, cpsat
     from solvers.accounting import evaluate
+    from solvers.dp import search as dp
 
     p = _problem("loss inside forward, (loss, logits)")
     assert not dp.applies(p)

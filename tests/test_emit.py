@@ -21,7 +21,8 @@ from planner.arguments import _input_specs
 from planner.plan import Plan
 from planner.runtime.emit import Checkpointed, TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
-from solvers import Region, Schedule, baselines, dp, simulate
+from solvers import Region, Schedule, baselines, simulate
+from solvers.dp import search as dp
 from solvers.from_profile import problem_from_profile
 
 # Measured on the zoo: predictions equal MemTracker's peak within a few bytes; the MLP's
@@ -266,7 +267,7 @@ def test_plans_keeping_any_ops_run_with_identical_grads(name: str, monkeypatch) 
 
 @pytest.mark.parametrize("name", ["gpt", "hf-llama"])
 def test_regions_inside_layers_run_with_identical_grads(name: str) -> None:
-    """The DP's sets of regions inside a layer (`solvers.inner`: module calls or op ranges of
+    """The DP's sets of regions inside a layer (`solvers.dp.inner`: module calls or op ranges of
     traced forwards, a block's attention dropout and the matmul reading it, say) are chosen
     where they free bytes for less rerun than the layer's own checkpoint, and run with the
     gradients bit for bit and the peak as predicted."""

@@ -11,18 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import check_reported_numbers, problems
 
-from solvers import (
-    Problem,
-    Schedule,
-    Status,
-    auto,
-    baselines,
-    cpsat,
-    dp,
-    dp_space,
-    memory_lower_bound,
-    simulate,
-)
+from solvers import Problem, Schedule, Status, auto, baselines, cpsat, memory_lower_bound, simulate
+from solvers.dp import search as dp
+from solvers.dp import space as dp_space
 from solvers.spaces import every_flat
 from solvers.testing import transformer
 

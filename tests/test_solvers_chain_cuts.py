@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from planner import profile_model
-from solvers import RECOMPUTE, Region, Schedule, dp, dp_space, memory_lower_bound, simulate
+from solvers import RECOMPUTE, Region, Schedule, memory_lower_bound, simulate
 from solvers.accounting import Context
-from solvers.chain import long_skips, pinned_storages
+from solvers.dp import search as dp
+from solvers.dp import space as dp_space
+from solvers.dp.chain import long_skips, pinned_storages
 
 
 class BasicConv2d(nn.Module):

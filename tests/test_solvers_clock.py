@@ -12,7 +12,7 @@ import pytest
 from solvers import Problem, Schedule, simulate
 from solvers.accounting import Context
 from solvers.clock import rerun_ms, rerun_overhead_ms, rerun_step_ms
-from solvers.dp import _rerun_ms
+from solvers.dp.search import _rerun_ms
 from solvers.frame import frame_rules, own_packs
 from solvers.problem import ModuleSpan
 from solvers.region_analysis import RegionInfo

@@ -1,6 +1,6 @@
 """The DP's bound under bf16 autocast: the cast weights autocast's cache holds to the end
 of the forward are pinned, yet only their own stage holds them after it; counted in that
-stage's residue (`solvers.dp_pinned.one_stage_holders`), torchvision's MobileNetV3-small
+stage's residue (`solvers.dp.pinned.one_stage_holders`), torchvision's MobileNetV3-small
 is proven at half its activations, where its bound was 4.8 % under the answer before."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torchvision
 
 from planner import profile_model
-from solvers import dp
 from solvers.accounting import Context
+from solvers.dp import search as dp
 from solvers.result import Status
 
 

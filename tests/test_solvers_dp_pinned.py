@@ -1,5 +1,5 @@
 """The DP's lower bound with pinned storages held as every schedule holds them
-(`solvers.dp_pinned`): still a bound over the space, and tight where a region freeing them
+(`solvers.dp.pinned`): still a bound over the space, and tight where a region freeing them
 reruns more than the answer costs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from solvers import dp
-from solvers import dp_pinned as dpp
 from solvers.accounting import Context
+from solvers.dp import pinned as dpp
+from solvers.dp import search as dp
 from solvers.problem import ModuleSpan, Problem
 from solvers.result import Solution, Status
 from solvers.schedule import Region, Schedule

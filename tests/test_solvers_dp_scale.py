@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import check_reported_numbers
 
-import solvers.dp as dp_module
-from solvers import SOLVERS, Schedule, dp, front, simulate
+import solvers.dp.search as dp_module
+from solvers import SOLVERS, Schedule, front, simulate
 from solvers.accounting import Context
+from solvers.dp import search as dp
 from solvers.front import pareto_indices
 from solvers.testing import transformer
 
@@ -83,7 +84,7 @@ def test_shared_windows_score_as_simulate_does(frac: float,
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     every = SOLVERS["every_block"](p, 10**18, 1.0).peak_bytes
     budget = every + int(frac * (store - every))
-    with caplog.at_level(logging.ERROR, logger="solvers.dp"):
+    with caplog.at_level(logging.ERROR, logger="solvers.dp.search"):
         sol = dp.solve(p, budget, math.inf, max_front=64)
     assert not caplog.records, caplog.records[0].getMessage()
     assert sol.feasible and sol.peak_bytes <= budget

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from test_solvers_nested_accounting import graphs
 from test_solvers_properties import check_reported_numbers
 
-from solvers import SOLVERS, Schedule, Status, baselines, dp, dp_space, memory_lower_bound, simulate
+from solvers import SOLVERS, Schedule, Status, baselines, memory_lower_bound, simulate
 from solvers.accounting import Context
+from solvers.dp import search as dp
+from solvers.dp import space as dp_space
 from solvers.testing import transformer
 
 
@@ -90,7 +92,7 @@ def test_nested_options_reach_below_flat_schedules(caplog: pytest.LogCaptureFixt
     flat = dp.solve(p, budget, math.inf)
     assert not flat.feasible
     monkeypatch.undo()
-    with caplog.at_level("ERROR", logger="solvers.dp"):
+    with caplog.at_level("ERROR", logger="solvers.dp.search"):
         sol = dp.solve(p, budget, math.inf)
     assert not caplog.records
     assert sol.status == Status.OPTIMAL and sol.peak_bytes <= budget
@@ -108,7 +110,7 @@ def test_dp_model_agrees_with_simulate_nested_included(p, frac: float) -> None:
     store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
     lower = memory_lower_bound(p)
     budget = lower + int((store - lower) * frac)
-    logger = logging.getLogger("solvers.dp")
+    logger = logging.getLogger("solvers.dp.search")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append  # type: ignore[method-assign]

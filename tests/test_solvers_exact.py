@@ -21,12 +21,12 @@ from solvers import (
     bruteforce,
     cpsat,
     deterministic_solver,
-    dp,
     memory_lower_bound,
     min_feasible_budget,
     simulate,
 )
 from solvers.accounting import Context, evaluate
+from solvers.dp import search as dp
 
 FEW = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_solvers_nested_accounting import graphs
 
-from solvers import Problem, Schedule, dp, keep, simulate
+from solvers import Problem, Schedule, keep, simulate
 from solvers.accounting import Context, evaluate, profile_parts
+from solvers.dp import search as dp
 from solvers.keep import KeepSpace, choices, pareto_front
 from solvers.problem import ModuleSpan
 from solvers.schedule import RECOMPUTE, Region

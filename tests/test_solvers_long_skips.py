@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from solvers import SOLVERS, Problem, Schedule, Status, chain, dp, dp_options, simulate
+from solvers import SOLVERS, Problem, Schedule, Status, simulate
 from solvers.accounting import Context
+from solvers.dp import chain
+from solvers.dp import options as dp_options
+from solvers.dp import search as dp
 from solvers.testing import random_dag
 
 

@@ -20,10 +20,10 @@ from solvers import (
     bruteforce,
     cpsat,
     deterministic_solver,
-    dp,
     simulate,
 )
 from solvers.accounting import evaluate
+from solvers.dp import search as dp
 from solvers.from_profile import problem_from_profile
 
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -9,19 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import problems
 
-from solvers import (
-    SOLVERS,
-    Problem,
-    Region,
-    Schedule,
-    Status,
-    auto,
-    bruteforce,
-    cpsat,
-    dp,
-    dp_space,
-    simulate,
-)
+from solvers import SOLVERS, Problem, Region, Schedule, Status, auto, bruteforce, cpsat, simulate
+from solvers.dp import search as dp
+from solvers.dp import space as dp_space
 from solvers.spaces import every_flat, flat_regions
 
 FEW = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
@@ -168,7 +158,7 @@ def test_the_dps_space_holds_no_segment_across_a_long_skip() -> None:
     producer and a far reader (`_stop_limits`): a region across one, though it starts and
     stops at the chain's stages, is not in the space, so CP-SAT's candidates that include
     it are not the DP's to prove."""
-    from solvers.chain import long_skips, pinned_storages
+    from solvers.dp.chain import long_skips, pinned_storages
     from solvers.testing import random_dag
 
     p = random_dag(30, seed=0)

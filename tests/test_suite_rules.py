@@ -250,8 +250,8 @@ def _import_cycles() -> set[frozenset[str]]:
 
 def test_no_new_import_cycle() -> None:
     """Imports go one way (profiles -> solvers -> planner, and inside a package from the
-    lower module up). Broken so far: `solvers.spaces` <-> `solvers.dp` (the DP's space got
-    its own module, `solvers.dp_space`) and `planner.runtime.install` ->
+    lower module up). Broken so far: `solvers.spaces` <-> `solvers.dp.search` (the DP's space got
+    its own module, `solvers.dp.space`) and `planner.runtime.install` ->
     `planner.runtime.table_install` -> ... -> `planner.runtime.install` (five cycles:
     `apply` of a plan or a table is `planner.runtime.applying`, above both installers)."""
     cycles = _import_cycles()

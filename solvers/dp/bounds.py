@@ -1,6 +1,6 @@
 """Cheap, proven bounds on DP windows longer than the exact pass's span (`SpanBounds`), from
 prefix sums over the recomputable runs: what the DP's lower-bound pass relaxes long
-segments to, so its bound covers the full flat space (`solvers.dp`).
+segments to, so its bound covers the full flat space (`solvers.dp.search`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import bisect
 import numpy as np
 
 from solvers.accounting import Context
-from solvers.chain import is_empty
+from solvers.dp.chain import is_empty
 from solvers.frame import FlatStops
 
 __all__ = ["MadeBytes", "SpanBounds"]

@@ -6,8 +6,8 @@ holds all of CP-SAT's)."""
 from __future__ import annotations
 
 from solvers.accounting import Context
-from solvers.chain import long_skips, pinned_storages, stage_index
-from solvers.inner import every_set
+from solvers.dp.chain import long_skips, pinned_storages, stage_index
+from solvers.dp.inner import every_set
 from solvers.problem import Problem
 
 __all__ = ["holds_regions", "stop_limits"]

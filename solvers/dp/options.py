@@ -2,7 +2,7 @@
 recomputable run keeping nothing, its matmuls or, on tiny problems, any subset; with module
 spans the window's call and the calls inside it; two-level nested options), each option's
 reruns and regions relative to the window start, and the translation-invariant signature
-under which identical windows share their profiles (`solvers.dp`).
+under which identical windows share their profiles (`solvers.dp.search`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from solvers.accounting import Context, NestedRegionInfo, RegionInfo
-from solvers.chain import checkpoint_runs, is_empty
+from solvers.dp.chain import checkpoint_runs, is_empty
 from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
 from solvers.schedule import RECOMPUTE, Region

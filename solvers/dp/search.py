@@ -27,7 +27,7 @@ pairs each front point with the floor no keep set goes below, so its optimum bou
 subset. With keep fronts the answer is proven by that second pass (gap reported), not by the
 upper pass alone.
 
-Regions inside a layer (`solvers.inner`, with module spans): a single stage may also
+Regions inside a layer (`solvers.dp.inner`, with module spans): a single stage may also
 recompute a set of disjoint regions strictly inside it, module calls or op ranges of traced
 forwards at any depth, each keeping nothing or its matmuls (an attention's dropout and the
 matmul reading it, an MLP's activation and the projection reading it). The sets offered are
@@ -38,13 +38,13 @@ with those sets in it.
 Long chains (more than `FULL_SPAN_STAGES` stages): segments are capped at a span of 16 (8
 beyond `SPLIT_RELAXED_STAGES`) stages, doubled while time is left. Each span's upper-bound
 pass is a real schedule; its lower-bound pass also admits longer segments, relaxed to
-prefix-sum bounds on their peak, residue and time (`solvers.dp_bounds`), so it bounds the
+prefix-sum bounds on their peak, residue and time (`solvers.dp.bounds`), so it bounds the
 full flat space (nested options are left out on long chains: the bounds do not cover them).
 When the widest pass thinned its fronts and left a gap, both passes run again with longer
 fronts (`solve`): on a long chain the held bytes span a wide range, so the memory buckets
 are coarse and thinning, not the space, makes most of the gap.
 
-Not a chain (a storage read two or more stages later): `solvers.chain` pins, merges or
+Not a chain (a storage read two or more stages later): `solvers.dp.chain` pins, merges or
 detaches such storages (merging stages so as to keep the boundaries at module calls; where
 nothing of that chain fits, the chain that keeps the first boundary after each producer is
 solved too, `_other_chain_differs`);
@@ -52,7 +52,7 @@ parameters, tied ones included, are static memory and their gradients schedule-i
 constants, so a tied embedding read by the LM head is exact.
 The lower-bound pass counts a pinned storage as held to its saver's backward where only a
 region rerunning longer than the answer could free it earlier, and splits the schedules
-where a cheaper region could (`solvers.dp_pinned`); the upper passes, which count it by its
+where a cheaper region could (`solvers.dp.pinned`); the upper passes, which count it by its
 conservative life, also try the schedules whose segments keep all its nodes together, where
 it is counted exactly (`_covered_upper_passes`); and a lower-bound pass's own path, which
 counts it by its sure life, is a schedule of the space too: `simulate` scores those faster
@@ -85,7 +85,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solvers import chain
 from solvers.accounting import (
     BACKWARD,
     FORWARD,
@@ -96,7 +95,10 @@ from solvers.accounting import (
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
-from solvers.chain import (
+from solvers.clock import rerun_overhead_ms
+from solvers.dp import chain
+from solvers.dp.bounds import SpanBounds
+from solvers.dp.chain import (
     applies,
     chain_stages,
     compact_stages,
@@ -104,9 +106,8 @@ from solvers.chain import (
     pinned_storages,
     stage_index,
 )
-from solvers.clock import rerun_overhead_ms
-from solvers.dp_bounds import SpanBounds
-from solvers.dp_options import (
+from solvers.dp.inner import inner_options
+from solvers.dp.options import (
     RerunRel,
     Spec,
     flat_options,
@@ -119,7 +120,7 @@ from solvers.dp_options import (
     window_signature,
     window_spec,
 )
-from solvers.dp_pinned import (
+from solvers.dp.pinned import (
     Cover,
     PinnedHold,
     ReaderHold,
@@ -132,9 +133,8 @@ from solvers.dp_pinned import (
     reader_split_bound,
     sure_holds,
 )
-from solvers.dp_space import stop_limits
+from solvers.dp.space import stop_limits
 from solvers.front import Front
-from solvers.inner import inner_options
 from solvers.keep import KeepSpace, under_caps
 from solvers.keep import choices as keep_choices
 from solvers.problem import Problem
@@ -466,7 +466,7 @@ class _Pass:
         return out + (nested_options(ctx, st[t:u]) if nested else [])
 
     def _inner(self, a: int, b: int) -> list[tuple]:
-        """Stage `[a, b)`'s sets of inner regions (`solvers.inner`), once per solve."""
+        """Stage `[a, b)`'s sets of inner regions (`solvers.dp.inner`), once per solve."""
         key = ("inner", a, b)
         if key not in self.cache:
             self.cache[key] = inner_options(self.ctx, a, b, self.outside)

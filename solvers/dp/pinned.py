@@ -38,7 +38,7 @@ a pinned storage after its forward (the windows count that part, `profile_parts`
 forward, saved by the one layer that reads them) is held on through every later window
 exactly when that stage's window holds it, so the lower-bound pass may count it in that
 window's residue instead of by position (`cut_table`). That count loses the forward events
-after the stage when the window does not hold it, so `solvers.dp` takes it only where it
+after the stage when the window does not hold it, so `solvers.dp.search` takes it only where it
 bounds higher (conformance: autocast's MobileNetV3 and EfficientNet proven, T5 not). A
 cast read to the end of the forward lives through every later forward event whether held
 or not: that pass counts it there by position, and held in the residue only at the
@@ -68,8 +68,8 @@ from typing import NamedTuple
 import numpy as np
 
 from solvers.accounting import BACKWARD, FORWARD, RERUN, Context, table_slice
-from solvers.chain import stage_index
-from solvers.dp_options import Spec
+from solvers.dp.chain import stage_index
+from solvers.dp.options import Spec
 from solvers.problem import Problem
 
 __all__ = ["Cover", "PinnedHold", "ReaderHold", "bound_over_holds", "cut_table", "held_table",
