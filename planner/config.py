@@ -208,9 +208,10 @@ def _unknown(name: str, caller: str, taken: set[str]) -> str:
     that takes it."""
     every = {f.name for f in fields(PlanConfig)}
     if name in every:
+        takers = {SEARCH: "optimize() or solve()/replan() take it",
+                  BATCHES: "optimize() takes it"}
         return (f"{caller} does not take {name}= ({_meta(name).group}): "
-                + ("optimize() or solve()/replan() take it" if _meta(name).group == SEARCH
-                   else "optimize() or profile_model() take it"))
+                + takers.get(_meta(name).group, "optimize() or profile_model() take it"))
     close = difflib.get_close_matches(name, sorted(taken), n=1)
     hint = f"; did you mean {close[0]}=?" if close else ""
     return (f"{caller} got an unexpected option {name}={hint} Its options are the fields of "

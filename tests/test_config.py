@@ -41,6 +41,9 @@ def test_an_unknown_option_is_refused_naming_the_one_meant() -> None:
     with pytest.raises(TypeError, match=r"profile_model\(\) does not take solver= \(the "
                                         r"search\): optimize\(\) or solve\(\)/replan\(\)"):
         planner.profile_model(zm.model, zm.example_inputs, solver="dp")
+    with pytest.raises(TypeError, match=r"does not take envelope= \(batches\): optimize\(\) "
+                                        r"takes it"):
+        planner.profile_model(zm.model, zm.example_inputs, envelope={"max_length": 8})
     with pytest.raises(TypeError, match=r"takes config=planner\.PlanConfig"):
         planner.optimize(zm.model, zm.example_inputs, budget_gb=1, config={"solver": "dp"})
 
