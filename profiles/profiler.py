@@ -115,7 +115,8 @@ def profile(
             ``torch.bfloat16``), as mixed-precision training does.
         timing: ``"measure"`` runs ops on the model's device (warm median of ``repeats``)
             and calibrates the checkpoint overhead there (``profiles.calibrate``, for about
-            ``profiles.timing.CALIBRATION_S``, once per process and device); ``"estimate"``
+            ``profiles.host_costs.CALIBRATION_S``, once per host, device and torch version,
+            `profiles.host_costs`); ``"estimate"``
             uses FLOPs and the roofline of ``device``, and its default checkpoint overhead;
             ``"auto"`` measures real tensors and estimates meta/fake ones.
         device: roofline for estimates (``"H100"``, ``"A100"``, ``"cpu"`` or a DeviceSpec);

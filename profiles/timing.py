@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from profiles.backward import _fresh_args, _grad_outputs
-from profiles.calibrate import calibrate_checkpoint_costs
 from profiles.devices import DeviceSpec
 from profiles.functions import FunctionCall, function_name, watched_functions
+from profiles.host_costs import host_checkpoint_costs
 from profiles.progress import _bar
 from profiles.recording import _OpRecord, _Recorded
 from profiles.schema import MAX_SCALE, CheckpointCosts
@@ -31,7 +31,6 @@ from profiles.swap import swapped_tensors
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_S = 0.5  # time spent measuring checkpoint overhead (timing="measure")
 ENGINE_FLOOR_SHARE = 0.1  # a backward keeps at least this share of its raw time
 
 
@@ -163,21 +162,6 @@ def _timings(step: _Step, rec: _Recorded, timing: str, spec: DeviceSpec, device_
     measured = _measure_times(step, rec.recorder.records, timer, progress)
     return measured, host_checkpoint_costs(device_type), \
         "measure" if measured is not None else "estimate"
-
-
-_HOST_COSTS: dict[tuple[str, ...], CheckpointCosts] = {}
-
-
-def host_checkpoint_costs(device_type: str) -> CheckpointCosts:
-    """The tiny-op constants of ``torch.utils.checkpoint`` on this host, measured once per
-    process, device, torch version and thread count: they are the host's and torch's, not a
-    model's, and measuring them anew for each profile cost 0.5 s of every plan (issue 62:
-    kept per host and torch version)."""
-    name = torch.cuda.get_device_name() if device_type == "cuda" else ""
-    key = (device_type, name, torch.__version__, str(torch.get_num_threads()))
-    if key not in _HOST_COSTS:
-        _HOST_COSTS[key] = calibrate_checkpoint_costs(device_type, budget_s=CALIBRATION_S)
-    return _HOST_COSTS[key]
 
 
 def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,

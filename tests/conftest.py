@@ -16,6 +16,10 @@ from planner.solution_memo import ANSWERS
 settings.register_profile("repeatable", derandomize=True)
 settings.load_profile("repeatable")
 
+# the host's checkpoint constants are measured in each test process, not read from the
+# user's cache (profiles.host_costs; its own tests give it a directory)
+os.environ["CHECKPOINT_PLANNER_CACHE"] = "off"
+
 # the conformance harness lives beside the benchmarks that run it, not in the library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -225,35 +225,6 @@ def test_measured_timing_on_cpu_is_positive_and_labelled() -> None:
     assert problem.node_packed == [n.saved_tensors for n in prof.nodes]
 
 
-def test_the_hosts_checkpoint_constants_are_measured_once_per_process(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny-op constants are the host's and torch's: a second profile in the process
-    takes them as measured (each used to pay 0.5 s for them); another thread count is
-    another host."""
-    from profiles import timing
-
-    calls: list[str] = []
-
-    def counted(device_type: str, budget_s: float) -> profiles.CheckpointCosts:
-        calls.append(device_type)
-        return profiles.CheckpointCosts(region_ms=0.3, pack_ms=0.01, sac_op_ms=0.02,
-                                        source=f"measured {len(calls)}")
-
-    monkeypatch.setattr(timing, "calibrate_checkpoint_costs", counted)
-    monkeypatch.setattr(timing, "_HOST_COSTS", {})
-    model = zoo.get("mlp", batch=8, width=32, depth=2)
-    first = _profile(model, timing="measure", repeats=1, warmup=0)
-    second = _profile(model, timing="measure", repeats=1, warmup=0)
-    assert calls == ["cpu"] and first.checkpoint_costs == second.checkpoint_costs
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)
-    try:
-        third = _profile(model, timing="measure", repeats=1, warmup=0)
-    finally:
-        torch.set_num_threads(threads)
-    assert calls == ["cpu", "cpu"] and third.checkpoint_costs.source == "measured 2"
-
-
 def test_estimate_uses_the_named_device() -> None:
     model = zoo.get("mlp")
     h100 = _profile(model, device="H100")
