@@ -12,6 +12,7 @@ process. Delete the file to measure again (say, after the host was busy when it 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ def _host_key(device_type: str) -> str:
                      str(torch.get_num_threads())))
 
 
+@functools.cache
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
