@@ -218,7 +218,7 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
 
 def predicted_host_overhead(plan: planner.Plan) -> float:
     """The host's part of the plan's predicted overhead: what the clock charges for its
-    checkpoint regions, packs, policy hops and interpreted ranges (the plan's recompute time
+    checkpoint regions, packs, policy hops and op ranges (the plan's recompute time
     less that of the same schedule with those costs 0), over the unplanned step."""
     problem = plan.problem()
     device_only = simulate(problem.model_copy(update={

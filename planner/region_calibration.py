@@ -17,8 +17,8 @@ regions, as plans of many regions cut them). What each adds beyond its reruns (t
 node times), against its regions and saved tensors, gives ``region_ms`` and ``pack_ms``
 (non-negative least squares over the two). Where the small spans are op ranges, the two
 plans measure the two kinds of region instead: an op range runs its module's forward
-through the interpreter (GPT small, two calibrations: 0.12 and 0.35 ms more than a block's
-module call; ResNet: none); ``pack_ms`` then stays the tiny-op chains' and ``range_ms`` is
+as its traced program (when that ran node by node, GPT small's two calibrations gave 0.12
+and 0.35 ms more than a block's module call; ResNet: none); ``pack_ms`` then stays the tiny-op chains' and ``range_ms`` is
 what a range costs more (`Problem.checkpoint_range_ms`). The plain steps of those
 rounds also set the profile's time: its forward node times are scaled to their median
 forward and its backward node times to their median backward, so the reruns a region's

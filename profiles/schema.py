@@ -270,7 +270,7 @@ class CheckpointCosts(_Strict):
     sac_op_ms: Ms = Field(description="per aten op of a region with kept nodes: the "
                              "selective-checkpoint policy in forward and in the rerun")
     range_ms: Ms = Field(0.0, description="per op range, beyond region_ms: its module's "
-                         "forward runs interpreted, and so does the rerun")
+                         "forward runs as its traced program, and so does the rerun")
     source: str = Field("", description="how they were obtained")
 
 

@@ -151,7 +151,7 @@ class Problem(BaseModel):
     re-running its nodes, `checkpoint_region_ms` per region, `checkpoint_pack_ms` per saved
     tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes, plus
     `checkpoint_range_ms` when the region is an op range (a `kind="ops"` span that no module
-    call also spans: its module's forward runs interpreted); all 0 by default (not
+    call also spans: its module's forward runs as its traced program); all 0 by default (not
     modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
     `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
     plus one if it saves a static tensor). `host_overlaps_device` (a GPU): that host time

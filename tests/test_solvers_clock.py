@@ -87,7 +87,7 @@ def _with_op_ranges(p: Problem) -> Problem:
 
 
 def test_an_op_range_costs_its_range_cost_more_in_every_place_that_charges_a_rerun() -> None:
-    """A checkpointed op range runs its module's forward interpreted: it costs
+    """A checkpointed op range runs its module's forward as its traced program: it costs
     ``checkpoint_range_ms`` more than a module call of the same nodes would, and simulate,
     the region analysis and the DP's prefix sums charge it alike."""
     p = _with_op_ranges(_problem(False))

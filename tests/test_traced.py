@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -283,3 +285,65 @@ def test_trace_inputs_count_the_attributes_the_forward_can_read():
         changed = _Helped()
         setattr(changed, name, value)
         assert trace_inputs(changed) != trace_inputs(_Helped()), name
+
+
+class _LongForward(nn.Module):
+    """Two children, and ``2 * n`` ops between them that no module wraps."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.first = nn.Linear(8, 8)
+        self.last = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for _ in range(self.n):
+            h = h * 1.01 + 0.1
+        return self.last(torch.tanh(h))
+
+
+def _python_calls(step: Callable[[], object]) -> int:
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _planned_calls(n: int) -> int:
+    """The Python calls a planned forward of ``_LongForward(n)`` makes beyond the
+    unplanned one, where the plan checkpoints an op range from ``first`` on."""
+    torch.manual_seed(0)
+    model, x = _LongForward(n), torch.randn(4, 8)
+    prof = _profile(model, x)
+    problem = problem_from_profile(prof)
+    first = next(c for c in prof.module_calls if c.path == "first")
+    span = min((s for s in problem.module_spans if s.kind == "ops" and s.start == first.start),
+               key=lambda s: s.stop)
+    schedule = Schedule.from_segments(problem.n_nodes, [(span.start, span.stop)])
+    args, kwargs = normalize_inputs(model, (x,))
+    plan = plan_for_schedule(prof, schedule, _input_specs(args, kwargs),
+                             structure_fingerprint(model))
+    plain = _python_calls(lambda: model(x))
+    apply(model, plan)
+    try:
+        assert isinstance(checkpointed_modules(model)[""], TracedForward)
+        model(x)  # the first call compares the op stream with the plan's
+        return _python_calls(lambda: model(x)) - plain
+    finally:
+        remove(model)
+
+
+def test_a_traced_forward_runs_its_nodes_as_python_code_not_one_by_one() -> None:
+    """A planned traced forward costs the host what the module's own forward costs per op:
+    its nodes, outside its ranges and in them, run as generated code. Run node by node, each
+    node cost 14 more Python calls (GPT small's root forward ran 0.2-0.4 ms slower)."""
+    assert _planned_calls(150) == _planned_calls(50)

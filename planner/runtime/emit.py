@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -40,6 +39,7 @@ from torch.utils.checkpoint import (
 
 from planner.plan import PlanMismatchError, PlanMismatchWarning
 from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
+from planner.runtime.traced_program import Program, Range
 from profiles.kernels import attention_kernels
 from profiles.traced import trace_forward, trace_inputs
 
@@ -168,7 +168,10 @@ class _Checkpoint:
         # (DenseNet's layers take the growing list of features).
         # A tensor passed twice goes in once: the rerun then sees one object again where the
         # forward saw one (nn.MultiheadAttention's self-attention branches on `query is key`).
-        leaves, structure = tree_flatten((args, kwargs))
+        if kwargs or not all(type(a) is torch.Tensor for a in args):
+            leaves, structure = tree_flatten((args, kwargs))
+        else:  # tensors only (a block's call, an op range's inputs): no tree to walk
+            leaves, structure = list(args), None
         where = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         distinct = list({id(leaves[k]): leaves[k] for k in where}.values())
         slot = {id(t): position for position, t in enumerate(distinct)}
@@ -179,7 +182,8 @@ class _Checkpoint:
             filled = list(leaves)
             for k, position in zip(where, position_of, strict=True):
                 filled[k] = tensors[position]
-            call_args, call_kwargs = tree_unflatten(filled, structure)
+            call_args, call_kwargs = (tuple(filled), {}) if structure is None else \
+                tree_unflatten(filled, structure)
             with offload_paused():  # the forward and its rerun: the checkpoint's saves
                 return body(*call_args, **call_kwargs)
 
@@ -260,142 +264,9 @@ class Checkpointed(_Checkpoint):
                 f"{len(self.spec.keep_ops)} ops)")
 
 
-_Arguments = dict[fx.Node, Callable[[dict[fx.Node, Any]], Any]]
-
-
-class _Range:
-    """One op range of a traced forward: its fx nodes, what flows in and what flows out."""
-
-    def __init__(self, graph: fx.Graph, spec: RegionSpec, arguments: _Arguments) -> None:
-        self.arguments = arguments
-        names = [n.name for n in graph.nodes]
-        if spec.first not in names or spec.last not in names or \
-                names.index(spec.first) > names.index(spec.last):
-            raise PlanMismatchError(
-                f"module {spec.label}: its traced forward has no nodes {spec.first}.."
-                f"{spec.last} (its code changed since it was planned). Run planner.optimize() "
-                "again on this model.")
-        order = list(graph.nodes)
-        self.nodes = order[names.index(spec.first):names.index(spec.last) + 1]
-        inside = set(self.nodes)
-        flowing = list(dict.fromkeys(a for n in self.nodes for a in n.all_input_nodes
-                                     if a not in inside))
-        # parameters and buffers are read inside (looked up again on a rerun), not passed in
-        self.attrs = [a for a in flowing if a.op == "get_attr"]
-        self.inputs = [a for a in flowing if a.op != "get_attr"]
-        self.outputs = [n for n in self.nodes if any(u not in inside for u in n.users)]
-        self.frees = _last_uses(self.nodes, keep=set(self.outputs))
-
-    def run(self, module: nn.Module, *values: Any) -> tuple:
-        env = dict(zip(self.inputs, values, strict=True))
-        env.update((a, _run_node(module, a, env, self.arguments)) for a in self.attrs)
-        for node in self.nodes:
-            env[node] = _run_node(module, node, env, self.arguments)
-            for dead in self.frees.get(node, ()):
-                env.pop(dead, None)
-        return tuple(env[n] for n in self.outputs)
-
-
-def _last_uses(nodes: list[fx.Node], keep: set[fx.Node],
-               uses: Callable[[fx.Node], list[fx.Node]] | None = None
-               ) -> dict[fx.Node, list[fx.Node]]:
-    """Per node, the values (inputs and earlier nodes) whose last use among ``nodes`` it is,
-    except those in ``keep``: freed once it has run, as fx's generated code does.
-    ``uses``: what a node reads (default: its input nodes)."""
-    last: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        for arg in (uses or _inputs)(node):
-            last[arg] = node
-        last.setdefault(node, node)  # unused: freed at once
-    frees: dict[fx.Node, list[fx.Node]] = {}
-    for value, node in last.items():
-        if value not in keep:
-            frees.setdefault(node, []).append(value)
-    return frees
-
-
-def _inputs(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
-@dataclass(frozen=True)
-class _Program:
-    """A traced forward cut into its ranges: the nodes run outside them (a range stands
-    at its first node), the ranges by first node, and when each value dies."""
-
-    outer: list[fx.Node]
-    ranges: dict[fx.Node, _Range]
-    frees: dict[fx.Node, list[fx.Node]]
-    code: str  # the graph's Python: equal code, equal program
-    arguments: _Arguments  # per node, its arguments' builder, for the program and its ranges
-
-    @classmethod
-    def cut(cls, graph: fx.Graph, specs: list[RegionSpec]) -> _Program:
-        arguments = {n: _builder((n.args, n.kwargs)) for n in graph.nodes}
-        ranges = {r.nodes[0]: r for r in (_Range(graph, spec, arguments) for spec in specs)}
-        inside = {n for r in ranges.values() for n in r.nodes[1:]}
-        outer = [n for n in graph.nodes if n not in inside]
-        frees = _last_uses(outer, keep=set(), uses=lambda n: ranges[n].inputs
-                           if n in ranges else _inputs(n))
-        return cls(outer, ranges, frees, graph.python_code("self").src, arguments)
-
-
-def _run_node(module: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
-              arguments: _Arguments) -> Any:
-    """Evaluate one fx node of ``module``'s traced forward (as ``fx.Interpreter`` does),
-    its attributes and children looked up on ``module`` now (FSDP2 may have replaced them);
-    ``arguments`` builds its arguments from ``env`` (`_builder`)."""
-    args, kwargs = arguments[node](env)
-    if node.op == "get_attr":
-        return functools.reduce(getattr, str(node.target).split("."), module)
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        this, *rest = args
-        return getattr(this, node.target)(*rest, **kwargs)
-    if node.op == "call_module":
-        return module.get_submodule(str(node.target))(*args, **kwargs)
-    raise RuntimeError(f"unexpected fx node {node.format_node()}")
-
-
-def _builder(value: Any) -> Callable[[dict[fx.Node, Any]], Any]:
-    """What ``_as_written(map_arg(value, env))`` gives, as a function of ``env`` made once
-    per node: a node's arguments are read on every call of a planned traced forward."""
-    if isinstance(value, fx.Node):
-        return lambda env: env[value]
-    if isinstance(value, list) or type(value) is tuple:
-        parts = [_builder(v) for v in value]
-        if isinstance(value, list):
-            return lambda env: [part(env) for part in parts]
-        return lambda env: tuple(part(env) for part in parts)
-    if isinstance(value, dict):
-        items = [(k, _builder(v)) for k, v in value.items()]
-        return lambda env: {k: part(env) for k, part in items}
-    if isinstance(value, _CONSTANT):
-        return lambda env: value
-    # anything else that may hold nodes (a slice, a named tuple): as fx maps it
-    return lambda env: _as_written(fx.node.map_arg(value, lambda a: env[a]))
-
-
-_CONSTANT = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-             torch.memory_format, torch.layout, type(Ellipsis))
-
-
-def _as_written(value: Any) -> Any:
-    """``value`` with fx's immutable lists and dicts as the plain ones the forward's own code
-    builds: a callee may edit a list it is passed (HRNet's branches assign into theirs)."""
-    if isinstance(value, list):  # fx's immutable_list is a list
-        return [_as_written(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _as_written(v) for k, v in value.items()}
-    if type(value) is tuple:
-        return tuple(_as_written(v) for v in value)
-    return value
-
-
 class _RangeCheckpoint(_Checkpoint):
-    def __call__(self, rng: _Range, values: list[Any]) -> tuple:
-        return self.checkpointed(functools.partial(rng.run, self.module), tuple(values), {})
+    def __call__(self, rng: Range, values: tuple) -> tuple:
+        return self.checkpointed(functools.partial(rng.run, self.module), values, {})
 
 
 class TracedForward:
@@ -416,7 +287,7 @@ class TracedForward:
     the unplanned model's."""
 
     def __init__(self, module: nn.Module, specs: list[RegionSpec],
-                 program: _Program | None = None) -> None:
+                 program: Program | None = None) -> None:
         self.module = module
         self.specs = specs
         self.inner: Callable[..., Any] | None = None  # a forward on the instance (install)
@@ -426,10 +297,12 @@ class TracedForward:
         self._program = program
         self._inputs = trace_inputs(module) if program is not None else None
         self._same_in_eval: bool | None = None  # eval() traces to the program (None: unknown)
+        self._signature: tuple[Callable[..., Any], inspect.Signature] | None = None
         self._told: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_program": None, "_inputs": None, "_same_in_eval": None}
+        return {**self.__dict__, "_program": None, "_inputs": None, "_same_in_eval": None,
+                "_signature": None}
 
     @property
     def checked(self) -> bool:
@@ -446,7 +319,7 @@ class TracedForward:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
-    def program(self) -> _Program:
+    def program(self) -> Program:
         """The traced forward cut into its ranges (traced on first use)."""
         if self._program is None:
             self._inputs = trace_inputs(self.module)
@@ -478,7 +351,7 @@ class TracedForward:
                    "ops than the train() forward its op ranges were planned in"
         return ""
 
-    def _eval_runs(self, program: _Program) -> bool:
+    def _eval_runs(self, program: Program) -> bool:
         """Whether the module's forward in eval() traces to ``program`` (a forward that
         never reads ``self.training``): its ranges then run as planned. Traced once per
         set of trace inputs."""
@@ -513,24 +386,17 @@ class TracedForward:
             return self._fall_back(why, args, kwargs)
         return self._run(self.program(), args, kwargs)
 
-    def _run(self, program: _Program, args: tuple, kwargs: dict) -> Any:
-        bound = inspect.signature(type(self.module).forward).bind(self.module, *args, **kwargs)
-        inputs = iter(list(bound.args)[1:])
-        env: dict[fx.Node, Any] = {}
-        for node in program.outer:
-            if node.op == "placeholder":
-                env[node] = next(inputs)
-            elif node.op == "output":
-                return fx.node.map_arg(node.args[0], lambda a: env[a])
-            elif node in program.ranges:
-                rng = program.ranges[node]
-                values = self.checkpoints[node.name](rng, [env[a] for a in rng.inputs])
-                env.update(zip(rng.outputs, values, strict=True))
-            else:
-                env[node] = _run_node(self.module, node, env, program.arguments)
-            for dead in program.frees.get(node, ()):
-                env.pop(dead, None)
-        raise RuntimeError("traced forward has no output node")
+    def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
+        forward = type(self.module).forward
+        signature = getattr(self, "_signature", None)  # (pickled before it: none)
+        if signature is None or signature[0] is not forward:
+            self._signature = signature = (forward, inspect.signature(forward))
+        bound = signature[1].bind(self.module, *args, **kwargs)
+        return program.forward(self.module, self._run_range, *list(bound.args)[1:])
+
+    def _run_range(self, name: str, inputs: tuple) -> tuple:
+        """A range of the program running (its code calls this), under its checkpoint."""
+        return self.checkpoints[name](self.program().ranges[name], inputs)
 
     def __repr__(self) -> str:
         return f"TracedForward({self.specs[0].path or '<model>'}, {len(self.specs)} ranges)"
@@ -549,14 +415,14 @@ def _changed(before: tuple | None, after: tuple) -> str:
     return ", ".join(dict.fromkeys(names)) or "what its trace follows from"
 
 
-def _traced_program(module: nn.Module, specs: list[RegionSpec]) -> _Program:
+def _traced_program(module: nn.Module, specs: list[RegionSpec]) -> Program:
     """``module``'s class forward traced and cut into the ranges of ``specs``."""
     graph = trace_forward(module, instance_forward_runs=False)
     if isinstance(graph, str):
         raise PlanMismatchError(
             f"module {specs[0].label}: the plan checkpoints op ranges of its traced forward, "
             f"but {graph}. Run planner.optimize() again.")
-    return _Program.cut(graph, specs)
+    return Program.cut(graph, [(spec.label, spec.first, spec.last) for spec in specs])
 
 
 class Installation:
