@@ -345,5 +345,5 @@ def _planned_calls(n: int) -> int:
 def test_a_traced_forward_runs_its_nodes_as_python_code_not_one_by_one() -> None:
     """A planned traced forward costs the host what the module's own forward costs per op:
     its nodes, outside its ranges and in them, run as generated code. Run node by node, each
-    node cost 14 more Python calls (GPT small's root forward ran 0.2-0.4 ms slower)."""
+    node cost 13 more Python calls (GPT small's root forward ran 0.2-0.4 ms slower)."""
     assert _planned_calls(150) == _planned_calls(50)
