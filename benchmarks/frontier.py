@@ -212,7 +212,9 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
             autocast_dtype=plan.autocast_dtype, grads_equal=equal, grad_max_abs_diff=diff,
             plan_schedule=plan.schedule.describe(),
             predicted_overhead=plan.predicted_overhead,
-            predicted_host_overhead=predicted_host_overhead(plan))
+            predicted_host_overhead=predicted_host_overhead(plan),
+            **({"checkpoint_costs": plan.profile.checkpoint_costs.model_dump()}
+               if how.startswith("optimize") and plan.profile.checkpoint_costs else {}))
     return first
 
 

@@ -17,9 +17,10 @@ regions, as plans of many regions cut them). What each adds beyond its reruns (t
 node times), against its regions and saved tensors, gives ``region_ms`` and ``pack_ms``
 (non-negative least squares over the two). Where the small spans are op ranges, the two
 plans measure the two kinds of region instead: an op range runs its module's forward
-as its traced program (when that ran node by node, GPT small's two calibrations gave 0.12
-and 0.35 ms more than a block's module call; ResNet: none); ``pack_ms`` then stays the tiny-op chains' and ``range_ms`` is
-what a range costs more (`Problem.checkpoint_range_ms`). The plain steps of those
+as its traced program (when that ran node by node, GPT small's two calibrations gave
+0.12 and 0.35 ms more than a block's module call; ResNet: none); ``pack_ms`` then stays
+the tiny-op chains' and ``range_ms`` is what a range costs more
+(`Problem.checkpoint_range_ms`). The plain steps of those
 rounds also set the profile's time: its forward node times are scaled to their median
 forward and its backward node times to their median backward, so the reruns a region's
 measured ms are set against, and every plan's overhead, are counted in the step as it runs
@@ -122,6 +123,12 @@ def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> Checkpoint
     fitted (``range_ms``: what a range costs more). Then ``sac_op_ms``: what the plans
     with a policy cost beyond those, per op (kept where no plan has one).
 
+    No cost is fitted below ``costs``, the tiny-op chains': those time checkpoint's own
+    frame, packs and policy, which a region of the model pays too, so a plan that measured
+    less is noise. (HF GPT-2 in a full frontier run: every plan measured at most its
+    reruns, the fit charged nothing and its 12 plans were predicted 5-9 points low; four
+    calibrations of the same model alone fitted 0.41-0.89 ms a region.)
+
     >>> c = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02)
     >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100, 0, 0),
     ...                      (4 * 0.5 + 8 * 0.02, 4, 8, 0, 0)])
@@ -133,19 +140,22 @@ def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> Checkpoint
     >>> round(f.region_ms, 6), round(f.range_ms, 6), f.pack_ms, round(f.sac_op_ms, 6)
     (0.2, 0.7, 0.01, 0.05)
     """
-    plain = [m for m in measured if not m[4]]
+    # what each plan measured beyond the tiny-op chains' charge: the fit adds to those,
+    # never takes from them (they time checkpoint's own frame and packs on this process)
+    plain = [(ms - costs.region_ms * n - costs.pack_ms * p, n, p, r)
+             for ms, n, p, r, ops in measured if not ops]
     if any(m[3] for m in plain):
-        call, op_range = _nonnegative_fit([(ms - costs.pack_ms * p, n - r, r)
-                                           for ms, n, p, r, _ in plain])
-        update = {"region_ms": call, "range_ms": max(0.0, op_range - call),
+        call, op_range = _nonnegative_fit([(ms, n - r, r) for ms, n, _, r in plain])
+        update = {"region_ms": costs.region_ms + call, "range_ms": max(0.0, op_range - call),
                   "pack_ms": costs.pack_ms}
     else:
         region, pack = _nonnegative_fit([m[:3] for m in plain])
-        update = {"region_ms": region, "pack_ms": pack, "range_ms": 0.0}
+        update = {"region_ms": costs.region_ms + region, "pack_ms": costs.pack_ms + pack,
+                  "range_ms": 0.0}
     policy = [(ms - update["region_ms"] * (n - r) - (update["region_ms"] + update["range_ms"])
                * r - update["pack_ms"] * p, ops) for ms, n, p, r, ops in measured if ops]
     if policy:
-        update["sac_op_ms"] = max(0.0, sum(ms for ms, _ in policy)
+        update["sac_op_ms"] = max(costs.sac_op_ms, sum(ms for ms, _ in policy)
                                   / sum(ops for _, ops in policy))
     plans = "; ".join(f"{n} regions ({r} op ranges, {ops} ops under a policy), {p} packs: "
                       f"{ms:.2f} ms" for ms, n, p, r, ops in measured)
