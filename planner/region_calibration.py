@@ -32,12 +32,14 @@ gradients, buffers and the RNG are left as they were.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -76,7 +78,9 @@ def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Sched
     of its op's time, not a region's cost), and, where every block has matmuls to keep,
     every block recomputed keeping them (a selective policy's cost per op: ResNet b16's
     blocks so measured +51.3 % where the tiny-op chains' 0.018 ms an op predicted
-    +39.1 %); [] without two blocks that are whole module calls of recomputable nodes."""
+    +39.1 %), and the first of those small spans alone (or the first block): what a step
+    pays once for rerunning any region (`clock.step_overhead_ms`); [] without two blocks
+    that are whole module calls of recomputable nodes."""
     blocks = problem.blocks()
     once = {c.path for c in profile.module_calls if c.calls == 1}  # one checkpoint per call
     targets = {span: t for span, t in span_targets(profile).items() if t.path in once}
@@ -103,6 +107,7 @@ def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Sched
     if all(kept):
         out.append(Schedule.from_segments(problem.n_nodes, blocks,
                                           keep=[k for ks in kept for k in ks]))
+    out.append(Schedule.from_segments(problem.n_nodes, [(small or blocks)[0]]))
     return [s.with_targets(targets) for s in out]
 
 
@@ -117,43 +122,52 @@ def _packed_per_node(problem: Problem) -> list[int]:
 def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> CheckpointCosts:
     """``costs`` fitted to ``measured``: per plan, the ms its regions added beyond their
     reruns, how many rerun, the tensors they pack, how many of them are op ranges and the
-    aten ops a selective policy sees. Over the plans without a policy: without op ranges,
-    ``region_ms`` and ``pack_ms`` (non-negative least squares); with them, ``pack_ms``
-    stays the tiny-op chains' and a module call's and an op range's region costs are
-    fitted (``range_ms``: what a range costs more). Then ``sac_op_ms``: what the plans
-    with a policy cost beyond those, per op (kept where no plan has one).
+    aten ops a selective policy sees. Over the plans without a policy (least squares, no
+    cost below the tiny-op chains' ``costs``): ``step_ms`` where the plans rerun different
+    numbers of regions, once per step (`clock.step_overhead_ms`); without op ranges,
+    ``region_ms`` and ``pack_ms``; with them, ``pack_ms`` stays the tiny-op chains' and a
+    module call's and an op range's region costs are fitted (``range_ms``: what a range
+    costs more). Then ``sac_op_ms``: what the plans with a policy cost beyond those, per
+    op (kept where no plan has one).
 
-    No cost is fitted below ``costs``, the tiny-op chains': those time checkpoint's own
-    frame, packs and policy, which a region of the model pays too, so a plan that measured
-    less is noise. (HF GPT-2 in a full frontier run: every plan measured at most its
-    reruns, the fit charged nothing and its 12 plans were predicted 5-9 points low; four
-    calibrations of the same model alone fitted 0.41-0.89 ms a region.)
+    The tiny-op chains time checkpoint's own frame, packs and policy, which a region of
+    the model pays too, so a plan that measured less is noise. (HF GPT-2 in a full frontier
+    run: every plan measured at most its reruns, a fit from 0 charged nothing and its 12
+    plans were predicted 5-9 points low; four calibrations of the same model alone fitted
+    0.41-0.89 ms a region.)
 
     >>> c = CheckpointCosts(region_ms=0.1, pack_ms=0.01, sac_op_ms=0.02)
     >>> f = fitted_costs(c, [(4 * 0.5 + 100 * 0.02, 4, 100, 0, 0),
     ...                      (4 * 0.5 + 8 * 0.02, 4, 8, 0, 0)])
-    >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.range_ms, f.sac_op_ms
-    (0.5, 0.02, 0.0, 0.02)
-    >>> f = fitted_costs(c, [(4 * 0.2 + 100 * 0.01, 4, 100, 0, 0),
-    ...                      (4 * 0.9 + 4 * 0.01, 4, 4, 4, 0),
-    ...                      (4 * 0.2 + 90 * 0.01 + 60 * 0.05, 4, 90, 0, 60)])
-    >>> round(f.region_ms, 6), round(f.range_ms, 6), f.pack_ms, round(f.sac_op_ms, 6)
-    (0.2, 0.7, 0.01, 0.05)
+    >>> round(f.region_ms, 6), round(f.pack_ms, 6), f.range_ms, f.sac_op_ms, f.step_ms
+    (0.5, 0.02, 0.0, 0.02, 0.0)
+    >>> f = fitted_costs(c, [(0.7 + 4 * 0.2 + 100 * 0.01, 4, 100, 0, 0),
+    ...                      (0.7 + 4 * 0.9 + 4 * 0.01, 4, 4, 4, 0),
+    ...                      (0.7 + 0.9 + 0.01, 1, 1, 1, 0),
+    ...                      (0.7 + 4 * 0.2 + 90 * 0.01 + 60 * 0.05, 4, 90, 0, 60)])
+    >>> [round(v, 6) for v in (f.step_ms, f.region_ms, f.range_ms, f.pack_ms, f.sac_op_ms)]
+    [0.7, 0.2, 0.7, 0.01, 0.05]
     """
-    # what each plan measured beyond the tiny-op chains' charge: the fit adds to those,
-    # never takes from them (they time checkpoint's own frame and packs on this process)
-    plain = [(ms - costs.region_ms * n - costs.pack_ms * p, n, p, r)
-             for ms, n, p, r, ops in measured if not ops]
-    if any(m[3] for m in plain):
-        call, op_range = _nonnegative_fit([(ms, n - r, r) for ms, n, _, r in plain])
-        update = {"region_ms": costs.region_ms + call, "range_ms": max(0.0, op_range - call),
-                  "pack_ms": costs.pack_ms}
+    plain = [m for m in measured if not m[4]]
+    ranges = any(m[3] for m in plain)
+    # (name, floor, the column's count in a plan of n regions, p packs, r op ranges)
+    columns: list[tuple[str, float, Callable[[int, int, int], float]]] = [
+        ("region_ms", costs.region_ms, lambda n, p, r: n - r)]
+    if ranges:  # an op range's whole region cost; what it costs more is fitted after
+        columns.append(("range_region_ms", costs.region_ms, lambda n, p, r: r))
     else:
-        region, pack = _nonnegative_fit([m[:3] for m in plain])
-        update = {"region_ms": costs.region_ms + region, "pack_ms": costs.pack_ms + pack,
-                  "range_ms": 0.0}
-    policy = [(ms - update["region_ms"] * (n - r) - (update["region_ms"] + update["range_ms"])
-               * r - update["pack_ms"] * p, ops) for ms, n, p, r, ops in measured if ops]
+        columns.append(("pack_ms", costs.pack_ms, lambda n, p, r: p))
+    if len({m[1] for m in plain}) > 1:
+        columns.append(("step_ms", 0.0, lambda n, p, r: 1))
+    fixed = costs.pack_ms if ranges else 0.0  # the tensors' cost, where not fitted
+    fit = dict(zip((c[0] for c in columns), _bounded_fit(
+        [(ms - fixed * p, [count(n, p, r) for _, _, count in columns])
+         for ms, n, p, r, _ in plain], [floor for _, floor, _ in columns]), strict=True))
+    update = {"region_ms": fit["region_ms"], "pack_ms": fit.get("pack_ms", costs.pack_ms),
+              "range_ms": max(0.0, fit.get("range_region_ms", 0.0) - fit["region_ms"]),
+              "step_ms": fit.get("step_ms", 0.0)}
+    policy = [(ms - update["step_ms"] - update["region_ms"] * n - update["range_ms"] * r
+               - update["pack_ms"] * p, ops) for ms, n, p, r, ops in measured if ops]
     if policy:
         update["sac_op_ms"] = max(costs.sac_op_ms, sum(ms for ms, _ in policy)
                                   / sum(ops for _, ops in policy))
@@ -164,25 +178,26 @@ def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> Checkpoint
                             f"checkpointed blocks ({plans} beyond their reruns)"})
 
 
-def _nonnegative_fit(measured: list[tuple[float, int, int]]) -> tuple[float, float]:
-    """(r, k) >= 0 minimising sum (ms - r n - k p)^2."""
-    def one(column: int) -> tuple[float, float]:
-        den = sum(m[column] ** 2 for m in measured)
-        coef = max(0.0, sum(m[0] * m[column] for m in measured) / den) if den else 0.0
-        fit = (coef, 0.0) if column == 1 else (0.0, coef)
-        return fit, sum((m[0] - fit[0] * m[1] - fit[1] * m[2]) ** 2 for m in measured)
-
-    snn = sum(m[1] ** 2 for m in measured)
-    spp = sum(m[2] ** 2 for m in measured)
-    snp = sum(m[1] * m[2] for m in measured)
-    det = snn * spp - snp ** 2
-    if det > 1e-9 * snn * spp:
-        yn = sum(m[0] * m[1] for m in measured)
-        yp = sum(m[0] * m[2] for m in measured)
-        region, pack = (yn * spp - yp * snp) / det, (yp * snn - yn * snp) / det
-        if region >= 0 and pack >= 0:
-            return region, pack
-    return min((one(1), one(2)), key=lambda fit_residual: fit_residual[1])[0]
+def _bounded_fit(rows: list[tuple[float, list[float]]], floors: list[float]) -> list[float]:
+    """The coefficients ``b >= floors`` minimising ``sum (y - x.b)^2`` over ``rows``
+    (y, x): exact, over every set of coefficients left at their floor (a handful)."""
+    x = np.array([xs for _, xs in rows], dtype=float).reshape(len(rows), len(floors))
+    low = np.array(floors, dtype=float)
+    y = np.array([y for y, _ in rows], dtype=float) - x @ low
+    best, best_residual = np.zeros(len(floors)), float(y @ y)
+    for free in itertools.product((False, True), repeat=len(floors)):
+        columns = [j for j, f in enumerate(free) if f]
+        if not columns:
+            continue
+        solved = np.linalg.lstsq(x[:, columns], y, rcond=None)[0]
+        if (solved < 0).any():
+            continue
+        extra = np.zeros(len(floors))
+        extra[columns] = solved
+        residual = float(((y - x @ extra) ** 2).sum())
+        if residual < best_residual - 1e-12:
+            best, best_residual = extra, residual
+    return [float(v) for v in low + best]
 
 
 def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
@@ -246,11 +261,11 @@ def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:
 
 def _charged(problem: Problem, schedule: Schedule, region_ms: float = 0.0,
              pack_ms: float = 0.0, range_ms: float = 0.0, sac_op_ms: float = 0.0) -> float:
-    """The clock's recompute time of ``schedule`` with these constants."""
+    """The clock's recompute time of ``schedule`` with these constants (none per step)."""
     return simulate(problem.model_copy(update={
         "checkpoint_region_ms": region_ms, "checkpoint_pack_ms": pack_ms,
-        "checkpoint_sac_op_ms": sac_op_ms, "checkpoint_range_ms": range_ms}),
-        schedule).recompute_time_ms
+        "checkpoint_sac_op_ms": sac_op_ms, "checkpoint_range_ms": range_ms,
+        "checkpoint_step_ms": 0.0}), schedule).recompute_time_ms
 
 
 def _paired_ms(planned: list[float], plain: list[float]) -> float:

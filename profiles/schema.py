@@ -271,6 +271,9 @@ class CheckpointCosts(_Strict):
                              "selective-checkpoint policy in forward and in the rerun")
     range_ms: Ms = Field(0.0, description="per op range, beyond region_ms: its module's "
                          "forward runs as its traced program, and so does the rerun")
+    step_ms: Ms = Field(0.0, description="once per step that reruns any region, beyond its "
+                        "regions' costs: the first checkpoint of a step pays for the "
+                        "machinery's code and data coming back into the host's caches")
     source: str = Field("", description="how they were obtained")
 
 

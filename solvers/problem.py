@@ -151,12 +151,13 @@ class Problem(BaseModel):
     re-running its nodes, `checkpoint_region_ms` per region, `checkpoint_pack_ms` per saved
     tensor and `checkpoint_sac_op_ms` per aten op when it keeps nodes, plus
     `checkpoint_range_ms` when the region is an op range (a `kind="ops"` span that no module
-    call also spans: its module's forward runs as its traced program); all 0 by default (not
-    modelled). Optional `node_ops[i]` counts the aten ops node i dispatches (default 1) and
-    `node_packed[i]` the tensors its forward saves for backward (default: its saved storages,
-    plus one if it saves a static tensor). `host_overlaps_device` (a GPU): that host time
-    runs while the device works through kernels already queued, and costs only what exceeds
-    the region's forward time.
+    call also spans: its module's forward runs as its traced program), and once per step
+    that reruns any region `checkpoint_step_ms` (`clock.step_overhead_ms`); all 0 by
+    default (not modelled). Optional `node_ops[i]` counts the aten ops node i dispatches
+    (default 1) and `node_packed[i]` the tensors its forward saves for backward (default:
+    its saved storages, plus one if it saves a static tensor). `host_overlaps_device` (a
+    GPU): that host time runs while the device works through kernels already queued, and
+    costs only what exceeds the region's forward time.
 
     Optional `optimizer_step_bytes`: what an optimizer step after the backward allocates
     beyond its state (in `static_bytes`); the step's last event, the same under every
@@ -199,6 +200,7 @@ class Problem(BaseModel):
     checkpoint_pack_ms: float = 0.0
     checkpoint_sac_op_ms: float = 0.0
     checkpoint_range_ms: float = 0.0
+    checkpoint_step_ms: float = 0.0
     node_ops: list[int] | None = None
     node_packed: list[int] | None = None
     storage_release: list[int] | None = None
@@ -266,7 +268,7 @@ class Problem(BaseModel):
             _check(not bad, f"{field} must be non-negative; negative at indices {bad[:5]}.")
         _check(self.static_bytes >= 0, "static_bytes must be non-negative.")
         for field in ("checkpoint_region_ms", "checkpoint_pack_ms", "checkpoint_sac_op_ms",
-                      "checkpoint_range_ms"):
+                      "checkpoint_range_ms", "checkpoint_step_ms"):
             _check(getattr(self, field) >= 0, f"{field} must be non-negative.")
 
     def _check_storage_graph(self) -> None:

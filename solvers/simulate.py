@@ -41,8 +41,9 @@ cost the nodes' `fwd_time_ms` / `bwd_time_ms`; a rerun costs the `fwd_time_ms` o
 nodes it runs (kept nodes are free) plus, once per frame that reruns (nested ones each on
 their own), `clock.rerun_overhead_ms(start, rerun stop, keep, end)`: the host time of the
 checkpoint itself (frame, RNG, pack/unpack hooks, SAC policy), charged to the rerun's first
-event. Forward-side parts of that overhead are counted there
-too, so `recompute_time_ms` is everything checkpointing adds to the step.
+event, and with the step's first rerun `clock.step_overhead_ms` once. Forward-side parts
+of that overhead are counted there too, so `recompute_time_ms` is everything
+checkpointing adds to the step.
 
 Gradients (`Problem.gradient_events`, the same under every schedule): the gradient of a
 storage appears during the backward of its last forward reader and is freed after its
@@ -84,7 +85,7 @@ from enum import IntEnum
 from itertools import count
 from typing import NamedTuple
 
-from solvers.clock import rerun_overhead_ms, rerun_step_ms
+from solvers.clock import rerun_overhead_ms, rerun_step_ms, step_overhead_ms
 from solvers.copy_queues import CopyQueues
 from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
 from solvers.offload import OffloadGroup, offload_groups
@@ -250,6 +251,7 @@ class _Replay:
         self.peak_event = 0
         self.breakdown = PeakBreakdown()
         self.times = {"forward": 0.0, "recompute": 0.0, "backward": 0.0}
+        self.reran = False  # a region reran (the step pays `clock.step_overhead_ms`)
         self.gens = count(1)
         self.frames: list[_Frame] = []
         self.innermost: list[_Frame | None] = [None] * self.n
@@ -515,10 +517,12 @@ class _Replay:
         f.recomputed = True
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
                      f.region.stop, f.rules.rerun_stop)
-        self._pass(f.region.start, f.rules.rerun_stop, env, f,
-                   rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop,
-                                     f.region.keep, f.region.stop),
-                   f.rules.last_not_run)
+        overhead = rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop,
+                                     f.region.keep, f.region.stop)
+        if f.rules.rerun_stop > f.region.start and not self.reran:
+            self.reran = True  # the step's first rerun
+            overhead += step_overhead_ms(self.p)
+        self._pass(f.region.start, f.rules.rerun_stop, env, f, overhead, f.rules.last_not_run)
         self._release(Token(Hold.CHILD_INPUT, f.uid))
 
     def forward(self) -> None:

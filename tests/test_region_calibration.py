@@ -43,6 +43,20 @@ def test_fitted_costs_charge_what_each_plan_measured_beyond_its_reruns():
     assert (free.region_ms, free.pack_ms) == (COSTS.region_ms, COSTS.pack_ms)
 
 
+def test_fitted_costs_charge_once_per_step_what_one_region_measured_more():
+    """ResNet b16 (2 cores): one small region measured 0.9-1.2 ms beyond its rerun, two
+    1.3-1.5, six 2.1-2.3: 0.5-0.75 ms once per step, then per region. A fit without a
+    step's cost charged six regions' mean to one and predicted small plans 4 points low."""
+    def plan(n: int, packs: int) -> tuple[float, int, int, int, int]:
+        return (0.7 + 0.25 * n + 0.01 * packs, n, packs, 0, 0)
+
+    fitted = fitted_costs(COSTS, [plan(6, 124), plan(6, 6), plan(1, 1)])
+    assert fitted.step_ms == pytest.approx(0.7)
+    assert (fitted.region_ms, fitted.pack_ms) == pytest.approx((0.25, 0.01))
+    # plans of one region count only: no step's cost told apart
+    assert fitted_costs(COSTS, [plan(6, 124), plan(6, 6)]).step_ms == 0.0
+
+
 def test_fitted_costs_charge_a_policy_per_op_what_its_plan_measured_beyond_its_regions():
     """The blocks recomputed keeping their matmuls (ResNet b16: +51.3 % measured where
     the tiny-op chains' 0.018 ms an op predicted +39.1 %): what that plan measured beyond
@@ -76,7 +90,7 @@ def test_calibration_schedules_are_whole_blocks_and_a_small_span_in_each():
     prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                             progress=False)
     problem = problem_from_profile(prof)
-    blocks, small, kept = calibration_schedules(prof, problem)
+    blocks, small, kept, one = calibration_schedules(prof, problem)
     assert [(r.start, r.stop) for r in blocks.recompute_regions()] == problem.blocks()
     assert [r.target.path for r in blocks.recompute_regions()] == ["blocks.0", "blocks.1"]
     inner = small.recompute_regions()
@@ -88,6 +102,8 @@ def test_calibration_schedules_are_whole_blocks_and_a_small_span_in_each():
     assert [(r.start, r.stop) for r in kept.recompute_regions()] == problem.blocks()
     assert [r.keep for r in kept.recompute_regions()] == [problem.matmul_keep(*b)
                                                           for b in problem.blocks()]
+    # and the first small span alone: what a step pays once for rerunning any region
+    assert one.recompute_regions() == inner[:1]
 
 
 def test_no_blocks_no_calibration():
