@@ -220,14 +220,14 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
 
 def predicted_host_overhead(plan: planner.Plan) -> float:
     """The host's part of the plan's predicted overhead: what the clock charges for its
-    checkpoint regions, packs, policy hops, op ranges and the step's first rerun (the plan's
-    recompute time less that of the same schedule with those costs 0), over the unplanned
-    step."""
+    checkpoint regions, packs, policy hops, op ranges, the step's first rerun and the guard
+    (the plan's recompute time and guard less the schedule's time with those costs 0), over
+    the unplanned step."""
     problem = plan.problem()
     device_only = simulate(problem.model_copy(update={
         "checkpoint_region_ms": 0.0, "checkpoint_pack_ms": 0.0, "checkpoint_sac_op_ms": 0.0,
         "checkpoint_range_ms": 0.0, "checkpoint_step_ms": 0.0}), plan.schedule).recompute_time_ms
-    return (plan.recompute_ms - device_only) / plan.baseline_step_ms \
+    return (plan.recompute_ms + plan.guard_ms - device_only) / plan.baseline_step_ms \
         if plan.baseline_step_ms else 0.0
 
 

@@ -66,8 +66,9 @@ def host_split(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "Host / device split (medians over the step's passes): host ms is the time "
              "until `backward()` returned, before the device's synchronize; on a CPU it is "
-             "the step. Predicted host: the clock's charge for regions, packs, policy hops and "
-             "op ranges and the step's first rerun, as a share of the unplanned step.", "",
+             "the step. Predicted host: the clock's charge for regions, packs, policy hops, "
+             "op ranges, the step's first rerun and the guard, as a share of the unplanned "
+             "step.", "",
              "| model | strategy | step ms | host ms | host share | plain host share "
              "| overhead | predicted | of it host | error |", "|---" * 10 + "|"]
     for r in timed:

@@ -369,10 +369,17 @@ class Plan(_Strict):
         return _plan_regions([n.name for n in self.profile.nodes], self.schedule.regions)
 
     @property
+    def guard_ms(self) -> float:
+        """What the planned model's guard (`planner.runtime.guard`) takes at each step, as
+        measured on the model (0 where the profile did not time it)."""
+        costs = self.profile.checkpoint_costs
+        return costs.guard_ms if costs is not None else 0.0
+
+    @property
     def predicted_overhead(self) -> float:
-        """Predicted extra step time over no checkpointing (recompute and stalls on offload
-        copies), as a fraction."""
-        added = self.recompute_ms + self.stall_ms
+        """Predicted extra step time over the unplanned model (recompute, stalls on offload
+        copies and the guard's checks), as a fraction."""
+        added = self.recompute_ms + self.stall_ms + self.guard_ms
         return added / self.baseline_step_ms if self.baseline_step_ms else 0.0
 
     def problem(self) -> Problem:

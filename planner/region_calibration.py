@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from planner.runtime.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
+from planner.runtime.guard import step_checks
 from planner.runtime.install import schedule_specs
 from profiles.schema import CheckpointCosts, GraphProfile
 from solvers import Problem, Schedule, simulate
@@ -231,7 +232,8 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                          round(_charged(problem, schedule, pack_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, range_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, sac_op_ms=1.0) - nodes_ms)))
-    fitted = fitted_costs(costs, measured)
+    fitted = fitted_costs(costs, measured).model_copy(update={
+        "guard_ms": statistics.median(timed.guard) if timed.guard else 0.0})
     log.info("checkpoint costs calibrated on the model: %s", fitted.source)
     return profile.model_copy(update={"checkpoint_costs": fitted})
 
@@ -277,12 +279,13 @@ def _paired_ms(planned: list[float], plain: list[float]) -> float:
 
 
 class Timed(NamedTuple):
-    """Step times (ms) of the plain model and under each plan, round by round, and the
-    plain steps' forward (loss included)."""
+    """Step times (ms) of the plain model and under each plan, round by round, the plain
+    steps' forward (loss included), and what a planned model's guard took in each step."""
 
     plain: list[float]
     planned: list[list[float]]
     plain_forward: list[float]
+    guard: list[float] = []  # noqa: RUF012 (never appended to: a NamedTuple's default)
 
 
 def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
@@ -293,9 +296,14 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext
     forward = [0.0]  # the last step's
+    # every step runs the checks a plan's guard runs at its start (`guard.step_checks`),
+    # where the guard runs them: the plans' differences leave them out, their time is kept
+    checks, guard_ms = step_checks(model), []
 
     def step() -> float:
         begin = clock()
+        checks()
+        guard_ms.append((clock() - begin) * 1e3)
         with cast():
             loss = loss_fn(model(*args, **kwargs))
         forward[0] = (clock() - begin) * 1e3
@@ -307,7 +315,7 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
 
     # one installation per plan: its op-stream check runs in the warm-up round only
     installations = [prepare_checkpoints(model, s) for s in specs]
-    timed = Timed([], [[] for _ in specs], [])
+    timed = Timed([], [[] for _ in specs], [], guard_ms)
     started = time.perf_counter()
     with _state_kept(model):
         for round_ in range(WARMUP_ROUNDS + MAX_ROUNDS):

@@ -274,6 +274,9 @@ class CheckpointCosts(_Strict):
     step_ms: Ms = Field(0.0, description="once per step that reruns any region, beyond its "
                         "regions' costs: the first checkpoint of a step pays for the "
                         "machinery's code and data coming back into the host's caches")
+    guard_ms: Ms = Field(0.0, description="per step of a planned model, whatever its "
+                         "schedule: the checks its guard runs at the start of the step, "
+                         "timed inside the calibration's steps")
     source: str = Field("", description="how they were obtained")
 
 

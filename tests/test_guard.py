@@ -23,7 +23,7 @@ from planner import PlanMismatchError, PlanMismatchWarning, apply, remove
 from planner.api import measure_step, plan_for_schedule, structure_fingerprint
 from planner.arguments import _input_specs
 from planner.runtime.emit import TracedForward, checkpointed_modules
-from planner.runtime.guard import PlanGuard
+from planner.runtime.guard import PlanGuard, step_checks
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_forward
 from solvers import Schedule
@@ -386,3 +386,17 @@ def test_strings_a_batch_carries_through_kwargs_are_not_guarded() -> None:
     model.zero_grad(set_to_none=True)
     with pytest.warns(PlanMismatchWarning, match="'mode' where it is 'b'"):
         model(x, note="fourth", mode="b").sum().backward()
+
+
+def test_step_checks_are_the_guards_checks_that_need_no_plan() -> None:
+    """What the region calibration times as a planned step's guard: passes on the model
+    as it was, fails where a module was replaced or gradients are allocated."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    checks = step_checks(model)
+    assert checks()
+    model(torch.randn(2, 4)).sum().backward()
+    assert not checks()  # gradients allocated
+    model.zero_grad(set_to_none=True)
+    assert checks()
+    model[1] = torch.nn.Tanh()
+    assert not checks()  # a module replaced

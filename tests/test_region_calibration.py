@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import profiles
-from planner import profile_model, zoo
+from planner import profile_model, solve, zoo
 from planner.region_calibration import (
     Timed,
     calibrated_profile,
@@ -162,7 +162,14 @@ def test_profile_model_on_the_cpu_charges_the_measured_region_cost():
     costs = measured.profile.checkpoint_costs
     problem = measured.problem()
     assert (problem.checkpoint_region_ms, problem.checkpoint_pack_ms,
-            problem.checkpoint_range_ms) == (costs.region_ms, costs.pack_ms, costs.range_ms)
+            problem.checkpoint_range_ms, problem.checkpoint_step_ms) == (
+        costs.region_ms, costs.pack_ms, costs.range_ms, costs.step_ms)
+    # the guard's checks were timed in the steps, and a plan's overhead counts them
+    assert costs.guard_ms > 0 and estimated.profile.checkpoint_costs.guard_ms == 0
+    plan = solve(measured, budget_gb=1e6)
+    assert plan.guard_ms == costs.guard_ms
+    assert plan.predicted_overhead == pytest.approx(
+        (plan.recompute_ms + plan.stall_ms + costs.guard_ms) / plan.baseline_step_ms)
 
 
 def test_calibration_sets_the_profile_to_the_steps_it_times(monkeypatch: pytest.MonkeyPatch
@@ -225,8 +232,8 @@ def test_no_plan_pays_for_its_place_in_a_round(monkeypatch: pytest.MonkeyPatch) 
                         lambda model, spec: Installation(spec))
     monkeypatch.setattr(region_calibration, "_installed_step", installed_step)
     model = torch.nn.Linear(2, 2)
-    plain, planned, _ = region_calibration._timed_steps(model, (), {}, None, None, [1, 2],
-                                                     budget_s=0.0)
+    plain, planned, *_ = region_calibration._timed_steps(model, (), {}, None, None, [1, 2],
+                                                      budget_s=0.0)
     assert len(plain) == region_calibration.MIN_ROUNDS
     # over every 3 rounds each step had each place once: the same time in total
     assert sum(plain[:3]) == sum(planned[0][:3]) == sum(planned[1][:3]) == 31.0

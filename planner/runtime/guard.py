@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -114,6 +114,21 @@ def _wraps(forward: Any, wrapper: Any, depth: int = 8) -> bool:
         if forward is None:
             return False
     return False
+
+
+def step_checks(model: nn.Module) -> Callable[[], bool]:
+    """The checks `PlanGuard.check` runs on ``model`` at each step that need no plan (its
+    modules and tensors as applied, their gradients), as one call: what a planned step's
+    guard costs, timed where no plan exists yet (`planner.region_calibration`: ResNet b16
+    on 2 cores, 0.06 ms alone, 0.29 ms at the start of a step)."""
+    as_applied = _AsApplied(model)
+
+    def run() -> bool:
+        unchanged = as_applied.unchanged(model)
+        return unchanged and not any(p.grad is not None and p.requires_grad
+                                     for p in as_applied.parameters())
+
+    return run
 
 
 class PlanGuard:
