@@ -23,12 +23,21 @@ from collections.abc import Container, Iterable
 
 from solvers.problem import Problem
 
-__all__ = ["rerun_ms", "rerun_overhead_ms", "rerun_step_ms", "step_overhead_ms"]
+__all__ = ["rerun_ms", "rerun_overhead_ms", "rerun_step_ms", "step_overhead_ms",
+           "with_step_ms"]
 
 
 def step_overhead_ms(p: Problem) -> float:
     """What a step that reruns any region pays once, beyond its regions (module doc)."""
     return p.checkpoint_step_ms
+
+
+def with_step_ms(p: Problem, regions_ms: float) -> float:
+    """A schedule's recompute time from what its regions cost, or a bound from a bound: a
+    schedule whose regions cost anything reruns and pays `step_overhead_ms` once (every
+    rerun costs its region's `checkpoint_region_ms` at least, > 0 where the step is
+    priced). The searches compare regions' costs; their answers and bounds say this."""
+    return regions_ms + step_overhead_ms(p) if regions_ms > 0 else regions_ms
 
 
 def rerun_overhead_ms(p: Problem, first: int, stop: int, keep: Iterable[int] = (),

@@ -40,6 +40,7 @@ from ortools.sat.python import cp_model
 
 from solvers.accounting import Context, RegionInfo
 from solvers.bounds import memory_lower_bound
+from solvers.clock import with_step_ms
 from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
 from solvers.result import Solution, Status
@@ -466,7 +467,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         bound = solver.BestObjectiveBound() / TIME_SCALE
         sol = Solution.scored(problem, sched, budget_bytes, solver="cpsat", started_s=t0,
                               proven_optimal=st == cp_model.OPTIMAL,
-                              bound_ms=min(bound, solver.ObjectiveValue() / TIME_SCALE),
+                              bound_ms=with_step_ms(problem, min(
+                                  bound, solver.ObjectiveValue() / TIME_SCALE)),
                               space=space)
         if sol.feasible:
             return sol

@@ -16,6 +16,7 @@ from solvers.dp.search import _rerun_ms
 from solvers.frame import frame_rules, own_packs
 from solvers.problem import ModuleSpan
 from solvers.region_analysis import RegionInfo
+from solvers.result import Status
 
 
 def _problem(overlaps: bool) -> Problem:
@@ -149,3 +150,26 @@ def test_exact_solvers_find_the_optimum_with_a_step_cost() -> None:
         for name in ("cpsat", "dp"):
             found = deterministic_solver(name)(p, budget, 20.0)
             assert found.objective_ms == pytest.approx(best.objective_ms, rel=1e-6, abs=1e-6)
+
+
+def test_the_dp_proves_its_answer_with_the_steps_cost(caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """On GPT tiny the DP bounds its answer by passes over the regions' costs: proven
+    optimal where those bounds count the step's cost too (they did not: FEASIBLE, and an
+    error that its model disagreed with simulate by the step's 1 ms)."""
+    import profiles
+    from planner import zoo
+    from solvers import deterministic_solver
+    from solvers.from_profile import problem_from_profile
+
+    zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                            timing="estimate", progress=False)
+    p = problem_from_profile(prof).model_copy(update={"checkpoint_region_ms": 0.1,
+                                                      "checkpoint_step_ms": 1.0})
+    store = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    with caplog.at_level("ERROR"):
+        found = deterministic_solver("dp")(p, int(0.7 * store), 20.0)
+    assert found.status == Status.OPTIMAL and found.bound_ms == found.objective_ms
+    assert found.objective_ms == simulate(p, found.schedule).recompute_time_ms > 1.0
+    assert not caplog.records

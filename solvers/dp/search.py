@@ -95,7 +95,7 @@ from solvers.accounting import (
     table_slice,
 )
 from solvers.bounds import memory_lower_bound
-from solvers.clock import rerun_overhead_ms
+from solvers.clock import rerun_overhead_ms, with_step_ms
 from solvers.dp import chain
 from solvers.dp.bounds import SpanBounds
 from solvers.dp.chain import (
@@ -753,9 +753,11 @@ def _upper_pass(ctx: Context, lay: _Layout, budget_bytes: int, max_front: int,
         sched = Schedule.from_segments(problem.n_nodes, found[1])
         exact = not rounded and not loose and not lay.outside and span >= len(lay.stages)
         sol = Solution.scored(problem, sched, budget_bytes, solver="dp", started_s=t0,
-                              proven_optimal=exact, bound_ms=found[0] if exact else None,
+                              proven_optimal=exact,
+                              bound_ms=with_step_ms(problem, found[0]) if exact else None,
                               space=_space(problem, lay, nested=True) if exact else None)
-        if sol.feasible and not rounded and not _same_ms(found[0], sol.objective_ms):
+        if sol.feasible and not rounded and not _same_ms(with_step_ms(problem, found[0]),
+                                                         sol.objective_ms):
             logger.error("dp: its model gives %.6f ms but simulate %.6f ms for %s; please "
                          "report this", found[0], sol.objective_ms, sched.describe())
         if sol.feasible:
@@ -780,7 +782,10 @@ def _proven(best: Solution | None, bound: float) -> bool:
 def _answer(problem: Problem, lay: _Layout, best: Solution, bound: float,
             nested_bound: float | None, budget_bytes: int, t0: float) -> Solution:
     """`best` with the bound the lower-bound passes proved: capped-span passes bound flat
-    segmentations only (no claim for a nested answer), a full-span pass nested ones too."""
+    segmentations only (no claim for a nested answer), a full-span pass nested ones too
+    (both of the regions' costs: with the step's, `clock.with_step_ms`)."""
+    bound = with_step_ms(problem, bound)
+    nested_bound = None if nested_bound is None else with_step_ms(problem, nested_bound)
     if nested_bound is not None and (nested_bound >= bound or any(
             r.children for r in best.schedule.regions)):
         bound, nested = nested_bound, True
