@@ -296,14 +296,15 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext
     forward = [0.0]  # the last step's
-    # every step runs the checks a plan's guard runs at its start (`guard.step_checks`),
-    # where the guard runs them: the plans' differences leave them out, their time is kept
+    # every step first runs the checks a plan's guard runs at its start (`guard.step_checks`),
+    # timed apart: the steps' times, and so the profile's, leave them out
     checks, guard_ms = step_checks(model), []
 
     def step() -> float:
-        begin = clock()
+        checked = clock()
         checks()
-        guard_ms.append((clock() - begin) * 1e3)
+        begin = clock()
+        guard_ms.append((begin - checked) * 1e3)
         with cast():
             loss = loss_fn(model(*args, **kwargs))
         forward[0] = (clock() - begin) * 1e3
