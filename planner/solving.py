@@ -174,7 +174,7 @@ def _plan_at(prof: GraphProfile, inputs: list[InputSpec], structure: str,
     # and building the problem has taken time already: the solver gets what is left less a
     # margin, so that time_limit_s holds for the whole call (when a plan meets the budget)
     left = max(0.05, options.time_limit_s - _margin(options.time_limit_s)
-               - (perf_counter() - started))
+               - _spent(options, started))
     digest = problem_digest(problem)
     solution, stopped = ANSWERS.get(digest, options), False
     if solution is None:  # identical calls get identical plans (`solution_memo`)
@@ -228,11 +228,20 @@ def _searched(prof: GraphProfile, problem: Problem, options: SolveOptions, left:
     # left of the limit after a search that took all of it, only the baselines ran
     # (Inception-v3: every block's 200.4 MiB, where 5 s of CP-SAT finds 187.2)
     limit = options.time_limit_s
-    left = max(LOWEST_PEAK_SHARE * limit, limit - _margin(limit) - (perf_counter() - started))
+    left = max(LOWEST_PEAK_SHARE * limit, limit - _margin(limit) - _spent(options, started))
     lowest = lowest_peak(problem, left, deterministic=options.deterministic)
     if lowest.schedule is None or lowest.peak_bytes is None:
         raise RuntimeError(f"no schedule of {prof.model_name} could be simulated")
     return lowest, solution.status == Status.TIMED_OUT
+
+
+def _spent(options: SolveOptions, started: float) -> float:
+    """Seconds since ``started`` that the solvers' limit counts: none for a deterministic
+    plan, whose solvers count their own work (`solvers.deterministic_solver`): a limit that
+    shrank with the machine's load would give another answer on a busy machine (the zoo
+    GPT tiny: CP-SAT proved its plan with 4.5 units of work on a quiet machine, not with
+    the 3.6 left on a loaded one)."""
+    return 0.0 if options.deterministic else perf_counter() - started
 
 
 def _margin(limit: float) -> float:
@@ -270,7 +279,7 @@ def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solu
         return _named_solver(options)(problem, budget_bytes, time_limit_s)
     started = perf_counter()
     plain = _named_solver(options)(problem, budget_bytes, time_limit_s / 2)
-    left = max(0.05, time_limit_s - (perf_counter() - started))
+    left = max(0.05, time_limit_s - _spent(options, started))
     # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
     joint = solvers_joint.solve(problem, budget_bytes, left,
                                 host_budget_bytes=options.host_budget_bytes,
