@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 
@@ -41,7 +40,6 @@ from solvers.region_analysis import (
     BWD,
     FWD,
     ChildSpec,
-    NestedRegionInfo,
     Point,
     Regen,
     RegionInfo,
@@ -51,7 +49,7 @@ from solvers.schedule import Region, Schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Context", "NestedRegionInfo", "Regen", "RegionInfo", "Rerun", "SegmentProfile",
+__all__ = ["Context", "Regen", "RegionInfo", "Rerun", "SegmentProfile",
            "WindowParts", "evaluate", "gradient_bytes", "profile", "profile_parts"]
 
 
@@ -108,40 +106,20 @@ class Context:
                     BACKWARD: np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
                     FORWARD: held_fwd}
         self.g_table = np.concatenate([sections[k] for k in sorted(sections)])
-        self._regions: dict[tuple[int, int, frozenset[int]], RegionInfo] = {}
-        self._nested: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
-                           NestedRegionInfo] = {}
-
-    @overload
-    def region(self, a: int, b: int, keep: Iterable[int] = ()) -> RegionInfo: ...
-
-    @overload
-    def region(self, a: int, b: int, keep: Iterable[int] = (),
-               children: Iterable[tuple[int, int, Iterable[int]]] = ()
-               ) -> RegionInfo | NestedRegionInfo: ...
+        self._regions: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
+                            RegionInfo] = {}
 
     def region(self, a: int, b: int, keep: Iterable[int] = (),
-               children: Iterable[tuple[int, int, Iterable[int]]] = ()
-               ) -> RegionInfo | NestedRegionInfo:
+               children: Iterable[tuple[int, int, Iterable[int]]] = ()) -> RegionInfo:
         """The (cached) rerun analysis of a top-level RECOMPUTE region `[a, b)`.
 
         `children` lists its nested RECOMPUTE regions as `(start, stop, keep)`, sorted and
-        disjoint, without children of their own; with any, the analysis is a
-        `NestedRegionInfo`, else the flat `RegionInfo` the solvers use.
+        disjoint, without children of their own.
         """
-        kids = tuple((ca, cb, frozenset(ck)) for ca, cb, ck in children)
-        if kids:
-            nkey = (a, b, frozenset(keep), kids)
-            nested = self._nested.get(nkey)
-            if nested is None:
-                nested = NestedRegionInfo.build(self, *nkey)
-                self._nested[nkey] = nested
-            return nested
-        key = (a, b, frozenset(keep))
+        key = (a, b, frozenset(keep), tuple((ca, cb, frozenset(ck)) for ca, cb, ck in children))
         info = self._regions.get(key)
         if info is None:
-            info = RegionInfo.build(self, *key)
-            self._regions[key] = info
+            info = self._regions[key] = RegionInfo.build(self, *key)
         return info
 
 
@@ -203,7 +181,7 @@ class WindowParts:
 
 
 def profile_parts(ctx: Context, a0: int, b0: int,
-                  regions: Sequence[RegionInfo | NestedRegionInfo],
+                  regions: Sequence[RegionInfo],
                   external: frozenset[int] = frozenset(),
                   skip: frozenset[int] = frozenset(),
                   after_forward: frozenset[int] = frozenset(),
@@ -228,7 +206,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     """
     p = ctx.p
     n_fw = b0 - a0
-    plans = [r if isinstance(r, NestedRegionInfo) else r.general(ctx) for r in regions]
+    plans = list(regions)
     slots = _Slots.lay_out(ctx, a0, b0, plans)
     const, off, bwd_slot, in_region = slots.const, slots.off, slots.bwd_slot, slots.in_region
     starts: list[int] = []
@@ -307,7 +285,7 @@ class _Slots:
 
     @classmethod
     def lay_out(cls, ctx: Context, a0: int, b0: int,
-                plans: Sequence[NestedRegionInfo]) -> _Slots:
+                plans: Sequence[RegionInfo]) -> _Slots:
         p, n, n_fw = ctx.p, ctx.n, b0 - a0
         in_region = [False] * n_fw
         at_trigger: dict[int, list[tuple[int, int]]] = {}
@@ -337,7 +315,7 @@ class _Slots:
         return cls(const, gidx, bwd_slot, off, in_region, time_ms)
 
 
-def _add_regenerated(diff: np.ndarray, plans: Sequence[NestedRegionInfo], slots: _Slots,
+def _add_regenerated(diff: np.ndarray, plans: Sequence[RegionInfo], slots: _Slots,
                      a0: int, nbytes_of: np.ndarray) -> None:
     """Add each rerun-regenerated instance's bytes to `diff` from its step to its end."""
     bwd = np.asarray(slots.bwd_slot, dtype=np.int64)
@@ -355,7 +333,7 @@ def _add_regenerated(diff: np.ndarray, plans: Sequence[NestedRegionInfo], slots:
         np.add.at(diff, last[ok], -sz)
 
 
-def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo | NestedRegionInfo],
+def profile(ctx: Context, a0: int, b0: int, regions: Sequence[RegionInfo],
             external: frozenset[int] = frozenset()) -> SegmentProfile:
     """Exact local memory of the events of nodes `[a0, b0)` under top-level `regions`.
 

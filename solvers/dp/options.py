@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solvers.accounting import Context, NestedRegionInfo, RegionInfo
+from solvers.accounting import Context, RegionInfo
 from solvers.dp.chain import checkpoint_runs, is_empty
 from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
@@ -158,18 +158,13 @@ def _rel(nodes: Iterable[int], a: int) -> np.ndarray:
 
 def reruns_rel(regions: tuple, a: int) -> list[RerunRel]:
     """Each rerun of a window option, relative to the window start `a`."""
-    out = []
-    for r in regions:
-        if isinstance(r, NestedRegionInfo):
-            out.extend(RerunRel(q.start - a, q.stop - a, _rel(q.idle, a), _rel(q.cached, a),
-                                q.end - a) for q in r.reruns)
-        elif r.packs:
-            out.append(flat_rerun_rel(r, r.keep, a))
-    return out
+    return [RerunRel(q.start - a, q.stop - a, _rel(q.idle, a), _rel(q.cached, a), q.end - a)
+            for r in regions for q in r.reruns]
 
 
 def flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int) -> RerunRel:
-    """`reruns_rel`'s entry for flat region `r` (which reruns) keeping `keep`."""
+    """`reruns_rel`'s entry for region `r` without children (which reruns) had it kept
+    `keep` (its frame's rules do not depend on what it keeps)."""
     kept = keep & frozenset(r.steps())
     return RerunRel(r.a - a, r.stop - a, _rel(r.rules.idle_steps(kept), a), _rel(kept, a),
                     r.b - a)
