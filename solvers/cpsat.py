@@ -43,7 +43,7 @@ from solvers.bounds import memory_lower_bound
 from solvers.clock import with_step_ms
 from solvers.frame import worth_checkpointing
 from solvers.problem import Problem
-from solvers.region_analysis import BWD, STEP
+from solvers.region_analysis import BWD, STEP, rerun_savers
 from solvers.result import Solution, Status
 from solvers.schedule import RECOMPUTE, Region, Schedule
 from solvers.simulate import simulate
@@ -252,8 +252,7 @@ def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int,
                 # otherwise: the test UNet's lowest peak moved to a tie that simulate
                 # over-predicts by 0.96 %, an error left for its own issue)
                 holders[s].append((2 * r.trigger + 1, c))
-                holders[s].extend((2 * j, c) for j in ctx.savers[s]
-                                  if j < r.stop and p.packs[j])
+                holders[s].extend((2 * j, c) for j in rerun_savers(ctx, s, r.stop))
     return holders
 
 

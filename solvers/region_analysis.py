@@ -27,7 +27,8 @@ from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_pa
 if TYPE_CHECKING:
     from solvers.accounting import Context
 
-__all__ = ["BWD", "FWD", "STEP", "ChildSpec", "Point", "Regen", "RegionInfo", "Rerun"]
+__all__ = ["BWD", "FWD", "STEP", "ChildSpec", "Point", "Regen", "RegionInfo", "Rerun",
+           "rerun_savers"]
 
 ChildSpec = tuple[int, int, frozenset[int]]  # (start, stop, keep) of a child region
 
@@ -186,6 +187,13 @@ class RegionInfo(_Frame):
         return _NestedAnalysis(ctx, a, b, keep, children).result()
 
 
+def rerun_savers(ctx: Context, storage: int, stop: int) -> tuple[int, ...]:
+    """The nodes of a rerun stopping at `stop` that save `storage` into their frame
+    (ascending: the first runs backward last), which hold what the rerun makes of it."""
+    p = ctx.p
+    return tuple(k for k in ctx.savers[storage] if k < stop and p.packs[k])
+
+
 def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> RegionInfo:
     """`_NestedAnalysis` of a region without children, in closed form: one rerun at most;
     an instance it makes is held by its first saver's backward (savers run backward in
@@ -207,7 +215,7 @@ def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> Region
             consts.append(0 if cached or i not in run else ctx.alloc[i] + p.fwd_temp_bytes[i])
             for s in p.outputs[i] if i in run else ():
                 read_end = p.rerun_read_end(s, i, stop)
-                saver = next((k for k in ctx.savers[s] if k < stop and p.packs[k]), None)
+                saver = next(iter(rerun_savers(ctx, s, stop)), None)
                 if not cached:
                     if saver is not None:
                         rows.append((s, 0, i, BWD, saver, 0))

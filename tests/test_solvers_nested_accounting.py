@@ -121,6 +121,7 @@ def assert_same_analysis(fast: RegionInfo, general: RegionInfo, ctx: Context) ->
     assert fast.reruns == general.reruns
     assert fast.time_ms == general.time_ms
     assert sorted(fast.regen, key=repr) == sorted(general.regen, key=repr)
+
     def held(info: RegionInfo) -> dict:
         return {s: pt for s, pt in info.held.items() if s not in ctx.loss}
 
