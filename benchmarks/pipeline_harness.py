@@ -112,6 +112,7 @@ def stage_plan(spec: StageSpec, budget_bytes: int) -> tuple[Plan, int]:
     inputs, target = microbatch(spec.stage_index)
     plan = optimize(module, (inputs,), budget_gb=budget_bytes / 2**30,
                     loss_fn=_loss_of(spec, target), timing="estimate", time_limit_s=16,
+                    deterministic=True,
                     pipeline={**spec.model_dump(),
                               "target_bytes": target.nbytes if spec.last else 0})
     return plan, plan.pipeline.peak_bytes

@@ -152,4 +152,5 @@ def _plan_stage(model: nn.Module, microbatch: Any, budget_gb: float,
                        if k not in ("loss_fn", "grad_accumulation", "progress")}
     steps = StageSteps(model, microbatch, spec, config.loss_fn, target_bytes,
                        **profile_options)
-    return steps.plan(_budget_bytes(budget_gb), config.time_limit_s, config.solver)[0]
+    return steps.plan(_budget_bytes(budget_gb), config.time_limit_s, config.solver,
+                      deterministic=config.deterministic)[0]

@@ -133,13 +133,15 @@ def test_a_search_its_time_limit_stopped_says_so_and_proves_nothing(
     monkeypatch.setitem(solving.SOLVERS, "auto", stopped)
     with pytest.raises(InfeasibleBudgetError) as caught:
         plan_for_profile(prof, inputs, structure,
-                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5))
+                         SolveOptions(prof.static.total_bytes + 1, time_limit_s=5,
+                                      deterministic=True))
     message, shell = str(caught.value), caught.value.shell_message
     assert "stopped at its time limit (5 s)" in message and "time_limit_s" in message
     assert "a longer one (--time-limit)" in shell
     ANSWERS.clear()
     plan = plan_for_profile(prof, inputs, structure,
-                            SolveOptions(caught.value.min_budget_bytes, time_limit_s=5))
+                            SolveOptions(caught.value.min_budget_bytes, time_limit_s=5,
+                                         deterministic=True))
     assert plan.schedule == caught.value.plan.schedule
     assert plan.solver.status == "feasible"  # the lowest-peak search's: nothing proven
 
@@ -370,13 +372,14 @@ def test_identical_calls_get_identical_plans_without_a_second_search(
                          progress=False)
     budget = (step.profile.static.total_bytes + step.unplanned_peak_bytes) // 2
     calls = _alternating_solver(monkeypatch)
-    first = solve(step, budget_bytes=budget, time_limit_s=5)
+    first = solve(step, budget_bytes=budget, time_limit_s=5, deterministic=True)
     again = optimize(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, budget_gb=budget / GIB,
-                     timing="estimate", time_limit_s=5, progress=False)  # profiled again
+                     timing="estimate", time_limit_s=5, deterministic=True,
+                     progress=False)  # profiled again
     assert again.schedule == first.schedule and again.solver == first.solver
     assert calls == [budget]
-    solve(step, budget_bytes=budget + 1, time_limit_s=5)
-    solve(step, budget_bytes=budget, time_limit_s=6)
+    solve(step, budget_bytes=budget + 1, time_limit_s=5, deterministic=True)
+    solve(step, budget_bytes=budget, time_limit_s=6, deterministic=True)
     assert calls == [budget, budget + 1, budget]
 
 

@@ -66,7 +66,8 @@ def test_a_config_is_checked_when_it_is_made() -> None:
 
 def test_a_config_plans_as_its_keywords_do_and_keywords_override_it() -> None:
     zm = zoo.get("gpt", size="tiny", batch=2)
-    config = PlanConfig(loss_fn=zm.loss_fn, timing="estimate", solver="dp", progress=False)
+    config = PlanConfig(loss_fn=zm.loss_fn, timing="estimate", solver="dp", progress=False,
+                        deterministic=True)
     step = planner.profile_model(zm.model, zm.example_inputs, config=config)
     static = step.profile.static.total_bytes
     budget_gb = (static + (step.unplanned_peak_bytes - static) // 2) / 2**30
@@ -74,7 +75,7 @@ def test_a_config_plans_as_its_keywords_do_and_keywords_override_it() -> None:
                                  config=config)
     by_keywords = planner.optimize(zm.model, zm.example_inputs, budget_gb=budget_gb,
                                    loss_fn=zm.loss_fn, timing="estimate", solver="dp",
-                                   progress=False)
+                                   deterministic=True, progress=False)
     assert by_config.checkpointing and by_config.schedule == by_keywords.schedule
     assert by_config.solver.name == "dp"
     assert planner.optimize(zm.model, zm.example_inputs, budget_gb=budget_gb, config=config,

@@ -136,7 +136,7 @@ def test_the_lowest_peak_searches_merged_stages_with_the_dp_too() -> None:
 
     p = _problem("loss inside forward, (loss, logits)")
     assert not dp.applies(p)
-    lowest = auto.lowest_peak(p, 10.0)
+    lowest = auto.lowest_peak(p, 10.0, deterministic=True)
     others = [cpsat.min_peak(auto.calls_only(p), 2.0, deterministic=True).bytes]
     others += [fn(p, 0, 1.0).peak_bytes for fn in baselines.BASELINES.values()]
     assert lowest.peak_bytes < min(b for b in others if b)

@@ -58,6 +58,28 @@ def test_a_stage_budget_no_plan_meets_names_the_least_stage_peak_found() -> None
     assert peak <= caught.value.min_budget_bytes
 
 
+def test_a_deterministic_stage_plan_is_the_same_on_a_loaded_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's bisection hands each solve a share of its limit; deterministic=True
+    counts the shares instead of timing them, so a machine so loaded that a second passes at
+    every read of the clock plans the stage as a quiet one does."""
+    import time
+
+    import planner.solving as solving
+    from planner.solution_memo import ANSWERS
+
+    spec = harness.spec_of("1F1B", 0, WORLD, MICROBATCHES)
+    budget = int(0.7 * harness.predicted_peak(spec))
+    quiet = harness.stage_plan(spec, budget)
+    ANSWERS.clear()
+    seconds = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(seconds)))
+    monkeypatch.setattr(solving, "perf_counter", time.perf_counter)
+    loaded = harness.stage_plan(spec, budget)
+    assert (loaded[0].schedule, loaded[1]) == (quiet[0].schedule, quiet[1])
+    assert loaded[0].checkpointing and loaded[1] <= budget
+
+
 def test_in_flight_microbatches_are_torchs() -> None:
     """GPipe holds every microbatch; 1F1B stage r of p holds min(m, p - r)."""
     assert [StageSpec(schedule="1F1B", stage_index=r, num_stages=4, n_microbatches=8)

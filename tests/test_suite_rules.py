@@ -97,6 +97,9 @@ DEFAULT_LIMITED = {"optimize", "replan", "plan_for_profile", "solve_profiled", "
 VERDICTS = {"status", "gap", "bound_ms", "proven", "optimal_over", "space",
             "least_peak_bytes", "least_peak_space", "min_feasible_budget_exact",
             "lower_bound_bytes"}
+# what a search's answer equals depends on where its limit stopped it: the schedule it
+# returns, the least peak an infeasible budget's error names
+STOPPED_AT = {"schedule", "min_budget_bytes"}
 
 
 def _limit(call: ast.Call) -> ast.expr | None:
@@ -112,9 +115,16 @@ def _limit(call: ast.Call) -> ast.expr | None:
     return None
 
 
-def _counts_seconds(call: ast.Call) -> bool:
-    """Whether ``call`` is a search its time limit may stop: not ``deterministic=True``,
-    not unlimited (``math.inf``), not a zero limit (which stops it always)."""
+def _deterministic(node: ast.AST) -> bool:
+    """Whether ``node`` passes ``deterministic=`` anything but False (`SolveOptions`' too)."""
+    return any(isinstance(k, ast.keyword) and k.arg == "deterministic"
+               and ast.unparse(k.value) != "False" for k in ast.walk(node))
+
+
+def _counts_seconds(call: ast.Call, deterministic_names: frozenset[str] = frozenset()) -> bool:
+    """Whether ``call`` is a search its time limit may stop: not ``deterministic=True``
+    (nor given a name bound to options that say so: ``config=config``), not unlimited
+    (``math.inf``), not a zero limit (which stops it always)."""
     name = call.func.attr if isinstance(call.func, ast.Attribute) else \
         getattr(call.func, "id", None)
     if isinstance(call.func, ast.Subscript):  # SOLVERS[name]: a baseline reads no clock
@@ -124,8 +134,8 @@ def _counts_seconds(call: ast.Call) -> bool:
             return False
     elif name not in SEARCHES:
         return False
-    if any(isinstance(k, ast.keyword) and k.arg == "deterministic"  # SolveOptions' too
-           and ast.unparse(k.value) != "False" for k in ast.walk(call)):
+    if _deterministic(call) or any(isinstance(n, ast.Name) and n.id in deterministic_names
+                                   for n in ast.walk(call)):
         return False
     limit = _limit(call)
     if limit is None:
@@ -136,6 +146,10 @@ def _counts_seconds(call: ast.Call) -> bool:
 
 def _is_verdict(node: ast.Assert) -> bool:
     for n in ast.walk(node.test):
+        if isinstance(n, ast.Compare) and any(isinstance(op, ast.Eq) for op in n.ops) and any(
+                isinstance(side, ast.Attribute) and side.attr in STOPPED_AT
+                for side in (n.left, *n.comparators)):
+            return True
         if isinstance(n, ast.Attribute) and (n.attr in VERDICTS or (
                 isinstance(n.value, ast.Name) and n.value.id == "Status")):
             return True
@@ -160,7 +174,10 @@ def _timed_verdicts(tree: ast.Module) -> list[str]:
         if not isinstance(node, ast.FunctionDef):
             continue
         baselines = _baseline_names(node)
-        if any(isinstance(c, ast.Call) and _counts_seconds(c) and not (
+        options = frozenset(t.id for a in ast.walk(node) if isinstance(a, ast.Assign)
+                            and _deterministic(a.value)
+                            for t in a.targets if isinstance(t, ast.Name))
+        if any(isinstance(c, ast.Call) and _counts_seconds(c, options) and not (
                 isinstance(c.func, ast.Name) and c.func.id in baselines)
                for c in ast.walk(node)) and any(isinstance(a, ast.Assert) and _is_verdict(a)
                                                 for a in ast.walk(node)):
@@ -200,8 +217,14 @@ def test_the_rule_sees_a_verdict_after_a_timed_search() -> None:
               "    assert sol.status == Status.OPTIMAL\n"
               "def test_c():\n    sol = SOLVERS['dp'](p, b, math.inf)\n    assert sol.gap == 0\n"
               "def test_d():\n    plan = optimize(m, x, budget_gb=1)\n"
-              "    assert plan.solver.status == 'optimal'\n")
-    assert _timed_verdicts(ast.parse(source)) == ["test_a", "test_d"]
+              "    assert plan.solver.status == 'optimal'\n"
+              "def test_e():\n    plan = optimize(m, x, budget_gb=1, time_limit_s=5)\n"
+              "    assert plan.schedule == first.schedule\n"
+              "def test_f():\n    config = PlanConfig(deterministic=True)\n"
+              "    plan = optimize(m, x, budget_gb=1, config=config)\n"
+              "    assert plan.schedule == first.schedule\n"
+              "    assert simulate(p, plan.schedule).peak_bytes == plan.predicted_peak_bytes\n")
+    assert _timed_verdicts(ast.parse(source)) == ["test_a", "test_d", "test_e"]
 
 
 PACKAGES = ("profiles", "solvers", "planner")

@@ -160,10 +160,10 @@ class StageSteps:
         """The stage's peak over one step with ``schedule`` (default: no checkpoint)."""
         return rank_peak(self.spec, [self.replay(schedule)])
 
-    def plan(self, budget_bytes: int, time_limit_s: float = 60.0,
-             solver: str = "auto") -> tuple[Plan, int]:
+    def plan(self, budget_bytes: int, time_limit_s: float = 60.0, solver: str = "auto", *,
+             deterministic: bool = False) -> tuple[Plan, int]:
         """:func:`plan_stage` on these steps (profiled once, planned at many budgets)."""
-        return _plan_stage_steps(self, budget_bytes, time_limit_s, solver)
+        return _plan_stage_steps(self, budget_bytes, time_limit_s, solver, deterministic)
 
 
 def stage_peak_bytes(module: nn.Module, microbatch: Any, spec: StageSpec, *,
@@ -198,10 +198,12 @@ LOWEST_SHARE = 0.4  # of the time left, for the lowest-peak plan
 
 def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb: float,
                loss_fn: Callable[[Any], torch.Tensor] | None = None, target_bytes: int = 0,
-               time_limit_s: float = 60.0, **profile_options: Any) -> tuple[Plan, int]:
+               time_limit_s: float = 60.0, deterministic: bool = False,
+               **profile_options: Any) -> tuple[Plan, int]:
     """A plan of the stage's step whose peak over one step of ``spec``'s schedule (every
     microbatch it holds) is within ``budget_gb``; returns it and that peak. Arguments as
-    :func:`stage_peak_bytes`.
+    :func:`stage_peak_bytes`; ``deterministic`` as :func:`planner.optimize`'s (each
+    solve's share of the limit is then counted, not timed).
 
     The plan is one microbatch's, made for steps that start with gradients allocated (as
     they are from the stage's first backward on): the least recompute at the largest
@@ -213,26 +215,44 @@ def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb
             peak of those tried, ``plan`` the plan that peaks there.
     """
     steps = StageSteps(module, microbatch, spec, loss_fn, target_bytes, **profile_options)
-    return steps.plan(int(budget_gb * GIB), time_limit_s)
+    return steps.plan(int(budget_gb * GIB), time_limit_s, deterministic=deterministic)
+
+
+class _Limit:
+    """The seconds left of a stage's time limit: measured, or, for a deterministic plan,
+    the limit less the shares handed out (a clock would give a loaded machine fewer
+    seconds per solve, so another plan)."""
+
+    def __init__(self, seconds: float, deterministic: bool) -> None:
+        self.deterministic, self.given = deterministic, 0.0
+        self.end = seconds if deterministic else time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - (self.given if self.deterministic else time.perf_counter())
+
+    def give(self, seconds: float) -> float:
+        self.given += seconds
+        return seconds
 
 
 def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
-                      solver: str = "auto") -> tuple[Plan, int]:
+                      solver: str = "auto", deterministic: bool = False) -> tuple[Plan, int]:
     """`plan_stage` on a stage's profiled steps, at ``budget`` bytes."""
     spec = steps.spec
     if not steps.plannable:
-        return _unplanned_stage(steps, budget, time_limit_s, solver)
-    deadline = time.perf_counter() + time_limit_s
+        return _unplanned_stage(steps, budget, time_limit_s, solver, deterministic)
+    clock = _Limit(time_limit_s, deterministic)
 
     def attempt(one: int, limit: float) -> tuple[Plan, int, int]:
         """The plan at one microbatch's budget ``one`` (or, where none fits ``one``, the
         lowest-peak plan), its stage peak, and the least one-microbatch budget known to
         fit (``one``, or the minimum the error named)."""
+        search = dict(time_limit_s=limit, solver=solver, deterministic=deterministic)
         try:
-            plan = solve(steps.steps[1], budget_bytes=one, time_limit_s=limit, solver=solver)
+            plan = solve(steps.steps[1], budget_bytes=one, **search)
         except InfeasibleBudgetError as error:
             plan = error.plan or solve(steps.steps[1], budget_bytes=error.min_budget_bytes,
-                                       time_limit_s=limit, solver=solver)
+                                       **search)
             return plan, steps.peak(plan.schedule), error.min_budget_bytes
         return plan, steps.peak(plan.schedule if plan.checkpointing else None), one
 
@@ -244,11 +264,11 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
         # plan, whose search gets LOWEST_SHARE of the time left (the floor of the
         # bisection: a 4-layer Llama stage at 10 GiB fits when that search has 8 s, not
         # 2); then halves between. A try that ends early leaves its time to the next
-        left = deadline - time.perf_counter()
+        left = clock.left()
         lowest = tries == 1 and low == 0
         one = budget if tries == 0 else MIN_BUDGET_BYTES if lowest else (low + high) // 2
         limit = max(0.05, LOWEST_SHARE * left if lowest else left / (BISECTIONS - tries))
-        plan, peak, fits_from = attempt(one, limit)
+        plan, peak, fits_from = attempt(one, clock.give(limit))
         at_one = fits_from <= one
         if least is None or peak < least[1]:
             least = (plan, peak)
@@ -274,12 +294,12 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
 
 
 def _unplanned_stage(steps: StageSteps, budget: int, time_limit_s: float,
-                     solver: str) -> tuple[Plan, int]:
+                     solver: str, deterministic: bool = False) -> tuple[Plan, int]:
     """A stage whose backward the schedule splits runs as profiled: its plan checkpoints
     nothing, and the budget holds it or names its peak."""
     spec = steps.spec
     plan = solve(steps.steps[1], budget_bytes=MAX_BUDGET_BYTES, time_limit_s=time_limit_s,
-                 solver=solver)
+                 solver=solver, deterministic=deterministic)
     peak = steps.peak()
     if peak > budget:
         raise InfeasibleBudgetError(
