@@ -218,6 +218,40 @@ def test_torch_compile_keeps_the_plans_checkpoints() -> None:
     assert planned_saved < 0.7 * unplanned_saved, (planned_saved, unplanned_saved)
 
 
+def test_a_compiled_op_range_plan_compiles_once() -> None:
+    """An op range's checkpoint under ``torch.compile`` compiles at its first steps (the
+    first training call checks its op stream, later ones do not) and runs that code after:
+    its inputs were told apart by ``id()``, on which dynamo guards, so every step
+    recompiled (the step 35x slower, eager after dynamo's recompile limit)."""
+    from solvers import OpRange
+
+    model = zoo.get("gpt", size="tiny", dropout=0.0)
+    prof, plan = _setup(model)
+    problem = problem_from_profile(prof)
+    spans = [max((s for s in problem.module_spans if s.kind == "ops"
+                  and s.name.startswith(f"blocks.{i}[")), key=lambda s: s.stop - s.start)
+             for i in range(2)]
+    schedule = Schedule.from_segments(problem.n_nodes, [(s.start, s.stop) for s in spans])
+    plan = plan_for_schedule(prof, schedule, plan.inputs, structure_fingerprint(model.model))
+    assert all(isinstance(r.target, OpRange) for r in plan.schedule.recompute_regions())
+    x, = model.example_inputs
+    apply(model.model, plan)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        compiled = torch.compile(model.model, backend="aot_eager")
+        graphs = []
+        for _ in range(4):
+            model.loss_fn(compiled(x)).backward()
+            model.model.zero_grad(set_to_none=True)
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        remove(model.model)
+        torch._dynamo.reset()
+    assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[3], graphs
+
+
 def test_nested_attention_call_with_keyword_inputs() -> None:
     """HF Llama calls its attention with keyword tensors (hidden_states=...); checkpoint
     holds keyword arguments as plain objects, so nested in the layer's checkpoint they

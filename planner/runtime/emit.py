@@ -53,6 +53,22 @@ __all__ = ["ANY_PRECISION", "Checkpointed", "Installation", "OpStreamWarning", "
 ANY_PRECISION = "any"  # RegionSpec.autocast_dtype: compare the op stream under any precision
 
 
+def _distinct(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Each tensor once, in first-seen order, and each argument's position among them.
+    Told apart by ``is``, not ``id()``: under ``torch.compile`` dynamo guards on an ``id``
+    it reads (a new guard failure, so a recompile, at every step); ``is`` it guards as
+    aliasing."""
+    distinct: list[torch.Tensor] = []
+    position_of = []
+    for tensor in tensors:
+        position = next((p for p, seen in enumerate(distinct) if seen is tensor), None)
+        if position is None:
+            position = len(distinct)
+            distinct.append(tensor)
+        position_of.append(position)
+    return distinct, position_of
+
+
 @dataclass(frozen=True)
 class RegionSpec:
     """What one module's checkpoint does: kept ops and buffers to restore after a rerun.
@@ -173,9 +189,7 @@ class _Checkpoint:
         else:  # tensors only (a block's call, an op range's inputs): no tree to walk
             leaves, structure = list(args), None
         where = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        distinct = list({id(leaves[k]): leaves[k] for k in where}.values())
-        slot = {id(t): position for position, t in enumerate(distinct)}
-        position_of = [slot[id(leaves[k])] for k in where]
+        distinct, position_of = _distinct([leaves[k] for k in where])
         body = self._body(fn)
 
         def run(*tensors: torch.Tensor) -> Any:
