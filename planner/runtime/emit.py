@@ -198,6 +198,8 @@ class _Checkpoint:
                 filled[k] = tensors[position]
             call_args, call_kwargs = (tuple(filled), {}) if structure is None else \
                 tree_unflatten(filled, structure)
+            if torch.compiler.is_compiling():  # no offload under compile: none to pause
+                return body(*call_args, **call_kwargs)
             with offload_paused():  # the forward and its rerun: the checkpoint's saves
                 return body(*call_args, **call_kwargs)
 
