@@ -1,0 +1,229 @@
+"""Compiled training steps on the CPU, measured: what inductor keeps, the 0-1 fraction peer,
+hand policies compiled, and our eager plans compiled (issue 64: the numbers a compiled-step
+planner has to beat and predict; nothing here plans for compile yet).
+
+    python benchmarks/compile_cpu.py           # GPT small, HF Llama tiny, ResNet (~25 min)
+    python benchmarks/compile_cpu.py --quick   # GPT tiny, whole model only
+
+Each model is compiled whole (``torch.compile(model)``) and per block (each repeated block's
+``module.compile()``, after its checkpoints, in torchtitan's order), with inductor's C++
+backend, afresh for every row (``torch._dynamo.reset()``). Rows: the eager step; compiled
+with nothing checkpointed; ``torch._functorch.config.activation_memory_budget`` at
+``FRACTIONS`` (the min-cut partitioner's 0-1 budget, the peer users pick); hand policies
+(`benchmarks/frontier_peers.py`: every layer, torchtitan's selective sac-matmuls); and
+ours: the eager plan (`planner.optimize`, deterministic) at each fraction's measured peak,
+applied, then compiled, its eager prediction beside what the compiled step measured.
+
+Peak: the step's parameters, buffers and inputs plus the most the CPU allocator held above
+its level when the step began (`planner.measure.allocator_peak`: inductor's generated code
+allocates below the dispatcher, where `PeakTracker` sees nothing; on eager steps the two
+agree, `tests/test_measure.py`). Time: the median of ``STEPS`` steps after the one that
+compiles. Gradients: the largest relative error against the eager step's
+(``frontier_measure.grads_rel_error``; compiling reorders floating point); models run with
+dropout 0 (inductor draws its own masks).
+
+Writes benchmarks/results/compile-cpu.{json,md} (``--out`` to change the folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from frontier_measure import grads_rel_error
+from frontier_peers import peer_context
+
+import profiles
+from planner import InfeasibleBudgetError, apply, optimize, remove, replan, zoo
+from planner.measure import allocator_peak
+from profiles.inputs import normalize_inputs
+
+GIB, MIB = 2**30, 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
+FRACTIONS = (1.0, 0.5, 0.2, 0.05)  # 1.0: the partitioner's default (nothing recomputed)
+PEERS = ("every-layer", "sac-matmuls")
+STEPS = 7
+MODELS: dict[str, Callable[[], zoo.ZooModel]] = {
+    "gpt-small": lambda: zoo.get("gpt", size="small", dropout=0.0),
+    "hf-llama-tiny": lambda: zoo.get("hf-llama"),
+    "resnet": lambda: zoo.get("resnet"),
+}
+QUICK = {"gpt-tiny": lambda: zoo.get("gpt", size="tiny", dropout=0.0)}
+
+
+class Step:
+    """One model's training step on fixed inputs: measured peak, time and gradients."""
+
+    def __init__(self, zm: zoo.ZooModel) -> None:
+        self.zm, self.loss_fn = zm, zm.loss_fn or profiles.default_loss
+        self.args, self.kwargs = normalize_inputs(zm.model, zm.example_inputs)
+        tensors = [*zm.model.parameters(), *zm.model.buffers(), *self.args,
+                   *self.kwargs.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if isinstance(t, torch.Tensor)}
+        self.static_bytes = sum(storages.values())
+
+    def once(self) -> None:
+        self.loss_fn(self.zm.model(*self.args, **self.kwargs)).backward()
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        out = {name: p.grad.detach().clone() for name, p in self.zm.model.named_parameters()
+               if p.grad is not None}
+        self.zm.model.zero_grad(set_to_none=True)
+        return out
+
+    def measure(self) -> dict[str, Any]:
+        """The step run once to warm up (compiling, where compiled), once measured, then
+        timed; gradients are the measured step's."""
+        began = time.perf_counter()
+        self.once()
+        warm_s = time.perf_counter() - began
+        self.zm.model.zero_grad(set_to_none=True)
+        measured = allocator_peak(self.once)
+        grads = self.grads()
+        times = []
+        for _ in range(STEPS):
+            began = time.perf_counter()
+            self.once()
+            times.append((time.perf_counter() - began) * 1e3)
+            self.zm.model.zero_grad(set_to_none=True)
+        return {"peak_bytes": self.static_bytes + measured.peak_bytes,
+                "step_ms": statistics.median(times), "warm_s": warm_s, "grads": grads}
+
+
+@contextlib.contextmanager
+def compiled(zm: zoo.ZooModel, mode: str, fraction: float = 1.0) -> Iterator[None]:
+    """The model's forward compiled whole or per block while inside, the partition made at
+    the warm-up step under ``activation_memory_budget=fraction``."""
+    torch._dynamo.reset()
+    blocks = list(zm.model.get_submodule(zm.block_prefix))
+    targets = [zm.model] if mode == "whole" else blocks
+    try:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            for module in targets:
+                module.compile(backend="inductor")
+            yield
+    finally:
+        for module in targets:
+            module._compiled_call_impl = None
+        torch._dynamo.reset()
+
+
+def _row(rows: list[dict[str, Any]], reference: dict[str, torch.Tensor] | None,
+         **fields: Any) -> dict[str, Any]:
+    grads = fields.pop("grads", None)
+    if grads is not None and reference is not None:
+        fields["grad_rel_error"] = grads_rel_error(reference, grads)
+    rows.append(fields)
+    shown = {k: v for k, v in fields.items() if k in ("model", "mode", "row", "status")}
+    peak = fields.get("peak_bytes")
+    print(f"  {shown} peak {peak / MIB:.3f} MiB" if peak else f"  {shown}", file=sys.stderr,
+          flush=True)
+    return fields
+
+
+def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return {"status": "ok", **measure()}
+    except Exception as error:  # a row failing is a result to record
+        return {"status": f"failed: {type(error).__name__}: {error}"[:300]}
+
+
+def _ours(zm: zoo.ZooModel, step: Step, mode: str, budget: int, plan: Any) -> dict[str, Any]:
+    """Our eager plan at ``budget`` (or, where none fits, at its least peak), applied, then
+    compiled ``mode``: its eager prediction and what the compiled step measured."""
+    try:
+        planned = replan(plan, budget_bytes=budget, deterministic=True)
+    except InfeasibleBudgetError as error:
+        planned = error.plan
+    apply(zm.model, planned)
+    try:
+        with compiled(zm, mode):
+            result = _attempt(step.measure)
+    finally:
+        remove(zm.model)
+    return {**result, "budget_bytes": budget, "predicted_bytes": planned.predicted_peak_bytes,
+            "eager_budget_bytes": planned.budget_bytes}
+
+
+def run_model(name: str, zm: zoo.ZooModel, modes: tuple[str, ...]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    step = Step(zm)
+    print(f"{name}: static {step.static_bytes / MIB:.2f} MiB", file=sys.stderr, flush=True)
+    eager = step.measure()
+    reference = eager["grads"]
+    plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
+                    timing="estimate", deterministic=True, progress=False)
+    _row(rows, reference, model=name, mode="eager", row="no checkpoint", status="ok",
+         predicted_bytes=plan.unplanned_peak_bytes, **eager)
+    for mode in modes:
+        fraction_peaks = []
+        for fraction in FRACTIONS:
+            with compiled(zm, mode, fraction):
+                result = _attempt(step.measure)
+            _row(rows, reference, model=name, mode=mode, row=f"fraction {fraction:g}",
+                 fraction=fraction, **result)
+            if fraction < 1.0 and result.get("peak_bytes"):
+                fraction_peaks.append((fraction, result["peak_bytes"]))
+        for peer in PEERS:
+            with peer_context(peer, zm), compiled(zm, mode):
+                result = _attempt(step.measure)
+            _row(rows, reference, model=name, mode=mode, row=peer, **result)
+        for fraction, peak in fraction_peaks:
+            _row(rows, reference, model=name, mode=mode, row=f"ours at fraction {fraction:g}",
+                 **_ours(zm, step, mode, peak, plan))
+    return rows
+
+
+def report(rows: list[dict[str, Any]], meta: str) -> str:
+    lines = ["# Compiled steps on the CPU, measured", "", meta, "",
+             "Peak: parameters, buffers and inputs plus the CPU allocator's most above the "
+             "step's start. `ours`: the eager plan at the fraction's measured peak, applied, "
+             "then compiled; predicted is its eager prediction.", "",
+             "| model | compiled | row | peak MiB | predicted MiB | budget MiB | within | "
+             "step ms | grad rel. error | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def mib(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key] / MIB:.3f}" if r.get(key) else "-"
+
+        within = "-" if not (r.get("budget_bytes") and r.get("peak_bytes")) else \
+            "yes" if r["peak_bytes"] <= r["budget_bytes"] else \
+            f"no, +{100 * (r['peak_bytes'] / r['budget_bytes'] - 1):.1f} %"
+        error = f"{r['grad_rel_error']:.1e}" if "grad_rel_error" in r else "-"
+        ms = f"{r['step_ms']:.1f}" if r.get("step_ms") else "-"
+        lines.append(f"| {r['model']} | {r['mode']} | {r['row']} | {mib('peak_bytes')} | "
+                     f"{mib('predicted_bytes')} | {mib('budget_bytes')} | {within} | {ms} | "
+                     f"{error} | {r['status'][:80]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="GPT tiny, whole model only")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    models, modes = (QUICK, ("whole",)) if args.quick else (MODELS, ("whole", "blocks"))
+    began = time.perf_counter()
+    rows = [r for name, build in models.items() for r in run_model(name, build(), modes)]
+    meta = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}, inductor C++; "
+            f"{time.perf_counter() - began:.0f} s.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "compile-cpu-quick" if args.quick else "compile-cpu"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{stem}.md").write_text(report(rows, meta))
+    print(report(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
