@@ -4,6 +4,7 @@ planner has to beat and predict; nothing here plans for compile yet).
 
     python benchmarks/compile_cpu.py           # GPT small, HF Llama tiny, ResNet (~25 min)
     python benchmarks/compile_cpu.py --quick   # GPT tiny, whole model only
+    python benchmarks/compile_cpu.py --models torchvision-mobilenet-v2 --modes whole
 
 Each model is compiled whole (``torch.compile(model)``) and per block (each repeated block's
 ``module.compile()``, after its checkpoints, in torchtitan's order), with inductor's C++
@@ -22,7 +23,8 @@ compiles. Gradients: the largest relative error against the eager step's
 (``frontier_measure.grads_rel_error``; compiling reorders floating point); models run with
 dropout 0 (inductor draws its own masks).
 
-Writes benchmarks/results/compile-cpu.{json,md} (``--out`` to change the folder).
+Writes benchmarks/results/compile-cpu.{json,md} (``--models``: compile-cpu-<models>.*;
+``--out`` to change the folder).
 """
 
 from __future__ import annotations
@@ -58,6 +60,24 @@ MODELS: dict[str, Callable[[], zoo.ZooModel]] = {
     "resnet": lambda: zoo.get("resnet"),
 }
 QUICK = {"gpt-tiny": lambda: zoo.get("gpt", size="tiny", dropout=0.0)}
+
+
+def mobilenet_v2() -> zoo.ZooModel:
+    """torchvision's MobileNetV2 (random init, 10 classes, dropout 0) on 8 images of 32 x 32; its
+    blocks are ``features``' 19 modules."""
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(num_classes=10, dropout=0.0)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, 32, 32, generator=generator)
+    y = torch.randint(0, 10, (8,), generator=generator)
+    return zoo.ZooModel("torchvision mobilenet_v2", model, (x,),
+                        lambda out: F.cross_entropy(out, y), "features")
+
+
+MORE = {"torchvision-mobilenet-v2": mobilenet_v2}
 
 
 class Step:
@@ -209,17 +229,23 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="GPT tiny, whole model only")
+    parser.add_argument("--models", nargs="+", choices=sorted({**MODELS, **MORE}),
+                        help="these models only (default: " + ", ".join(MODELS) + ")")
+    parser.add_argument("--modes", nargs="+", choices=("whole", "blocks"),
+                        default=("whole", "blocks"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.manual_seed(0)
-    models, modes = (QUICK, ("whole",)) if args.quick else (MODELS, ("whole", "blocks"))
+    chosen = {name: {**MODELS, **MORE}[name] for name in args.models or MODELS}
+    models, modes = (QUICK, ("whole",)) if args.quick else (chosen, tuple(args.modes))
     began = time.perf_counter()
     rows = [r for name, build in models.items() for r in run_model(name, build(), modes)]
     meta = (f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}, inductor C++; "
             f"{time.perf_counter() - began:.0f} s.")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "compile-cpu-quick" if args.quick else "compile-cpu"
+    stem = "compile-cpu-quick" if args.quick else "compile-cpu" if not args.models else \
+        "compile-cpu-" + "-".join(args.models)
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / f"{stem}.md").write_text(report(rows, meta))
     print(report(rows, meta))
