@@ -1,6 +1,6 @@
 """Compiled training steps on the CPU, measured: what inductor keeps, the 0-1 fraction peer,
-hand policies compiled, and our eager plans compiled (issue 64: the numbers a compiled-step
-planner has to beat and predict; nothing here plans for compile yet).
+hand policies compiled, our eager plans compiled, and our plans for the compiled step
+(``optimize(..., compiled=)``, `planner.compile_fit`).
 
     python benchmarks/compile_cpu.py           # GPT small, HF Llama tiny, ResNet (~25 min)
     python benchmarks/compile_cpu.py --quick   # GPT tiny, whole model only
@@ -13,7 +13,10 @@ with nothing checkpointed; ``torch._functorch.config.activation_memory_budget`` 
 ``FRACTIONS`` (the min-cut partitioner's 0-1 budget, the peer users pick); hand policies
 (`benchmarks/frontier_peers.py`: every layer, torchtitan's selective sac-matmuls); and
 ours: the eager plan (`planner.optimize`, deterministic) at each fraction's measured peak,
-applied, then compiled, its eager prediction beside what the compiled step measured.
+applied, then compiled, its eager prediction beside what the compiled step measured; and
+ours compiled: ``optimize(..., compiled="model" | "blocks")`` at each fraction's measured
+peak (the compiled step's peak the plan records, measured while planning, beside what
+this run measures again), with its planning time and compiled schedules tried.
 
 Peak: the step's parameters, buffers and inputs plus the most the CPU allocator held above
 its level when the step began (`planner.measure.allocator_peak`: inductor's generated code
@@ -47,6 +50,7 @@ from frontier_peers import peer_context
 import profiles
 from planner import InfeasibleBudgetError, apply, optimize, remove, replan, zoo
 from planner.measure import allocator_peak
+from planner.verification import bound_tensors
 from profiles.inputs import normalize_inputs
 
 GIB, MIB = 2**30, 2**20
@@ -87,7 +91,7 @@ class Step:
         self.zm, self.loss_fn = zm, zm.loss_fn or profiles.default_loss
         self.args, self.kwargs = normalize_inputs(zm.model, zm.example_inputs)
         tensors = [*zm.model.parameters(), *zm.model.buffers(), *self.args,
-                   *self.kwargs.values()]
+                   *self.kwargs.values(), *bound_tensors(self.loss_fn)]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in tensors if isinstance(t, torch.Tensor)}
         self.static_bytes = sum(storages.values())
@@ -175,6 +179,28 @@ def _ours(zm: zoo.ZooModel, step: Step, mode: str, budget: int, plan: Any) -> di
             "eager_budget_bytes": planned.budget_bytes}
 
 
+def _ours_compiled(zm: zoo.ZooModel, step: Step, mode: str, budget: int) -> dict[str, Any]:
+    """Our plan for the compiled step at ``budget`` (or, where none fits, the least peak
+    measured), applied, compiled as planned, measured again."""
+    began = time.perf_counter()
+    try:
+        plan = optimize(zm.model, zm.example_inputs, budget_gb=budget / GIB,
+                        loss_fn=zm.loss_fn, compiled="model" if mode == "whole" else mode,
+                        timing="estimate", deterministic=True, progress=False)
+    except InfeasibleBudgetError as error:
+        plan = error.plan
+    planning_s = time.perf_counter() - began
+    apply(zm.model, plan)
+    try:
+        with compiled(zm, mode):
+            result = _attempt(step.measure)
+    finally:
+        remove(zm.model)
+    return {**result, "budget_bytes": budget, "predicted_bytes": plan.compiled.peak_bytes,
+            "eager_budget_bytes": plan.compiled.eager_budget_bytes,
+            "planning_s": planning_s, "compiles": plan.compiled.compiles}
+
+
 def run_model(name: str, zm: zoo.ZooModel, modes: tuple[str, ...]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     step = Step(zm)
@@ -201,6 +227,10 @@ def run_model(name: str, zm: zoo.ZooModel, modes: tuple[str, ...]) -> list[dict[
         for fraction, peak in fraction_peaks:
             _row(rows, reference, model=name, mode=mode, row=f"ours at fraction {fraction:g}",
                  **_ours(zm, step, mode, peak, plan))
+        for fraction, peak in fraction_peaks:
+            _row(rows, reference, model=name, mode=mode,
+                 row=f"ours compiled at fraction {fraction:g}",
+                 **_ours_compiled(zm, step, mode, peak))
     return rows
 
 
@@ -208,9 +238,12 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
     lines = ["# Compiled steps on the CPU, measured", "", meta, "",
              "Peak: parameters, buffers and inputs plus the CPU allocator's most above the "
              "step's start. `ours`: the eager plan at the fraction's measured peak, applied, "
-             "then compiled; predicted is its eager prediction.", "",
-             "| model | compiled | row | peak MiB | predicted MiB | budget MiB | within | "
-             "step ms | grad rel. error | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "then compiled; predicted is its eager prediction. `ours compiled`: "
+             "`optimize(..., compiled=)` at that peak; predicted is the compiled peak the plan "
+             "records (measured while planning); planning s (schedules compiled).", "",
+             "| model | compiled | row | peak MiB | predicted MiB | pred. error | budget MiB | "
+             "within | step ms | planning s | grad rel. error | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def mib(key: str, r: dict[str, Any] = r) -> str:
             return f"{r[key] / MIB:.3f}" if r.get(key) else "-"
@@ -220,9 +253,12 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
             f"no, +{100 * (r['peak_bytes'] / r['budget_bytes'] - 1):.1f} %"
         error = f"{r['grad_rel_error']:.1e}" if "grad_rel_error" in r else "-"
         ms = f"{r['step_ms']:.1f}" if r.get("step_ms") else "-"
+        off = f"{100 * (r['peak_bytes'] / r['predicted_bytes'] - 1):+.2f} %" if \
+            r.get("peak_bytes") and r.get("predicted_bytes") else "-"
+        planning = f"{r['planning_s']:.0f} ({r['compiles']})" if "planning_s" in r else "-"
         lines.append(f"| {r['model']} | {r['mode']} | {r['row']} | {mib('peak_bytes')} | "
-                     f"{mib('predicted_bytes')} | {mib('budget_bytes')} | {within} | {ms} | "
-                     f"{error} | {r['status'][:80]} |")
+                     f"{mib('predicted_bytes')} | {off} | {mib('budget_bytes')} | {within} | "
+                     f"{ms} | {planning} | {error} | {r['status'][:80]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from planner.config import PROFILING, SEARCH, STEP, cli_flags, from_cli, positive
+from planner.config import COMPILING, PROFILING, SEARCH, STEP, cli_flags, from_cli, positive
 from profiles.errors import ProfileError
 
 log = logging.getLogger("planner")
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zoo builder argument, e.g. --set batch=4 (repeatable)")
     opt.add_argument("--budget-gb", type=_budget_gb, required=True,
                      help="peak GiB (2**30 bytes) of one training step")
-    cli_flags(opt, CLI_DEFAULTS, (STEP,))
+    cli_flags(opt, CLI_DEFAULTS, (STEP, COMPILING))
     opt.add_argument("--max-length", type=_count, default=None, metavar="TOKENS",
                      help="plan every batch of up to this many tokens per row, padded or "
                      "not (a plan table; default: the example batch's shape only)")

@@ -23,6 +23,7 @@ from planner.arguments import (
     host_budget_arg,
 )
 from planner.bucket_planning import plan_envelope
+from planner.compile_fit import plan_compiled
 from planner.config import GROUPS, PARALLEL, PROFILING, STEP, PlanConfig, shows_options
 from planner.model_state import structure_fingerprint
 from planner.plan import Plan, PlanMismatchWarning
@@ -108,6 +109,14 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     takes its bucket's plan. Without an envelope the plan covers batches no larger than
     ``example_inputs``, of its mask branch.
 
+    A compiled step: ``compiled="model"`` (you train ``torch.compile(model)``) or
+    ``"blocks"`` (each repeated block's ``.compile()`` after ``apply``, as torchtitan does)
+    plans the step compile runs. Inductor fuses ops and its partitioner chooses what
+    untagged ops keep, so its peak is not the eager one: the plan is the eager schedule of
+    the largest eager budget whose step, compiled, measures within ``budget_gb``
+    (:mod:`planner.compile_fit`; each schedule tried compiles and runs one step on the
+    model, which is left as it was). ``plan.compiled`` holds what was measured.
+
     Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the
     fields of :class:`~planner.config.PlanConfig`, where each is described; an unknown one
     is refused naming what was meant.
@@ -119,6 +128,8 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     config = PlanConfig.of(config, options, "optimize()")
     if config.pipeline is not None:
         return _plan_stage(model, example_inputs, budget_gb, config)
+    if config.compiled is not None:
+        return plan_compiled(model, example_inputs, _budget_bytes(budget_gb), config)
     solve_options = config.solve_options(_budget_bytes(budget_gb))
     profile_options = config.options(STEP, PROFILING, PARALLEL)
     if config.envelope is not None:

@@ -26,11 +26,12 @@ from planner.arguments import SolveOptions, _check_solver_options, host_budget_a
 from planner.envelope import Envelope
 from planner.sharding import SHARDINGS
 
-__all__ = ["PlanConfig", "cli_flags", "from_cli", "shows_options"]
+__all__ = ["COMPILE_MODES", "PlanConfig", "cli_flags", "from_cli", "shows_options"]
 
-STEP, PROFILING, PARALLEL, SEARCH, BATCHES = (
-    "the step", "profiling", "parallelism", "the search", "batches")
-GROUPS = (STEP, PROFILING, PARALLEL, SEARCH, BATCHES)
+STEP, PROFILING, PARALLEL, SEARCH, BATCHES, COMPILING = (
+    "the step", "profiling", "parallelism", "the search", "batches", "compiling")
+GROUPS = (STEP, PROFILING, PARALLEL, SEARCH, BATCHES, COMPILING)
+COMPILE_MODES = ("model", "blocks")  # torch.compile(model); each block's .compile()
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class PlanConfig:
         STEP, "steps start with every .grad allocated (micro-batches of gradient "
         "accumulation, zero_grad(set_to_none=False)); default: without .grad",
         stage=False, flag="--grad-accumulation"))
+    compiled: str | None = field(default=None, metadata=_about(
+        COMPILING, "plan the step torch.compile runs, its peak measured compiled: 'model' "
+        "(torch.compile(model), the Trainer's torch_compile) or 'blocks' (each repeated "
+        "block's .compile() after apply, torchtitan's order)", stage=False,
+        flag="--compiled", choices=COMPILE_MODES))
     timing: str = field(default="auto", metadata=_about(
         PROFILING, "measure on this machine, or estimate from FLOPs and the device's "
         "roofline; auto: measure real tensors, estimate meta or fake ones",
@@ -208,7 +214,7 @@ def _unknown(name: str, caller: str, taken: set[str]) -> str:
     every = {f.name for f in fields(PlanConfig)}
     if name in every:
         takers = {SEARCH: "optimize() or solve()/replan() take it",
-                  BATCHES: "optimize() takes it"}
+                  BATCHES: "optimize() takes it", COMPILING: "optimize() takes it"}
         return (f"{caller} does not take {name}= ({_meta(name).group}): "
                 + takers.get(_meta(name).group, "optimize() or profile_model() take it"))
     close = difflib.get_close_matches(name, sorted(taken), n=1)

@@ -41,12 +41,19 @@ from torch.utils._pytree import tree_leaves
 from profiles.parallel import local_tensor, storage_nbytes
 
 __all__ = ["AllocatorPeak", "PeakTracker", "allocator_peak", "host_memory",
-           "least_peak_over_gloo"]
+           "least_peak_over_gloo", "storages_bytes"]
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
     """The storage a tensor allocates on this process: a DTensor's is its local shard's."""
     return local_tensor(tensor).untyped_storage()
+
+
+def storages_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the storages under ``tensors``, each storage counted once."""
+    storages = {StorageWeakRef(_storage(t)): _storage(t).nbytes() for t in tensors}
+    return sum(storages.values())
+
 
 _host = threading.local()
 

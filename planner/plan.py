@@ -206,6 +206,32 @@ class PipelineStage(_Strict):
                 "microbatch's")
 
 
+class CompiledFit(_Strict):
+    """A plan for the step ``torch.compile`` runs (``optimize(..., compiled=)``,
+    :mod:`planner.compile_fit`): its peak is the compiled step's, measured with the schedule
+    applied and compiled at the profiled inputs, not the eager simulator's (inductor fuses,
+    and its partitioner decides what untagged ops keep)."""
+
+    mode: str = Field(description="'model': torch.compile(model); 'blocks': each repeated "
+                      "block's .compile() after apply (torchtitan's order)")
+    peak_bytes: Bytes = Field(description="the compiled step's peak with this schedule, "
+                              "measured")
+    eager_budget_bytes: Bytes = Field(description="the budget the eager schedule was "
+                                      "solved at")
+    probes: list[tuple[Bytes, Bytes]] = Field(description="each eager solve: (eager budget, "
+                                              "compiled peak measured), in order")
+    compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
+                          "solve that gave one already measured is not compiled again)")
+    measure: str = Field(description="what measured the peaks")
+
+    def describe(self, budget_bytes: int) -> str:
+        return (f"compiled ({self.mode}): measured peak {format_bytes(self.peak_bytes)} of "
+                f"the compiled step within budget {format_bytes(budget_bytes)} ("
+                f"{self.measure}; {self.compiles} schedules compiled); the eager "
+                f"schedule solved at {format_bytes(self.eager_budget_bytes)}, and the eager "
+                "numbers below are the eager step's")
+
+
 class Plan(_Strict):
     """An activation-checkpointing plan for one model, precision, input shapes and budget.
 
@@ -236,6 +262,8 @@ class Plan(_Strict):
                                           "the experts a batch's tokens went to: the peak "
                                           "is the worst over every routing "
                                           "(solvers.routing)")
+    compiled: CompiledFit | None = Field(None, description="planned for the step torch.compile "
+                                         "runs: budget_bytes holds its measured peak")
 
     @field_validator("schema_version")
     @classmethod
@@ -447,6 +475,8 @@ class Plan(_Strict):
         if stage is not None and stage.peak_bytes is not None and stage.peak_bytes > \
                 stage.budget_bytes:
             what, budget, peak = "pipeline.budget_bytes", stage.budget_bytes, stage.peak_bytes
+        if self.compiled is not None:
+            what, peak = "budget_bytes (compiled)", self.compiled.peak_bytes
         if peak > budget:
             raise ValueError(
                 f"{what}: {format_bytes(budget)} is below the plan's own predicted peak "
@@ -499,6 +529,7 @@ class Plan(_Strict):
             *([f"  {self.profile.parallel.describe()}"] if self.profile.parallel else []),
             *([f"  {self.pipeline.describe()}"] if self.pipeline else []),
             *([f"  {self.routing_description()}"] if self.routing else []),
+            *([f"  {self.compiled.describe(self.budget_bytes)}"] if self.compiled else []),
             f"  budget {format_bytes(self.budget_bytes)}, predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)} at {self.peak_at} "
             f"(no checkpointing: {format_bytes(self.unplanned_peak_bytes)})",

@@ -100,7 +100,8 @@ def bound_tensors(fn: Callable[..., Any]) -> list[torch.Tensor]:
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None, *,
-                 grads_at_start: bool = False) -> tuple[int, torch.Tensor, dict]:
+                 grads_at_start: bool = False,
+                 compiled: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
     :class:`planner.measure.PeakTracker`), the loss and the gradients. As on the CPU, the
     step is the model's parameters, buffers, gradients and inputs (the tensors ``loss_fn``
@@ -110,7 +111,9 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     (``grads_at_start``) as a later micro-batch of gradient accumulation does: with the
     gradients one backward before it left, zeroed, laid out as that backward laid them out
     (AccumulateGrad keeps an incoming gradient, a slice of a larger one included); that
-    backward's random draws and buffer updates are undone.
+    backward's random draws and buffer updates are undone. ``compiled``: the step runs
+    compiled code, whose buffers a dispatch mode does not see; on the CPU the allocator's
+    own events measure it (:func:`planner.measure.allocator_peak`), above the same tensors.
     Gradients are cleared afterwards."""
     device = _model_device(module)
     module.zero_grad(set_to_none=True)
@@ -140,6 +143,19 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
         loss.backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
+    elif compiled:
+        from planner.measure import allocator_peak, storages_bytes
+
+        def step() -> torch.Tensor:
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_fn(module(*args, **kwargs))
+            loss.backward()
+            return loss.detach()
+
+        held: list[torch.Tensor] = []
+        peak = storages_bytes([*static, *bound_tensors(loss_fn)]) + \
+            allocator_peak(lambda: held.append(step())).peak_bytes
+        loss = held[0]
     else:
         from planner.measure import PeakTracker
 

@@ -1,0 +1,211 @@
+"""Plans for compiled steps: a byte budget the step ``torch.compile`` runs holds.
+
+A compiled step keeps what inductor and its partitioner decide around our checkpoints'
+tags (``MUST_SAVE`` for what a region keeps, ``PREFER_RECOMPUTE``, which compile treats as
+must-recompute, for the rest): less than eager where it fuses pointwise ops, more where its
+buffers outlive eager's (measured: ``benchmarks/results/compile-cpu.md``). The eager
+simulator does not predict it, so the compiled step is measured, not simulated
+(:class:`planner.compiled_step.CompiledStep`), and the search is over the eager budget at
+which the schedule is solved: the largest eager budget whose schedule, compiled, peaks
+within the budget (the least recompute the measure allows). Each probe solves the eager
+profile at a budget and measures that schedule compiled, at most ``MAX_PROBES`` times:
+
+1. no checkpointing (the eager step's own peak as budget); done if it fits;
+2. the eager budget scaled by what compiling did to the last probe's peak, then
+3. between the largest eager budget that fit and the least that did not, at the point
+   where the line through their measured peaks meets the budget;
+4. where nothing fit before the last probe, the eager schedule of the least peak.
+
+A schedule already measured is not compiled again. The plan records every probe
+(``plan.compiled``); where none fits, :class:`InfeasibleBudgetError` names the least
+compiled peak measured and carries its plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+import profiles
+from planner.arguments import SolveOptions
+from planner.compiled_step import CompiledStep
+from planner.config import PARALLEL, PROFILING, STEP, PlanConfig
+from planner.plan import CompiledFit, InfeasibleBudgetError, Plan, format_bytes
+from planner.profiling import ProfiledStep, profile_model
+from planner.solving import solve_profiled
+from profiles.inputs import normalize_inputs
+from profiles.progress import _bar
+from solvers.from_profile import block_calls
+
+__all__ = ["MAX_PROBES", "fit_compiled", "plan_compiled"]
+
+log = logging.getLogger(__name__)
+
+MAX_PROBES = 6  # compiled steps measured per plan (each compiles: seconds to minutes)
+CLOSE_ENOUGH = 0.01  # of the budget: a fitting probe this close to it ends the search
+SOLVES = 3 * MAX_PROBES  # eager solves per plan (a schedule solved again is not measured)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    eager_budget: int  # solved at
+    plan: Plan
+    peak: int  # compiled, measured
+
+    @property
+    def lowest_budget(self) -> int:
+        """The least eager budget known to give this schedule: its own eager peak (an exact
+        solve finds it feasible there, and nothing faster)."""
+        return min(self.eager_budget, self.plan.predicted_peak_bytes)
+
+
+class _Search:
+    """The probes of one fit: each schedule solved at an eager budget, compiled, measured."""
+
+    def __init__(self, profiled: ProfiledStep, options: SolveOptions, step: CompiledStep,
+                 report: Callable[[str], None]) -> None:
+        self.profiled, self.options, self.step, self.report = profiled, options, step, report
+        self.budget = options.budget_bytes
+        self.probes: list[_Probe] = []
+        self.least_eager: _Probe | None = None  # the eager schedule of the least peak
+
+    def solve(self, eager_budget: int) -> tuple[int, Plan]:
+        """The eager plan at ``eager_budget``, or below the eager minimum the least one."""
+        try:
+            return eager_budget, solve_profiled(self.profiled, self.options.at(eager_budget))
+        except InfeasibleBudgetError as error:
+            if error.plan is None:
+                raise
+            return error.min_budget_bytes, error.plan
+
+    def probe(self, eager_budget: int) -> _Probe:
+        eager_budget, plan = self.solve(eager_budget)
+        seen = next((p for p in self.probes if p.plan.schedule == plan.schedule), None)
+        peak = seen.peak if seen is not None else self.step.peak_bytes(plan)
+        probe = _Probe(eager_budget, plan, peak)
+        self.probes.append(probe)
+        if seen is None:
+            self.report(f"eager budget {format_bytes(eager_budget)}: compiled peak "
+                        f"{format_bytes(peak)}")
+        return probe
+
+    @property
+    def measured(self) -> int:
+        return len({p.plan.schedule for p in self.probes})
+
+    def fitting(self) -> list[_Probe]:
+        return [p for p in self.probes if p.peak <= self.budget]
+
+    def next_budget(self) -> int | None:
+        """The eager budget to try next; None when the search is done."""
+        fit = max(self.fitting(), key=lambda p: p.eager_budget, default=None)
+        over = min((p for p in self.probes if p.peak > self.budget),
+                   key=lambda p: p.lowest_budget, default=None)
+        if over is None or (fit is not None and fit.peak >= self.budget * (1 - CLOSE_ENOUGH)):
+            return None
+        if fit is None:  # scaled as compiling scaled the least schedule over the budget
+            least = self._least_eager()
+            if self.measured == MAX_PROBES - 1 or over.lowest_budget <= least:
+                return least
+            return max(least, over.lowest_budget * self.budget // over.peak)
+        gap = over.lowest_budget - fit.eager_budget
+        if gap <= CLOSE_ENOUGH * self.budget:
+            return None
+        share = (self.budget - fit.peak) / max(over.peak - fit.peak, 1)
+        return fit.eager_budget + int(min(max(share, 0.25), 0.75) * gap)
+
+    def _least_eager(self) -> int:
+        if self.least_eager is None:
+            budget, plan = self.solve(1)
+            self.least_eager = _Probe(budget, plan, -1)
+        return self.least_eager.eager_budget
+
+    def run(self, unplanned_eager_peak: int) -> Plan:
+        """Probe from no checkpointing on; the plan of the largest eager budget that fit."""
+        self.probe(unplanned_eager_peak)
+        while self.measured < MAX_PROBES and len(self.probes) < SOLVES:
+            budget = self.next_budget()
+            if budget is None or any(p.eager_budget == budget for p in self.probes):
+                break
+            self.probe(budget)
+        return self.result()
+
+    def result(self) -> Plan:
+        fitting = self.fitting()
+        if fitting:
+            return self._compiled_plan(max(fitting, key=lambda p: p.eager_budget))
+        least = min(self.probes, key=lambda p: p.peak)
+        plan = self._compiled_plan(least, budget=least.peak)
+        raise InfeasibleBudgetError(
+            f"no schedule found whose compiled step ({self.step.mode}) peaks within "
+            f"{format_bytes(self.budget)}: the least measured is {format_bytes(least.peak)} "
+            f"(its eager schedule at {format_bytes(least.eager_budget)}; {self.measured} "
+            "compiled schedules tried). Plan at that budget (budget_gb=error.min_budget_gb), "
+            "or reduce the batch", least.peak, plan=plan)
+
+    def _compiled_plan(self, chosen: _Probe, budget: int | None = None) -> Plan:
+        fit = CompiledFit(mode=self.step.mode, peak_bytes=chosen.peak,
+                          eager_budget_bytes=chosen.eager_budget,
+                          probes=[(p.eager_budget, p.peak) for p in self.probes],
+                          compiles=self.measured,
+                          measure=self.step.measure)
+        return chosen.plan.model_copy(update={"budget_bytes": budget or self.budget,
+                                              "compiled": fit})
+
+
+def fit_compiled(profiled: ProfiledStep, options: SolveOptions, step: CompiledStep,
+                 report: Callable[[str], None] = lambda line: None) -> Plan:
+    """The plan of the largest eager budget whose schedule, compiled as ``step`` runs it,
+    peaks within ``options.budget_bytes`` (measured); ``report`` hears each probe.
+
+    Raises:
+        InfeasibleBudgetError: no schedule tried fits; ``min_budget_bytes`` is the least
+            compiled peak measured, ``plan`` its schedule.
+    """
+    return _Search(profiled, options, step, report).run(profiled.unplanned_peak_bytes)
+
+
+# what a compiled step's plan does not cover yet, and why
+_NOT_COMPILED = {
+    "envelope": "each bucket of an envelope would compile and be measured on its own",
+    "offload": "offload's hooks are refused under torch.compile (docs/recipes.md)",
+    "optimizer": "the optimizer's step is not compiled with the model's",
+    "sharding": "a rank's compiled step is measured on one process only",
+    "parallelize": "a rank's compiled step is measured on one process only",
+}
+
+
+def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
+                  config: PlanConfig) -> Plan:
+    """``optimize(..., compiled=mode)``: the eager step profiled once, then
+    :func:`fit_compiled` with the model itself compiled as ``mode`` says."""
+    given = sorted(set(config.given()) & set(_NOT_COMPILED))
+    if given:
+        raise ValueError(f"compiled={config.compiled!r} with {given[0]}= is not planned yet: "
+                         f"{_NOT_COMPILED[given[0]]}")
+    if config.execution == "fake" or any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"compiled={config.compiled!r} measures the compiled step, which "
+                         "needs real tensors: the model on its training device, "
+                         "execution='real'")
+    profiled = profile_model(model, example_inputs, **config.options(STEP, PROFILING,
+                                                                      PARALLEL))
+    args, kwargs = normalize_inputs(model, example_inputs)
+    step = CompiledStep(model, args, kwargs, config.loss_fn or profiles.default_loss,
+                        config.compiled, [c.path for c in block_calls(profiled.profile)],
+                        autocast_dtype=profiled.profile.autocast_dtype,
+                        grads_at_start=config.grad_accumulation)
+    bar = _bar(range(MAX_PROBES), f"compiled steps ({config.compiled})", config.progress)
+
+    def report(line: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(line)
+        log.info("compiled step, %s", line)
+
+    try:
+        return fit_compiled(profiled, config.solve_options(budget_bytes), step, report)
+    finally:
+        bar.close()

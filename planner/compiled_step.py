@@ -1,0 +1,121 @@
+"""A training step as ``torch.compile`` runs it, with a schedule applied: its peak, measured.
+
+The model is compiled as it will train: whole (``mode="model"``: ``model.compile()``, as
+``torch.compile(model)`` or the Trainer's ``torch_compile=True`` does) or per block
+(``mode="blocks"``: each repeated block's ``.compile()`` after the checkpoints, in
+torchtitan's order). One step compiles (its peak is dynamo's and inductor's, not the
+step's), the next is measured from the same state: on a GPU by the CUDA allocator, on the
+CPU by the allocator's own events (inductor's generated code allocates below the
+dispatcher, where ``PeakTracker`` sees nothing; :func:`planner.measure.allocator_peak`).
+The model is left as it was given: its plan (if any), state, gradients, RNG, and any
+compile of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.config import COMPILE_MODES
+from planner.model_state import _model_device, _training_config, _training_mode
+from planner.plan import Plan, PlanMismatchWarning
+from planner.runtime.applying import apply
+from planner.runtime.install import _plan_suspended, remove
+from planner.verification import _autocast, _grads_kept, measure_step
+
+__all__ = ["CompiledStep", "compiled"]
+
+
+@contextlib.contextmanager
+def compiled(model: nn.Module, mode: str, blocks: list[str]) -> Iterator[None]:
+    """``model`` compiled whole or each module of ``blocks`` compiled, while inside; dynamo's
+    caches are reset before and after (each schedule compiles afresh, and no recompile
+    limit is reached over many schedules)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compiled must be one of {list(COMPILE_MODES)}, got {mode!r}")
+    targets = [model] if mode == "model" else [model.get_submodule(b) for b in blocks]
+    before = [module._compiled_call_impl for module in targets]
+    torch._dynamo.reset()
+    try:
+        for module in targets:
+            module.compile()
+        yield
+    finally:
+        for module, impl in zip(targets, before, strict=True):
+            module._compiled_call_impl = impl
+        torch._dynamo.reset()
+
+
+class CompiledStep:
+    """One training step of ``model`` on fixed inputs, compiled ``mode``: ``peak_bytes(plan)``
+    measures it with ``plan`` applied (``None``: without a plan)."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
+                 loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
+                 autocast_dtype: str | None = None, grads_at_start: bool = False) -> None:
+        if mode == "blocks" and not blocks:
+            raise ValueError(f"compiled='blocks' compiles each repeated block, and "
+                             f"{type(model).__name__} has none the profile found; use "
+                             "compiled='model'")
+        self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
+        self.mode, self.blocks = mode, blocks
+        self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+
+    @property
+    def measure(self) -> str:
+        """What measures the peak, in words."""
+        return ("torch.cuda.max_memory_allocated" if _model_device(self.model).type == "cuda"
+                else "the CPU allocator's events")
+
+    def peak_bytes(self, plan: Plan | None) -> int:
+        model = self.model
+        with _plan_suspended(model), _buffers_kept(model) as restore, _grads_kept(model), \
+                _training_mode(model), _training_config(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlanMismatchWarning)
+            if plan is not None:
+                apply(model, plan)
+            try:
+                with compiled(model, self.mode, self.blocks):
+                    self._step()  # compiles
+                    restore()
+                    peak, _, _ = measure_step(model, self.args, self.kwargs, self.loss_fn,
+                                              self.autocast_dtype, compiled=True,
+                                              grads_at_start=self.grads_at_start)
+            finally:
+                remove(model)
+        return peak
+
+    def _step(self) -> None:
+        with _autocast(_model_device(self.model).type, self.autocast_dtype):
+            loss = self.loss_fn(self.model(*self.args, **self.kwargs))
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Yields a function that puts the model's buffers (BatchNorm's statistics) and the RNG
+    back as they were; parameters are not copied (a step without the optimizer leaves
+    them), so a model that fills its device is not doubled."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    device = _model_device(model)
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+    try:
+        yield restore
+    finally:
+        restore()

@@ -1,0 +1,148 @@
+"""Plans for compiled steps (`planner.compile_fit`, `planner.compiled_step`): the budget
+holds for the step torch.compile runs, measured; the search, the error, the record."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner import InfeasibleBudgetError, Plan, apply, optimize, profile_model, remove, zoo
+from planner.arguments import SolveOptions
+from planner.compile_fit import MAX_PROBES, fit_compiled
+from planner.compiled_step import CompiledStep
+from planner.runtime.emit import checkpointed_modules
+from planner.solving import solve_profiled
+
+
+class RuledStep:
+    """A compiled step whose peak a rule of the test gives (no compiler): the search's
+    behaviour alone."""
+
+    mode, measure = "model", "a rule of the test"
+
+    def __init__(self, rule: Callable[[Plan], int]) -> None:
+        self.rule, self.measured = rule, []
+
+    def peak_bytes(self, plan: Plan) -> int:
+        self.measured.append(plan.schedule)
+        return self.rule(plan)
+
+
+@pytest.fixture(scope="module")
+def mlp_step():
+    zm = zoo.get("mlp", batch=512, width=64, depth=6)
+    return profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
+                         progress=False)
+
+
+def _options(budget: int) -> SolveOptions:
+    return SolveOptions(budget, deterministic=True)
+
+
+def test_where_compile_keeps_less_the_plan_recomputes_less_than_the_eager_one(
+        mlp_step) -> None:
+    """Compiled, each schedule keeps three quarters of its eager peak: at a budget of 60 %
+    of the eager step, the fit's schedule peaks above the budget eager (it recomputes less
+    than the eager plan at the budget) and within it compiled; no schedule is compiled
+    twice, and at most MAX_PROBES are."""
+    budget = int(0.6 * mlp_step.unplanned_peak_bytes)
+    step = RuledStep(lambda plan: plan.predicted_peak_bytes * 3 // 4)
+    plan = fit_compiled(mlp_step, _options(budget), step)
+    eager = solve_profiled(mlp_step, _options(budget))
+    assert plan.budget_bytes == budget
+    assert plan.compiled.peak_bytes == plan.predicted_peak_bytes * 3 // 4 <= budget
+    assert plan.predicted_peak_bytes > budget and plan.recompute_ms < eager.recompute_ms
+    assert len(step.measured) == len(set(step.measured)) <= MAX_PROBES
+    assert plan.compiled.probes[0][0] == mlp_step.unplanned_peak_bytes  # no checkpoint first
+    fitting = [eager for eager, peak in plan.compiled.probes if peak <= budget]
+    assert len(fitting) > 1 and plan.compiled.eager_budget_bytes == max(fitting)
+    assert "compiled (model): measured peak" in plan.summary()
+
+
+def test_where_nothing_compiled_fits_the_error_names_a_budget_that_holds(mlp_step) -> None:
+    """Compiled, every schedule keeps more than eager (the ResNet of compile-cpu.md): the
+    error names the least compiled peak measured and carries its plan, and a fit at that
+    budget returns a plan within it."""
+    extra = mlp_step.unplanned_peak_bytes // 4
+
+    def rule(plan: Plan) -> int:
+        return plan.predicted_peak_bytes + extra
+
+    budget = int(0.6 * mlp_step.unplanned_peak_bytes)
+    with pytest.raises(InfeasibleBudgetError, match="least measured") as caught:
+        fit_compiled(mlp_step, _options(budget), RuledStep(rule))
+    error = caught.value
+    assert error.min_budget_bytes > budget
+    assert error.plan.compiled.peak_bytes == error.min_budget_bytes == \
+        rule(error.plan)
+    again = fit_compiled(mlp_step, _options(error.min_budget_bytes), RuledStep(rule))
+    assert again.compiled.peak_bytes <= error.min_budget_bytes
+
+
+def test_a_compiled_plan_edited_over_its_budget_is_refused(mlp_step, tmp_path: Path) -> None:
+    """The record travels with the plan file; a compiled peak edited above the budget is
+    caught as any edited plan is."""
+    budget = int(0.9 * mlp_step.unplanned_peak_bytes)
+    plan = fit_compiled(mlp_step, _options(budget), RuledStep(
+        lambda plan: plan.predicted_peak_bytes * 3 // 4))
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").compiled == plan.compiled
+    edited = plan.model_copy(update={"compiled": plan.compiled.model_copy(
+        update={"peak_bytes": budget + 1})})
+    with pytest.raises(ValueError, match="compiled"):
+        edited.check()
+
+
+@pytest.mark.parametrize("option", [dict(offload=True), dict(envelope=dict(max_length=64)),
+                                    dict(optimizer="sgd")])
+def test_what_a_compiled_plan_does_not_cover_is_refused_before_profiling(option) -> None:
+    zm = zoo.get("mlp", batch=4, width=32, depth=2)
+    if option.get("optimizer") == "sgd":
+        option = dict(optimizer=torch.optim.SGD(zm.model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not planned yet"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, compiled="model", **option)
+
+
+def test_a_wrong_compile_mode_is_refused_naming_the_choices() -> None:
+    zm = zoo.get("mlp", batch=4, width=32, depth=2)
+    with pytest.raises(ValueError, match="compiled must be one of"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, compiled="whole")
+
+
+def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_was() -> None:
+    """inductor for real, on an MLP: the fit's plan, applied and compiled, measures its
+    recorded peak, within the budget, with the unplanned compiled step's gradients (within
+    compile's tolerance); the model keeps its state, gradients, plan (none) and compile
+    (none) through the fit."""
+    zm = zoo.get("mlp", batch=512, width=64, depth=6)
+    model, (x,) = zm.model, zm.example_inputs
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profiled = profile_model(model, x, loss_fn=zm.loss_fn, timing="estimate", progress=False)
+    budget = int(0.7 * profiled.unplanned_peak_bytes)
+    plan = optimize(model, x, budget_gb=budget / 2**30, loss_fn=zm.loss_fn, compiled="model",
+                    timing="estimate", deterministic=True, progress=False)
+    assert plan.compiled.peak_bytes <= plan.budget_bytes == budget
+    assert all(model.state_dict()[k].equal(v) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not checkpointed_modules(model) and model._compiled_call_impl is None
+    step = CompiledStep(model, (x,), {}, zm.loss_fn, "model", [])
+    assert step.peak_bytes(plan) == plan.compiled.peak_bytes  # measured again: the same
+
+    def grads() -> list[torch.Tensor]:
+        compiled = torch.compile(model)
+        zm.loss_fn(compiled(x)).backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        return out
+
+    reference = grads()
+    apply(model, plan)
+    try:
+        for got, want in zip(grads(), reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    finally:
+        remove(model)
