@@ -71,7 +71,7 @@ class _Search:
         self.profiled, self.options, self.step, self.report = profiled, options, step, report
         self.budget = options.budget_bytes
         self.probes: list[_Probe] = []
-        self.least_eager: _Probe | None = None  # the eager schedule of the least peak
+        self.least_eager: int | None = None  # the eager budget of the least eager peak
 
     def solve(self, eager_budget: int) -> tuple[int, Plan]:
         """The eager plan at ``eager_budget``, or below the eager minimum the least one."""
@@ -120,9 +120,8 @@ class _Search:
 
     def _least_eager(self) -> int:
         if self.least_eager is None:
-            budget, plan = self.solve(1)
-            self.least_eager = _Probe(budget, plan, -1)
-        return self.least_eager.eager_budget
+            self.least_eager = self.solve(1)[0]
+        return self.least_eager
 
     def run(self, unplanned_eager_peak: int) -> Plan:
         """Probe from no checkpointing on; the plan of the largest eager budget that fit."""

@@ -138,6 +138,16 @@ def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Pat
                    [PlannedCheckpointing(budget_gb=1.0)], **{flag: True})
 
 
+def test_a_trainer_that_compiles_is_told_the_plan_is_the_eager_steps(tmp_path: Path) -> None:
+    """The Trainer's torch_compile=True runs another step than the one planned: said when
+    the Trainer is built, with what to do instead."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=True,
+                                          report_to=[])
+    switch = PlannedCheckpointing(budget_gb=1.0)
+    with pytest.warns(PlanMismatchWarning, match="compiled='model'"):
+        switch.on_init_end(args, transformers.TrainerState(), transformers.TrainerControl())
+
+
 def test_what_the_trainer_decides_is_not_an_option_of_the_switch() -> None:
     with pytest.raises(TypeError, match="from the Trainer"):
         PlannedCheckpointing(budget_gb=1.0, autocast=torch.bfloat16)
