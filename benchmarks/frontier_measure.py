@@ -211,6 +211,18 @@ def grads_rel_error(reference: dict[str, torch.Tensor], grads: dict[str, torch.T
     return worst
 
 
+def grads_global_rel_error(reference: dict[str, torch.Tensor],
+                           grads: dict[str, torch.Tensor]) -> float:
+    """||g - g_ref|| / ||g_ref|| over all parameters together: a parameter whose gradient is
+    rounding noise (a BatchNorm bias the next normalization cancels) weighs what it is."""
+    if reference.keys() != grads.keys():
+        return math.inf
+    diff = sum(float((grads[k].float() - ref.float()).norm()) ** 2
+               for k, ref in reference.items())
+    scale = sum(float(ref.float().norm()) ** 2 for ref in reference.values())
+    return math.sqrt(diff / scale) if scale else math.sqrt(diff)
+
+
 def distinct_peaks(rows: list[dict[str, Any]]) -> list[tuple[int, list[str]]]:
     """The measured peaks of ``rows`` (status ok), those within 0.5 % merged, ascending, each
     with the short names of the rows at it."""
