@@ -18,8 +18,10 @@ ours compiled: ``optimize(..., compiled="model" | "blocks")`` at each fraction's
 peak (the compiled step's peak the plan records, measured while planning, beside what
 this run measures again), with its planning time and compiled schedules tried.
 
-Peak: the step's parameters, buffers and inputs plus the most the CPU allocator held above
-its level when the step began (`planner.measure.allocator_peak`: inductor's generated code
+Peak: the step's parameters, buffers, inputs and loss target plus the most the CPU allocator
+held above its level when the step began (``planner.verification.measure_step`` with
+``compiled=True``, the measure the planner's fit uses: `planner.measure.allocator_peak`;
+inductor's generated code
 allocates below the dispatcher, where `PeakTracker` sees nothing; on eager steps the two
 agree, `tests/test_measure.py`). Time: the median of ``STEPS`` steps after the one that
 compiles. Gradients: the relative error against the eager step's, over all parameters and
@@ -50,8 +52,7 @@ from frontier_peers import peer_context
 
 import profiles
 from planner import InfeasibleBudgetError, apply, optimize, remove, replan, zoo
-from planner.measure import allocator_peak
-from planner.verification import bound_tensors
+from planner.verification import measure_step
 from profiles.inputs import normalize_inputs
 
 GIB, MIB = 2**30, 2**20
@@ -91,38 +92,28 @@ class Step:
     def __init__(self, zm: zoo.ZooModel) -> None:
         self.zm, self.loss_fn = zm, zm.loss_fn or profiles.default_loss
         self.args, self.kwargs = normalize_inputs(zm.model, zm.example_inputs)
-        tensors = [*zm.model.parameters(), *zm.model.buffers(), *self.args,
-                   *self.kwargs.values(), *bound_tensors(self.loss_fn)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tensors if isinstance(t, torch.Tensor)}
-        self.static_bytes = sum(storages.values())
 
     def once(self) -> None:
         self.loss_fn(self.zm.model(*self.args, **self.kwargs)).backward()
 
-    def grads(self) -> dict[str, torch.Tensor]:
-        out = {name: p.grad.detach().clone() for name, p in self.zm.model.named_parameters()
-               if p.grad is not None}
-        self.zm.model.zero_grad(set_to_none=True)
-        return out
-
     def measure(self) -> dict[str, Any]:
-        """The step run once to warm up (compiling, where compiled), once measured, then
-        timed; gradients are the measured step's."""
+        """The step run once to warm up (compiling, where compiled), once measured
+        (`planner.verification.measure_step`, as a compiled step: the allocator's count),
+        then timed; gradients are the measured step's."""
         began = time.perf_counter()
         self.once()
         warm_s = time.perf_counter() - began
         self.zm.model.zero_grad(set_to_none=True)
-        measured = allocator_peak(self.once)
-        grads = self.grads()
+        peak, _, grads = measure_step(self.zm.model, self.args, self.kwargs, self.loss_fn,
+                                      compiled=True)
         times = []
         for _ in range(STEPS):
             began = time.perf_counter()
             self.once()
             times.append((time.perf_counter() - began) * 1e3)
             self.zm.model.zero_grad(set_to_none=True)
-        return {"peak_bytes": self.static_bytes + measured.peak_bytes,
-                "step_ms": statistics.median(times), "warm_s": warm_s, "grads": grads}
+        return {"peak_bytes": peak, "step_ms": statistics.median(times), "warm_s": warm_s,
+                "grads": grads}
 
 
 @contextlib.contextmanager
@@ -206,7 +197,6 @@ def _ours_compiled(zm: zoo.ZooModel, step: Step, mode: str, budget: int) -> dict
 def run_model(name: str, zm: zoo.ZooModel, modes: tuple[str, ...]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     step = Step(zm)
-    print(f"{name}: static {step.static_bytes / MIB:.2f} MiB", file=sys.stderr, flush=True)
     eager = step.measure()
     reference = eager["grads"]
     plan = optimize(zm.model, zm.example_inputs, budget_gb=1e3, loss_fn=zm.loss_fn,
