@@ -148,6 +148,7 @@ class _Search:
 
     def _compiled_plan(self, chosen: _Probe, budget: int | None = None) -> Plan:
         fit = CompiledFit(mode=self.step.mode, peak_bytes=chosen.peak,
+                          blocks=self.step.blocks if self.step.mode == "blocks" else [],
                           eager_budget_bytes=chosen.eager_budget,
                           probes=[(p.eager_budget, p.peak) for p in self.probes],
                           compiles=self.measured,

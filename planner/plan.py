@@ -214,6 +214,8 @@ class CompiledFit(_Strict):
 
     mode: str = Field(description="'model': torch.compile(model); 'blocks': each repeated "
                       "block's .compile() after apply (torchtitan's order)")
+    blocks: list[str] = Field(default_factory=list, description="with 'blocks': the "
+                              "modules compiled, each with its .compile()")
     peak_bytes: Bytes = Field(description="the compiled step's peak with this schedule, "
                               "measured")
     eager_budget_bytes: Bytes = Field(description="the budget the eager schedule was "
@@ -225,7 +227,9 @@ class CompiledFit(_Strict):
     measure: str = Field(description="what measured the peaks")
 
     def describe(self, budget_bytes: int) -> str:
-        return (f"compiled ({self.mode}): measured peak {format_bytes(self.peak_bytes)} of "
+        what = self.mode if self.mode == "model" else \
+            f"blocks {self.blocks[0]} .. {self.blocks[-1]}" if self.blocks else self.mode
+        return (f"compiled ({what}): measured peak {format_bytes(self.peak_bytes)} of "
                 f"the compiled step within budget {format_bytes(budget_bytes)} ("
                 f"{self.measure}; {self.compiles} schedules compiled); the eager "
                 f"schedule solved at {format_bytes(self.eager_budget_bytes)}, and the eager "

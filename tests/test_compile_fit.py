@@ -21,7 +21,7 @@ class RuledStep:
     """A compiled step whose peak a rule of the test gives (no compiler): the search's
     behaviour alone."""
 
-    mode, measure = "model", "a rule of the test"
+    mode, measure, blocks = "model", "a rule of the test", []
 
     def __init__(self, rule: Callable[[Plan], int]) -> None:
         self.rule, self.measured = rule, []
