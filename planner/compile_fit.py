@@ -24,6 +24,7 @@ compiled peak measured and carries its plan.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,14 +35,20 @@ import profiles
 from planner.arguments import SolveOptions
 from planner.compiled_step import CompiledStep
 from planner.config import PARALLEL, PROFILING, STEP, PlanConfig
-from planner.plan import CompiledFit, InfeasibleBudgetError, Plan, format_bytes
+from planner.plan import (
+    CompiledFit,
+    InfeasibleBudgetError,
+    Plan,
+    PlanMismatchWarning,
+    format_bytes,
+)
 from planner.profiling import ProfiledStep, profile_model
 from planner.solving import solve_profiled
 from profiles.inputs import normalize_inputs
 from profiles.progress import _bar
 from solvers.from_profile import block_calls
 
-__all__ = ["MAX_PROBES", "fit_compiled", "plan_compiled"]
+__all__ = ["MAX_PROBES", "fit_compiled", "plan_compiled", "warn_eager_plan_compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -209,3 +216,16 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
         return fit_compiled(profiled, config.solve_options(budget_bytes), step, report)
     finally:
         bar.close()
+
+
+def warn_eager_plan_compiled(trainer: str) -> None:
+    """A trainer switch plans the eager step, and ``trainer`` compiles it: said once, with
+    what to do instead (a switch plans with the trainer's optimizer and every batch
+    length, which a compiled step's plan does not cover yet)."""
+    warnings.warn(
+        f"{trainer}: the switch plans the eager step, and compiled, a step keeps what inductor "
+        "and its partitioner keep (over the budget on a ResNet, docs/recipes.md "
+        "'torch.compile'). Planning the compiled step with the trainer's optimizer and every "
+        "batch length is not supported yet: leave a margin, or plan with "
+        "planner.optimize(..., compiled='model') and planner.apply() yourself, without this "
+        "switch", PlanMismatchWarning, stacklevel=3)

@@ -155,6 +155,17 @@ def test_a_changed_batch_is_named_at_the_step() -> None:
         module.training_step({"input_ids": longer, "labels": longer}, 0)
 
 
+def test_a_compiled_module_is_told_the_plan_is_the_eager_steps() -> None:
+    """Trainer.fit(torch.compile(module)) runs another step than the one planned: said when
+    fitting is set up, with what to do instead."""
+    module = CausalLM(zoo.get("hf-llama", batch=4).model)
+    module._compiler_ctx = {"compiler": "dynamo"}  # as Lightning's fit leaves a compiled one
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.warns(PlanMismatchWarning, match=r"torch.compile\(CausalLM\)"):
+        PlannedCheckpointing(budget_gb=1.0).setup(trainer, module, "fit")
+
+
 def test_lightnings_own_checkpointing_or_manual_optimization_is_refused() -> None:
     base = zoo.get("hf-llama", batch=4)
     rows = _rows(base.example_inputs["input_ids"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,9 +31,10 @@ from transformers import (
 
 from planner.api import apply, optimize
 from planner.arguments import _budget_bytes
+from planner.compile_fit import warn_eager_plan_compiled
 from planner.config import PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
-from planner.plan import Plan, PlanMismatchWarning
+from planner.plan import Plan
 from planner.plan_table import PlanTable
 from planner.switches.loader import first_batch
 from profiles.errors import LossNotFoundError
@@ -93,14 +93,7 @@ class PlannedCheckpointing(TrainerCallback):
                 f"TrainingArguments({flag}=True) would checkpoint every layer again under it: "
                 f"set {flag}=False (TRL's SFTConfig turns it on by default)")
         if getattr(args, "torch_compile", False):
-            warnings.warn(
-                "TrainingArguments(torch_compile=True): the switch plans the eager step, and "
-                "compiled, a step keeps what inductor and its partitioner keep (over the "
-                "budget on a ResNet, docs/recipes.md 'torch.compile'). Planning the compiled "
-                "step with the Trainer's optimizer and every batch length is not supported "
-                "yet: leave a margin, or plan with planner.optimize(..., compiled='model') "
-                "and planner.apply() before building the Trainer, without this switch",
-                PlanMismatchWarning, stacklevel=2)
+            warn_eager_plan_compiled("TrainingArguments(torch_compile=True)")
         if args.world_size > 1:
             self._plan_each_rank(args, state, kwargs.get("model"),
                                  kwargs.get("processing_class"))

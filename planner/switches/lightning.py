@@ -32,6 +32,7 @@ from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_unflat
 
 from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
+from planner.compile_fit import warn_eager_plan_compiled
 from planner.config import SEARCH, PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
@@ -208,6 +209,8 @@ class PlannedCheckpointing(Callback):
             raise ValueError("PlannedCheckpointing plans activation checkpointing itself; the "
                              "strategy's activation_checkpointing_policy would checkpoint its "
                              "modules again under it: leave that policy unset")
+        if getattr(pl_module, "_compiler_ctx", None):
+            warn_eager_plan_compiled(f"Trainer.fit(torch.compile({type(pl_module).__name__}))")
         if trainer.world_size > 1:
             raise ValueError(
                 f"PlannedCheckpointing plans one process; this Trainer runs "
