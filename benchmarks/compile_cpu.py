@@ -52,6 +52,7 @@ from frontier_peers import peer_context
 
 import profiles
 from planner import InfeasibleBudgetError, apply, optimize, remove, replan, zoo
+from planner.compiled_step import compiled as compiled_as_planned
 from planner.verification import measure_step
 from profiles.inputs import normalize_inputs
 
@@ -118,20 +119,14 @@ class Step:
 
 @contextlib.contextmanager
 def compiled(zm: zoo.ZooModel, mode: str, fraction: float = 1.0) -> Iterator[None]:
-    """The model's forward compiled whole or per block while inside, the partition made at
-    the warm-up step under ``activation_memory_budget=fraction``."""
-    torch._dynamo.reset()
-    blocks = list(zm.model.get_submodule(zm.block_prefix))
-    targets = [zm.model] if mode == "whole" else blocks
-    try:
-        with torch._functorch.config.patch(activation_memory_budget=fraction):
-            for module in targets:
-                module.compile(backend="inductor")
-            yield
-    finally:
-        for module in targets:
-            module._compiled_call_impl = None
-        torch._dynamo.reset()
+    """The model's forward compiled whole or per block while inside, as the planner's fit
+    compiles it (`planner.compiled_step.compiled`), the partition made at the warm-up step
+    under ``activation_memory_budget=fraction``."""
+    blocks = [f"{zm.block_prefix}.{name}" for name, _ in
+              zm.model.get_submodule(zm.block_prefix).named_children()]
+    with torch._functorch.config.patch(activation_memory_budget=fraction), \
+            compiled_as_planned(zm.model, "model" if mode == "whole" else mode, blocks):
+        yield
 
 
 def _row(rows: list[dict[str, Any]], reference: dict[str, torch.Tensor] | None,

@@ -117,19 +117,15 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     Gradients are cleared afterwards."""
     device = _model_device(module)
     module.zero_grad(set_to_none=True)
+
+    def run() -> torch.Tensor:
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
+        return loss.detach()
+
     if grads_at_start:
-        buffers = [b.detach().clone() for b in module.buffers()]
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            with _autocast(device.type, autocast_dtype):
-                loss = loss_fn(module(*args, **kwargs))
-            loss.backward()
-        del loss
-        with torch.no_grad():
-            for buffer, before in zip(module.buffers(), buffers, strict=True):
-                buffer.copy_(before)
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.grad.zero_()
+        _grads_as_one_backward_left_them(module, device, run)
     static = [*module.parameters(), *module.buffers(),
               *(p.grad for p in module.parameters() if p.grad is not None),
               *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
@@ -138,36 +134,41 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
         torch.cuda.synchronize(device)
         bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(static, device)
         torch.cuda.reset_peak_memory_stats(device)
-        with _autocast(device.type, autocast_dtype):
-            loss = loss_fn(module(*args, **kwargs))
-        loss.backward()
+        loss = run()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
     elif compiled:
         from planner.measure import allocator_peak, storages_bytes
 
-        def step() -> torch.Tensor:
-            with _autocast(device.type, autocast_dtype):
-                loss = loss_fn(module(*args, **kwargs))
-            loss.backward()
-            return loss.detach()
-
         held: list[torch.Tensor] = []
         peak = storages_bytes([*static, *bound_tensors(loss_fn)]) + \
-            allocator_peak(lambda: held.append(step())).peak_bytes
+            allocator_peak(lambda: held.append(run())).peak_bytes
         loss = held[0]
     else:
         from planner.measure import PeakTracker
 
         with PeakTracker(static) as tracker:
-            with _autocast(device.type, autocast_dtype):
-                loss = loss_fn(module(*args, **kwargs))
-            loss.backward()
+            loss = run()
         peak = tracker.peak_bytes
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()
              if p.grad is not None}
     module.zero_grad(set_to_none=True)
     return peak, loss.detach(), grads
+
+
+def _grads_as_one_backward_left_them(module: nn.Module, device: torch.device,
+                                     run: Callable[[], torch.Tensor]) -> None:
+    """``run()`` once for the gradients it leaves, then zeroed; its random draws and
+    buffer updates undone."""
+    buffers = [b.detach().clone() for b in module.buffers()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        run()
+    with torch.no_grad():
+        for buffer, before in zip(module.buffers(), buffers, strict=True):
+            buffer.copy_(before)
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
 
 
 def _time_step(module: nn.Module, args: tuple, kwargs: dict,
