@@ -20,7 +20,8 @@ profile at a budget and measures that schedule compiled, at most ``MAX_PROBES`` 
 
 A schedule already measured is not compiled again. The plan records every probe
 (``plan.compiled``); where none fits, :class:`InfeasibleBudgetError` names the least
-compiled peak measured and carries its plan.
+compiled peak measured and carries its plan, which holds it (a search at that budget
+starts afresh and need not end on the same schedule).
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ class _Search:
             f"no schedule found whose compiled step ({self.step.mode}) peaks within "
             f"{format_bytes(self.budget)}: the least measured is {format_bytes(least.peak)} "
             f"(its eager schedule at {format_bytes(least.eager_budget)}; {self.measured} "
-            "compiled schedules tried). Plan at that budget (budget_gb=error.min_budget_gb), "
-            "or reduce the batch", least.peak, plan=plan)
+            "schedules compiled). Its plan, error.plan, holds that peak compiled "
+            "(apply(model, error.plan)); or reduce the batch", least.peak, plan=plan)
 
     def _compiled_plan(self, chosen: _Probe, budget: int | None = None) -> Plan:
         fit = CompiledFit(mode=self.step.mode, peak_bytes=chosen.peak,
