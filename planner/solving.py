@@ -66,6 +66,11 @@ def replan(plan: Plan, budget_gb: float | None = None, *, budget_bytes: int | No
     """
     solve_options = PlanConfig.of(config, options, "replan()", (SEARCH,)).solve_options(
         _budget_arg(budget_gb, budget_bytes))
+    if plan.compiled is not None:
+        raise ValueError(f"this plan is for a compiled step (compiled={plan.compiled.mode!r}), "
+                         "whose peak is measured on the model, not replayed from the "
+                         "profile: plan again with planner.optimize(model, batch, "
+                         f"budget_gb=..., compiled={plan.compiled.mode!r})")
     return plan_for_profile(plan.profile, plan.inputs, plan.structure_fingerprint,
                             solve_options, sharding=plan.sharding, routing=plan.routing)
 

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner import InfeasibleBudgetError, Plan, apply, optimize, profile_model, remove, zoo
+from planner import (
+    InfeasibleBudgetError,
+    Plan,
+    apply,
+    optimize,
+    profile_model,
+    remove,
+    replan,
+    zoo,
+)
 from planner.arguments import SolveOptions
 from planner.compile_fit import MAX_PROBES, fit_compiled
 from planner.compiled_step import CompiledStep
@@ -100,6 +109,16 @@ def test_where_only_every_block_checkpointed_fits_compiled_the_fit_finds_it(mlp_
 
     plan = fit_compiled(mlp_step, _options(budget), RuledStep(rule))
     assert spans(plan.schedule) == every_layer and plan.compiled.peak_bytes == budget
+
+
+def test_a_compiled_plan_is_not_replanned_from_its_profile(mlp_step) -> None:
+    """replan() replays the profile, which knows the eager step only: refused with what
+    to do, not an eager plan in its place."""
+    budget = int(0.9 * mlp_step.unplanned_peak_bytes)
+    plan = fit_compiled(mlp_step, _options(budget), RuledStep(
+        lambda plan: plan.predicted_peak_bytes * 3 // 4))
+    with pytest.raises(ValueError, match=r"compiled='model'\)"):
+        replan(plan, budget_bytes=budget // 2)
 
 
 def test_a_compiled_plan_edited_over_its_budget_is_refused(mlp_step, tmp_path: Path) -> None:
