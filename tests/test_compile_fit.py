@@ -94,9 +94,8 @@ def test_where_nothing_compiled_fits_the_error_names_a_budget_that_holds(mlp_ste
 
 
 def test_where_only_every_block_checkpointed_fits_compiled_the_fit_finds_it(mlp_step) -> None:
-    """Compiled per block, the zoo ResNet keeps less with every block checkpointed than
-    with the eager schedule of the least peak: the fit tries that policy before it gives
-    up."""
+    """Every block checkpointed, the hand policy users try first, is no eager optimum; the
+    fit tries it compiled before it gives up, and where only it fits, finds it."""
     def spans(schedule: Schedule) -> list[tuple[int, int]]:
         return [(r.start, r.stop) for r in schedule.recompute_regions()]
 
