@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -212,8 +212,9 @@ class CompiledFit(_Strict):
     applied and compiled at the profiled inputs, not the eager simulator's (inductor fuses,
     and its partitioner decides what untagged ops keep)."""
 
-    mode: str = Field(description="'model': torch.compile(model); 'blocks': each repeated "
-                      "block's .compile() after apply (torchtitan's order)")
+    mode: Literal["model", "blocks"] = Field(description="'model': torch.compile(model); "
+                                             "'blocks': each repeated block's .compile() "
+                                             "after apply (torchtitan's order)")
     blocks: list[str] = Field(default_factory=list, description="with 'blocks': the "
                               "modules compiled, each with its .compile()")
     peak_bytes: Bytes = Field(description="the compiled step's peak with this schedule, "

@@ -132,6 +132,10 @@ def test_a_compiled_plan_edited_over_its_budget_is_refused(mlp_step, tmp_path: P
         update={"peak_bytes": budget + 1})})
     with pytest.raises(ValueError, match="compiled"):
         edited.check()
+    text = (tmp_path / "plan.json").read_text().replace('"mode": "model"', '"mode": "whole"')
+    (tmp_path / "edited.json").write_text(text)
+    with pytest.raises(ValueError, match="mode"):
+        Plan.load(tmp_path / "edited.json")
 
 
 @pytest.mark.parametrize("option", [dict(offload=True), dict(envelope=dict(max_length=64)),
