@@ -150,6 +150,16 @@ def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"status": f"failed: {type(error).__name__}: {error}"[:300]}
 
 
+def _planned_step(zm: zoo.ZooModel, step: Step, mode: str, plan: Any) -> dict[str, Any]:
+    """``plan`` applied, the model compiled ``mode``, the step measured; the plan taken off."""
+    apply(zm.model, plan)
+    try:
+        with compiled(zm, mode):
+            return _attempt(step.measure)
+    finally:
+        remove(zm.model)
+
+
 def _ours(zm: zoo.ZooModel, step: Step, mode: str, budget: int, plan: Any) -> dict[str, Any]:
     """Our eager plan at ``budget`` (or, where none fits, at its least peak), applied, then
     compiled ``mode``: its eager prediction and what the compiled step measured."""
@@ -157,12 +167,7 @@ def _ours(zm: zoo.ZooModel, step: Step, mode: str, budget: int, plan: Any) -> di
         planned = replan(plan, budget_bytes=budget, deterministic=True)
     except InfeasibleBudgetError as error:
         planned = error.plan
-    apply(zm.model, planned)
-    try:
-        with compiled(zm, mode):
-            result = _attempt(step.measure)
-    finally:
-        remove(zm.model)
+    result = _planned_step(zm, step, mode, planned)
     return {**result, "budget_bytes": budget, "predicted_bytes": planned.predicted_peak_bytes,
             "eager_budget_bytes": planned.budget_bytes}
 
@@ -178,12 +183,7 @@ def _ours_compiled(zm: zoo.ZooModel, step: Step, mode: str, budget: int) -> dict
     except InfeasibleBudgetError as error:
         plan = error.plan
     planning_s = time.perf_counter() - began
-    apply(zm.model, plan)
-    try:
-        with compiled(zm, mode):
-            result = _attempt(step.measure)
-    finally:
-        remove(zm.model)
+    result = _planned_step(zm, step, mode, plan)
     return {**result, "budget_bytes": budget, "predicted_bytes": plan.compiled.peak_bytes,
             "eager_budget_bytes": plan.compiled.eager_budget_bytes,
             "planning_s": planning_s, "compiles": plan.compiled.compiles}
