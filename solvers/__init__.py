@@ -12,6 +12,7 @@ from collections.abc import Callable
 from solvers import auto, baselines, bruteforce, cpsat, dp, joint
 from solvers.auto import min_feasible_budget
 from solvers.bounds import memory_lower_bound, recompute_time_lower_bound
+from solvers.decision import Decision
 from solvers.dp import search as dp_search
 from solvers.problem import MATMUL_KINDS, ModuleSpan, Problem, ProblemError
 from solvers.result import Solution, Status
@@ -22,7 +23,6 @@ from solvers.schedule import (
     Offload,
     OpRange,
     Region,
-    Save,
     Schedule,
     ScheduleError,
 )
@@ -55,6 +55,7 @@ __all__ = [
     "RECOMPUTE",
     "SOLVERS",
     "STORE",
+    "Decision",
     "Event",
     "ModuleCall",
     "ModuleSpan",
@@ -64,7 +65,6 @@ __all__ = [
     "Problem",
     "ProblemError",
     "Region",
-    "Save",
     "Schedule",
     "ScheduleError",
     "SimulationError",

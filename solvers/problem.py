@@ -17,6 +17,7 @@ import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from solvers import lifetimes, span_views
+from solvers.decision import RULES, Decision, DecisionCost, cost
 from solvers.lifetimes import ACCUMULATION_COPIES, GradientEvents
 
 logger = logging.getLogger(__name__)
@@ -544,6 +545,26 @@ class Problem(BaseModel):
         schedule keeping any other (e.g. a node whose output an in-place op finishes).
         """
         return bool(self.recomputable[i]) and (self.keepable is None or bool(self.keepable[i]))
+
+    def decision_costs(self, i: int) -> dict[Decision, DecisionCost]:
+        """What each decision open to node i's outputs costs (`solvers.decision.cost`): KEEP;
+        RECOMPUTE where it is recomputable (its rerun step, `fwd_time_ms`); OFFLOAD where the
+        host link is known (`host_link`). The cost table of the problem, one node at a time.
+
+        >>> p = Problem.chain([8, 4], [1.0, 2.0])
+        >>> p.decision_costs(1)[Decision.RECOMPUTE]
+        DecisionCost(device_bytes=0, host_bytes=0, forward_ms=0.0, backward_ms=2.0)
+        """
+        nbytes = sum(self.storage_bytes[s] for s in self.outputs[i])
+        link = self.host_link
+        costs = {}
+        for decision, rule in RULES.items():
+            if (rule.reruns and not self.recomputable[i]) or (rule.copies and link is None):
+                continue
+            out_ms, back_ms = (link.copy_ms(nbytes, True), link.copy_ms(nbytes, False)) \
+                if link is not None else (0.0, 0.0)
+            costs[decision] = cost(decision, nbytes, self.fwd_time_ms[i], out_ms, back_ms)
+        return costs
 
     def matmul_keep(self, a: int, b: int) -> frozenset[int]:
         """The keepable matmul-like nodes of ``[a, b)``: the one non-empty keep most solvers

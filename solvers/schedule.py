@@ -2,10 +2,11 @@
 
 A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call
 on its `target`: a module call, or an op range of a module's traced forward. Its decisions
-are data: `saves` maps some of its own nodes (nodes not inside a child; a child has its own
-`saves`) to what happens to their outputs, `Save.KEEP` (`CheckpointPolicy.MUST_SAVE`,
-selective checkpointing); a node it does not name is recomputed. `children` are
-checkpoints nested inside it.
+are data (`solvers.decision`): `saves` maps some of its own nodes (nodes not inside a child;
+a child has its own `saves`) to their `Decision`, `Decision.KEEP`
+(`CheckpointPolicy.MUST_SAVE`, selective checkpointing); a node it does not name is
+recomputed (`Decision.RECOMPUTE`). `children` are checkpoints nested inside it.
+`Schedule.decisions` says every node's decision, offloads included.
 
 `Schedule.offloads` name module calls whose saved activations go to host memory: every
 tensor saved for backward while the call runs outside a checkpoint (`solvers.offload` says
@@ -17,12 +18,13 @@ reaches the output of the call named by its `prefetch`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "OpRange", "Region", "Save",
+from solvers.decision import Decision
+
+__all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "OpRange", "Region",
            "Schedule", "ScheduleError"]
 
 Mode = Literal["store", "recompute"]
@@ -32,13 +34,6 @@ RECOMPUTE: Mode = "recompute"
 
 class ScheduleError(ValueError):
     """A schedule is malformed or does not fit its problem."""
-
-
-class Save(str, Enum):
-    """What a RECOMPUTE region does with one of its nodes' outputs instead of recomputing it
-    (a node a region does not name is recomputed)."""
-
-    KEEP = "keep"  # held from the forward to the backward (SAC MUST_SAVE)
 
 
 class ModuleCall(BaseModel):
@@ -68,12 +63,14 @@ Target = Annotated[ModuleCall | OpRange, Field(discriminator="kind")]
 class Region(BaseModel):
     """Nodes `start..stop-1`, stored or recomputed.
 
-    `keep=` is shorthand for `saves={node: Save.KEEP}`; `.keep` reads the kept nodes back.
+    `keep=` is shorthand for `saves={node: Decision.KEEP}`; `.keep` reads the kept nodes
+    back, `decision(node)` any node's. A `saves` entry of RECOMPUTE says what leaving the
+    node out says, and is dropped.
 
     >>> Region(0, 3, "recompute", keep=[1]).describe()
     'R[0:3 keep=1]'
-    >>> Region(0, 3, "recompute", saves={1: "keep"}).saves
-    {1: <Save.KEEP: 'keep'>}
+    >>> Region(0, 3, "recompute", saves={1: "keep", 2: "recompute"}).saves
+    {1: <Decision.KEEP: 'keep'>}
     >>> outer = Region(0, 6, "recompute", children=[Region(2, 4, "recompute")])
     >>> [r.describe() for r in outer.walk()]
     ['R[0:6 (R[2:4])]', 'R[2:4]']
@@ -84,7 +81,7 @@ class Region(BaseModel):
     start: int
     stop: int
     mode: Mode = STORE
-    saves: dict[int, Save] = {}
+    saves: dict[int, Decision] = {}
     target: Target | None = None
     children: tuple[Region, ...] = ()
 
@@ -96,13 +93,27 @@ class Region(BaseModel):
         if stop is not None:
             data["stop"] = stop
         data.setdefault("mode", mode)
-        data.setdefault("saves", dict.fromkeys(sorted(keep), Save.KEEP))
+        data.setdefault("saves", dict.fromkeys(sorted(keep), Decision.KEEP))
         data.setdefault("children", tuple(children))
         super().__init__(**data)
 
     def __hash__(self) -> int:
         return hash((self.start, self.stop, self.mode, frozenset(self.saves.items()),
                      self.target, self.children))
+
+    @field_validator("saves", mode="after")
+    @classmethod
+    def _decided(cls, saves: dict[int, Decision]) -> dict[int, Decision]:
+        """Saves in node order, without RECOMPUTE (a node not named is recomputed); OFFLOAD
+        is refused: the solvers and the runtime move tensors per module call
+        (`Schedule.offloads`), not per node of a checkpoint."""
+        offloaded = sorted(k for k, d in saves.items() if d is Decision.OFFLOAD)
+        if offloaded:
+            raise ScheduleError(
+                f"nodes {offloaded} of a checkpoint are offloaded one by one, which no solver "
+                "plans and the runtime does not install: offload the module call they run in "
+                "(Schedule.with_offloads), and keep them (Decision.KEEP) to move them with it.")
+        return {k: saves[k] for k in sorted(saves) if saves[k] is not Decision.RECOMPUTE}
 
     @model_validator(mode="after")
     def _validate(self) -> Region:
@@ -135,8 +146,12 @@ class Region(BaseModel):
 
     @property
     def keep(self) -> frozenset[int]:
-        """The nodes whose outputs this region keeps (`Save.KEEP`)."""
-        return frozenset(k for k, save in self.saves.items() if save is Save.KEEP)
+        """The nodes whose outputs this region keeps (`Decision.KEEP`)."""
+        return frozenset(k for k, save in self.saves.items() if save is Decision.KEEP)
+
+    def decision(self, node: int) -> Decision:
+        """What this region does with one of its own nodes' outputs (not a child's)."""
+        return self.saves.get(node, Decision.RECOMPUTE)
 
     def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
                      ) -> Region:
@@ -363,6 +378,29 @@ class Schedule(BaseModel):
         [1, 2, 4, 5]
         """
         return frozenset(k for r in self.regions if r.is_recompute for k in range(r.start, r.stop))
+
+    def decisions(self) -> list[Decision]:
+        """Each node's `Decision`: in a checkpoint, what its innermost one decides (`saves`);
+        outside checkpoints KEEP; OFFLOAD for what an offloaded call saves, including what a
+        top-level checkpoint inside the call keeps (`solvers.offload` says which storages).
+
+        >>> s = Schedule.from_segments(6, [(1, 4)], keep=[2]).with_offloads([(0, 5)])
+        >>> "".join(d.value[0] for d in s.decisions())
+        'ororok'
+        """
+        decided = [Decision.KEEP] * self.n_nodes
+        for o in self.offloads:
+            decided[o.start:o.stop] = [Decision.OFFLOAD] * (o.stop - o.start)
+        for top in self.regions:
+            if not top.is_recompute:
+                continue
+            moved = any(o.start <= top.start and top.stop <= o.stop for o in self.offloads)
+            for region in top.walk():
+                for i in range(region.start, region.stop):
+                    decision = region.decision(i)
+                    decided[i] = Decision.OFFLOAD if moved and region is top \
+                        and decision is Decision.KEEP else decision
+        return decided
 
     def describe(self) -> str:
         """Compact text, e.g. `R[0:2] S[2:5]` (offloads after the regions)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from solvers import ModuleCall, Problem, Region, Save, Schedule, ScheduleError, simulate
+from solvers import Decision, ModuleCall, Problem, Region, Schedule, ScheduleError, simulate
 
 
 def test_chain_builder() -> None:
@@ -85,9 +85,9 @@ def test_schedule_helpers_and_errors() -> None:
 
 def test_a_region_decides_per_saved_node_and_names_its_target() -> None:
     block = ModuleCall(path="h.0")
-    region = Region(1, 4, "recompute", saves={2: Save.KEEP}, target=block)
+    region = Region(1, 4, "recompute", saves={2: Decision.KEEP}, target=block)
     assert region == Region(1, 4, "recompute", keep=[2], target=block)
-    assert region.keep == {2} and region.saves == {2: Save.KEEP}
+    assert region.keep == {2} and region.saves == {2: Decision.KEEP}
     schedule = Schedule(regions=(Region(0, 1), region))
     text = schedule.model_dump_json()
     assert '"saves":{"2":"keep"}' in text and '"path":"h.0"' in text

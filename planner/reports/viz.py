@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from planner.plan import GIB, Plan, format_bytes
 from profiles.schema import GraphProfile
-from solvers import SOLVERS, Schedule, Timeline, front, simulate
+from solvers import SOLVERS, Decision, Schedule, Timeline, front, simulate
 from solvers.baselines import BASELINES
 from solvers.bounds import memory_lower_bound
 from solvers.from_profile import detect_block_prefix, problem_from_profile
 from solvers.problem import Problem
-from solvers.schedule import Region
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -120,27 +119,17 @@ def _problem(source: Plan | GraphProfile) -> tuple[Problem, GraphProfile]:
 
 
 def node_status(n_nodes: int, schedule: Schedule) -> list[str]:
-    """Per node: ``"stored"``, ``"recomputed"``, ``"saved (SAC)"`` (kept inside a
-    recompute region by a selective-checkpoint policy) or ``"offloaded to host"`` (what it
-    saves goes to host memory: a stored node of an offloaded call, or one a top-level
-    checkpoint inside it keeps, as `solvers.offload` says)."""
-    status = [STORED] * n_nodes
-    for offload in schedule.offloads:
-        status[offload.start:offload.stop] = [OFFLOADED] * (offload.stop - offload.start)
-
-    def visit(region: Region, kept_status: str) -> None:
-        if region.mode != "recompute":
-            return
-        for i in range(region.start, region.stop):
-            status[i] = kept_status if i in region.keep else RECOMPUTED
-        for child in region.children:
-            visit(child, SAVED)
-
-    for region in schedule.regions:
-        moved = any(o.start <= region.start and region.stop <= o.stop
-                    for o in schedule.offloads)
-        visit(region, OFFLOADED if moved else SAVED)
-    return status
+    """Per node, its decision (`Schedule.decisions`) as reports name it: ``"stored"`` (kept,
+    no checkpoint), ``"saved (SAC)"`` (kept inside a checkpoint by its selective policy),
+    ``"recomputed"`` or ``"offloaded to host"`` (what it saves goes to host memory: a stored
+    node of an offloaded call, or one a top-level checkpoint inside it keeps)."""
+    if n_nodes != schedule.n_nodes:
+        raise ValueError(f"the schedule covers {schedule.n_nodes} nodes, not {n_nodes}: "
+                         "it was made for another profile")
+    checkpointed = {i for r in schedule.recompute_regions() for i in range(r.start, r.stop)}
+    named = {Decision.RECOMPUTE: RECOMPUTED, Decision.OFFLOAD: OFFLOADED}
+    return [named.get(d) or (SAVED if i in checkpointed else STORED)
+            for i, d in enumerate(schedule.decisions())]
 
 
 # ---------------------------------------------------------------- timeline

@@ -23,7 +23,7 @@ import inspect
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,12 @@ from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_pau
 from planner.runtime.traced_program import Program, Range
 from profiles.kernels import attention_kernels
 from profiles.traced import trace_forward, trace_inputs
+from solvers.decision import RULES, Decision
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ANY_PRECISION", "Checkpointed", "Installation", "OpStreamWarning", "RegionSpec",
-           "TracedForward", "checkpointed_modules", "install_checkpoints",
+           "TracedForward", "checkpoint_policy", "checkpointed_modules", "install_checkpoints",
            "prepare_checkpoints", "remove_checkpoints"]
 
 
@@ -88,7 +89,9 @@ class RegionSpec:
     """
 
     path: str
-    keep_ops: frozenset[tuple[str, int]]  # (aten op, occurrence in the module's forward)
+    # (aten op, occurrence in the module's forward) -> what becomes of its output, for the
+    # ops the checkpoint does not recompute (`Region.saves`; any other op is recomputed)
+    saved_ops: Mapping[tuple[str, int], Decision]
     restore_buffers: tuple[str, ...] = ()  # relative to the module
     expected_ops: tuple[tuple[str, int], ...] = ()
     strict: bool = False
@@ -120,12 +123,18 @@ class OpStreamWarning(UserWarning):
     """A checkpointed module's forward ran other ops than the call the plan was made for."""
 
 
-class _Policy:
-    """SAC policy of one checkpoint call: keeps the planned (op, occurrence) pairs; counts
-    the forward and the rerun separately."""
+def checkpoint_policy(decision: Decision) -> CheckpointPolicy:
+    """What a selective checkpoint's policy returns for an op of ``decision``: its rule's
+    (`solvers.decision.RULES`), the one place a decision becomes torch's."""
+    return CheckpointPolicy[RULES[decision].policy]
 
-    def __init__(self, keep_ops: frozenset[tuple[str, int]]) -> None:
-        self.keep_ops = keep_ops
+
+class _Policy:
+    """SAC policy of one checkpoint call: the planned decision of each (op, occurrence)
+    pair; counts the forward and the rerun separately."""
+
+    def __init__(self, saved_ops: Mapping[tuple[str, int], Decision]) -> None:
+        self.saved_ops = saved_ops
         self.counters: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -133,10 +142,10 @@ class _Policy:
         name = str(func)
         occurrence = counter[name]
         counter[name] += 1
-        keep = (name, occurrence) in self.keep_ops
-        # SAC packs a kept output right after this call: an offloaded call's hooks move it
-        keeps_next(keep and not ctx.is_recompute)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        decision = self.saved_ops.get((name, occurrence), Decision.RECOMPUTE)
+        # SAC packs a saved output right after this call: an offloaded call's hooks move it
+        keeps_next(not RULES[decision].reruns and not ctx.is_recompute)
+        return checkpoint_policy(decision)
 
 
 class _Checkpoint:
@@ -210,12 +219,12 @@ class _Checkpoint:
         # keeps (nothing, for most regions); later calls of a region that keeps nothing run
         # plain checkpoint and pay nothing
         check = bool(self.spec.expected_ops) and self._planned_step(tensors) and (
-            bool(self.spec.keep_ops) or not self.checked)
+            bool(self.spec.saved_ops) or not self.checked)
         # the checkpoint's input save goes through offload hooks when a call it runs in is
         # offloaded (offloaded checkpointing); its forward and rerun (`run`) pause them
-        if not check and not self.spec.keep_ops:
+        if not check and not self.spec.saved_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
-        policy = _Policy(self.spec.keep_ops)
+        policy = _Policy(self.spec.saved_ops)
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
         if check:
@@ -276,8 +285,8 @@ class Checkpointed(_Checkpoint):
         return self.checkpointed(self.original, args, kwargs)
 
     def __repr__(self) -> str:
-        return (f"Checkpointed({self.spec.path or type(self.module).__name__}, keep "
-                f"{len(self.spec.keep_ops)} ops)")
+        return (f"Checkpointed({self.spec.path or type(self.module).__name__}, saves "
+                f"{len(self.spec.saved_ops)} ops)")
 
 
 class _RangeCheckpoint(_Checkpoint):
@@ -309,7 +318,7 @@ class TracedForward:
         self.inner: Callable[..., Any] | None = None  # a forward on the instance (install)
         self.checkpoints = {spec.first: _RangeCheckpoint(module, spec) for spec in specs}
         buffers = tuple(name for name, _ in module.named_buffers())
-        self.whole = _Checkpoint(module, RegionSpec(specs[0].path, frozenset(), buffers))
+        self.whole = _Checkpoint(module, RegionSpec(specs[0].path, {}, buffers))
         self._program = program
         self._inputs = trace_inputs(module) if program is not None else None
         self._same_in_eval: bool | None = None  # eval() traces to the program (None: unknown)

@@ -37,7 +37,7 @@ from planner.runtime.offload import (
     suspended_offload,
 )
 from profiles.schema import GraphProfile
-from solvers import ModuleCall, OpRange, Region, Save, Schedule
+from solvers import Decision, ModuleCall, OpRange, Region, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ _SAC_UNSEEN = frozenset(str(op) for op in SAC_IGNORED_OPS)
 
 
 def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
-    """What to install on each checkpointed module: kept ops by (op, occurrence in the
-    module's forward), the ops the forward is expected to run, buffers to restore."""
+    """What to install on each checkpointed module: the decisions of the ops it does not
+    recompute, by (op, occurrence in the module's forward), the ops the forward is expected
+    to run, buffers to restore."""
     return schedule_specs(plan.profile, plan.schedule, plan.autocast_dtype, strict)
 
 
@@ -60,17 +61,17 @@ def schedule_specs(profile: GraphProfile, schedule: Schedule, autocast_dtype: st
         target = region.target
         path = target.path
         counter: Counter[str] = Counter()
-        keep_ops = set()
+        saved_ops: dict[tuple[str, int], Decision] = {}
         for k in range(region.start, region.stop):
             node = nodes[k]
             if node.target in _SAC_UNSEEN:  # never shown to a SAC policy
                 continue
-            if region.saves.get(k) is Save.KEEP:
-                keep_ops.add((node.target, counter[node.target]))
+            if k in region.saves:
+                saved_ops[(node.target, counter[node.target])] = region.saves[k]
             counter[node.target] += 1
         prefix = f"{path}." if path else ""
         ranged = isinstance(target, OpRange)
-        out.append(RegionSpec(path, frozenset(keep_ops),
+        out.append(RegionSpec(path, saved_ops,
                               tuple(b.removeprefix(prefix)
                                     for b in _mutated_buffers(profile, region)),
                               tuple(sorted(counter.items())), strict,
