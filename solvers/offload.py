@@ -10,7 +10,8 @@ checkpoint's own hooks take what else is saved inside it, and a nested checkpoin
 stay on the device. The first such save of a storage copies it to host memory (one copy per
 storage, whatever views or ops save it); later saves of that storage inside any offloaded
 call reuse the copy. A save outside every offloaded call is a plain save: it keeps the
-device storage alive as without offload.
+device storage alive as without offload. Which nodes' saves move is what the schedule
+decides (`Schedule.decisions`: OFFLOAD, whose rule copies, `solvers.decision`).
 Backward: an offloaded call is *needed* at the first backward node that unpacks any of its
 copies (for a checkpoint's inputs and keeps: the node whose backward first reruns it). All
 of a call's copies come back at once: when the backward reaches the output of the call its
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from solvers.decision import RULES
 from solvers.frame import region_rules
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -61,10 +63,11 @@ class OffloadGroup:
 
 def _offloaded_checkpoint(problem: Problem, region: Region, inputs: list[int],
                           g: OffloadGroup, save: Callable[[int, OffloadGroup, int],
-                                                          OffloadGroup]) -> None:
+                                                          OffloadGroup],
+                          moves: Callable[[int], bool]) -> None:
     """A top-level checkpoint inside offloaded call `g`: its input save (before its first
-    node) and its kept outputs (after each kept node) go to the host; all come back by its
-    rerun (the backward of its last node that packs)."""
+    node) and the outputs it keeps that `moves` (after each such node) go to the host; all
+    come back by its rerun (the backward of its last node that packs)."""
     start = region.start
     rerun = region_rules(problem, region).trigger  # F4, its children included
     for s in inputs:
@@ -73,7 +76,7 @@ def _offloaded_checkpoint(problem: Problem, region: Region, inputs: list[int],
             owner.at_entry.add(s)
         owner.frames.setdefault(s, []).append(start)
         owner.need = max(owner.need, rerun)
-    for k in sorted(region.keep):
+    for k in filter(moves, sorted(region.saves)):
         for s in problem.outputs[k]:
             owner = save(s, g, k)
             owner.cached.setdefault(s, []).append(start)
@@ -90,7 +93,14 @@ def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
     groups = [OffloadGroup(k) for k in range(len(schedule.offloads))]
     if not groups:
         return groups
+    # what moves is what the schedule decides to move (`Schedule.decisions`): the saves of
+    # the offloaded calls' stored nodes and the outputs their top-level checkpoints keep
+    decided = schedule.decisions()
     recomputed = schedule.recomputed_nodes()
+
+    def moves(i: int) -> bool:
+        return RULES[decided[i]].copies
+
     group_of = {i: g for o, g in zip(schedule.offloads, groups, strict=True)
                 for i in range(o.start, o.stop)}
     entries = {r.start: r for r in schedule.regions if r.is_recompute}
@@ -109,8 +119,8 @@ def offload_groups(problem: Problem, schedule: Schedule) -> list[OffloadGroup]:
         region = entries.get(i)
         span = problem.span(i, region.stop) if region is not None else None
         if span is not None and group_of.get(region.stop - 1) is g:
-            _offloaded_checkpoint(problem, region, span.inputs, g, save)
-        if i in recomputed:
+            _offloaded_checkpoint(problem, region, span.inputs, g, save, moves)
+        if i in recomputed or not moves(i):  # a checkpoint's own hooks take its saves
             continue
         for s in problem.saved[i]:
             owner = save(s, g, i)
