@@ -160,12 +160,17 @@ class _Checkpoint:
 
     def _body(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """What checkpoint calls: ``fn``, but on a rerun the buffers it updates are put
-        back, so recomputing changes no state."""
+        back, so recomputing changes no state. Compiled, ``fn`` as it is: a compiled
+        graph updates buffers once, in its forward (its recompute replays no mutation), and
+        a count kept outside the checkpoint would break the graph there (dynamo does not
+        trace a checkpoint that mutates a variable of its caller)."""
         if not self.spec.restore_buffers:
             return fn
         calls = 0
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
             nonlocal calls
             calls += 1
             if calls == 1:
