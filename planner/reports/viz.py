@@ -126,7 +126,7 @@ def node_status(n_nodes: int, schedule: Schedule) -> list[str]:
     if n_nodes != schedule.n_nodes:
         raise ValueError(f"the schedule covers {schedule.n_nodes} nodes, not {n_nodes}: "
                          "it was made for another profile")
-    checkpointed = {i for r in schedule.recompute_regions() for i in range(r.start, r.stop)}
+    checkpointed = schedule.recomputed_nodes()
     named = {Decision.RECOMPUTE: RECOMPUTED, Decision.OFFLOAD: OFFLOADED}
     return [named.get(d) or (SAVED if i in checkpointed else STORED)
             for i, d in enumerate(schedule.decisions())]
