@@ -181,7 +181,8 @@ class _Search:
                           eager_budget_bytes=chosen.eager_budget,
                           probes=[(p.eager_budget, p.peak) for p in self.probes],
                           compiles=self.measured,
-                          measure=self.step.measure)
+                          measure=self.step.measure,
+                          recompile_limit_hit=getattr(self.step, "recompile_limit_hit", None))
         return chosen.plan.model_copy(update={"budget_bytes": budget or self.budget,
                                               "compiled": fit})
 
@@ -238,6 +239,21 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
         return fit_compiled(profiled, config.solve_options(budget_bytes), step, report)
     finally:
         bar.close()
+        _warn_recompile_limit(step)
+
+
+def _warn_recompile_limit(step: CompiledStep) -> None:
+    """Said once per plan (to ``optimize``'s caller) where a measured step reached dynamo's
+    recompile limit: the plan holds for training under that limit only."""
+    if step.recompile_limit_hit is None:
+        return
+    warnings.warn(
+        f"compiling the {step.mode} reached dynamo's recompile limit "
+        f"(torch._dynamo.config.recompile_limit = {step.recompile_limit_hit}): the calls past "
+        "it ran eager, and the plan's peak is of that step, which training runs only under "
+        "the same limit. To compile every call, raise the limit above the number of input "
+        "shapes your blocks see, before planning and training, or plan with "
+        "compiled='model'", PlanMismatchWarning, stacklevel=4)
 
 
 def warn_eager_plan_compiled(trainer: str) -> None:

@@ -9,6 +9,12 @@ CPU by the allocator's own events (inductor's generated code allocates below the
 dispatcher, where ``PeakTracker`` sees nothing; :func:`planner.measure.allocator_peak`).
 The model is left as it was given: its plan (if any), state, gradients, RNG, and any
 compile of its own.
+
+Dynamo compiles a function again for each new input shape up to its recompile limit
+(``torch._dynamo.config.recompile_limit``); past it, the calls run eager. Blocks of many
+shapes compiled one by one (torchvision's MobileNetV2: 17) reach it: the step measured is
+then partly eager, as training under the same limit will be. ``recompile_limit_hit`` says
+so, and a plan records it (:class:`planner.plan.CompiledFit`).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class CompiledStep:
         self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
         self.mode, self.blocks = mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        # dynamo's recompile limit where a step measured reached it (calls past it ran eager)
+        self.recompile_limit_hit: int | None = None
 
     @property
     def measure(self) -> str:
@@ -81,7 +89,10 @@ class CompiledStep:
                 apply(model, plan)
             try:
                 with compiled(model, self.mode, self.blocks):
+                    hits = _recompile_limit_hits()
                     self._step()  # compiles
+                    if _recompile_limit_hits() > hits:
+                        self.recompile_limit_hit = torch._dynamo.config.recompile_limit
                     restore()
                     peak, _, _ = measure_step(model, self.args, self.kwargs, self.loss_fn,
                                               self.autocast_dtype, compiled=True,
@@ -95,6 +106,15 @@ class CompiledStep:
             loss = self.loss_fn(self.model(*self.args, **self.kwargs))
         loss.backward()
         self.model.zero_grad(set_to_none=True)
+
+
+def _recompile_limit_hits() -> int:
+    """How often dynamo has given up compiling a function at its recompile limit in this
+    process (its counters are not cleared by ``torch._dynamo.reset``)."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items()
+               if "recompile limit exceeded" in reason.lower())
 
 
 @contextlib.contextmanager

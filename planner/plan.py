@@ -226,6 +226,10 @@ class CompiledFit(_Strict):
     compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
                           "solve that gave one already measured is not compiled again)")
     measure: str = Field(description="what measured the peaks")
+    recompile_limit_hit: int | None = Field(
+        default=None, description="dynamo's recompile_limit when compiling reached it: the "
+        "calls past it ran eager in the measured step, as they will in training under that "
+        "limit (None: not reached)")
 
     def describe(self, budget_bytes: int) -> str:
         what = self.mode if self.mode == "model" else \
@@ -234,7 +238,10 @@ class CompiledFit(_Strict):
                 f"the compiled step within budget {format_bytes(budget_bytes)} ("
                 f"{self.measure}; {self.compiles} schedules compiled); the eager "
                 f"schedule solved at {format_bytes(self.eager_budget_bytes)}, and the eager "
-                "numbers below are the eager step's")
+                "numbers below are the eager step's" + (
+                    "" if self.recompile_limit_hit is None else
+                    f"; dynamo's recompile limit ({self.recompile_limit_hit}) was reached: "
+                    "the calls past it ran eager, measured as such"))
 
 
 class Plan(_Strict):

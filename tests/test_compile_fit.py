@@ -3,6 +3,7 @@ holds for the step torch.compile runs, measured; the search, the error, the reco
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,53 @@ def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_wa
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     finally:
         remove(model)
+
+
+class _Widening(torch.nn.Module):
+    """Blocks of one type whose input widths all differ: compiled one by one, each is a new
+    shape for dynamo's one `forward` code object."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(width, width + 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.inner(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[self.Block(16 + 8 * i) for i in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+@pytest.mark.parametrize("limit", [1, 8])
+def test_a_block_past_dynamos_recompile_limit_is_said_and_recorded(
+        limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three blocks of three shapes compiled one by one (dynamo's eager backend: the limit is
+    dynamo's, not inductor's): under a recompile limit of 1 the blocks past it run eager,
+    and the plan says so, in a warning with what to do and in its record; under 8 it is
+    silent."""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self: compile_module(self, backend="eager"))
+    torch.manual_seed(0)
+    model, x = _Widening(), torch.randn(256, 16)
+    with warnings.catch_warnings(record=True) as caught, \
+            torch._dynamo.config.patch(recompile_limit=limit):
+        warnings.simplefilter("always")
+        plan = optimize(model, x, budget_gb=1.0, loss_fn=lambda out: out.square().mean(),
+                        compiled="blocks", timing="estimate", deterministic=True,
+                        progress=False)
+    said = [w for w in caught if "recompile limit" in str(w.message)]
+    assert plan.compiled.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    if limit == 1:
+        assert plan.compiled.recompile_limit_hit == 1
+        assert len(said) == 1 and said[0].filename == __file__  # the caller's line
+        assert "torch._dynamo.config.recompile_limit = 1" in str(said[0].message)
+        assert "recompile limit (1) was reached" in plan.summary()
+        assert Plan.model_validate_json(plan.model_dump_json()).compiled == plan.compiled
+    else:
+        assert plan.compiled.recompile_limit_hit is None and not said
