@@ -12,9 +12,6 @@ import torch
 
 from profiles.schema import GraphProfile
 
-# one worker runs the module, so its 20-second fixture runs once (`--dist loadgroup`)
-pytestmark = pytest.mark.xdist_group("gpu_suite_smoke")
-
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 
 
