@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.sharding import Sharding, rank_problem
 from profiles.kernels import attention_kernels
@@ -42,7 +42,7 @@ from solvers.problem import Problem
 from solvers.routing import RoutingSpread, WorstRouting, worst_routing
 from solvers.schedule import Mode, ModuleCall, OpRange, Region, Schedule
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4  # 4: a checkpoint in an offloaded call says what it moves per node
 GIB = 2**30
 
 # torch dtype names an input spec may name (checked without importing torch)
@@ -244,6 +244,25 @@ class CompiledFit(_Strict):
                     "the calls past it ran eager, measured as such"))
 
 
+def moved_keeps_named(schedule: Any) -> Any:
+    """A schema-3 schedule (JSON) in schema 4's words: a top-level checkpoint inside an
+    offloaded call moved every output it kept ("keep"), which schema 4 writes "offload"
+    (its "keep" stays on the device)."""
+    if not isinstance(schedule, dict):
+        return schedule
+    spans = [(o.get("start"), o.get("stop")) for o in schedule.get("offloads") or ()
+             if isinstance(o, dict)]
+    regions = []
+    for region in schedule.get("regions") or ():
+        if isinstance(region, dict) and isinstance(region.get("saves"), dict) and any(
+                a <= region.get("start", -1) and region.get("stop", -1) <= b
+                for a, b in spans if isinstance(a, int) and isinstance(b, int)):
+            region = {**region, "saves": {k: "offload" if d == "keep" else d
+                                          for k, d in region["saves"].items()}}
+        regions.append(region)
+    return {**schedule, "regions": regions}
+
+
 class Plan(_Strict):
     """An activation-checkpointing plan for one model, precision, input shapes and budget.
 
@@ -276,6 +295,15 @@ class Plan(_Strict):
                                           "(solvers.routing)")
     compiled: CompiledFit | None = Field(None, description="planned for the step torch.compile "
                                          "runs: budget_bytes holds its measured peak")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgraded(cls, data: Any) -> Any:
+        """A schema-3 file read as schema 4 (`moved_keeps_named`); others as they are."""
+        if isinstance(data, dict) and data.get("schema_version") == 3:
+            data = {**data, "schema_version": 4,
+                    "schedule": moved_keeps_named(data.get("schedule"))}
+        return data
 
     @field_validator("schema_version")
     @classmethod

@@ -17,14 +17,15 @@ decision's meaning is written, as data the rest reads:
 `DecisionCost` prices a decision for one node from these fields (`cost`), and
 `Problem.decision_costs` is the table of every node's. A schedule says each node's
 decision (`Schedule.decisions`): the nodes of a RECOMPUTE region are RECOMPUTE unless the
-region keeps them (`Region.saves`); every other node is KEEP; what an offloaded module call
-saves (`Schedule.offloads`), and what a top-level checkpoint inside it keeps, is OFFLOAD.
+region saves them (`Region.saves`: KEEP, or OFFLOAD in a top-level checkpoint inside an
+offloaded call, chosen per node); every other node is KEEP, or OFFLOAD where an offloaded
+module call stores it (`Schedule.offloads`).
 
 A new kind of decision is a member here with its rule; where its meaning fits the fields
-above, its cost, its torch policy and its name in reports follow from the rule. The solvers'
-searches and the simulator choose and replay KEEP and RECOMPUTE inside regions and OFFLOAD
-per module call (`solvers.offload`); a region's `saves` naming OFFLOAD is refused
-(`Region`) until they choose it per tensor.
+above, its cost, its torch policy and its name in reports follow from the rule. The
+simulator and the runtime replay OFFLOAD per node where an offloaded call's hooks can move
+it (`solvers.offload`); the solvers' searches choose KEEP and RECOMPUTE inside regions and
+OFFLOAD per module call, moving a call's keeps with it (`Schedule.with_offloads`).
 """
 
 from __future__ import annotations

@@ -184,7 +184,9 @@ def checkpointed(schedule: Schedule, regions: Iterable[Region]) -> Schedule:
             out.append(r)
         elif pos < r.stop:
             out.append(Region(pos, r.stop, STORE))
-    return Schedule(regions=tuple(out), offloads=schedule.offloads)
+    # each region put inside an offloaded call moves what it keeps with the call
+    return Schedule(regions=tuple(out), offloads=schedule.offloads).with_offloads(
+        schedule.offloads)
 
 
 def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bool = True
@@ -306,7 +308,7 @@ class _Search:
             return False
         self.tried.add(tuple(calls))
         floors = [copy_back_floor(self.problem, sch) for sch in layouts]
-        reruns = [simulate(self.problem, Schedule(regions=sch.regions)).recompute_time_ms
+        reruns = [simulate(self.problem, sch.with_offloads(())).recompute_time_ms
                   for sch in layouts]
         floor = min(floors, default=0.0)
         self.pruned = self.best is not None and floor >= self.best.objective_ms

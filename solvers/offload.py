@@ -4,14 +4,15 @@
 While an offloaded call runs, every tensor an op saves for backward outside a checkpoint
 goes through the offload hooks, and so does the input save of a top-level checkpoint that
 starts in it (its call's tensor arguments, `ModuleSpan.inputs`, saved before its first node
-runs: "offloaded checkpointing"), and so do the outputs its selective checkpointing keeps
-(the SAC cache packs them through the hooks around the checkpoint: offloaded keeps); a
-checkpoint's own hooks take what else is saved inside it, and a nested checkpoint's keeps
-stay on the device. The first such save of a storage copies it to host memory (one copy per
-storage, whatever views or ops save it); later saves of that storage inside any offloaded
-call reuse the copy. A save outside every offloaded call is a plain save: it keeps the
-device storage alive as without offload. Which nodes' saves move is what the schedule
-decides (`Schedule.decisions`: OFFLOAD, whose rule copies, `solvers.decision`).
+runs: "offloaded checkpointing"), and so do the outputs that checkpoint saves as OFFLOAD
+(the SAC cache packs them through the hooks around the checkpoint: offloaded keeps, chosen
+per node; what it saves as KEEP stays on the device); a checkpoint's own hooks take what
+else is saved inside it, and a nested checkpoint's keeps stay on the device. The first such
+save of a storage copies it to host memory (one copy per storage, whatever views or ops
+save it); later saves of that storage inside any offloaded call reuse the copy. A save
+outside every offloaded call is a plain save: it keeps the device storage alive as without
+offload. Which nodes' saves move is what the schedule decides (`Schedule.decisions`:
+OFFLOAD, whose rule copies, `solvers.decision`).
 Backward: an offloaded call is *needed* at the first backward node that unpacks any of its
 copies (for a checkpoint's inputs and keeps: the node whose backward first reruns it). All
 of a call's copies come back at once: when the backward reaches the output of the call its

@@ -3,16 +3,19 @@
 A RECOMPUTE region is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call
 on its `target`: a module call, or an op range of a module's traced forward. Its decisions
 are data (`solvers.decision`): `saves` maps some of its own nodes (nodes not inside a child;
-a child has its own `saves`) to their `Decision`, `Decision.KEEP`
-(`CheckpointPolicy.MUST_SAVE`, selective checkpointing); a node it does not name is
-recomputed (`Decision.RECOMPUTE`). `children` are checkpoints nested inside it.
-`Schedule.decisions` says every node's decision, offloads included.
+a child has its own `saves`) to their `Decision`: `Decision.KEEP`
+(`CheckpointPolicy.MUST_SAVE`, selective checkpointing), or, for a top-level checkpoint
+inside an offloaded call, `Decision.OFFLOAD` (saved as KEEP is, then moved to the host by
+the call's hooks); a node it does not name is recomputed (`Decision.RECOMPUTE`).
+`children` are checkpoints nested inside it. `Schedule.decisions` says every node's
+decision, offloads included.
 
 `Schedule.offloads` name module calls whose saved activations go to host memory: every
 tensor saved for backward while the call runs outside a checkpoint (`solvers.offload` says
 which storages that is) is copied to the host during the forward (its device side let go
 at the end of the call named by its `release`) and prefetched back when the backward
-reaches the output of the call named by its `prefetch`.
+reaches the output of the call named by its `prefetch`; so are the outputs its top-level
+checkpoints save as OFFLOAD, one by one, while the ones they KEEP stay on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from solvers.decision import Decision
+from solvers.decision import RULES, Decision
 
 __all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "OpRange", "Region",
            "Schedule", "ScheduleError"]
@@ -63,14 +66,16 @@ Target = Annotated[ModuleCall | OpRange, Field(discriminator="kind")]
 class Region(BaseModel):
     """Nodes `start..stop-1`, stored or recomputed.
 
-    `keep=` is shorthand for `saves={node: Decision.KEEP}`; `.keep` reads the kept nodes
-    back, `decision(node)` any node's. A `saves` entry of RECOMPUTE says what leaving the
-    node out says, and is dropped.
+    `keep=` is shorthand for `saves={node: Decision.KEEP}`; `.keep` reads back the nodes it
+    saves (KEEP, or OFFLOAD: saved, then moved), `decision(node)` any node's. A `saves`
+    entry of RECOMPUTE says what leaving the node out says, and is dropped.
 
     >>> Region(0, 3, "recompute", keep=[1]).describe()
     'R[0:3 keep=1]'
     >>> Region(0, 3, "recompute", saves={1: "keep", 2: "recompute"}).saves
     {1: <Decision.KEEP: 'keep'>}
+    >>> Region(0, 3, "recompute", saves={1: "keep", 2: "offload"}).describe()
+    'R[0:3 keep=1 offload=2]'
     >>> outer = Region(0, 6, "recompute", children=[Region(2, 4, "recompute")])
     >>> [r.describe() for r in outer.walk()]
     ['R[0:6 (R[2:4])]', 'R[2:4]']
@@ -104,15 +109,9 @@ class Region(BaseModel):
     @field_validator("saves", mode="after")
     @classmethod
     def _decided(cls, saves: dict[int, Decision]) -> dict[int, Decision]:
-        """Saves in node order, without RECOMPUTE (a node not named is recomputed); OFFLOAD
-        is refused: the solvers and the runtime move tensors per module call
-        (`Schedule.offloads`), not per node of a checkpoint."""
-        offloaded = sorted(k for k, d in saves.items() if d is Decision.OFFLOAD)
-        if offloaded:
-            raise ScheduleError(
-                f"nodes {offloaded} of a checkpoint are offloaded one by one, which no solver "
-                "plans and the runtime does not install: offload the module call they run in "
-                "(Schedule.with_offloads), and keep them (Decision.KEEP) to move them with it.")
+        """Saves in node order, without RECOMPUTE (a node not named is recomputed). Where
+        OFFLOAD may stand the schedule checks (`Schedule`: a top-level checkpoint inside an
+        offloaded call, whose hooks move it)."""
         return {k: saves[k] for k in sorted(saves) if saves[k] is not Decision.RECOMPUTE}
 
     @model_validator(mode="after")
@@ -146,8 +145,13 @@ class Region(BaseModel):
 
     @property
     def keep(self) -> frozenset[int]:
-        """The nodes whose outputs this region keeps (`Decision.KEEP`)."""
-        return frozenset(k for k, save in self.saves.items() if save is Decision.KEEP)
+        """The nodes whose outputs this region saves rather than reruns (`Decision.KEEP`, and
+        `Decision.OFFLOAD`: saved the same way, then moved by the offload hooks)."""
+        return frozenset(k for k, save in self.saves.items() if not RULES[save].reruns)
+
+    def offloaded(self) -> frozenset[int]:
+        """The nodes whose saved outputs the offload hooks move (`Decision.OFFLOAD`)."""
+        return frozenset(k for k, save in self.saves.items() if RULES[save].copies)
 
     def decision(self, node: int) -> Decision:
         """What this region does with one of its own nodes' outputs (not a child's)."""
@@ -176,8 +180,11 @@ class Region(BaseModel):
         if not self.is_recompute:
             return f"S[{self.start}:{self.stop}]"
         parts = [f"R[{self.start}:{self.stop}"]
-        if self.keep:
-            parts.append(" keep=" + ",".join(map(str, sorted(self.keep))))
+        on_device, moved = self.keep - self.offloaded(), self.offloaded()
+        if on_device:
+            parts.append(" keep=" + ",".join(map(str, sorted(on_device))))
+        if moved:
+            parts.append(" offload=" + ",".join(map(str, sorted(moved))))
         if self.children:
             parts.append(" (" + " ".join(c.describe() for c in self.children) + ")")
         return "".join(parts) + "]"
@@ -276,6 +283,18 @@ class Schedule(BaseModel):
                     f"offload [{o.start}, {o.stop}) overlaps the one before it or ends past "
                     f"node {self.n_nodes}: offloaded calls are disjoint, in node order.")
             pos = o.stop
+        for top in self.regions:
+            for region in top.walk():
+                moved = sorted(region.offloaded())
+                if moved and (region is not top or not self._in_offloaded_call(top)):
+                    raise ScheduleError(
+                        f"nodes {moved} of checkpoint [{region.start}, {region.stop}) are "
+                        "offloaded, which only a top-level checkpoint inside an offloaded "
+                        "call does (its call's hooks move them): offload the call around it "
+                        "(Schedule.with_offloads), or keep them (Decision.KEEP).")
+
+    def _in_offloaded_call(self, region: Region) -> bool:
+        return any(o.start <= region.start and region.stop <= o.stop for o in self.offloads)
 
     @property
     def n_nodes(self) -> int:
@@ -350,17 +369,29 @@ class Schedule(BaseModel):
             "regions": tuple(r.with_targets(target_of) for r in self.regions),
             "offloads": tuple(o.with_targets(target_of) for o in self.offloads)})
 
-    def with_offloads(self, offloads: Iterable[Offload | tuple[int, int]]) -> Schedule:
+    def with_offloads(self, offloads: Iterable[Offload | tuple[int, int]], *,
+                      move_keeps: bool = True) -> Schedule:
         """The same regions, offloading the given calls (Offloads or `(start, stop)` spans,
-        prefetched when first needed).
+        prefetched when first needed). With ``move_keeps`` the top-level checkpoints inside
+        them move what they keep (KEEP becomes OFFLOAD); else their saves stay as they are
+        (a choice per node). Outside every offloaded call, OFFLOAD becomes KEEP.
 
         >>> Schedule.store_all(6).with_offloads([(0, 2), Offload(start=2, stop=4,
         ...                                      prefetch=(4, 6))]).describe()
         'S[0:6] O[0:2] O[2:4 <-4:6]'
+        >>> Schedule.from_segments(6, [(1, 4)], keep=[2]).with_offloads([(0, 5)]).describe()
+        'S[0:1] R[1:4 offload=2] S[4:6] O[0:5]'
         """
-        spans = [o if isinstance(o, Offload) else Offload(start=o[0], stop=o[1])
-                 for o in offloads]
-        return Schedule(regions=self.regions, offloads=tuple(spans))
+        spans = tuple(o if isinstance(o, Offload) else Offload(start=o[0], stop=o[1])
+                      for o in offloads)
+        regions = []
+        for top in self.regions:
+            inside = any(o.start <= top.start and top.stop <= o.stop for o in spans)
+            saves = {k: Decision.OFFLOAD if inside and move_keeps and d is Decision.KEEP
+                     else Decision.KEEP if not inside and d is Decision.OFFLOAD else d
+                     for k, d in top.saves.items()}
+            regions.append(top if saves == top.saves else top.model_copy(update={"saves": saves}))
+        return Schedule(regions=tuple(regions), offloads=spans)
 
     def walk(self) -> Iterator[Region]:
         """All regions, pre-order."""
@@ -381,25 +412,24 @@ class Schedule(BaseModel):
 
     def decisions(self) -> list[Decision]:
         """Each node's `Decision`: in a checkpoint, what its innermost one decides (`saves`);
-        outside checkpoints KEEP; OFFLOAD for what an offloaded call saves, including what a
-        top-level checkpoint inside the call keeps (`solvers.offload` says which storages).
+        outside checkpoints KEEP, or OFFLOAD inside an offloaded call (`solvers.offload`
+        says which storages move).
 
-        >>> s = Schedule.from_segments(6, [(1, 4)], keep=[2]).with_offloads([(0, 5)])
+        >>> s = Schedule.from_segments(6, [(1, 4)], keep=[2, 3]).with_offloads([(0, 5)])
         >>> "".join(d.value[0] for d in s.decisions())
-        'ororok'
+        'oroook'
+        >>> per_node = Region(1, 4, "recompute", saves={2: "offload", 3: "keep"})
+        >>> s = Schedule(regions=(Region(0, 1), per_node, Region(4, 6)),
+        ...              offloads=(Offload(start=0, stop=5),))
+        >>> "".join(d.value[0] for d in s.decisions())
+        'orokok'
         """
         decided = [Decision.KEEP] * self.n_nodes
         for o in self.offloads:
             decided[o.start:o.stop] = [Decision.OFFLOAD] * (o.stop - o.start)
-        for top in self.regions:
-            if not top.is_recompute:
-                continue
-            moved = any(o.start <= top.start and top.stop <= o.stop for o in self.offloads)
-            for region in top.walk():
-                for i in range(region.start, region.stop):
-                    decision = region.decision(i)
-                    decided[i] = Decision.OFFLOAD if moved and region is top \
-                        and decision is Decision.KEEP else decision
+        for region in self.recompute_regions():  # pre-order: the innermost decides last
+            for i in range(region.start, region.stop):
+                decided[i] = region.decision(i)
         return decided
 
     def describe(self) -> str:

@@ -17,6 +17,7 @@ from planner.solving import plan_for_schedule
 from solvers import Decision, Problem, Region, Schedule
 from solvers.decision import RULES
 from solvers.problem import HostLink
+from solvers.schedule import Offload
 
 ROOT = Path(__file__).resolve().parents[1]
 K, R, H = Decision.KEEP, Decision.RECOMPUTE, Decision.OFFLOAD  # H: host
@@ -36,8 +37,28 @@ def test_a_region_names_what_it_does_not_recompute() -> None:
     assert said == plain and hash(said) == hash(plain) and said.saves == {}
     assert Region(0, 3, "recompute", saves={2: "keep", 1: "recompute"}).decision(2) is K
     assert plain.decision(1) is R
-    with pytest.raises(ValueError, match="offload the module call"):
-        Region(0, 3, "recompute", saves={1: "offload"})
+    moved = Region(0, 3, "recompute", saves={1: "offload", 2: "keep"})
+    assert moved.keep == {1, 2} and moved.offloaded() == {1}  # both saved; one moved
+
+
+def test_only_a_checkpoint_in_an_offloaded_call_offloads_per_node() -> None:
+    """OFFLOAD stands where an offloaded call's hooks move it (a top-level checkpoint inside
+    the call), and is refused elsewhere, saying what to do; `with_offloads` moves a call's
+    keeps, or leaves the choice per node, and puts back on the device what no call moves."""
+    chosen = Region(1, 4, "recompute", saves={2: "offload", 3: "keep"})
+    regions = (Region(0, 1), chosen, Region(4, 6))
+    with pytest.raises(ValueError, match="offload the call around it"):
+        Schedule(regions=regions)
+    with pytest.raises(ValueError, match="offload the call around it"):
+        Schedule(regions=regions, offloads=[Offload(start=0, stop=3)])  # not around it
+    nested = Region(0, 5, "recompute", children=[chosen])
+    with pytest.raises(ValueError, match="only a top-level checkpoint"):
+        Schedule(regions=(nested, Region(5, 6)), offloads=[Offload(start=0, stop=6)])
+    per_node = Schedule(regions=regions, offloads=[Offload(start=0, stop=5)])
+    assert per_node.decisions() == [H, R, H, K, H, K]
+    assert per_node.with_offloads(per_node.offloads, move_keeps=False) == per_node
+    assert per_node.with_offloads(per_node.offloads).decisions() == [H, R, H, H, H, K]
+    assert per_node.with_offloads(()).decisions() == [K, R, K, K, K, K]
 
 
 def test_a_schedule_says_every_nodes_decision() -> None:
@@ -46,10 +67,14 @@ def test_a_schedule_says_every_nodes_decision() -> None:
                Region(6, 8))
     plain = Schedule(regions=regions)
     assert plain.decisions() == [K, R, K, R, K, R, K, K]
-    # a call offloaded around the checkpoint moves what it stores and the checkpoint's own
-    # keeps; the nested checkpoint's keep lives inside the rerun and stays
+    # a call offloaded around the checkpoint moves what it stores and (`with_offloads`) the
+    # checkpoint's own keeps; the nested checkpoint's keep lives inside the rerun and stays
     around = plain.with_offloads([(0, 7)])
     assert around.decisions() == [H, R, H, R, K, R, H, K]
+    assert around.regions[1].saves == {2: H}
+    # the choice per node: the checkpoint keeps node 2 on the device inside the call
+    assert plain.with_offloads([(0, 7)], move_keeps=False).decisions() == [
+        H, R, K, R, K, R, H, K]
     # a call inside the checkpoint is recomputed: nothing of it is moved
     inside = plain.with_offloads([(0, 1), (2, 3)])
     assert inside.decisions() == [H, R, K, R, K, R, K, K]

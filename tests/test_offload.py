@@ -8,6 +8,7 @@ the one `simulate` predicts, to the byte.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import sys
 from typing import Any
@@ -32,7 +33,7 @@ from planner.plan import InfeasibleBudgetError, Plan, PlanMismatchError
 from planner.reports import viz
 from planner.runtime.offload import offloaded_modules
 from profiles.inputs import normalize_inputs
-from solvers import Offload, Problem, Region, Schedule, SimulationError, simulate
+from solvers import Decision, Offload, Problem, Region, Schedule, SimulationError, simulate
 from solvers.offload import offload_groups
 from solvers.problem import LINEAR_KINDS, HostLink
 
@@ -243,6 +244,12 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
         return Schedule.from_segments(n, b, keep=linear).with_offloads(
             [Offload(start=a, stop=z, prefetch=b[k + 1] if k + 1 < len(b) else None)
              for k, (a, z) in enumerate(b)])
+    if how == "offloaded keeps, chosen per node":  # every other linear output stays
+        moved = _schedule(step, "offloaded keeps")
+        regions = [r.model_copy(update={"saves": {k: Decision.OFFLOAD if j % 2 else Decision.KEEP
+                                                  for j, k in enumerate(r.saves)}})
+                   for r in moved.regions]
+        return Schedule(regions=tuple(regions), offloads=moved.offloads)
     if how == "offloaded pieces":  # every block offloaded, recomputing op ranges inside it
         from solvers import joint
         from solvers.from_profile import problem_from_profile
@@ -260,12 +267,12 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
 
 @pytest.mark.parametrize("how", ["alone", "beside checkpoints", "nested",
                                  "offloaded checkpointing", "offloaded keeps",
-                                 "offloaded pieces"])
+                                 "offloaded keeps, chosen per node", "offloaded pieces"])
 def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: str) -> None:
     model, step = gpt
     plan = _plan(step, how)
     assert plan.offloaded_bytes > 0 and len(plan.offloads) >= 1
-    without = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
+    without = plan_for_schedule(step.profile, plan.schedule.with_offloads(()),
                                 step.inputs, step.structure)
     # offloaded checkpointing moves only the blocks' inputs: the peak (at the loss) stays
     assert plan.predicted_peak_bytes < without.predicted_peak_bytes or (
@@ -275,7 +282,7 @@ def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: s
     if how == "offloaded keeps":  # the kept linear outputs moved too, and lowered the peak
         inputs_only = _plan(step, "offloaded checkpointing")
         assert plan.offloaded_bytes > inputs_only.offloaded_bytes
-        kept = plan_for_schedule(step.profile, Schedule(regions=plan.schedule.regions),
+        kept = plan_for_schedule(step.profile, plan.schedule.with_offloads(()),
                                  step.inputs, step.structure)
         assert plan.predicted_peak_bytes < kept.predicted_peak_bytes
         assert all(o.kept_nodes for o in plan.offloads) and "kept by its checkpoint" in (
@@ -283,6 +290,14 @@ def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: s
         status = viz.node_status(len(step.profile.nodes), plan.schedule)
         kept = [k for r in plan.schedule.regions for k in r.keep]
         assert kept and all(status[k] == viz.OFFLOADED for k in kept)
+    if how == "offloaded keeps, chosen per node":  # the hooks moved exactly the OFFLOADs
+        every, none = _plan(step, "offloaded keeps"), _plan(step, "offloaded checkpointing")
+        assert none.offloaded_bytes < plan.offloaded_bytes < every.offloaded_bytes
+        assert every.predicted_peak_bytes < plan.predicted_peak_bytes
+        status = viz.node_status(len(step.profile.nodes), plan.schedule)
+        for region in plan.schedule.regions:
+            assert all(status[k] == (viz.OFFLOADED if k in region.offloaded() else viz.SAVED)
+                       for k in region.keep)
 
 
 def test_offload_under_autocast_measures_as_predicted() -> None:
@@ -432,6 +447,16 @@ def test_offloaded_keeps_on_a_torch_that_cannot_move_them_are_refused(gpt, monke
     with pytest.raises(PlanMismatchError, match=r"2\.14"):
         apply(model.model, plan)
     assert not offloaded_modules(model.model)  # nothing half-installed
+    # keeping them on the device inside the offloaded calls needs nothing of torch's
+    moved = plan.schedule
+    kept = Schedule(regions=tuple(r.model_copy(update={"saves": dict.fromkeys(r.saves,
+                                                                               Decision.KEEP)})
+                                  for r in moved.regions), offloads=moved.offloads)
+    apply(model.model, plan_for_schedule(step.profile, kept, step.inputs, step.structure))
+    try:
+        assert offloaded_modules(model.model)
+    finally:
+        remove(model.model)
 
 
 def test_the_joint_solver_offloads_what_a_checkpoint_keeps_where_that_costs_less() -> None:
@@ -674,3 +699,20 @@ def test_a_plan_moves_no_more_than_the_host_budget(host_kib: int) -> None:
                  time_limit_s=20)
     assert plan.offloaded_bytes <= host_kib * 1024
     assert plan.predicted_peak_bytes <= budget
+
+
+def test_a_schema_3_plan_file_moves_its_offloaded_calls_keeps_as_it_did(gpt, tmp_path) -> None:
+    """Schema 3 said "keep" for what a checkpoint inside an offloaded call moved; such a file
+    loads as the schedule that moves them ("offload"), with the numbers it was saved with."""
+    _, step = gpt
+    plan = _plan(step, "offloaded keeps")
+    data = json.loads(plan.model_dump_json())
+    assert "offload" in json.dumps(data["schedule"]["regions"])
+    data["schema_version"] = 3
+    for region in data["schedule"]["regions"]:
+        region["saves"] = {k: "keep" for k in region["saves"]}
+    (tmp_path / "v3.json").write_text(json.dumps(data))
+    loaded = Plan.load(tmp_path / "v3.json")
+    assert loaded.schedule == plan.schedule and loaded.schema_version == 4
+    assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert loaded.offloaded_bytes == plan.offloaded_bytes

@@ -144,7 +144,8 @@ class _Policy:
         counter[name] += 1
         decision = self.saved_ops.get((name, occurrence), Decision.RECOMPUTE)
         # SAC packs a saved output right after this call: an offloaded call's hooks move it
-        keeps_next(not RULES[decision].reruns and not ctx.is_recompute)
+        # where the decision copies it (OFFLOAD); a KEEP stays on the device
+        keeps_next(RULES[decision].copies and not ctx.is_recompute)
         return checkpoint_policy(decision)
 
 

@@ -171,9 +171,9 @@ def prepared(model: nn.Module, plan: Plan, strict: bool) -> Installation:
 
 
 def _offloads_keeps(schedule: Schedule) -> bool:
-    """Whether a checkpoint that keeps outputs runs inside an offloaded call."""
-    return any(o.start <= r.start and r.stop <= o.stop for o in schedule.offloads
-               for r in schedule.regions if r.is_recompute and r.keep)
+    """Whether a checkpoint moves outputs it saves to the host (`Region.offloaded`; only a
+    top-level one inside an offloaded call can)."""
+    return any(r.offloaded() for r in schedule.regions)
 
 
 def _check_world_size(plan: Plan) -> None:

@@ -16,8 +16,8 @@ the compute stream waits on an event, never on the device. A checkpoint
 (`planner.runtime.emit.Checkpointed`) pauses the hooks inside its forward and rerun: its own hooks
 take what is saved there. Its input save comes before the pause, so a checkpoint inside an
 offloaded call moves its inputs ("offloaded checkpointing"); and on torch >= 2.14 the
-outputs a top-level checkpoint keeps (SAC's cache, packed through the hooks around the
-checkpoint) move too.
+outputs a top-level checkpoint saves as OFFLOAD (SAC's cache, packed through the hooks
+around the checkpoint) move too, one by one, while those it saves as KEEP stay.
 
 The hooks of a call are pushed on the thread's saved-tensor-hook stack by its pre-hook and
 taken off by its forward hook, which torch also calls when the forward raises an
@@ -72,7 +72,7 @@ KEEPS_THROUGH_HOOKS: dict[str, bool] = (
 def offload_paused() -> Iterator[None]:
     """Inside a checkpoint's forward and rerun (`emit.Checkpointed`): its own hooks take
     the saves, offloaded calls it runs move nothing; only the outputs a top-level checkpoint
-    keeps (`keeps_next`) still reach the hooks of the offloaded call around it."""
+    offloads (`keeps_next`) still reach the hooks of the offloaded call around it."""
     _state.paused = getattr(_state, "paused", 0) + 1
     try:
         yield
@@ -82,9 +82,9 @@ def offload_paused() -> Iterator[None]:
 
 
 def keeps_next(keep: bool) -> None:
-    """Called by a SAC policy on each op: whether the tensors packed next are the outputs
-    the checkpoint keeps (in its forward, not its rerun). A nested checkpoint's keeps stay
-    on the device, as `solvers.offload` says."""
+    """Called by a SAC policy on each op: whether the tensors packed next are outputs the
+    checkpoint saves to be moved (OFFLOAD, in its forward, not its rerun). A nested
+    checkpoint's keeps stay on the device, as `solvers.offload` says."""
     _state.keep = keep and getattr(_state, "paused", 0) == 1
 
 
