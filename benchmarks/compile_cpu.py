@@ -29,8 +29,8 @@ at the worst one (``frontier_measure.grads_global_rel_error``, ``grads_rel_error
 compiling reorders floating point); models run with
 dropout 0 (inductor draws its own masks).
 
-Writes benchmarks/results/compile-cpu.{json,md} (``--models``: compile-cpu-<models>.*;
-``--out`` to change the folder).
+Writes benchmarks/results/compile-cpu.{json,md} (``--models``: compile-cpu-<models>.*, and
+``-<mode>`` after it with one ``--modes``; ``--out`` to change the folder).
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def _ours_compiled(zm: zoo.ZooModel, step: Step, mode: str, budget: int) -> dict
     result = _planned_step(zm, step, mode, plan)
     return {**result, "budget_bytes": budget, "predicted_bytes": plan.compiled.peak_bytes,
             "eager_budget_bytes": plan.compiled.eager_budget_bytes,
-            "planning_s": planning_s, "compiles": plan.compiled.compiles}
+            "planning_s": planning_s, "compiles": plan.compiled.compiles,
+            "recompile_limit_hit": plan.compiled.recompile_limit_hit}
 
 
 def run_model(name: str, zm: zoo.ZooModel, modes: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -227,7 +228,9 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
              "step's start. `ours`: the eager plan at the fraction's measured peak, applied, "
              "then compiled; predicted is its eager prediction. `ours compiled`: "
              "`optimize(..., compiled=)` at that peak; predicted is the compiled peak the plan "
-             "records (measured while planning); planning s (schedules compiled).", "",
+             "records (measured while planning); planning s (schedules compiled; where a "
+             "measured step went past dynamo's recompile limit, its calls past it ran "
+             "eager: `plan.compiled.recompile_limit_hit`).", "",
              "| model | compiled | row | peak MiB | predicted MiB | pred. error | budget MiB | "
              "within | step ms | planning s | grad rel. error (all / worst parameter) | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -244,6 +247,8 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
         off = f"{100 * (r['peak_bytes'] / r['predicted_bytes'] - 1):+.2f} %" if \
             r.get("peak_bytes") and r.get("predicted_bytes") else "-"
         planning = f"{r['planning_s']:.0f} ({r['compiles']})" if "planning_s" in r else "-"
+        if r.get("recompile_limit_hit") is not None:
+            planning += f"; past dynamo's recompile limit ({r['recompile_limit_hit']})"
         lines.append(f"| {r['model']} | {r['mode']} | {r['row']} | {mib('peak_bytes')} | "
                      f"{mib('predicted_bytes')} | {off} | {mib('budget_bytes')} | {within} | "
                      f"{ms} | {planning} | {error} | {r['status'][:80]} |")
@@ -270,6 +275,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "compile-cpu-quick" if args.quick else "compile-cpu" if not args.models else \
         "compile-cpu-" + "-".join(args.models)
+    if not args.quick and len(args.modes) == 1:
+        stem += f"-{args.modes[0]}"
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / f"{stem}.md").write_text(report(rows, meta))
     print(report(rows, meta))
