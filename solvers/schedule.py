@@ -250,6 +250,12 @@ class Offload(BaseModel):
         return f"O[{self.start}:{self.stop}{name}{fetch}{free}]"
 
 
+def _inside(region: Region, offloads: Iterable[Offload]) -> bool:
+    """Whether ``region`` runs inside one of the offloaded calls (whose hooks move what it
+    saves as OFFLOAD)."""
+    return any(o.start <= region.start and region.stop <= o.stop for o in offloads)
+
+
 class Schedule(BaseModel):
     """Consecutive top-level regions covering nodes 0..n-1 in order, and the module calls
     whose saved activations are offloaded (disjoint, in node order)."""
@@ -286,15 +292,12 @@ class Schedule(BaseModel):
         for top in self.regions:
             for region in top.walk():
                 moved = sorted(region.offloaded())
-                if moved and (region is not top or not self._in_offloaded_call(top)):
+                if moved and (region is not top or not _inside(top, self.offloads)):
                     raise ScheduleError(
                         f"nodes {moved} of checkpoint [{region.start}, {region.stop}) are "
                         "offloaded, which only a top-level checkpoint inside an offloaded "
                         "call does (its call's hooks move them): offload the call around it "
                         "(Schedule.with_offloads), or keep them (Decision.KEEP).")
-
-    def _in_offloaded_call(self, region: Region) -> bool:
-        return any(o.start <= region.start and region.stop <= o.stop for o in self.offloads)
 
     @property
     def n_nodes(self) -> int:
@@ -386,7 +389,7 @@ class Schedule(BaseModel):
                       for o in offloads)
         regions = []
         for top in self.regions:
-            inside = any(o.start <= top.start and top.stop <= o.stop for o in spans)
+            inside = _inside(top, spans)
             saves = {k: Decision.OFFLOAD if inside and move_keeps and d is Decision.KEEP
                      else Decision.KEEP if not inside and d is Decision.OFFLOAD else d
                      for k, d in top.saves.items()}
