@@ -22,7 +22,9 @@ offloaded call, chosen per node); every other node is KEEP, or OFFLOAD where an 
 module call stores it (`Schedule.offloads`).
 
 A new kind of decision is a member here with its rule; where its meaning fits the fields
-above, its cost, its torch policy and its name in reports follow from the rule. The
+above, its cost, its torch policy and its name in reports follow from the rule, and two
+other files name kinds: `solvers.schedule` (where each may stand) and
+`planner.reports.viz` (each one's colour; `tests/test_decision.py` keeps the list). The
 simulator and the runtime replay OFFLOAD per node where an offloaded call's hooks can move
 it (`solvers.offload`); the solvers' searches choose KEEP and RECOMPUTE inside regions and
 OFFLOAD per module call, moving a call's keeps with it (`Schedule.with_offloads`).
@@ -35,7 +37,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import NamedTuple
 
-__all__ = ["RULES", "Decision", "DecisionCost", "DecisionRule", "cost"]
+__all__ = ["CHECKPOINT_DEFAULT", "RULES", "Decision", "DecisionCost", "DecisionRule", "cost"]
 
 
 class Decision(str, Enum):
@@ -68,6 +70,10 @@ RULES: MappingProxyType[Decision, DecisionRule] = MappingProxyType({
     Decision.OFFLOAD: DecisionRule(reruns=False, device_share=0.0, host_share=1.0,
                                    copies=True, policy="MUST_SAVE", label="offloaded"),
 })
+
+# What a checkpoint does with a node its plan does not name: reruns it (the schedule's
+# `Region.decision` and the runtime's selective policy both read it here).
+CHECKPOINT_DEFAULT = Decision.RECOMPUTE
 
 
 class DecisionCost(NamedTuple):

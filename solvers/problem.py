@@ -552,8 +552,8 @@ class Problem(BaseModel):
         host link is known (`host_link`). The cost table of the problem, one node at a time.
 
         >>> p = Problem.chain([8, 4], [1.0, 2.0])
-        >>> p.decision_costs(1)[Decision.RECOMPUTE]
-        DecisionCost(device_bytes=0, host_bytes=0, forward_ms=0.0, backward_ms=2.0)
+        >>> {d.value: (c.device_bytes, c.backward_ms) for d, c in p.decision_costs(1).items()}
+        {'keep': (4, 0.0), 'recompute': (0, 2.0)}
         """
         nbytes = sum(self.storage_bytes[s] for s in self.outputs[i])
         link = self.host_link

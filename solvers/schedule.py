@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from solvers.decision import RULES, Decision
+from solvers.decision import CHECKPOINT_DEFAULT, RULES, Decision
 
 __all__ = ["RECOMPUTE", "STORE", "Mode", "ModuleCall", "Offload", "OpRange", "Region",
            "Schedule", "ScheduleError"]
@@ -112,7 +112,7 @@ class Region(BaseModel):
         """Saves in node order, without RECOMPUTE (a node not named is recomputed). Where
         OFFLOAD may stand the schedule checks (`Schedule`: a top-level checkpoint inside an
         offloaded call, whose hooks move it)."""
-        return {k: saves[k] for k in sorted(saves) if saves[k] is not Decision.RECOMPUTE}
+        return {k: saves[k] for k in sorted(saves) if saves[k] is not CHECKPOINT_DEFAULT}
 
     @model_validator(mode="after")
     def _validate(self) -> Region:
@@ -155,7 +155,7 @@ class Region(BaseModel):
 
     def decision(self, node: int) -> Decision:
         """What this region does with one of its own nodes' outputs (not a child's)."""
-        return self.saves.get(node, Decision.RECOMPUTE)
+        return self.saves.get(node, CHECKPOINT_DEFAULT)
 
     def with_targets(self, target_of: Mapping[tuple[int, int], ModuleCall | OpRange]
                      ) -> Region:

@@ -39,6 +39,7 @@ class DecisionRow(NamedTuple):
     module: str
     decision: Decision
     costs: dict[Decision, DecisionCost]
+    nbytes: int  # its outputs' bytes: what keeping it holds on the device
 
     @property
     def cost(self) -> DecisionCost:
@@ -53,7 +54,8 @@ def decision_table(plan: Plan) -> list[DecisionRow]:
     decided = plan.schedule.decisions()
     nodes = plan.profile.nodes
     return [DecisionRow(i, nodes[i].name, nodes[i].target, nodes[i].module, decided[i],
-                        problem.decision_costs(i))
+                        problem.decision_costs(i),
+                        sum(problem.storage_bytes[s] for s in problem.outputs[i]))
             for i in range(problem.n_nodes) if problem.outputs[i] and (
                 i in checkpointed or any(s in saved for s in problem.outputs[i]))]
 
@@ -63,17 +65,15 @@ def format_decisions(plan: Plan, rows: int = 20) -> str:
     holds on the device and the host and adds to the backward, and the two alternatives
     beside it: what keeping it would hold, what recomputing it would take ('-': it cannot
     be recomputed)."""
-    table = sorted(decision_table(plan),
-                   key=lambda r: -r.costs[Decision.KEEP].device_bytes)[:rows]
+    table = sorted(decision_table(plan), key=lambda r: -r.nbytes)[:rows]
     lines = [f"{'activation':<32} {'op':<20} {'decision':<11} {'device MiB':>10} "
              f"{'host MiB':>9} {'backward ms':>11} {'keep MiB':>9} {'rerun ms':>9}"]
     for r in table:
         paid = r.cost
-        rerun = r.costs.get(Decision.RECOMPUTE)
+        rerun = next((c.backward_ms for d, c in r.costs.items() if RULES[d].reruns), None)
         op = r.op.removeprefix("aten.").removesuffix(".default")
         lines.append(f"{r.name[:32]:<32} {op[:20]:<20} {RULES[r.decision].label:<11} "
                      f"{paid.device_bytes / MIB:>10.3f} {paid.host_bytes / MIB:>9.3f} "
-                     f"{paid.backward_ms:>11.3f} "
-                     f"{r.costs[Decision.KEEP].device_bytes / MIB:>9.3f} "
-                     f"{'-' if rerun is None else f'{rerun.backward_ms:.3f}':>9}")
+                     f"{paid.backward_ms:>11.3f} {r.nbytes / MIB:>9.3f} "
+                     f"{'-' if rerun is None else f'{rerun:.3f}':>9}")
     return "\n".join(lines)

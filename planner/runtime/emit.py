@@ -42,7 +42,7 @@ from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_pau
 from planner.runtime.traced_program import Program, Range
 from profiles.kernels import attention_kernels
 from profiles.traced import trace_forward, trace_inputs
-from solvers.decision import RULES, Decision
+from solvers.decision import CHECKPOINT_DEFAULT, RULES, Decision
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class _Policy:
         name = str(func)
         occurrence = counter[name]
         counter[name] += 1
-        decision = self.saved_ops.get((name, occurrence), Decision.RECOMPUTE)
+        decision = self.saved_ops.get((name, occurrence), CHECKPOINT_DEFAULT)
         # SAC packs a saved output right after this call: an offloaded call's hooks move it
         # where the decision copies it (OFFLOAD); a KEEP stays on the device
         keeps_next(RULES[decision].copies and not ctx.is_recompute)
