@@ -13,18 +13,18 @@ import bisect
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from profiles.devices import DeviceSpec
 from profiles.errors import _first_line
-from profiles.fake import meta_failures_at_debug
+from profiles.fake import fake_mode, meta_failures_at_debug
 from profiles.functions import FunctionCall, function_name, watched_functions
 from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.progress import _bar
@@ -152,9 +152,7 @@ def _backward_pass(records: list[_OpRecord], functions: list[_FunctionRecord],
     """Each op's backward alone, on fake stand-ins shaped like its arguments; a custom
     Function's own backward stands for its ops' and is its last op's
     (`_with_function_backwards`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with meta_failures_at_debug(), FakeTensorMode():
+    with meta_failures_at_debug(), fake_mode():
         out = _backward_of(records, spec, progress)
         return _with_function_backwards(out, records, functions, spec)
 
@@ -199,16 +197,22 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
     tracker = _WindowTracker(spec)
     out = []
     failed: dict[str, list[str]] = {}  # op -> the error of each call that could not run
+    alike: dict[Any, _Backward] = {}  # an op's backward, by its stand-ins' layout
     for record in _bar(records, "profiling backward", progress):
         specs = _tensors_specs(record.arg_specs)
         if not record.grad_enabled or not any(s.requires_grad for s in specs):
             out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
             continue
         try:
-            args, kwargs = tree_map(_stand_ins(specs), record.arg_specs,
-                                    is_leaf=lambda v: isinstance(v, _TensorSpec))
-            out.append(_profile_backward(record.func, args, kwargs,
-                                         [s.storage for s in specs], tracker))
+            key = _layout_key(record.func, record.arg_specs, specs)
+            if key not in alike:  # gradients by argument position, mapped below
+                args, kwargs = tree_map(_stand_ins(specs), record.arg_specs,
+                                        is_leaf=lambda v: isinstance(v, _TensorSpec))
+                alike[key] = _profile_backward(record.func, args, kwargs,
+                                               list(range(len(specs))), tracker)
+            found = alike[key]
+            out.append(dataclasses.replace(found, grad_storages=sorted(
+                {specs[k].storage for k in found.grad_storages} - {None})))
         except Exception as error:  # an op that cannot run on stand-ins: no backward data
             found = _on_the_cpu(record, specs, tracker)
             if found is not None:
@@ -224,6 +228,24 @@ def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
         log.warning("could not profile the backward of %s alone (%s%s); counting no "
                     "backward temporaries for it", name, calls, errors[0])
     return out
+
+
+def _layout_key(func: Any, arg_specs: Any, specs: list[_TensorSpec]) -> Any:
+    """What an op's backward alone depends on: the op, its non-tensor arguments and its
+    stand-ins' layouts (`_stand_ins` makes one per spec object, whatever the storage), so
+    the repeated blocks of a model profile each distinct op once."""
+    first = {}
+    for k, spec in enumerate(specs):
+        first.setdefault(id(spec), k)
+
+    def part(value: Any) -> Any:
+        if isinstance(value, _TensorSpec):
+            return (value.shape, value.stride, value.dtype, value.device, value.requires_grad,
+                    value.sharded, first[id(value)])
+        return value if isinstance(value, Hashable) else repr(value)
+
+    leaves, structure = tree_flatten(arg_specs, is_leaf=lambda v: isinstance(v, _TensorSpec))
+    return func, repr(structure), tuple(part(v) for v in leaves)
 
 
 def _on_the_cpu(record: _OpRecord, specs: list[_TensorSpec], tracker: _WindowTracker

@@ -29,6 +29,7 @@ raising it; the profiler catches it and says in one line what it does instead, s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -71,6 +72,30 @@ def meta_failures_at_debug() -> Iterator[None]:
         torch_log.removeFilter(quiet)
 
 
+def fake_mode(**options: Any) -> Any:
+    """A ``FakeTensorMode(**options)`` that asks once whether a device could be initialised.
+
+    torch asks ``torch.cuda.is_available()`` on every fake op (``avoid_device_init``); where
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (importing Lightning sets it) each ask loads NVML:
+    122 us against 3 us on a machine without a GPU, more than most fake ops cost. The answer
+    cannot change during a profile."""
+    return _asks_once_class()(**options)
+
+
+@functools.cache
+def _asks_once_class() -> type:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    asked = getattr(FakeTensorMode, "avoid_device_init", None)
+    if not isinstance(asked, property):  # another torch: nothing to remember
+        return FakeTensorMode
+
+    class AsksOnceFakeTensorMode(FakeTensorMode):
+        avoid_device_init = functools.cached_property(asked.fget)
+
+    return AsksOnceFakeTensorMode
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -97,7 +122,8 @@ class KnownValues(TorchDispatchMode):
     def seed(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """``fake`` stands for ``real`` (a small input of the step)."""
         if not _is_fake(real) and real.numel() <= SMALL_NUMEL:
-            self.values[fake] = real.detach().to("cpu", copy=True)
+            with _disable_current_modes():  # a copy, not an op of the fake step
+                self.values[fake] = real.detach().to("cpu", copy=True)
 
     def knows(self, tensor: torch.Tensor) -> bool:
         return not _is_fake(tensor) or tensor in self.values

@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from profiles.backward import _backward_pass, _observe_backward, _WindowTracker
 from profiles.devices import DeviceSpec, device_spec
 from profiles.errors import LossNotFoundError, ProfileError, _first_line
-from profiles.fake import meta_failures_at_debug
+from profiles.fake import fake_mode, meta_failures_at_debug
 from profiles.functions import function_name
 from profiles.inputs import normalize_inputs
 from profiles.parallel import Parallelism, fake_world, parallel_layout, parallel_twin
@@ -443,9 +443,7 @@ def _optimizer_memory(optimizer: torch.optim.Optimizer | None) -> tuple[int, int
     temporaries; the twin chooses foreach or not as the real one does, by device)."""
     if optimizer is None:
         return 0, 0
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with meta_failures_at_debug(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with meta_failures_at_debug(), fake_mode(allow_non_fake_inputs=True) as mode:
         groups = []
         for group in optimizer.param_groups:
             twins = [mode.from_tensor(p).detach().requires_grad_(p.requires_grad)

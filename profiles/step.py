@@ -26,6 +26,7 @@ from profiles.fake import (
     KnownValues,
     MetaAsDevice,
     fake_converter,
+    fake_mode,
     library_value_branches,
     meta_failures_at_debug,
 )
@@ -92,10 +93,8 @@ def _fake_step(step: _Step, spec: DeviceSpec | None) -> Iterator[Callable[[Any],
     """Fake tensor mode for one step run as the device runs it (``profiles.fake``): meta
     tensors as fake ``step.meta_as`` ones, small values known. Yields the converter of
     real/meta tensors to fake ones. The step itself runs under :func:`_kernels`."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     known = KnownValues()
-    with meta_failures_at_debug(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with meta_failures_at_debug(), fake_mode(allow_non_fake_inputs=True) as mode:
         convert = fake_converter(mode, step.meta_as, known)
         with MetaAsDevice(convert), known, library_value_branches(known):
             yield convert

@@ -281,3 +281,18 @@ def test_a_gradient_from_before_the_step_is_not_the_backwards_memory(device: str
     grads = sum(p.numel() * 4 for p in model.parameters())
     loss = 4  # the scalar the backward's seed is made from
     assert {node.name: node.bwd_peak_bytes for node in prof.nodes}["addmm"] == grads + loss
+
+
+def test_a_fake_profile_asks_for_a_gpu_once_not_per_op(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Under ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (importing Lightning sets it) each
+    ``torch.cuda.is_available()`` loads NVML; torch's fake mode asks it per op, so a profile
+    asked it ~1,350 times for a tiny GPT (``profiles.fake.fake_mode`` asks once per mode)."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    asked = []
+    available = torch.cuda.is_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or available())
+    model = zoo.get("gpt", size="tiny", batch=2)
+    profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                  timing="estimate", progress=False)
+    assert 0 < len(asked) <= 5, f"asked {len(asked)} times"

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 import profiles
 from planner import zoo
+from profiles.fake import SMALL_NUMEL
 from profiles.inputs import ToyBatchWarning, normalize_inputs
 from solvers.from_profile import block_calls, problem_from_profile
 
@@ -258,23 +259,34 @@ def test_profiling_leaves_the_model_untouched(execution: str) -> None:
 
 
 class Branchy(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, features: int = 4) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(features, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) if x.sum() > 0 else -self.lin(x)
 
 
 def test_value_dependent_forward_is_observed_on_real_tensors() -> None:
-    x = torch.ones(2, 4)
-    prof = profiles.profile(Branchy(), x, loss_fn=lambda y: y.sum(), execution="fake",
-                            progress=False)
+    # an input too large for its value to be known on fake tensors (profiles.fake)
+    features = SMALL_NUMEL // 2 + 1
+    x = torch.ones(2, features)
+    prof = profiles.profile(Branchy(features), x, loss_fn=lambda y: y.sum(),
+                            execution="fake", progress=False)
     assert prof.execution == "real"  # fake tensors cannot answer `if x.sum() > 0`
     assert not any(n.target == "aten.neg.default" for n in prof.nodes)  # the branch taken
     with pytest.raises(profiles.ProfileError, match="meta device"):
-        profiles.profile(Branchy().to("meta"), x.to("meta"), loss_fn=lambda y: y.sum(),
-                         progress=False)
+        profiles.profile(Branchy(features).to("meta"), x.to("meta"),
+                         loss_fn=lambda y: y.sum(), progress=False)
+
+
+def test_a_branch_on_a_small_inputs_value_is_answered_on_fake_tensors() -> None:
+    """A small real input's value is known to the fake step (it was a fake tensor standing
+    for itself, so every such branch fell back to a real run)."""
+    prof = profiles.profile(Branchy(), -torch.ones(2, 4), loss_fn=lambda y: y.sum(),
+                            execution="fake", progress=False)
+    assert prof.execution == "fake"
+    assert any(n.target == "aten.neg.default" for n in prof.nodes)  # the branch taken
 
 
 def test_meta_model_implies_fake_and_estimate() -> None:
