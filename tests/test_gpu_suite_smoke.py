@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from profiles.schema import GraphProfile
@@ -22,9 +21,20 @@ def _load_suite() -> Any:
     return module
 
 
-@pytest.fixture(scope="module")
-def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("gpu_suite")
+def test_the_tiny_suite_writes_measures_and_plans(tmp_path: Path) -> None:
+    """One run of ``gpu_suite.py --tiny`` (23 s here), checked part by part below: one test,
+    so that the two processes of the README's test command do not each run it."""
+    run = _suite_run(tmp_path)
+    _files_written(run)
+    for precision in ("fp32", "bf16"):
+        _rows_measured_and_planned(run, precision)
+        _compile_peer(run, precision)
+    _rows_carry_their_host_and_device_split(run)
+    _bf16_ran_under_autocast(run)
+    _offload_part_measures_our_offload_plans(run)
+
+
+def _suite_run(out: Path) -> tuple[Path, dict[str, Any]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: threads only wait on each other
     try:
@@ -40,7 +50,7 @@ def _rows(out: Path, precision: str) -> tuple[dict[str, Any], list[dict[str, Any
     return result, result["rows"]
 
 
-def test_files_written(suite_run: tuple[Path, dict[str, Any]]) -> None:
+def _files_written(suite_run: tuple[Path, dict[str, Any]]) -> None:
     out, done = suite_run
     for precision in ("fp32", "bf16"):
         assert (out / f"frontier-cpu-tiny-{precision}.md").read_text().startswith("# Frontier")
@@ -54,8 +64,7 @@ def test_files_written(suite_run: tuple[Path, dict[str, Any]]) -> None:
         assert path.parent == out and GraphProfile.load(path).nodes
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_rows_measured_and_planned(suite_run: tuple[Path, dict[str, Any]],
+def _rows_measured_and_planned(suite_run: tuple[Path, dict[str, Any]],
                                    precision: str) -> None:
     _, rows = _rows(suite_run[0], precision)
     assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible")) for r in rows)
@@ -73,7 +82,7 @@ def test_rows_measured_and_planned(suite_run: tuple[Path, dict[str, Any]],
         assert r["peak_bytes"] <= r["budget_bytes"], r["strategy"]
 
 
-def test_rows_carry_their_host_and_device_split(suite_run: tuple[Path, dict[str, Any]]
+def _rows_carry_their_host_and_device_split(suite_run: tuple[Path, dict[str, Any]]
                                                ) -> None:
     """Each timed row: the host's ms until backward returned (on a CPU the host runs all of
     it, so a step's host time is its time), and for ours the clock's host part of the
@@ -89,8 +98,7 @@ def test_rows_carry_their_host_and_device_split(suite_run: tuple[Path, dict[str,
         out / "frontier-cpu-tiny-fp32.md").read_text()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compile_peer(suite_run: tuple[Path, dict[str, Any]], precision: str) -> None:
+def _compile_peer(suite_run: tuple[Path, dict[str, Any]], precision: str) -> None:
     _, rows = _rows(suite_run[0], precision)
     compiled = [r for r in rows if r["strategy"].startswith("torch.compile")]
     assert len(compiled) == 1, "one compile budget in --tiny"
@@ -108,7 +116,7 @@ def test_compile_peer(suite_run: tuple[Path, dict[str, Any]], precision: str) ->
     assert any(r["kind"] == "ours" and "compile@0.5" in r["strategy"] for r in rows)
 
 
-def test_bf16_ran_under_autocast(suite_run: tuple[Path, dict[str, Any]]) -> None:
+def _bf16_ran_under_autocast(suite_run: tuple[Path, dict[str, Any]]) -> None:
     fp32, fp32_rows = _rows(suite_run[0], "fp32")
     bf16, bf16_rows = _rows(suite_run[0], "bf16")
     assert fp32["autocast"] is None and bf16["autocast"] == "bfloat16"
@@ -122,7 +130,7 @@ def test_bf16_ran_under_autocast(suite_run: tuple[Path, dict[str, Any]]) -> None
     assert peak["bf16"] < peak["fp32"]
 
 
-def test_offload_part_measures_our_offload_plans(suite_run: tuple[Path, dict[str, Any]]
+def _offload_part_measures_our_offload_plans(suite_run: tuple[Path, dict[str, Any]]
                                                  ) -> None:
     out, done = suite_run
     rows = done["offload"]["rows"]

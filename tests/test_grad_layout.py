@@ -15,6 +15,7 @@ from torch import nn
 import profiles
 from planner import InfeasibleBudgetError, apply, measure_step, profile_model, solve
 from planner.measure import PeakTracker
+from profiles.fake import SMALL_NUMEL
 
 VOCAB, HIDDEN, EMBEDDING = 512, 64, 32
 
@@ -192,7 +193,7 @@ def test_a_real_profile_lays_out_gradients_on_real_tensors_and_leaves_the_model_
         ) -> None:
     torch.manual_seed(0)
     model = _BranchyHead()
-    x = torch.rand(4, HIDDEN)
+    x = torch.rand(SMALL_NUMEL // HIDDEN + 1, HIDDEN)  # too large for a known value: real
     model(x).sum().backward()
     left = _grad_storage_bytes(model)
     for p in model.parameters():
