@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -118,6 +119,18 @@ def host_memory() -> Iterator[None]:
         _host.depth -= 1
 
 
+def _plain_tensors_alive() -> list[torch.Tensor]:
+    """Every tensor alive that is not a subclass dispatching on its own (a DTensor's local
+    shard is one of these; the DTensor is not), after a collection. Types, not
+    ``isinstance``: deprecated objects warn on ``__class__``. Filtered in C: half a million
+    objects take 0.3 s one by one in Python."""
+    gc.collect()
+    objects = gc.get_objects()
+    plain = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)
+             and kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__}
+    return list(itertools.compress(objects, map(plain.__contains__, map(type, objects))))
+
+
 class PeakTracker(TorchDispatchMode):
     """``with PeakTracker(static_tensors) as t: step()``, then ``t.peak_bytes``.
 
@@ -161,12 +174,9 @@ class PeakTracker(TorchDispatchMode):
 
     def __enter__(self) -> PeakTracker:
         if self.follow_resizes:
-            gc.collect()
-            for obj in gc.get_objects():
-                kind = type(obj)  # not isinstance: deprecated objects warn on __class__
-                if issubclass(kind, torch.Tensor) and kind.__torch_dispatch__ is \
-                        torch.Tensor.__torch_dispatch__ and obj.device.type != "meta" and \
-                        StorageWeakRef(_storage(obj)) not in self._static:
+            for obj in _plain_tensors_alive():
+                if obj.device.type != "meta" and StorageWeakRef(_storage(obj)) not in \
+                        self._static:
                     self._track(obj)
             self._bystanders = dict(self._live)
             self._bystander_bytes = sum(self._bystanders.values())
