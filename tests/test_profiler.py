@@ -522,3 +522,29 @@ def test_ops_alike_are_timed_once_and_take_the_same_time(monkeypatch: pytest.Mon
         timing._alike(torch.ops.aten.add.Tensor, (torch.randn(4, 8), 1), {}, True)
     assert timing._alike(torch.ops.aten.add.Tensor, (x, 1), {}, True) != \
         timing._alike(torch.ops.aten.add.Tensor, (x.t(), 1), {}, True)  # other strides
+
+
+def test_repeated_blocks_share_their_ops_backward_and_keep_their_own_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct op's backward alone is profiled once (`profiles.backward._layout_key`);
+    the profile is the one every op profiled on its own gives, gradient targets included
+    (each block's own storages, not the first block's)."""
+    import profiles.backward as backward
+
+    model = zoo.get("gpt", size="tiny", batch=2)
+
+    def profiled() -> str:
+        return profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                                timing="estimate", progress=False).model_dump_json()
+
+    shared = profiled()
+    calls = []
+    original = backward._profile_backward
+    monkeypatch.setattr(backward, "_profile_backward",
+                        lambda *args: calls.append(1) or original(*args))
+    assert profiled() == shared
+    ran_shared = len(calls)
+    calls.clear()
+    monkeypatch.setattr(backward, "_layout_key", lambda *args: object())  # nothing shared
+    assert profiled() == shared
+    assert ran_shared < len(calls)
