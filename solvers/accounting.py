@@ -95,7 +95,7 @@ class Context:
         held_fwd = np.zeros(n, dtype=np.int64)
         for s in self.loss:
             held_fwd[p.storage_producer[s] + 1:] += p.storage_bytes[s]
-        self.alloc = [sum(p.storage_bytes[s] for s in p.outputs[i]) for i in range(n)]
+        self.alloc = [p.output_bytes(i) for i in range(n)]
         # gradient bytes in backward event j's peak / live just before it (reruns see this)
         self.g_event, self.g_rest = gradient_bytes(p)
         self.held_fwd = held_fwd

@@ -154,7 +154,7 @@ def offload_keeps(problem: Problem, call: tuple[int, int]) -> frozenset[int] | N
                                                           for s in saved))
     keep = set()
     for i in range(a, b):
-        nbytes = sum(problem.storage_bytes[s] for s in problem.outputs[i])
+        nbytes = problem.output_bytes(i)
         if nbytes and problem.can_keep(i) and problem.fwd_time_ms[i] >= per_byte * nbytes:
             keep.add(i)
     return frozenset(keep)

@@ -538,6 +538,10 @@ class Problem(BaseModel):
             return max(0.0, ms - (fwd[rerun_stop] - fwd[start]))
         return ms
 
+    def output_bytes(self, i: int) -> int:
+        """The bytes of node i's outputs: what keeping it holds."""
+        return sum(self.storage_bytes[s] for s in self.outputs[i])
+
     def can_keep(self, i: int) -> bool:
         """Whether a RECOMPUTE region may keep node i: recomputable and `keepable` (default).
 
@@ -555,7 +559,7 @@ class Problem(BaseModel):
         >>> {d.value: (c.device_bytes, c.backward_ms) for d, c in p.decision_costs(1).items()}
         {'keep': (4, 0.0), 'recompute': (0, 2.0)}
         """
-        nbytes = sum(self.storage_bytes[s] for s in self.outputs[i])
+        nbytes = self.output_bytes(i)
         link = self.host_link
         costs = {}
         for decision, rule in RULES.items():

@@ -54,8 +54,7 @@ def decision_table(plan: Plan) -> list[DecisionRow]:
     decided = plan.schedule.decisions()
     nodes = plan.profile.nodes
     return [DecisionRow(i, nodes[i].name, nodes[i].target, nodes[i].module, decided[i],
-                        problem.decision_costs(i),
-                        sum(problem.storage_bytes[s] for s in problem.outputs[i]))
+                        problem.decision_costs(i), problem.output_bytes(i))
             for i in range(problem.n_nodes) if problem.outputs[i] and (
                 i in checkpointed or any(s in saved for s in problem.outputs[i]))]
 
