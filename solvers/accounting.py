@@ -28,6 +28,7 @@ window plus those read in it from before `a` that the previous window does not h
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ from solvers.region_analysis import (
     BWD,
     FWD,
     ChildSpec,
-    Point,
     Regen,
     RegionInfo,
     Rerun,
@@ -72,6 +72,47 @@ def table_index(n: int, section: int, j: int) -> int:
 def table_slice(n: int, section: int, start: int, stop: int) -> slice:
     """Nodes `start..stop-1` of `section` of `Context.g_table`."""
     return slice(section * n + start, section * n + stop)
+
+
+@dataclass(frozen=True)
+class WindowStorages:
+    """The storages a window `[a0, b0)` counts (made in it, or read in it from before and
+    not `external`; neither the caller's nor `skip`), with what bounds their lives before
+    any region is placed: the same for every set of regions, so `Context` keeps one per
+    window and `profile_parts` adds the regions' holders to it."""
+
+    storages: np.ndarray  # int64 storage ids
+    row: dict[int, int]  # storage id -> its index in `storages`
+    start: np.ndarray  # first slot (after its producer's forward; 0 if made before a0)
+    end: np.ndarray  # last slot its forward readers hold it (-1: none in the window)
+    nbytes: np.ndarray
+    read_after: np.ndarray  # bool: read after the window (a candidate for `held_out`)
+    saver_row: np.ndarray  # per saver in the window: the row of what it saves
+    saver_node: np.ndarray  # and the saver, relative to a0
+
+    @classmethod
+    def build(cls, ctx: Context, a0: int, b0: int, external: frozenset[int],
+              skip: frozenset[int]) -> WindowStorages:
+        p, n_fw = ctx.p, b0 - a0
+        loss = ctx.loss | skip
+        local = [s for i in range(a0, b0) for s in p.outputs[i] if s not in loss]
+        local += [s for s in sorted({s for i in range(a0, b0) for s in p.uses[i]
+                                     if p.storage_producer[s] < a0})
+                  if s not in external and s not in loss]
+        start, end, read_after, saver_row, saver_node = [], [], [], [], []
+        for row, s in enumerate(local):
+            prod, lr = p.storage_producer[s], ctx.last_read[s]
+            start.append(prod - a0 + 1 if prod >= a0 else 0)
+            end.append(n_fw - 1 if lr >= b0 else lr - a0 if lr > prod else -1)
+            read_after.append(lr >= b0)
+            for k in ctx.savers[s]:
+                if a0 <= k < b0:
+                    saver_row.append(row)
+                    saver_node.append(k - a0)
+        ints = functools.partial(np.asarray, dtype=np.int64)
+        return cls(ints(local), {s: row for row, s in enumerate(local)}, ints(start),
+                   ints(end), ctx.nbytes_array[ints(local)], np.asarray(read_after, dtype=bool),
+                   ints(saver_row), ints(saver_node))
 
 
 class Context:
@@ -108,6 +149,12 @@ class Context:
         self.g_table = np.concatenate([sections[k] for k in sorted(sections)])
         self._regions: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
                             RegionInfo] = {}
+        self.nbytes_array = np.asarray(p.storage_bytes, dtype=np.int64)
+        # each node's forward and backward event constants (`_Slots`)
+        self.fwd_const = [self.alloc[i] + p.fwd_event_bytes[i] for i in range(n)]
+        self.bwd_temp = list(p.bwd_temp_bytes)
+        self._windows: dict[tuple[int, int, frozenset[int], frozenset[int]],
+                            WindowStorages] = {}
 
     def region(self, a: int, b: int, keep: Iterable[int] = (),
                children: Iterable[tuple[int, int, Iterable[int]]] = ()) -> RegionInfo:
@@ -121,6 +168,15 @@ class Context:
         if info is None:
             info = self._regions[key] = RegionInfo.build(self, *key)
         return info
+
+    def window_storages(self, a0: int, b0: int, external: frozenset[int],
+                        skip: frozenset[int]) -> WindowStorages:
+        """The (cached) storages window `[a0, b0)` counts (`WindowStorages`)."""
+        key = (a0, b0, external, skip)
+        found = self._windows.get(key)
+        if found is None:
+            found = self._windows[key] = WindowStorages.build(self, a0, b0, external, skip)
+        return found
 
 
 @dataclass(frozen=True)
@@ -204,66 +260,55 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     backward node j (descending) the steps of the reruns it triggers (a parent's before its
     child's) and j's own event.
     """
-    p = ctx.p
     n_fw = b0 - a0
     plans = list(regions)
     slots = _Slots.lay_out(ctx, a0, b0, plans)
-    const, off, bwd_slot, in_region = slots.const, slots.off, slots.bwd_slot, slots.in_region
-    starts: list[int] = []
-    ends: list[int] = []
-    sizes: list[int] = []
-    loss = ctx.loss | skip
-    local = [s for i in range(a0, b0) for s in p.outputs[i] if s not in loss]
-    local += [s for s in sorted({s for i in range(a0, b0) for s in p.uses[i]
-                                 if p.storage_producer[s] < a0})
-              if s not in external and s not in loss]
-    held_by: dict[int, list[tuple[int, Point]]] = {}
-    for pi, r in enumerate(plans):
-        for s, pt in r.held.items():
-            held_by.setdefault(s, []).append((pi, pt))
-    residue = by_position_bytes = 0
-    held_out: set[int] = set()
-    last_read, savers_of, producer = ctx.last_read, ctx.savers, p.storage_producer
-    for s in local:
-        prod = producer[s]
-        start = prod - a0 + 1 if prod >= a0 else 0
-        end = -1
-        lr = last_read[s]
-        if lr >= b0:
-            end = n_fw - 1
-        elif lr > prod:
-            end = lr - a0
-        for k in savers_of[s]:
-            if a0 <= k < b0 and not in_region[k - a0]:
-                end = max(end, bwd_slot[k - a0])
-        for pi, (kind, node, ri) in held_by.get(s, ()):
-            end = max(end, bwd_slot[node - a0] if kind == BWD else
-                      node - a0 if kind == FWD else off[pi][ri] + node)
-        nbytes = p.storage_bytes[s]
-        if s in after_forward:
-            start = max(start, n_fw)
-            cap = until.get(s) if until else None
-            if cap is not None and cap + 1 < b0:  # the slots after node cap + 1's backward
-                start = max(start, bwd_slot[cap + 1 - a0] + 1 if cap + 1 >= a0 else len(const))
-        if end >= start and nbytes:
-            starts.append(start)
-            ends.append(end + 1)
-            sizes.append(nbytes)
-        if end >= n_fw and (s not in after_forward or s in held_on):
-            residue += nbytes  # held through the end of the forward
-            by_position_bytes += nbytes if s in by_position else 0
-            if lr >= b0 and s not in after_forward:
-                held_out.add(s)
-    diff = np.zeros(len(const) + 1, dtype=np.int64)
-    if sizes:
-        sz = np.asarray(sizes, dtype=np.int64)
-        np.add.at(diff, np.asarray(starts, dtype=np.int64), sz)
-        np.add.at(diff, np.asarray(ends, dtype=np.int64), -sz)
-    _add_regenerated(diff, plans, slots, a0, np.asarray(p.storage_bytes, dtype=np.int64))
+    w = ctx.window_storages(a0, b0, external, skip)
+    bwd = np.asarray(slots.bwd_slot, dtype=np.int64)
+    end = w.end.copy()
+    if len(w.saver_row):  # saved outside the window's regions: held to the saver's backward
+        outside = ~np.asarray(slots.in_region, dtype=bool)[w.saver_node]
+        np.maximum.at(end, w.saver_row[outside], bwd[w.saver_node[outside]])
+    for pi, r in enumerate(plans):  # frame inputs, SAC caches, child inputs
+        for s, (kind, node, ri) in r.held.items():
+            row = w.row.get(s)
+            if row is not None:
+                end[row] = max(end[row], slots.bwd_slot[node - a0] if kind == BWD else
+                               node - a0 if kind == FWD else slots.off[pi][ri] + node)
+    start, counted = w.start, end >= n_fw  # counted: held through the end of the forward
+    late = [w.row[s] for s in after_forward if s in w.row]
+    if late:
+        start = start.copy()
+        for row in late:
+            start[row] = _after_forward_start(ctx, w, row, n_fw, b0, a0, until, slots)
+            counted[row] &= int(w.storages[row]) in held_on
+    lives = (end >= start) & (w.nbytes > 0)
+    diff = np.zeros(len(slots.const) + 1, dtype=np.int64)
+    np.add.at(diff, start[lives], w.nbytes[lives])
+    np.add.at(diff, end[lives] + 1, -w.nbytes[lives])
+    _add_regenerated(diff, plans, slots, a0, ctx.nbytes_array)
+    residue = int(w.nbytes[counted].sum())
+    by_position_bytes = sum(int(w.nbytes[w.row[s]]) for s in by_position
+                            if s in w.row and counted[w.row[s]])
+    out = counted & w.read_after
+    if late:
+        out[late] = False
     live = np.cumsum(diff[:-1])
-    return WindowParts(np.asarray(const, dtype=np.int64) + live,
-                       np.asarray(slots.gidx, dtype=np.int64), residue, frozenset(held_out),
-                       slots.time_ms, by_position_bytes)
+    return WindowParts(np.asarray(slots.const, dtype=np.int64) + live,
+                       np.asarray(slots.gidx, dtype=np.int64), residue,
+                       frozenset(w.storages[out].tolist()), slots.time_ms, by_position_bytes)
+
+
+def _after_forward_start(ctx: Context, w: WindowStorages, row: int, n_fw: int, b0: int,
+                         a0: int, until: Mapping[int, int] | None, slots: _Slots) -> int:
+    """Where an `after_forward` storage starts to count: after the window's forward, and
+    with a cap in `until`, after the backward of the node past it."""
+    start = max(int(w.start[row]), n_fw)
+    cap = until.get(int(w.storages[row])) if until else None
+    if cap is not None and cap + 1 < b0:  # the slots after node cap + 1's backward
+        start = max(start, slots.bwd_slot[cap + 1 - a0] + 1 if cap + 1 >= a0
+                    else len(slots.const))
+    return start
 
 
 @dataclass
@@ -290,17 +335,24 @@ class _Slots:
         in_region = [False] * n_fw
         at_trigger: dict[int, list[tuple[int, int]]] = {}
         for pi, r in enumerate(plans):
-            for i in range(r.a, r.b):
-                in_region[i - a0] = True
+            in_region[r.a - a0:r.b - a0] = [True] * (r.b - r.a)
             for ri, rr in enumerate(r.reruns):
                 at_trigger.setdefault(rr.trigger, []).append((pi, ri))
-        const: list[int] = [ctx.alloc[i] + p.fwd_event_bytes[i] for i in range(a0, b0)]
-        gidx: list[int] = [table_index(n, FORWARD, k) for k in range(n_fw)]
+        const: list[int] = ctx.fwd_const[a0:b0]
+        gidx: list[int] = list(range(table_index(n, FORWARD, 0), table_index(n, FORWARD, n_fw)))
         bwd_slot = [0] * n_fw
         off: list[list[int]] = [[0] * len(r.reruns) for r in plans]
         time_ms = 0.0
-        for j in range(b0 - 1, a0 - 1, -1):
-            for pi, ri in at_trigger.get(j, ()):
+        top = b0  # the backward of nodes [j + 1, top) is laid out next, none triggering
+        for j in [*sorted((t for t in at_trigger if a0 <= t < b0), reverse=True), a0 - 1]:
+            n_plain, first = top - j - 1, len(const)  # nodes top - 1 down to j + 1
+            bwd_slot[j + 1 - a0:top - a0] = range(first + n_plain - 1, first - 1, -1)
+            const.extend(reversed(ctx.bwd_temp[j + 1:top]))
+            gidx.extend(range(table_index(n, BACKWARD, top - 1 - a0),
+                              table_index(n, BACKWARD, j - a0), -1))
+            if j < a0:
+                break
+            for pi, ri in at_trigger[j]:
                 rr = plans[pi].reruns[ri]
                 off[pi][ri] = len(const) - rr.start
                 const.extend(rr.step_const)
@@ -310,8 +362,9 @@ class _Slots:
                     time_ms += rerun_step_ms(p, i, i in idle,
                                              rr.overhead_ms if i == rr.start else 0.0)
             bwd_slot[j - a0] = len(const)
-            const.append(p.bwd_temp_bytes[j])
+            const.append(ctx.bwd_temp[j])
             gidx.append(table_index(n, BACKWARD, j - a0))
+            top = j
         return cls(const, gidx, bwd_slot, off, in_region, time_ms)
 
 
@@ -353,3 +406,5 @@ def evaluate(problem: Problem, schedule: Schedule, ctx: Context | None = None) -
                for r in _top_regions(schedule)]
     prof = profile(ctx, 0, problem.n_nodes, regions)
     return problem.static_bytes + prof.peak_bytes, prof.time_ms
+
+
