@@ -150,6 +150,7 @@ class Context:
         self._regions: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
                             RegionInfo] = {}
         self.nbytes_array = np.asarray(p.storage_bytes, dtype=np.int64)
+        self.flat_frames: dict = {}  # `region_analysis._flat_frame`'s, per region
         # each node's forward and backward event constants (`_Slots`)
         self.fwd_const = [self.alloc[i] + p.fwd_event_bytes[i] for i in range(n)]
         self.bwd_temp = list(p.bwd_temp_bytes)

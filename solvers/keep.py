@@ -118,27 +118,30 @@ class KeepSpace:
         forward leaves live: `base.local` plus, slot by slot, the least the candidates'
         terms can add while their residues cover `residue_bytes` (a fractional cover,
         cheapest per byte first: a relaxation, so never above a real set's)."""
-        cost, weight = self._by_ratio
+        cost, weight, before, lowers, local = self._by_ratio
         if not len(weight):
             return self.floor
-        before = np.cumsum(weight, axis=0) - weight
         taken = np.clip((residue_bytes - before) / weight, 0.0, 1.0)
         # past the cover, what only lowers a slot (a rerun temporary saved) is taken too;
         # whole (not taken * cost + (1 - taken) * cost, whose rounding made the floor of a
         # larger residue one byte below a smaller one's)
-        added = np.where(cost < 0, cost, taken * cost).sum(axis=0)
-        free = np.minimum(self.delta[np.asarray(self.residue) <= 0], 0).sum(axis=0)
-        return self.base.local + free + np.floor(added).astype(np.int64)
+        added = np.where(lowers, cost, taken * cost).sum(axis=0)
+        return local + np.floor(added).astype(np.int64)
 
     @cached_property
-    def _by_ratio(self) -> tuple[np.ndarray, np.ndarray]:
+    def _by_ratio(self) -> tuple[np.ndarray, ...]:
         """The terms of candidates with a residue, per slot in ascending order of term per
-        residue byte, and their residues in that order (`floor_for`)."""
+        residue byte, their residues in that order, the residues before each, where a term
+        only lowers its slot, and `base.local` with what the candidates without a residue
+        lower (`floor_for`'s parts that do not depend on the residue asked)."""
         paid = np.asarray(self.residue) > 0
         cost = self.delta[paid].astype(float)
         weight = np.asarray(self.residue, dtype=float)[paid]
         order = np.argsort(cost / weight[:, None], axis=0, kind="stable")
-        return np.take_along_axis(cost, order, axis=0), weight[order]
+        cost, weight = np.take_along_axis(cost, order, axis=0), weight[order]
+        free = np.minimum(self.delta[~paid], 0).sum(axis=0)
+        return cost, weight, np.cumsum(weight, axis=0) - weight, cost < 0, \
+            self.base.local + free
 
 
 class KeepChoice(NamedTuple):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -194,6 +194,37 @@ def rerun_savers(ctx: Context, storage: int, stop: int) -> tuple[int, ...]:
     return tuple(k for k in ctx.savers[storage] if k < stop and p.packs[k])
 
 
+class _FlatFrame(NamedTuple):
+    """What a region `[a, b)` without children does whatever it keeps (`_flat_analysis`'s
+    part that a keep set does not change, once per region and `Context`): its frame's rules
+    and inputs, where the frame dies, and per step of its rerun the bytes it makes when it
+    runs and, per output, its last step read in the rerun and its first saver there."""
+
+    rules: FrameRules
+    inputs: tuple[int, ...]
+    end_of_frame: Point
+    steps: tuple[tuple[int, int, tuple[tuple[int, int, int | None], ...]], ...]
+
+
+def _flat_frame(ctx: Context, a: int, b: int) -> _FlatFrame:
+    found = ctx.flat_frames.get((a, b))
+    if found is not None:
+        return found
+    p = ctx.p
+    rules = frame_rules(p, own_packs(p, a, b))
+    steps = []
+    if rules.reruns:
+        run, stop = rules.run_steps(a), rules.rerun_stop
+        for i in rules.rerun_steps(a):
+            runs = i in run
+            steps.append((i, ctx.alloc[i] + p.fwd_temp_bytes[i] if runs else 0, tuple(
+                (s, p.rerun_read_end(s, i, stop), next(iter(rerun_savers(ctx, s, stop)), None))
+                for s in (p.outputs[i] if runs else ()))))
+    found = ctx.flat_frames[(a, b)] = _FlatFrame(rules, p.region_inputs(a, b),
+                                                 _frame_end_point(rules, b), tuple(steps))
+    return found
+
+
 def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> RegionInfo:
     """`_NestedAnalysis` of a region without children, in closed form: one rerun at most;
     an instance it makes is held by its first saver's backward (savers run backward in
@@ -201,21 +232,16 @@ def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> Region
     likewise, from its own step on; the inputs, and kept outputs it never takes (F6), until
     the frame dies."""
     p = ctx.p
-    rules = frame_rules(p, own_packs(p, a, b))
-    inputs = p.region_inputs(a, b)
-    end_of_frame = _frame_end_point(rules, b)
+    rules, inputs, end_of_frame, steps = _flat_frame(ctx, a, b)
     held: dict[int, Point] = dict.fromkeys(inputs, end_of_frame)
     rows: list[tuple[int, int, int, int, int, int]] = []
     reruns: tuple[Rerun, ...] = ()
     if rules.reruns:
-        steps, run, stop = rules.rerun_steps(a), rules.run_steps(a), rules.rerun_stop
         consts = []
-        for i in steps:
+        for i, made, outputs in steps:
             cached = i in keep
-            consts.append(0 if cached or i not in run else ctx.alloc[i] + p.fwd_temp_bytes[i])
-            for s in p.outputs[i] if i in run else ():
-                read_end = p.rerun_read_end(s, i, stop)
-                saver = next(iter(rerun_savers(ctx, s, stop)), None)
+            consts.append(0 if cached else made)
+            for s, read_end, saver in outputs:
                 if not cached:
                     if saver is not None:
                         rows.append((s, 0, i, BWD, saver, 0))
@@ -223,8 +249,9 @@ def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> Region
                         rows.append((s, 0, i, STEP, read_end, 0))
                 elif s not in ctx.loss:
                     held[s] = (BWD, saver, 0) if saver is not None else (STEP, max(i, read_end), 0)
+        stop = rules.rerun_stop
         overhead_ms = rerun_overhead_ms(p, a, stop, keep, b)
-        cached_steps = keep & frozenset(steps)
+        cached_steps = keep & frozenset(i for i, *_ in steps)
         time_ms = rerun_ms(p, a, stop, rules.idle_steps(cached_steps), overhead_ms)
         reruns = (Rerun(a, rules, cached_steps, tuple(consts), overhead_ms, time_ms, b),)
     for k in keep:  # F6: kept nodes the rerun does not run stay cached until the frame dies
