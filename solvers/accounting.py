@@ -116,7 +116,9 @@ class WindowStorages:
 
 
 class Context:
-    """Schedule-independent data of a problem, computed once per solve."""
+    """Schedule-independent data of a problem, computed once per solve; it also keeps
+    what the solve's schedules share: each region's rerun analysis (`region`), each flat
+    region's keep-independent part and each window's storages (`window_storages`)."""
 
     def __init__(self, problem: Problem) -> None:
         p = problem
@@ -407,5 +409,3 @@ def evaluate(problem: Problem, schedule: Schedule, ctx: Context | None = None) -
                for r in _top_regions(schedule)]
     prof = profile(ctx, 0, problem.n_nodes, regions)
     return problem.static_bytes + prof.peak_bytes, prof.time_ms
-
-
