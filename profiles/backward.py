@@ -13,6 +13,8 @@ import bisect
 import contextlib
 import dataclasses
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -192,25 +194,67 @@ def _with_function_backwards(out: list[_Backward], records: list[_OpRecord],
     return out
 
 
+class _AloneMemo:
+    """Each op's backward alone, by its stand-ins' layout (`_layout_key`), the device whose
+    roofline times it and the ambient grad and autocast modes: all that run reads, so it is
+    the same in every profile of this process (the ops of repeated blocks, of a model
+    profiled again at another budget or beside its variants) and runs once. Bounded: the
+    least recently asked go first."""
+
+    SIZE = 16384
+
+    def __init__(self) -> None:
+        self._found: OrderedDict[Hashable, _Backward] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def context(spec: DeviceSpec | None) -> Hashable:
+        """What a run alone reads besides its op and stand-ins."""
+        autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in ("cpu", "cuda"))
+        return repr(spec), torch.is_grad_enabled(), autocast
+
+    def get(self, key: Hashable) -> _Backward | None:
+        with self._lock:
+            found = self._found.get(key)
+            if found is not None:
+                self._found.move_to_end(key)
+            return found
+
+    def put(self, key: Hashable, found: _Backward) -> None:
+        with self._lock:
+            self._found[key] = found
+            while len(self._found) > self.SIZE:
+                self._found.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._found.clear()
+
+
+ALONE = _AloneMemo()
+
+
 def _backward_of(records: list[_OpRecord], spec: DeviceSpec | None,
                  progress: bool) -> list[_Backward]:
     tracker = _WindowTracker(spec)
     out = []
     failed: dict[str, list[str]] = {}  # op -> the error of each call that could not run
-    alike: dict[Any, _Backward] = {}  # an op's backward, by its stand-ins' layout
+    context = ALONE.context(spec)
     for record in _bar(records, "profiling backward", progress):
         specs = _tensors_specs(record.arg_specs)
         if not record.grad_enabled or not any(s.requires_grad for s in specs):
             out.append(_Backward(output_requires_grad=[False] * len(record.outputs)))
             continue
         try:
-            key = _layout_key(record.func, record.arg_specs, specs)
-            if key not in alike:  # gradients by argument position, mapped below
+            key = (_layout_key(record.func, record.arg_specs, specs), context)
+            found = ALONE.get(key)
+            if found is None:  # gradients by argument position, mapped below
                 args, kwargs = tree_map(_stand_ins(specs), record.arg_specs,
                                         is_leaf=lambda v: isinstance(v, _TensorSpec))
-                alike[key] = _profile_backward(record.func, args, kwargs,
-                                               list(range(len(specs))), tracker)
-            found = alike[key]
+                found = _profile_backward(record.func, args, kwargs,
+                                          list(range(len(specs))), tracker)
+                ALONE.put(key, found)
             out.append(dataclasses.replace(found, grad_storages=sorted(
                 {specs[k].storage for k in found.grad_storages} - {None})))
         except Exception as error:  # an op that cannot run on stand-ins: no backward data

@@ -209,7 +209,7 @@ class _FunctionRecord:
         return self.stop - 1 if self.stop > self.start else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Backward:
     """What one op's backward does, profiled alone on stand-ins (``profiles.backward``)."""
 

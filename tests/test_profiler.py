@@ -548,3 +548,29 @@ def test_repeated_blocks_share_their_ops_backward_and_keep_their_own_gradients(
     monkeypatch.setattr(backward, "_layout_key", lambda *args: object())  # nothing shared
     assert profiled() == shared
     assert ran_shared < len(calls)
+
+
+def test_an_ops_backward_alone_runs_once_a_process_for_each_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model profiled again (or one built alike) runs no op's backward alone a second time
+    (`profiles.backward.ALONE`), and gets the same profile; one profiled for another device
+    gets that device's backward times, as in a process that never profiled for the first."""
+    import profiles.backward as backward
+
+    model = zoo.get("gpt", size="tiny", batch=2)
+
+    def profiled(device: str) -> str:
+        return profiles.profile(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                                timing="estimate", device=device,
+                                progress=False).model_dump_json()
+
+    backward.ALONE.clear()
+    a100_alone = profiled("A100")
+    backward.ALONE.clear()
+    h100 = profiled("H100")
+    calls = []
+    original = backward._profile_backward
+    monkeypatch.setattr(backward, "_profile_backward",
+                        lambda *args: calls.append(1) or original(*args))
+    assert profiled("H100") == h100 and not calls
+    assert profiled("A100") == a100_alone and calls
