@@ -28,9 +28,10 @@ from profiles.devices import DeviceSpec
 from profiles.errors import _first_line
 from profiles.fake import fake_mode, meta_failures_at_debug
 from profiles.functions import FunctionCall, function_name, watched_functions
+from profiles.leaves import tensors_in
 from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.progress import _bar
-from profiles.recording import _Backward, _FunctionRecord, _OpRecord, _tensors, _TensorSpec
+from profiles.recording import _Backward, _FunctionRecord, _OpRecord, _TensorSpec
 from profiles.step import _fake_state, _real_state, _start_grads, _Step
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,9 @@ class _WindowTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim":
             return out
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         aliased = {StorageWeakRef(t.untyped_storage()) for t in inputs} | self._known
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             ref = StorageWeakRef(tensor.untyped_storage())
             if ref not in aliased and ref not in self._new:
                 self._new[ref] = tensor.untyped_storage().nbytes()
@@ -78,7 +79,7 @@ class _WindowTracker(TorchDispatchMode):
                 flops = int(counter(*args, **kwargs, out_val=out))
         self.flops += flops
         if self.spec is not None:
-            self.estimated_ms += self.spec.estimate_ms(func, inputs, _tensors(out), flops)
+            self.estimated_ms += self.spec.estimate_ms(func, inputs, tensors_in(out), flops)
         return out
 
 
@@ -118,7 +119,7 @@ def _fresh_args(func: Any, args: Any, kwargs: Any
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
-    return [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+    return [t for t in tensors_in(out) if t.requires_grad and t.grad_fn is not None]
 
 
 def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | None],
@@ -128,7 +129,7 @@ def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | No
     fresh_args, fresh_kwargs, leaves, origins = _fresh_args(func, args, kwargs)
     out = func(*fresh_args, **fresh_kwargs)
     outs = _grad_outputs(out)
-    requires = [t.requires_grad for t in _tensors(out)]
+    requires = [t.requires_grad for t in tensors_in(out)]
     if not outs or not leaves:
         return _Backward(output_requires_grad=requires)
     grad_outputs = [torch.ones_like(t) for t in outs]
@@ -136,7 +137,7 @@ def _profile_backward(func: Any, args: Any, kwargs: Any, storages: list[int | No
     with tracker:
         grads = torch.autograd.grad(outs, leaves, grad_outputs, allow_unused=True)
         final = tracker.live_new_bytes()
-    arg_tensors = _tensors((args, kwargs))
+    arg_tensors = tensors_in((args, kwargs))
     targets = set()
     for origin, grad in zip(origins, grads, strict=True):
         if grad is None:
@@ -471,9 +472,9 @@ class _BackwardObserver(RuntimeAwareMode):
         is runtime memory, held in backward like a gradient; in forward it is no node."""
         before = self.live_bytes() if self.backward else 0
         inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
-                  for t in _tensors((args, kwargs))}
+                  for t in tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             if StorageWeakRef(local_tensor(tensor).untyped_storage()) not in inputs:
                 self.runtime.add(tensor)
         if self.backward:
@@ -490,12 +491,12 @@ class _BackwardObserver(RuntimeAwareMode):
             return func(*args, **kwargs)
         before = self.live_bytes()
         inputs = {StorageWeakRef(local_tensor(t).untyped_storage())
-                  for t in _tensors((args, kwargs))}
+                  for t in tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
         # a view op allocates nothing, whatever storage its output shows: its input may be
         # a tensor from before the step that fake mode converted when the op read it (a
         # pipeline stage's received gradient), whose twin's storage is new to this mode
-        for tensor in () if getattr(func, "is_view", False) else _tensors(out):
+        for tensor in () if getattr(func, "is_view", False) else tensors_in(out):
             storage = local_tensor(tensor).untyped_storage()
             ref = StorageWeakRef(storage)
             if ref not in inputs and ref not in self._live:

@@ -38,8 +38,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from profiles.leaves import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +98,6 @@ def _asks_once_class() -> type:
     return AsksOnceFakeTensorMode
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def _is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -136,7 +134,7 @@ class KnownValues(TorchDispatchMode):
             return False
         if func._schema.name.startswith("aten::empty") or "new_empty" in func._schema.name:
             return False  # uninitialised memory has no value to know
-        return all(self.knows(t) for t in _tensors((args, kwargs)))
+        return all(self.knows(t) for t in tensors_in((args, kwargs)))
 
     def _on_cpu(self, func: Any, args: tuple, kwargs: dict) -> Any:
         def real(value: Any) -> Any:
@@ -157,10 +155,10 @@ class KnownValues(TorchDispatchMode):
         if computable and returns and not any("Tensor" in str(r.type) for r in returns):
             return self._on_cpu(func, args, kwargs)  # a value: as the real step has it
         out = func(*args, **kwargs)
-        outs = _tensors(out)
+        outs = tensors_in(out)
         if computable and outs and sum(t.numel() for t in outs) <= SMALL_NUMEL:
             with contextlib.suppress(Exception):  # a value we cannot compute stays unknown
-                for fake, real in zip(outs, _tensors(self._on_cpu(func, args, kwargs)),
+                for fake, real in zip(outs, tensors_in(self._on_cpu(func, args, kwargs)),
                                       strict=True):
                     self.values[fake] = real
         elif not computable:
@@ -172,7 +170,7 @@ class KnownValues(TorchDispatchMode):
         written = [args[i] if i < len(args) else kwargs.get(a.name)
                    for i, a in enumerate(func._schema.arguments)
                    if a.alias_info is not None and a.alias_info.is_write]
-        storages = {StorageWeakRef(t.untyped_storage()) for t in _tensors(written)}
+        storages = {StorageWeakRef(t.untyped_storage()) for t in tensors_in(written)}
         if not storages:
             return
         for tensor in list(self.values.keys()):
@@ -217,15 +215,16 @@ class MetaAsDevice(TorchDispatchMode):
         self.convert = convert
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        def swap(value: Any) -> Any:
-            from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.fake_tensor import FakeTensor
 
-            if isinstance(value, torch.Tensor) and value.is_meta \
-                    and not isinstance(value, FakeTensor):
-                return self.convert(value)
-            return value
+        def unconverted(value: Any) -> bool:
+            return isinstance(value, torch.Tensor) and value.is_meta \
+                and not isinstance(value, FakeTensor)
 
-        args, kwargs = tree_map(swap, (args, kwargs or {}))
+        kwargs = kwargs or {}
+        if any(map(unconverted, tensors_in((args, kwargs)))):  # rare: skip the rebuild
+            args, kwargs = tree_map(lambda v: self.convert(v) if unconverted(v) else v,
+                                    (args, kwargs))
         return func(*args, **kwargs)
 
 

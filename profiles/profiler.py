@@ -41,8 +41,9 @@ from profiles.errors import LossNotFoundError, ProfileError, _first_line
 from profiles.fake import fake_mode, meta_failures_at_debug
 from profiles.functions import function_name
 from profiles.inputs import normalize_inputs
+from profiles.leaves import tensors_in
 from profiles.parallel import Parallelism, fake_world, parallel_layout, parallel_twin
-from profiles.recording import _CallRecord, _dtype_name, _observed, _OpRecord, _Recorded, _tensors
+from profiles.recording import _CallRecord, _dtype_name, _observed, _OpRecord, _Recorded
 from profiles.schema import (
     CheckpointCosts,
     FunctionSpan,
@@ -194,7 +195,7 @@ def _request(model: nn.Module, example_inputs: Any, *,
     args, kwargs = normalize_inputs(model, example_inputs)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    input_tensors = _tensors((args, kwargs))
+    input_tensors = tensors_in((args, kwargs))
     everything = [*params.values(), *buffers.values(), *input_tensors]
     resolved = _resolve_timing(timing, everything)
     device_type = _device_type(model, input_tensors)
@@ -257,10 +258,10 @@ def observe_forward(model: nn.Module, args: tuple, kwargs: dict,
     """The trace fingerprint of one fake forward + loss of ``model`` (see
     :func:`trace_fingerprint`): cheap (no backward, no memory), for checking a plan."""
     step = _Step(model, args, kwargs, loss_fn or default_loss, autocast,
-                 _device_type(model, _tensors((args, kwargs))))
+                 _device_type(model, tensors_in((args, kwargs))))
     with _rng_state_preserved(), _observed(step, False, None) as (rec, _):
         return trace_fingerprint(model, rec.recorder.records, rec.recorder.calls,
-                                 _tensors((args, kwargs)), autocast)
+                                 tensors_in((args, kwargs)), autocast)
 
 
 def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
@@ -460,7 +461,7 @@ def _optimizer_memory(optimizer: torch.optim.Optimizer | None) -> tuple[int, int
             # groups carry every hyperparameter; lr is passed for optimizers that require it
             twin = type(optimizer)(groups, lr=optimizer.defaults.get("lr", 1e-3))
             for _ in range(2):
-                tracker.reset(held + _tensors([twin.state[p] for p in twin_params
+                tracker.reset(held + tensors_in([twin.state[p] for p in twin_params
                                                if p in twin.state]))
                 with tracker:
                     twin.step()
@@ -472,7 +473,7 @@ def _optimizer_memory(optimizer: torch.optim.Optimizer | None) -> tuple[int, int
         seen: set[StorageWeakRef] = set()
         total = 0
         for state in twin.state.values():
-            for tensor in _tensors(state):
+            for tensor in tensors_in(state):
                 ref = StorageWeakRef(tensor.untyped_storage())
                 if ref not in seen:
                     seen.add(ref)

@@ -31,6 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from profiles.devices import DeviceSpec
 from profiles.errors import ProfileError
 from profiles.functions import watched_functions
+from profiles.leaves import tensors_in
 from profiles.parallel import RuntimeAwareMode, RuntimeMemory, local_tensor
 from profiles.schema import StaticMemory, TensorMeta
 from profiles.step import _fake_step, _kernels, _Step
@@ -44,8 +45,6 @@ _UNDECLARED_WRITES = {
 }
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -302,7 +301,7 @@ class _ForwardRecorder(RuntimeAwareMode):
         marker, self.marker = self.marker, 0
         if not self.pending:
             return []
-        arg_ids = Counter(id(t) for t in _tensors(args))
+        arg_ids = Counter(id(t) for t in tensors_in(args))
         split = len(self.pending)
         while split > marker and arg_ids[id(self.pending[split - 1])] > 0:
             arg_ids[id(self.pending[split - 1])] -= 1
@@ -341,7 +340,7 @@ class _ForwardRecorder(RuntimeAwareMode):
         path = self.paths.get(id(module))
         if path is None:
             return
-        inputs = sorted({sid for t in _tensors((args, kwargs))
+        inputs = sorted({sid for t in tensors_in((args, kwargs))
                          if (sid := self.storages.lookup(t)) is not None})
         call = _CallRecord(len(self.calls), path, type(module).__name__, len(self.records),
                            self.stack[-1] if self.stack else None, self.call_counts[path],
@@ -366,7 +365,7 @@ class _ForwardRecorder(RuntimeAwareMode):
     def function_ended(self, record: _FunctionRecord, output: Any) -> None:
         """Its saves were packed as it returned: its last op's (`_FunctionRecord.last`)."""
         record.stop = len(self.records)
-        record.grad_outputs = sorted({sid for t in _tensors(output) if t.requires_grad
+        record.grad_outputs = sorted({sid for t in tensors_in(output) if t.requires_grad
                                       and (sid := self.storages.lookup(t)) is not None})
         if record.last is None:
             return
@@ -381,7 +380,7 @@ class _ForwardRecorder(RuntimeAwareMode):
 
     # ------------------------------------------------------------ ops
     def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         if func is not torch.ops.aten.lift_fresh.default:  # see _add_constants
             self._add_constants(inputs)
         record = self._record_op(func, args, kwargs, inputs)
@@ -424,7 +423,7 @@ class _ForwardRecorder(RuntimeAwareMode):
         """The op's outputs: new storages, or views of its inputs."""
         first = len(self.storages.infos)
         views = [r.alias_info is not None for r in func._schema.returns]
-        for k, tensor in enumerate(_tensors(out)):
+        for k, tensor in enumerate(tensors_in(out)):
             sid = self.storages.lookup(tensor)
             if sid is None:
                 sid = self._runtime_storage(tensor)
@@ -446,20 +445,22 @@ class _ForwardRecorder(RuntimeAwareMode):
                     out: Any) -> None:
         """The op's FLOPs and roofline time: this rank's work, on its shards (a DTensor op
         runs its op on them)."""
-        local_args, local_kwargs, local_out = tree_map(local_tensor, (args, kwargs, out))
+        local_args, local_kwargs, local_out = args, kwargs, out
+        if any(local_tensor(t) is not t for t in tensors_in((args, kwargs, out))):
+            local_args, local_kwargs, local_out = tree_map(local_tensor, (args, kwargs, out))
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             with contextlib.suppress(Exception):
                 record.flops = int(counter(*local_args, **local_kwargs, out_val=local_out))
         if self.spec is not None:
             record.estimated_ms = self.spec.estimate_ms(
-                func, _tensors((local_args, local_kwargs)), _tensors(local_out), record.flops)
+                func, tensors_in((local_args, local_kwargs)), tensors_in(local_out), record.flops)
 
     def _runtime_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op of the parallel runtime: no node; what it makes is runtime memory (a view
         of the model's tensor, such as FSDP2's backward hook on an output, is not)."""
         out = func(*args, **kwargs)
-        for tensor in _tensors(out):
+        for tensor in tensors_in(out):
             if self.storages.lookup(local_tensor(tensor)) is None:
                 self.runtime.add(tensor)
         self.runtime_ops += 1
@@ -485,7 +486,7 @@ class _ForwardRecorder(RuntimeAwareMode):
         if undeclared and len(args) > 5 and args[5]:  # training: running stats update
             targets.extend(args[position] for position in undeclared if position < len(args))
         written, state = set(), set()
-        for tensor in _tensors(targets):
+        for tensor in tensors_in(targets):
             sid = self.storages.lookup(tensor)
             if sid is None:
                 continue
@@ -535,7 +536,7 @@ def _observed(step: _Step, real: bool, spec: DeviceSpec | None
         for key in buffers:
             storages.add(state[key], "buffer", None, key)
         args, kwargs = tree_map(convert, (step.args, step.kwargs))
-        for position, tensor in enumerate(_tensors((args, kwargs))):
+        for position, tensor in enumerate(tensors_in((args, kwargs))):
             storages.add(tensor, "input", None, f"input{position}")
         with (swapped_tensors(model, state),
               _module_hooks(model, recorder),
