@@ -33,9 +33,10 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
@@ -99,9 +100,28 @@ def _asks_once_class() -> type:
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, FakeTensor) or tensor.is_meta
+
+
+class _OpFacts(NamedTuple):
+    """What `KnownValues` asks of an op on every call, read from its schema once."""
+
+    computable: bool  # a value from its inputs' values: no random numbers, no empty memory
+    value_only: bool  # returns no tensor (``_local_scalar_dense``, ``is_nonzero``)
+    written: tuple[tuple[int, str], ...]  # the arguments it writes: position and name
+
+
+@functools.cache
+def _op_facts(func: Any) -> _OpFacts:
+    schema = func._schema
+    computable = func.namespace != "prim" \
+        and torch.Tag.nondeterministic_seeded not in func.tags \
+        and not schema.name.startswith("aten::empty") and "new_empty" not in schema.name
+    value_only = bool(schema.returns) and not any("Tensor" in str(r.type)
+                                                  for r in schema.returns)
+    written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    return _OpFacts(computable, value_only, written)
 
 
 class KnownValues(TorchDispatchMode):
@@ -130,11 +150,8 @@ class KnownValues(TorchDispatchMode):
         return self.values[tensor] if _is_fake(tensor) else tensor.detach().cpu()
 
     def _computable(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        if func.namespace == "prim" or torch.Tag.nondeterministic_seeded in func.tags:
-            return False
-        if func._schema.name.startswith("aten::empty") or "new_empty" in func._schema.name:
-            return False  # uninitialised memory has no value to know
-        return all(self.knows(t) for t in tensors_in((args, kwargs)))
+        return _op_facts(func).computable \
+            and all(self.knows(t) for t in tensors_in((args, kwargs)))
 
     def _on_cpu(self, func: Any, args: tuple, kwargs: dict) -> Any:
         def real(value: Any) -> Any:
@@ -151,8 +168,7 @@ class KnownValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         computable = self._computable(func, args, kwargs)
-        returns = func._schema.returns
-        if computable and returns and not any("Tensor" in str(r.type) for r in returns):
+        if computable and _op_facts(func).value_only:
             return self._on_cpu(func, args, kwargs)  # a value: as the real step has it
         out = func(*args, **kwargs)
         outs = tensors_in(out)
@@ -167,9 +183,8 @@ class KnownValues(TorchDispatchMode):
 
     def _forget_written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An op we did not compute wrote in place: what shares its storage is unknown."""
-        written = [args[i] if i < len(args) else kwargs.get(a.name)
-                   for i, a in enumerate(func._schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
+        written = [args[i] if i < len(args) else kwargs.get(name)
+                   for i, name in _op_facts(func).written]
         storages = {StorageWeakRef(t.untyped_storage()) for t in tensors_in(written)}
         if not storages:
             return
@@ -215,11 +230,9 @@ class MetaAsDevice(TorchDispatchMode):
         self.convert = convert
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-
         def unconverted(value: Any) -> bool:
-            return isinstance(value, torch.Tensor) and value.is_meta \
-                and not isinstance(value, FakeTensor)
+            return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) \
+                and value.is_meta
 
         kwargs = kwargs or {}
         if any(map(unconverted, tensors_in((args, kwargs)))):  # rare: skip the rebuild
