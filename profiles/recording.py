@@ -45,8 +45,6 @@ _UNDECLARED_WRITES = {
 }
 
 
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
