@@ -66,7 +66,7 @@ def ours(problem: Problem, budget: int, step_ms: float, time_limit_s: float,
         best = plain
     else:
         best = both
-    limits = {offload: choice_bound(problem, budget, offload=offload).recompute_ms
+    limits = {offload: choice_bound(problem, budget, offload=offload).added_ms
               for offload in (False, True)}
     return {"budget_gib": budget / GIB,
             "any_choice_bound": {("with_offload" if k else "recompute_only"):

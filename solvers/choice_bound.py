@@ -1,27 +1,37 @@
-"""A lower bound on recompute time over every per-tensor choice: each saved activation kept,
-recomputed or offloaded, with no restriction to module calls, nesting or whole-call offload
-(an LP relaxation, GLOP). What no schedule of any planner can beat, so a benchmark can
-print the distance from an answer to the limit, and say whether a target is reachable.
+"""A lower bound on the time a schedule adds (reruns and copy stalls) over every per-tensor
+choice: each saved activation kept, recomputed or offloaded, with no restriction to module
+calls, nesting or whole-call offload (an LP relaxation, GLOP). What no schedule of any
+planner can beat, so a benchmark can print the distance from an answer to the limit, and
+say whether a target is reachable.
 
 Variables per storage s not held by the caller that is saved or read by a recomputable
 node: kept `x_s` (held past its last forward read: a STORE save, a checkpoint's input, a
-selective keep), offloaded `o_s`; per recomputable node i: rerun `y_i`. A saved storage is
-kept, offloaded or recomputed: `x_s + o_s + y_producer(s) >= 1`; a node reruns only from
-inputs that are there: `y_i <= x_in + o_in + y_producer(in)` for each of its inputs. The
-objective is the forward time of the nodes rerun (checkpoint overheads and stalls are left
-out). Constraints, each true of every schedule `simulate` replays (so the LP is a
-relaxation):
+selective keep), offloaded `o_s`; per recomputable node i: rerun `y_i`; the stall `w` (all
+the time compute waits for copies). A saved storage is kept, offloaded or recomputed:
+`x_s + o_s + y_producer(s) >= 1`; a node reruns only from inputs that are there:
+`y_i <= x_in + o_in + y_producer(in)` for each of its inputs. The objective is the time a
+schedule adds: the forward time of the nodes rerun, plus `w`. Constraints, each true of
+every schedule `simulate` replays (so the LP is a relaxation):
 
 - forward event t: what the forward itself needs (static, caller-held, the node's outputs
   and temporaries, storages read at t or later), plus the storages past their last read
-  that are kept, plus those offloaded whose copy cannot have ended: one device-to-host
-  queue copies at most `d2h` bandwidth x the forward time elapsed (no such term over a
-  synchronous link, where copies hold up compute);
+  that are kept, plus those offloaded whose copy out cannot have ended: one device-to-host
+  queue copies at most `d2h` bandwidth x (the forward's time so far + `w`);
 - backward event j: static, gradients, loss, temporaries, every storage node j saved (it
-  is back by then, regenerated or fetched), plus the kept storages an earlier node saves.
+  is back by then, regenerated or fetched), plus the kept storages an earlier node saves,
+  plus the offloaded ones still copying out (the queue has had the forward, the backward's
+  events before j, every rerun and `w`), plus those back from the host ahead of need;
+- copies back: an offloaded storage a node saves is back by the start of that node's
+  backward (the first of its savers the backward reaches); one host-to-device queue copies
+  at most `h2d` bandwidth x that same time, and what came back before the backward began
+  (no more than either queue moves in the forward and `w`) the device holds until needed;
+- a synchronous link (a CPU: copies hold up compute): `w` is at least every copy out and
+  every copy back of a storage a node saves.
 
-Regenerated copies, frames, fetches ahead of need and every overhead are optimistic
-omissions: they only make real schedules cost more.
+Regenerated copies, frames, the order of a storage's copy out and back and every overhead
+are optimistic omissions: they only make real schedules cost more. Without `w` (before
+2026-12-01) a schedule that waits for its copies to fit was outside the LP: at its peak
+the bound said nothing fits.
 """
 
 from __future__ import annotations
@@ -41,21 +51,24 @@ _MIB = float(2**20)  # the LP works in MiB: byte counts up to 1e11 upset its tol
 
 @dataclass(frozen=True)
 class ChoiceBound:
-    """`recompute_ms`: no per-tensor choice fitting `budget_bytes` reruns less forward time
-    (None: none fits at all: the budget is below every schedule's peak). `offload`: whether
-    offloading was among the choices. The fractional split of the saved bytes at the LP's
-    optimum says where the bound comes from."""
+    """`added_ms`: no per-tensor choice fitting `budget_bytes` adds less time to the step,
+    reruns and stalls on copies (None: none fits at all: the budget is below every
+    schedule's peak); `recompute_ms` and `stall_ms` its two parts at the LP's optimum.
+    `offload`: whether offloading was among the choices. The fractional split of the saved
+    bytes at the optimum says where the bound comes from."""
 
     budget_bytes: int
     offload: bool
-    recompute_ms: float | None
+    added_ms: float | None
+    recompute_ms: float = 0.0
+    stall_ms: float = 0.0
     kept_bytes: float = 0.0
     offloaded_bytes: float = 0.0
     recomputed_bytes: float = 0.0
 
     @property
     def feasible(self) -> bool:
-        return self.recompute_ms is not None
+        return self.added_ms is not None
 
 
 class _Terms:
@@ -82,6 +95,10 @@ class _Terms:
                          + sum(p.storage_bytes[s] for s in p.saved[j] if s not in ctx.loss)
                          for j in range(n)]
         self.elapsed_ms = np.concatenate([[0.0], np.cumsum(p.fwd_time_ms)])[:n]
+        # backward time before event j (events n-1 .. j+1 run first)
+        self.bwd_elapsed_ms = np.concatenate([np.cumsum(p.bwd_time_ms[::-1])[::-1][1:], [0.0]])
+        self.forward_ms = float(sum(p.fwd_time_ms))
+        self.first_need = {s: max(ctx.savers[s]) for s in self.saved}
 
 
 def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -> ChoiceBound:
@@ -107,16 +124,23 @@ def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -
             if s in x:
                 lp.Add(rerun <= there(s))
     budget = budget_bytes / _MIB
-    _forward_rows(lp, p, terms, x, o, budget, offload)
-    _backward_rows(lp, p, terms, x, budget)
-    lp.Minimize(sum(p.fwd_time_ms[i] * v for i, v in y.items()))
+    rerun = sum(p.fwd_time_ms[i] * v for i, v in y.items())
+    stall = _stall(lp, p, terms, o) if offload else 0.0
+    _forward_rows(lp, p, terms, x, o, budget, stall)
+    queued = offload and not p.host_link.synchronous
+    _backward_rows(lp, p, terms, x, budget,
+                   _copy_rows(lp, p, terms, o, rerun, stall) if queued else {})
+    lp.Minimize(rerun + stall)
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
         return ChoiceBound(budget_bytes, offload, None)
     nbytes = p.storage_bytes
     kept = sum(x[s].solution_value() * nbytes[s] for s in terms.saved)
     moved = sum(o[s].solution_value() * nbytes[s] for s in terms.saved)
     total = sum(nbytes[s] for s in terms.saved)
-    return ChoiceBound(budget_bytes, offload, max(0.0, lp.Objective().Value()), kept, moved,
+    rerun_ms = sum(p.fwd_time_ms[i] * v.solution_value() for i, v in y.items())
+    stall_ms = 0.0 if isinstance(stall, float) else stall.solution_value()
+    return ChoiceBound(budget_bytes, offload, max(0.0, lp.Objective().Value()),
+                       max(0.0, rerun_ms), max(0.0, stall_ms), kept, moved,
                        max(0.0, total - kept - moved))
 
 
@@ -135,9 +159,10 @@ def _running_sums(lp: pywraplp.Solver, n: int, adds: dict[int, list], name: str)
 
 
 def _forward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict, o: dict,
-                  budget: float, offload: bool) -> None:
+                  budget: float, stall: object) -> None:
     """Every forward event fits: kept storages past their last read, and the offloaded ones
-    whose copy the device-to-host queue cannot have finished."""
+    whose copy the device-to-host queue cannot have finished (in the forward's time so far
+    and every stall; `stall` is 0.0 where nothing is offloaded)."""
     n = p.n_nodes
     kept_adds: dict[int, list] = {}
     moved_adds: dict[int, list] = {}
@@ -147,21 +172,66 @@ def _forward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict, o: di
         moved_adds.setdefault(at, []).append(p.storage_bytes[s] / _MIB * o[s])
     kept = _running_sums(lp, n, kept_adds, "k")
     link = p.host_link
-    queued = offload and link is not None and not link.synchronous
+    queued = not isinstance(stall, float) and not link.synchronous
     moved = _running_sums(lp, n, moved_adds, "m") if queued else [0.0] * n
+    d2h = link.d2h_gbps * 1e6 / _MIB if queued else 0.0  # MiB per ms
     for t in range(n):
         in_flight: object = 0.0
         if queued and not isinstance(moved[t], float):
-            copied = link.d2h_gbps * 1e6 * float(terms.elapsed_ms[t]) / _MIB
             in_flight = lp.NumVar(0.0, lp.infinity(), f"f{t}")
-            lp.Add(in_flight >= moved[t] - copied)
+            lp.Add(in_flight >= moved[t] - d2h * (float(terms.elapsed_ms[t]) + stall))
         lp.Add(terms.forward[t] / _MIB + kept[t] + in_flight <= budget)
 
 
+def _stall(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict) -> object:
+    """The time compute waits for copies; over a synchronous link, at least every copy out
+    and every copy back of a storage a node saves."""
+    stall = lp.NumVar(0.0, lp.infinity(), "stall")
+    link = p.host_link
+    assert link is not None
+    if link.synchronous:
+        out_ms, in_ms = (_MIB / (gbps * 1e6) for gbps in (link.d2h_gbps, link.h2d_gbps))
+        lp.Add(stall >= sum(p.storage_bytes[s] / _MIB * o[s] * (
+            out_ms + (in_ms if s in terms.first_need else 0.0)) for s in terms.held))
+    return stall
+
+
+def _copy_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict, rerun: object,
+               stall: object) -> dict[int, object]:
+    """The copies at each backward event j (module docstring): the MiB whose copy out cannot
+    have ended, and those come back ahead of their need; what the device holds of both."""
+    link = p.host_link
+    assert link is not None and not link.synchronous
+    d2h, h2d = (gbps * 1e6 / _MIB for gbps in (link.d2h_gbps, link.h2d_gbps))  # MiB / ms
+    moved = lp.NumVar(0.0, lp.infinity(), "moved")
+    lp.Add(moved == sum(p.storage_bytes[s] / _MIB * o[s] for s in terms.held))
+    early = lp.NumVar(0.0, lp.infinity(), "early")  # back before the backward began: out
+    lp.Add(early <= min(d2h, h2d) * (terms.forward_ms + stall))  # and back in that time
+    by_need: dict[int, list] = {}
+    for s, j in terms.first_need.items():
+        by_need.setdefault(j, []).append(p.storage_bytes[s] / _MIB * o[s])
+    needed: object = 0.0  # MiB needed at events >= j
+    held: dict[int, object] = {}
+    for j in range(p.n_nodes - 1, -1, -1):
+        since = float(terms.bwd_elapsed_ms[j]) + rerun + stall  # the backward's time so far
+        if j in by_need:
+            total = lp.NumVar(0.0, lp.infinity(), f"n{j}")
+            lp.Add(total == needed + sum(by_need[j]))
+            needed = total
+            lp.Add(needed <= early + h2d * since)
+            lp.Add(needed <= h2d * (terms.forward_ms + since))  # one queue, one clock
+        waiting = lp.NumVar(0.0, lp.infinity(), f"a{j}")
+        lp.Add(waiting >= early - needed)
+        out = lp.NumVar(0.0, lp.infinity(), f"w{j}")
+        lp.Add(out >= moved - d2h * (terms.forward_ms + since))
+        held[j] = waiting + out
+    return held
+
+
 def _backward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict,
-                   budget: float) -> None:
-    """Every backward event fits: what node j saved is back, and what earlier nodes save is
-    still held where it is kept."""
+                   budget: float, ahead: dict[int, object]) -> None:
+    """Every backward event fits: what node j saved is back, what earlier nodes save is
+    still held where it is kept, and what came back ahead of its need."""
     n = p.n_nodes
     adds: dict[int, list] = {}
     for s in terms.saved:  # held at j when an earlier node still saves it: first saver < j
@@ -170,4 +240,5 @@ def _backward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict,
     for j in range(n):
         counted = [p.storage_bytes[s] / _MIB * x[s] for s in p.saved[j]
                    if s in x and terms.first_saver[s] < j]
-        lp.Add(terms.backward[j] / _MIB + held[j] - sum(counted) <= budget)
+        lp.Add(terms.backward[j] / _MIB + held[j] - sum(counted) + ahead.get(j, 0.0)
+               <= budget)
