@@ -185,6 +185,7 @@ class _Frame:
     children: list[_Frame]
     inputs: tuple[int, ...]
     rules: FrameRules  # where its rerun stops, whether its last step runs, when it dies
+    keep: frozenset[int] = frozenset()  # `region.keep`, read at each step of its reruns
     alive: bool = True
     recomputed: bool = False
     child_inputs: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -274,7 +275,7 @@ class _Replay:
     def _build_frame(self, r: Region, parent: _Frame | None) -> _Frame:
         p = self.p
         inputs = p.region_inputs(r.start, r.stop)
-        f = _Frame(len(self.frames), r, parent, [], inputs, FrameRules(0, False, None))
+        f = _Frame(len(self.frames), r, parent, [], inputs, FrameRules(0, False, None), r.keep)
         self.frames.append(f)
         if parent is None:
             self.top_entries[r.start].append(f)
@@ -315,14 +316,17 @@ class _Replay:
     def _live(self) -> int:
         return self.p.static_bytes + sum(self.live_act) + self.live_grad
 
-    def _parts(self, grad: int, temp: int) -> PeakBreakdown:
-        return PeakBreakdown(self.p.static_bytes, self.live_act[0], self.live_act[1], grad, temp,
-                             self.live_act[2])
+    def _parts(self, grad: int, temp: int) -> tuple[int, int, int, int, int]:
+        """What the live bytes are made of now, for `_record`'s `PeakBreakdown` (built only
+        for an event that raises the peak)."""
+        live = self.live_act
+        return live[0], live[1], grad, temp, live[2]
 
     def _record(self, label: str, phase: str, node: int, time_ms: float, peak: int,
-                parts: PeakBreakdown, cached: bool = False) -> None:
+                parts: tuple[int, int, int, int, int], cached: bool = False) -> None:
         if peak > self.peak:
-            self.peak, self.peak_event, self.breakdown = peak, len(self.events), parts
+            self.peak, self.peak_event = peak, len(self.events)
+            self.breakdown = PeakBreakdown(self.p.static_bytes, *parts)
         self.events.append(Event(label, phase, node, time_ms, self._live(), peak, cached))
         self.times[phase] += time_ms
         self.copies.clock += time_ms
@@ -405,7 +409,7 @@ class _Replay:
                     self._release_one(env[s], Token(Hold.COPY, s))
         else:
             self._enter_children(root, i, env, run.end_tok)
-        cached = root is not None and inner is root and i in root.region.keep
+        cached = root is not None and inner is root and i in root.keep
         before = self._live()
         new: list[Inst] = []
         if cached and not not_run:
@@ -469,7 +473,7 @@ class _Replay:
                         self._hold(env[s], Token(Hold.BACKWARD, i))
                     elif self.copies.out_of.get(s) == i:
                         self._hold(env[s], Token(Hold.COPY, s))
-            elif i in inner.region.keep:
+            elif i in inner.keep:
                 on_host = self.copies.frame_keeps.get(inner.region.start, ()) \
                     if inner.parent is None else ()
                 for s in p.outputs[i]:
@@ -481,7 +485,7 @@ class _Replay:
             if p.packs[i]:
                 for s in p.saved[i]:
                     self._hold(env[s], Token(Hold.BACKWARD, i))
-        elif i in inner.region.keep:
+        elif i in inner.keep:
             for s in p.outputs[i]:
                 self._hold(env[s], run.end_tok)
 
@@ -517,8 +521,8 @@ class _Replay:
         f.recomputed = True
         logger.debug("rerun of region [%d, %d) up to node %d", f.region.start,
                      f.region.stop, f.rules.rerun_stop)
-        overhead = rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop,
-                                     f.region.keep, f.region.stop)
+        overhead = rerun_overhead_ms(self.p, f.region.start, f.rules.rerun_stop, f.keep,
+                                     f.region.stop)
         if f.rules.rerun_stop > f.region.start and not self.reran:
             self.reran = True  # the step's first rerun
             overhead += step_overhead_ms(self.p)
