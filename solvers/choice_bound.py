@@ -102,9 +102,9 @@ class _Terms:
 
 
 def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -> ChoiceBound:
-    """The least forward time any per-tensor keep / recompute (/ offload) choice fitting
-    `budget_bytes` reruns (see the module docstring); offload only where the problem has a
-    `host_link`."""
+    """The least time any per-tensor keep / recompute (/ offload) choice fitting
+    `budget_bytes` adds to the step, reruns and copy stalls (see the module docstring);
+    offload only where the problem has a `host_link`."""
     p = problem
     offload = offload and p.host_link is not None
     terms = _Terms(p)
@@ -231,7 +231,8 @@ def _copy_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict, rerun: o
 def _backward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict,
                    budget: float, ahead: dict[int, object]) -> None:
     """Every backward event fits: what node j saved is back, what earlier nodes save is
-    still held where it is kept, and what came back ahead of its need."""
+    still held where it is kept, and `ahead[j]`: the copies the device still holds there
+    (`_copy_rows`; none without offload)."""
     n = p.n_nodes
     adds: dict[int, list] = {}
     for s in terms.saved:  # held at j when an earlier node still saves it: first saver < j
