@@ -94,8 +94,7 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
                             (envelope.resident_batches - 1) * resident_bytes(*longest))
     entries = []
     for length, pad, a, k in reversed(bucket_batches(args, kwargs, envelope)):
-        log.info("planning batches of up to %d tokens%s", length,
-                 "" if pad is None else " (padded)" if pad else " (unpadded)")
+        log.info("planning the bucket of batches %s", _label(length, pad))
         entries.append(TableEntry(length=length, padded=pad,
                                   plan=planner.plan(_label(length, pad), a, k)))
     entries, checks = _checked_edges(entries_in_order(entries), envelope, planner, args,

@@ -23,6 +23,20 @@ os.environ["CHECKPOINT_PLANNER_CACHE"] = "off"
 # the conformance harness lives beside the benchmarks that run it, not in the library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+# The modules holding the suite's longest tests (a notebook, processes over gloo, trainers,
+# whole searches) run first: the two workers take tests in collection order, and a long one
+# collected late runs alone at the end while the other worker waits (longest first balances
+# them). Scheduling only: every test runs, in its own module's order.
+FIRST = ("test_notebook.py", "test_hf_trainer.py", "test_hf_accelerate.py", "test_offload.py",
+         "test_distributed.py", "test_api.py", "test_gpu_suite_smoke.py", "test_pipeline.py",
+         "test_parallel.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+
+
 # Small sizes keep the suite fast on 2 CPU cores, with batches large enough that
 # activations, not parameters and their gradients, dominate memory (so budgets bite).
 ZOO_CASES = {

@@ -6,6 +6,7 @@ the envelope, or a padded batch under a plan made without padding, is said."""
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import warnings
 from pathlib import Path
@@ -238,14 +239,18 @@ def test_an_envelope_that_is_no_envelope_is_refused() -> None:
         optimize(_llama(), _batch(8), budget_gb=1.0, envelope=64)
 
 
-def test_an_image_batch_has_an_envelope_of_rows_and_resident_batches() -> None:
+def test_an_image_batch_has_an_envelope_of_rows_and_resident_batches(
+        caplog: pytest.LogCaptureFixture) -> None:
     """Without token ids there are no lengths: the envelope plans its rows and counts its
-    resident batches; channels are never taken for a length."""
+    resident batches; channels are never taken for a length. Logged at INFO, its bucket is
+    the batch as given (formatting a length that is None raised in the log handler)."""
     base = zoo.get("resnet", batch=2)
     (x,) = base.example_inputs if isinstance(base.example_inputs, tuple) else \
         (base.example_inputs,)
+    caplog.set_level(logging.INFO, logger="planner")
     table = optimize(base.model, x, budget_gb=1.0, loss_fn=base.loss_fn, timing="estimate",
                      progress=False, envelope=Envelope(resident_batches=2))
+    assert "planning the bucket of batches as given" in caplog.text
     (entry,) = table.entries
     assert entry.length is None and entry.plan.inputs[0].shape == list(x.shape)
     assert entry.plan.profile.static.resident_input_bytes == x.nbytes
