@@ -94,9 +94,9 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
                             (envelope.resident_batches - 1) * resident_bytes(*longest))
     entries = []
     for length, pad, a, k in reversed(bucket_batches(args, kwargs, envelope)):
-        log.info("planning the bucket of batches %s", _label(length, pad))
-        entries.append(TableEntry(length=length, padded=pad,
-                                  plan=planner.plan(_label(length, pad), a, k)))
+        label = _label(length, pad)
+        log.info("planning the bucket of batches %s", label)
+        entries.append(TableEntry(length=length, padded=pad, plan=planner.plan(label, a, k)))
     entries, checks = _checked_edges(entries_in_order(entries), envelope, planner, args,
                                      kwargs)
     table = PlanTable(envelope=envelope, masks=mask_inputs(args, kwargs), entries=entries,

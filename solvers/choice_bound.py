@@ -42,7 +42,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from solvers.accounting import Context
-from solvers.problem import Problem
+from solvers.problem import HostLink, Problem
 
 __all__ = ["ChoiceBound", "choice_bound"]
 
@@ -158,6 +158,11 @@ def _running_sums(lp: pywraplp.Solver, n: int, adds: dict[int, list], name: str)
     return out
 
 
+def _mib_per_ms(link: HostLink, to_host: bool) -> float:
+    """What one copy queue moves, in the LP's units."""
+    return 1.0 / link.copy_ms(_MIB, to_host)
+
+
 def _forward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict, o: dict,
                   budget: float, stall: object) -> None:
     """Every forward event fits: kept storages past their last read, and the offloaded ones
@@ -174,7 +179,7 @@ def _forward_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, x: dict, o: di
     link = p.host_link
     queued = not isinstance(stall, float) and not link.synchronous
     moved = _running_sums(lp, n, moved_adds, "m") if queued else [0.0] * n
-    d2h = link.d2h_gbps * 1e6 / _MIB if queued else 0.0  # MiB per ms
+    d2h = _mib_per_ms(link, to_host=True) if queued else 0.0
     for t in range(n):
         in_flight: object = 0.0
         if queued and not isinstance(moved[t], float):
@@ -190,7 +195,7 @@ def _stall(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict) -> object:
     link = p.host_link
     assert link is not None
     if link.synchronous:
-        out_ms, in_ms = (_MIB / (gbps * 1e6) for gbps in (link.d2h_gbps, link.h2d_gbps))
+        out_ms, in_ms = (link.copy_ms(_MIB, to_host) for to_host in (True, False))
         lp.Add(stall >= sum(p.storage_bytes[s] / _MIB * o[s] * (
             out_ms + (in_ms if s in terms.first_need else 0.0)) for s in terms.held))
     return stall
@@ -202,7 +207,7 @@ def _copy_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict, rerun: o
     have ended, and those come back ahead of their need; what the device holds of both."""
     link = p.host_link
     assert link is not None and not link.synchronous
-    d2h, h2d = (gbps * 1e6 / _MIB for gbps in (link.d2h_gbps, link.h2d_gbps))  # MiB / ms
+    d2h, h2d = (_mib_per_ms(link, to_host) for to_host in (True, False))
     moved = lp.NumVar(0.0, lp.infinity(), "moved")
     lp.Add(moved == sum(p.storage_bytes[s] / _MIB * o[s] for s in terms.held))
     early = lp.NumVar(0.0, lp.infinity(), "early")  # back before the backward began: out
