@@ -37,7 +37,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from solvers.accounting import Context
@@ -315,8 +315,9 @@ class _Search:
         if self.pruned:  # this set, and the larger ones of its stride, cannot do better
             self.bounds.append(floor)
             return True
+        beat = self.best.objective_ms if self.best is not None else math.inf
         found, bound = _best_for(self.problem, self.budget, calls, self.chain, self.deadline,
-                                 self.base, layouts)
+                                 self.base, layouts, beat)
         self.bounds.append(min((max(bound + rerun, floor) for rerun, floor
                                 in zip(reruns, floors, strict=True)), default=bound))
         if found is not None and (self.best is None
@@ -372,11 +373,13 @@ def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,
 
 def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
               chain: list[tuple[int, int]], deadline: float, base: Base,
-              layouts: list[Schedule]) -> tuple[Solution | None, float]:
+              layouts: list[Schedule], beat: float = math.inf
+              ) -> tuple[Solution | None, float]:
     """The best schedule offloading `calls` (any distance, as any of `layouts` runs them)
     and the bound of `ideal`. The layouts whose real copies run over the budget at every
     distance share a re-plan of the rest for less (by the least of their overruns), up to
-    `RETRIES` times."""
+    `RETRIES` times. `beat`: the added time of the best schedule of other sets (what is
+    not below it is not kept)."""
     planned = ideal(problem, calls)
     first = base(planned, budget, max(0.05, deadline - time.perf_counter()))
     bound = (first.bound_ms or 0.0) if first.feasible else math.inf
@@ -390,7 +393,8 @@ def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
         for regions in pending:
             if best is not None and time.perf_counter() > deadline:
                 return best, bound
-            found, over = _score(problem, budget, calls, chain, sol, regions, deadline)
+            found, over = _score(problem, budget, calls, chain, sol, regions, deadline,
+                                 beat if best is None else min(beat, best.objective_ms))
             if found is not None and (best is None or found.objective_ms < best.objective_ms):
                 best = found
             if found is None and over < math.inf:
@@ -403,37 +407,52 @@ def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
     return best, bound
 
 
-def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
-           chain: list[tuple[int, int]], sol: Solution,
-           planned: list[Region], deadline: float
-           ) -> tuple[Solution | None, int]:
-    """The best distance and release lag for the base plan `sol` with `calls` offloaded (the
-    layout's `planned` regions in them: checkpoints of whole calls, or their pieces), and by
-    how little the others ran over the budget; past the deadline, those scored so far."""
-    best, over = None, math.inf
+def _candidates(problem: Problem, calls: list[tuple[int, int]], chain: list[tuple[int, int]],
+                sol: Solution, planned: list[Region]) -> Iterator[Schedule]:
+    """The base plan `sol` with `calls` offloaded (the layout's `planned` regions in them:
+    checkpoints of whole calls, or their pieces), at each distance and release lag, each
+    distinct schedule once, in the order `_score` replays them."""
     distances = sorted({min(d, len(chain)) for d in DISTANCES}) if calls else [0]
     # over a synchronous link a copy frees the device at once: where it is released is moot
     link = problem.host_link
     releases = RELEASES if calls and link is not None and not link.synchronous else ["own"]
     seen: set[Schedule] = set()
     for distance, release in itertools.product(distances, releases):
-        if best is not None and time.perf_counter() > deadline:
-            break
         schedule = Schedule(regions=sol.schedule.regions).with_offloads(
             offloads(problem, calls, chain, distance, int(release == "next")))
         if planned:
             schedule = checkpointed(schedule, planned)
         if release == "landed":
             schedule = landed_releases(problem, schedule, chain)
-        if schedule in seen:  # a distance past the chain's end, or releases that agree
-            continue
-        seen.add(schedule)
+        if schedule not in seen:  # not a distance past the chain's end, or releases that agree
+            seen.add(schedule)
+            yield schedule
+
+
+def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
+           chain: list[tuple[int, int]], sol: Solution,
+           planned: list[Region], deadline: float, beat: float = math.inf
+           ) -> tuple[Solution | None, int]:
+    """The best of `_candidates` (distance and release lag), and by how little the others
+    ran over the budget; past the deadline, those scored so far.
+
+    Every candidate reruns the same regions (copies add stalls, never rerun time), so each
+    adds that rerun time plus a stall of at least 0: once one fits without a stall, or fits
+    where the rerun alone reaches `beat` (the best of the other layouts and sets), no later
+    one can be kept (a tie keeps the first), and the rest are not replayed."""
+    best, over = None, math.inf
+    for schedule in _candidates(problem, calls, chain, sol, planned):
+        if best is not None and time.perf_counter() > deadline:
+            break
+        timeline = simulate(problem, schedule)
         scored = Solution.scored(problem, schedule, budget, solver=f"joint+{sol.solver}",
-                                 started_s=0.0)
+                                 started_s=0.0, timeline=timeline)
         if not scored.feasible:
             over = min(over, scored.peak_bytes - budget)
         elif best is None or scored.objective_ms < best.objective_ms:
             best = scored
+        if best is not None and min(best.objective_ms, beat) <= timeline.recompute_time_ms:
+            break  # none left can be kept
     return best, over
 
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from solvers.problem import Problem
 from solvers.schedule import Schedule
-from solvers.simulate import simulate
+from solvers.simulate import Timeline, simulate
 from solvers.spaces import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -89,12 +89,14 @@ class Solution(BaseModel):
         min_feasible_budget_bytes: int | None = None,
         min_feasible_budget_exact: bool = False,
         space: SearchSpace | None = None,
+        timeline: Timeline | None = None,
     ) -> Solution:
         """Simulate `schedule` and wrap it: FEASIBLE (or OPTIMAL) iff its peak fits the budget.
 
-        `started_s` is the `time.perf_counter()` value when the solve began.
+        `started_s` is the `time.perf_counter()` value when the solve began; `timeline`:
+        `simulate(problem, schedule)`, where the caller has it already.
         """
-        tl = simulate(problem, schedule)
+        tl = simulate(problem, schedule) if timeline is None else timeline
         fits = tl.peak_bytes <= budget_bytes
         objective = tl.added_time_ms
         if fits:

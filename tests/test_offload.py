@@ -716,3 +716,47 @@ def test_a_schema_3_plan_file_moves_its_offloaded_calls_keeps_as_it_did(gpt, tmp
     assert loaded.schedule == plan.schedule and loaded.schema_version == 4
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
     assert loaded.offloaded_bytes == plan.offloaded_bytes
+
+
+def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> None:
+    """`joint._score` stops replaying a layout's distances and releases once one fits with no
+    stall, or fits where the rerun alone reaches the best of the other sets: it returns the
+    very schedule the full scan keeps (the first of the least added time), and with a time
+    to beat, that schedule or one no better than that time. It stops early somewhere."""
+    import math
+
+    from solvers import joint
+    from solvers.dp import search as dp
+    from solvers.from_profile import problem_from_profile
+    from solvers.result import Solution
+
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=4, vocab_size=2048)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)
+    p = problem_from_profile(step.profile)
+    replayed = []
+    monkeypatch.setattr(joint, "simulate", lambda *args: replayed.append(1) or simulate(*args))
+    chain = joint.offload_chain(p)
+    shapes = joint._Shapes(joint.STORED_SHARES, joint.offload_pieces(p, chain))
+    skipped = 0
+    for share in (0.45, 0.7):
+        budget = int(p.static_bytes + share * (step.unplanned_peak_bytes - p.static_bytes))
+        for calls in (chain[:2], chain[1:4:2], chain):
+            sol = dp.solve(joint.ideal(p, calls), budget, math.inf)
+            for layout in joint._layouts(p, calls, shapes, math.inf):
+                planned = [r for r in layout.regions if r.is_recompute]
+                scanned = [Solution.scored(p, s, budget, solver="scan", started_s=0.0)
+                           for s in joint._candidates(p, calls, chain, sol, planned)]
+                fits = [s for s in scanned if s.feasible]
+                least = min(fits, key=lambda s: s.objective_ms, default=None)
+                replayed.clear()
+                found, _ = joint._score(p, budget, calls, chain, sol, planned, math.inf)
+                assert (found and found.schedule) == (least and least.schedule)
+                skipped += len(scanned) - len(replayed)
+                if least is not None:  # a time to beat just above and just below the least
+                    for beat in (least.objective_ms * 1.01, least.objective_ms * 0.99):
+                        got, _ = joint._score(p, budget, calls, chain, sol, planned, math.inf,
+                                              beat)
+                        assert got is not None
+                        assert got.schedule == least.schedule or got.objective_ms >= beat
+    assert skipped > 0

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_solvers_nested_accounting import nested_schedules
+from test_solvers_nested_accounting import nested_schedules, offloaded
 
 from solvers import Problem, Schedule, auto, simulate
 from solvers.choice_bound import choice_bound
 from solvers.problem import HostLink
-from solvers.schedule import Offload
 from solvers.testing import transformer
 
 MANY = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -38,28 +35,13 @@ def test_no_offloading_schedule_beats_the_bound(case: tuple[Problem, Schedule],
     offload stays below the time the schedule adds, and it never exceeds the recompute-only
     bound where that one fits."""
     p, schedule = case
-    gbps = data.draw(st.sampled_from([1e-6, 1e-3, 1.0]))
-    synchronous = data.draw(st.booleans())
-    p = p.model_copy(update={"host_link": HostLink(d2h_gbps=gbps, h2d_gbps=gbps,
-                                                   synchronous=synchronous)})
-    cuts = sorted(data.draw(st.sets(st.integers(1, p.n_nodes - 1), max_size=4)))
-    spans = list(itertools.pairwise([0, *cuts, p.n_nodes]))
-    moved = [_offload(span, spans, data) for span in spans if data.draw(st.booleans())]
+    p, moved = offloaded(p, data)
     timeline = simulate(p, schedule.with_offloads(moved))
     bound = choice_bound(p, timeline.peak_bytes)
     assert bound.feasible
     assert bound.added_ms <= timeline.added_time_ms + 1e-6
     plain = choice_bound(p, timeline.peak_bytes, offload=False)
     assert not plain.feasible or bound.added_ms <= plain.added_ms + 1e-6
-
-
-def _offload(span: tuple[int, int], spans: list[tuple[int, int]],
-             data: st.DataObject) -> Offload:
-    """`span` offloaded, prefetched at a later span's output or when needed, released at its
-    own end or a later span's."""
-    later = [None, *spans[spans.index(span) + 1:]]
-    return Offload(start=span[0], stop=span[1], prefetch=data.draw(st.sampled_from(later)),
-                   release=data.draw(st.sampled_from(later)))
 
 
 def test_a_schedule_that_waits_for_its_copies_is_above_the_bound() -> None:

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_solvers_properties import problems
 
-from solvers import Problem, Region, Schedule, simulate
+from solvers import Offload, Problem, Region, Schedule, simulate
 from solvers.accounting import Context, RegionInfo, evaluate, profile_parts
 from solvers.frame import region_rules
+from solvers.problem import HostLink
 from solvers.region_analysis import _NestedAnalysis
 
 MANY = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -70,6 +71,25 @@ def _nested(draw: st.DrawFn, p: Problem, a: int, b: int) -> Region:
     inside = {k for c in children for k in range(c.start, c.stop)}
     keep = _keep(draw, p, [k for k in range(a, b) if k not in inside])
     return Region(a, b, "recompute", keep=keep, children=children)
+
+
+def offloaded(p: Problem, data: st.DataObject) -> tuple[Problem, list[Offload]]:
+    """``p`` with a drawn host link (slow or fast copy queues, or a synchronous link) and
+    some of a drawn cut of its nodes offloaded, each prefetched at a later span's output or
+    when needed, released at its own end or a later span's."""
+    gbps = data.draw(st.sampled_from([1e-6, 1e-3, 1.0]))
+    synchronous = data.draw(st.booleans())
+    p = p.model_copy(update={"host_link": HostLink(d2h_gbps=gbps, h2d_gbps=gbps,
+                                                   synchronous=synchronous)})
+    cuts = sorted(data.draw(st.sets(st.integers(1, p.n_nodes - 1), max_size=4)))
+    spans = list(itertools.pairwise([0, *cuts, p.n_nodes]))
+    moved = []
+    for k, (a, b) in enumerate(spans):
+        if data.draw(st.booleans()):
+            later = [None, *spans[k + 1:]]
+            moved.append(Offload(start=a, stop=b, prefetch=data.draw(st.sampled_from(later)),
+                                 release=data.draw(st.sampled_from(later))))
+    return p, moved
 
 
 @st.composite

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_solvers_nested_accounting import nested_schedules, offloaded
 
 from solvers import Problem, Region, Schedule, SimulationError, simulate
 
@@ -215,3 +218,19 @@ def test_runtime_bytes_count_in_the_first_forward_only() -> None:
             assert sol.feasible and checked is not None, name
         if checked is not None and sol.feasible:
             assert simulate(q, sol.schedule).peak_bytes == checked[0] <= budget, name
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(nested_schedules(), st.data())
+def test_copies_add_stalls_never_rerun_time(case: tuple[Problem, Schedule],
+                                            data: st.DataObject) -> None:
+    """Offloading calls (any link, prefetch and release point) changes when compute waits
+    for copies, never what the reruns cost: `solvers.joint` stops scoring a layout's
+    distances on it."""
+    p, schedule = case
+    p, moved = offloaded(p, data)
+    plain = simulate(p, schedule)
+    timeline = simulate(p, schedule.with_offloads(moved))
+    assert timeline.recompute_time_ms == plain.recompute_time_ms
+    assert timeline.stall_time_ms >= 0.0
+    assert timeline.added_time_ms == timeline.recompute_time_ms + timeline.stall_time_ms
