@@ -87,8 +87,9 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
 
     ``deterministic=True`` gives the same plan, status and bound on a loaded machine as on
     a quiet one: CP-SAT then counts ``time_limit_s`` in its own measure of work (about
-    seconds on a quiet machine, more on a busy one) and the DP runs to its own end, so the
-    call may take longer than the limit. Offload's search still counts seconds.
+    seconds on a quiet machine, more on a busy one) and the DP and offload's search
+    (``offload=True``) run to their own end, so the call may take longer than the limit
+    (GPT-2-medium with offload: minutes).
 
     A pipeline stage: ``model`` is the stage's module, ``example_inputs`` one microbatch of
     its input (after the first stage, a tensor that requires grad), and ``pipeline=dict(

@@ -125,7 +125,8 @@ class PlanConfig:
         stage=False))
     deterministic: bool = field(default=False, metadata=_about(
         SEARCH, "the same plan on a loaded machine as on a quiet one (the limit counts "
-        "CP-SAT's work, not seconds; the DP runs to its end)", flag="--deterministic"))
+        "CP-SAT's work, not seconds; the DP and offload's search run to their end)",
+        flag="--deterministic"))
     pipeline: Any = field(default=None, metadata=_about(
         BATCHES, "plan a pipeline stage: dict(schedule=, stage_index=, num_stages=, "
         "n_microbatches=)"))

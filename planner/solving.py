@@ -288,7 +288,8 @@ def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solu
     # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
     joint = solvers_joint.solve(problem, budget_bytes, left,
                                 host_budget_bytes=options.host_budget_bytes,
-                                keeps_offloaded=KEEPS_THROUGH_HOOKS)
+                                keeps_offloaded=KEEPS_THROUGH_HOOKS,
+                                deterministic=options.deterministic)
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
     return joint

@@ -325,6 +325,20 @@ def test_optimize_offloads_where_it_costs_less_than_recomputing(gpt) -> None:
     _measured(model, plan)
 
 
+def test_a_deterministic_offload_plan_does_not_depend_on_the_time_limit(gpt) -> None:
+    """``deterministic=True`` with offload: the joint search runs to its end, so a limit
+    of a millisecond gives the plan (offloads, status, bound) twenty seconds give. Before,
+    offload's search counted seconds and a short limit returned the recompute-only plan."""
+    _, step = gpt
+    static = step.profile.static.total_bytes
+    budget = static + (step.unplanned_peak_bytes - static) // 2
+    short, long = (solve(step, budget_bytes=budget, offload=True, deterministic=True,
+                         time_limit_s=limit) for limit in (1e-3, 20))
+    assert short.offloads and short.schedule == long.schedule
+    assert (short.solver.status, short.solver.bound_ms) == (long.solver.status,
+                                                             long.solver.bound_ms)
+
+
 def test_a_host_budget_too_small_is_a_clear_error(gpt) -> None:
     model, step = gpt
     static = step.profile.static.total_bytes
