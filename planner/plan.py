@@ -148,6 +148,10 @@ class SolverReport(_Strict):
     space: str = Field("", description="the schedules the status and gap are proven over")
     time_limit_s: Seconds | None = Field(None, description="the search's limit (None: none "
                                          "ran, or a plan file from before it was recorded)")
+    any_choice_bound_ms: SignedMs | None = Field(
+        None, description="no schedule of any planner fitting the budget adds less time "
+        "(reruns and copy stalls): the per-tensor LP of solvers.choice_bound; set on "
+        "plans made with offload=True (None: not computed)")
 
 
 class PlanOffload(NamedTuple):
@@ -580,7 +584,8 @@ class Plan(_Strict):
             *self._offload_lines(),
             f"  solver {solver.name}: {_proof(solver, short=True)}, "
             f"{solver.solve_time_s:.2f} s",
-            *[f"  {line}" for line in [_stopped_by_the_limit(solver)] if line],
+            *[f"  {line}" for line in [_stopped_by_the_limit(solver), _any_choice(solver)]
+              if line],
             f"  {self.step_description()}",
         ]
         kernels = self.attention_kernels()
@@ -774,6 +779,16 @@ def _stopped_by_the_limit(solver: SolverReport) -> str:
                 "time_limit_s may find a faster plan")
     return (f"the search stopped at its {limit:g} s limit: a longer time_limit_s can save at "
             f"most {solver.gap * solver.objective_ms:.3g} ms more recompute (the proven gap)")
+
+
+def _any_choice(solver: SolverReport) -> str:
+    """How far the plan is from what any planner could reach (empty where not computed)."""
+    bound, objective = solver.any_choice_bound_ms, solver.objective_ms
+    if bound is None or objective is None:
+        return ""
+    above = f"{100 * (objective - bound) / objective:.1f} %" if objective > 0 else "0 %"
+    return (f"any planner's schedule adds at least {bound:.3g} ms within this budget "
+            f"(per-tensor keep / recompute / offload LP): this plan is {above} above it")
 
 
 def _proof(solver: SolverReport, short: bool = False) -> str:

@@ -19,6 +19,7 @@ from profiles.schema import GraphProfile
 from solvers import SOLVERS, Problem, Schedule, Solution, Status, deterministic_solver, simulate
 from solvers import joint as solvers_joint
 from solvers.auto import lowest_peak
+from solvers.choice_bound import choice_bound
 from solvers.from_profile import problem_from_profile, span_targets
 from solvers.routing import RoutingSpread, routed_problem, worst_routing
 from solvers.simulate import optimizer_step_peak
@@ -198,7 +199,11 @@ def _plan_at(prof: GraphProfile, inputs: list[InputSpec], structure: str,
         if routing is None:  # a bound over routings names its own minimum
             _remember_minimum(digest, options, solution, at_minimum)
         raise _infeasible(prof, problem, options, solution, at_minimum, stopped)
-    return made(solution.schedule, budget_bytes, _report(solution, options.time_limit_s))
+    report = _report(solution, options.time_limit_s)
+    if options.offload and problem.host_link is not None:  # how far from any planner's
+        report = report.model_copy(update={
+            "any_choice_bound_ms": choice_bound(problem, budget_bytes).added_ms})
+    return made(solution.schedule, budget_bytes, report)
 
 
 def _remember_minimum(digest: str, options: SolveOptions, lowest: Solution,

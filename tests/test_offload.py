@@ -319,8 +319,13 @@ def test_optimize_offloads_where_it_costs_less_than_recomputing(gpt) -> None:
     assert plan.offloads and not without.offloads
     assert plan.predicted_peak_bytes <= budget
     assert plan.recompute_ms + plan.stall_ms < without.recompute_ms
+    # how far it is from any planner's schedule: the per-tensor LP at the budget
+    bound = plan.solver.any_choice_bound_ms
+    assert bound is not None and 0 < bound <= plan.recompute_ms + plan.stall_ms
+    assert without.solver.any_choice_bound_ms is None  # not computed without offload
     text = plan.summary()
     assert "offload:" in text and "to host memory and back" in text
+    assert "any planner's schedule adds at least" in text and "above it" in text
     assert "offload" in plan._repr_html_()
     _measured(model, plan)
 
