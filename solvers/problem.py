@@ -378,7 +378,25 @@ class Problem(BaseModel):
 
     def uses_traced(self, owners: Iterable[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
         """`uses` when the calls spanning ``owners`` run as their fx traces."""
-        return lifetimes.uses_traced(self, owners)
+        return self.traced_lives(owners)[0]
+
+    def traced_lives(self, owners: Iterable[tuple[int, int]]
+                     ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """`uses_traced` and per storage the nodes whose uses list it (`readers` then),
+        worked out once per set of ``owners`` (a search replays many schedules that trace
+        the same calls: on a GPT-2 of 8 layers, 5 % of the offload search's time)."""
+        key = frozenset(owners)
+        if not key:
+            return self.uses, self.readers
+        lives = self._traced_lives.get(key)
+        if lives is None:
+            uses = lifetimes.uses_traced(self, key)
+            lives = self._traced_lives[key] = (uses, self.invert(uses))
+        return lives
+
+    @cached_property
+    def _traced_lives(self) -> dict[frozenset[tuple[int, int]], tuple[tuple, tuple]]:
+        return {}
 
     def storages_made(self, start: int, stop: int) -> list[int]:
         """The storages nodes ``[start, stop)`` make."""

@@ -267,8 +267,7 @@ class _Replay:
             (self.deaths if end.backward else self.end_of_forward)[end.node].append(f)
         self.copies = CopyQueues(p, offload_groups(p, schedule))
         # a call with checkpointed op ranges runs as its fx trace: its values' lifetimes
-        self.uses = p.uses_traced(_traced_owners(p, schedule))
-        self.readers = p.invert(self.uses) if self.uses is not p.uses else p.readers
+        self.uses, self.readers = p.traced_lives(_traced_owners(p, schedule))
 
     # ------------------------------------------------------------ structure
 

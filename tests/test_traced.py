@@ -25,7 +25,7 @@ from planner.arguments import _input_specs
 from planner.runtime.emit import TracedForward, checkpointed_modules
 from profiles.inputs import normalize_inputs
 from profiles.traced import trace_inputs
-from solvers import OpRange, Schedule, auto, simulate
+from solvers import OpRange, Schedule, auto, lifetimes, simulate
 from solvers.from_profile import problem_from_profile
 from solvers.result import Status
 
@@ -104,6 +104,24 @@ def test_op_ranges_reach_below_module_calls_and_run_as_predicted() -> None:
     assert "op ranges of traced forwards" in str(lowest.least_peak_space)
     plan = _check(model, x, prof, lowest.schedule)
     assert any(isinstance(r.target, OpRange) for r in plan.schedule.recompute_regions())
+
+
+def test_a_problems_traced_lives_are_worked_out_once_per_set_of_traced_calls() -> None:
+    """`Problem.traced_lives` (what `simulate` reads for a schedule with op ranges) is
+    `lifetimes.uses_traced` and its readers, the same objects for the same traced calls in
+    any order; a copy of the problem (another field changed) works them out afresh."""
+    model, x = _unet()
+    problem = problem_from_profile(_profile(model, x))
+    owners = [(c.start, c.stop) for c in problem.traced_calls or ()]
+    assert owners
+    uses, readers = problem.traced_lives(owners)
+    assert uses == lifetimes.uses_traced(problem, owners) != problem.uses
+    assert readers == problem.invert(uses)
+    assert problem.traced_lives(owners[::-1])[0] is uses
+    assert problem.traced_lives([]) == (problem.uses, problem.readers)
+    copy = problem.model_copy(update={"name": "copy"})
+    assert copy.traced_lives(owners)[0] == uses
+    assert copy.traced_lives(owners)[0] is not uses
 
 
 def _check(model: nn.Module, x: torch.Tensor, prof: profiles.GraphProfile,
