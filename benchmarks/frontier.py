@@ -167,7 +167,28 @@ def bench_model(name: str, kwargs: dict[str, Any], device: str, steps: int, quic
         runner.retime(timed, passes)
     if first is not None:
         replay_peers(zm, first, rows)
+    if passes and timed:
+        print("   timing each plan of ours head to head with the peers at whose peak it was "
+              "made", flush=True)
+        duel_peers(runner, timed, 3 * steps)
     return rows
+
+
+def duel_peers(runner: Runner, timed: list[tuple[dict[str, Any], nn.Module, Callable[[], Any]]],
+               rounds: int) -> None:
+    """Each plan of ours timed head to head with each peer at whose peak it was made
+    (`Runner.duel`), where the two run different schedules: ``versus`` on our row, by peer."""
+    by_name = {(row["model"], row.get("short", row["strategy"])): (row, module, context)
+               for row, module, context in timed if row["kind"] == "peer"}
+    for row, module, context in timed:
+        if row["kind"] != "ours":
+            continue
+        for name in row["strategy"].removeprefix("ours @ ").split("/"):
+            peer = by_name.get((row["model"], name))
+            if peer is None or name in row.get("same_plan_as", ()) or runner.out_of_time():
+                continue
+            row.setdefault("versus", {})[name] = runner.duel((module, context),
+                                                             peer[1:], rounds)
 
 
 def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str, Any]],

@@ -34,8 +34,19 @@ def pairings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             theirs=peer["overhead"],
                             predicted_ours=r.get("predicted_overhead"),
                             predicted_theirs=peer.get("predicted_overhead"),
-                            same_plan=name in r.get("same_plan_as", ())))
+                            same_plan=name in r.get("same_plan_as", ()),
+                            head_to_head=r.get("versus", {}).get(name)))
     return out
+
+
+NOISE = 0.02  # of the plain step: "ours no slower than the peer" within it (issue 62)
+
+
+def slower(pair: dict[str, Any]) -> bool:
+    """Whether ours ran slower than the peer beyond `NOISE`: timed head to head where it was
+    (the median of the rounds' differences), else the two rows' overheads."""
+    duel = pair.get("head_to_head")
+    return (duel["median"] if duel else pair["ours"] - pair["theirs"]) > NOISE
 
 
 def _pct(x: float | None) -> str:
@@ -142,19 +153,33 @@ def pairing_lines(pairs: list[dict[str, Any]]) -> list[str]:
         return []
     differ = [p for p in pairs if not p["same_plan"]]
     wins = [p for p in differ if p["ours"] < p["theirs"]]
+    dueled = [p for p in differ if p.get("head_to_head")]
     lines = ["", "## Ours against each peer at that peer's peak", "",
              f"{len(pairs)} pairings; in {len(pairs) - len(differ)} our plan is the peer's "
              f"own schedule (a tie within noise). Of the {len(differ)} where the plans "
-             f"differ, ours measured a lower overhead in {len(wins)}. Predicted: the peer "
-             "replayed by our simulator on our profile (blank: a peer it does not replay)."]
-    losses = [p for p in differ if p not in wins]
-    if losses:
-        lines += ["", "| model | peer | ours measured | peer measured | ours predicted "
-                  "| peer predicted |", "|---|---|---|---|---|---|"]
+             f"differ, ours measured a lower overhead in {len(wins)}, and ran no slower than "
+             f"the peer (within {100 * NOISE:.0f} points) in "
+             f"{sum(not slower(p) for p in differ)}; {len(dueled)} of them timed head to head "
+             "(`Runner.duel`: ours, the peer and the plain model in each round, the median "
+             "of the rounds' differences over the plain step, with its 95 % interval). "
+             "Predicted: the peer replayed by our simulator on our profile (blank: a peer it "
+             "does not replay)."]
+    shown = [p for p in differ if p not in wins or p.get("head_to_head")]
+    if shown:
+        lines += ["", "| model | peer | ours measured | peer measured | head to head "
+                  "(95 % interval) | ours predicted | peer predicted |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {p['model']} | {p['peer']} | {_pct(p['ours'])} | {_pct(p['theirs'])} "
-                  f"| {_pct(p['predicted_ours'])} | {_pct(p['predicted_theirs'])} |"
-                  for p in losses]
+                  f"| {_duel_text(p.get('head_to_head'))} | {_pct(p['predicted_ours'])} "
+                  f"| {_pct(p['predicted_theirs'])} |" for p in shown]
     return lines
+
+
+def _duel_text(duel: dict[str, Any] | None) -> str:
+    if not duel:
+        return ""
+    return (f"{100 * duel['median']:+.1f} pts ({100 * duel['low']:+.1f} to "
+            f"{100 * duel['high']:+.1f}, {duel['rounds']} rounds)")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

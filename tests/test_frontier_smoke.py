@@ -48,6 +48,12 @@ def test_frontier_quick(tmp_path: Path) -> None:
     at_none = [r for r in ours if "none" in r["strategy"].removeprefix("ours @ ").split("/")]
     assert at_none and all("none" in r["same_plan_as"] for r in at_none)
     assert {p["peer"] for p in result["pairings"]} >= {"every-layer", "sac-matmuls"}
+    # where the plans differ, ours and the peer were timed head to head (3 rounds a step)
+    differ = [p for p in result["pairings"] if not p["same_plan"]]
+    assert differ and all(p["head_to_head"]["rounds"] == 3 * result["steps"] for p in differ)
+    assert all(p["head_to_head"]["low"] <= p["head_to_head"]["median"]
+               <= p["head_to_head"]["high"] for p in differ)
+    assert all(p["head_to_head"] is None for p in result["pairings"] if p["same_plan"])
     assert "Ours against each peer" in (tmp_path / "frontier-cpu-quick.md").read_text()
     # strategies that cannot run here are recorded with a reason, not dropped
     assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible"))
