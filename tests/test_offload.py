@@ -330,15 +330,15 @@ def test_optimize_offloads_where_it_costs_less_than_recomputing(gpt) -> None:
     _measured(model, plan)
 
 
-def test_a_deterministic_offload_plan_does_not_depend_on_the_time_limit(gpt) -> None:
+def test_a_deterministic_offload_plan_does_not_depend_on_the_time_limit(tiny) -> None:
     """``deterministic=True`` with offload: the joint search runs to its end, so a limit
-    of a millisecond gives the plan (offloads, status, bound) twenty seconds give. Before,
+    of a millisecond gives the plan (offloads, status, bound) two seconds give. Before,
     offload's search counted seconds and a short limit returned the recompute-only plan."""
-    _, step = gpt
+    _, step = tiny
     static = step.profile.static.total_bytes
     budget = static + (step.unplanned_peak_bytes - static) // 2
     short, long = (solve(step, budget_bytes=budget, offload=True, deterministic=True,
-                         time_limit_s=limit) for limit in (1e-3, 20))
+                         time_limit_s=limit) for limit in (1e-3, 2))
     assert short.offloads and short.schedule == long.schedule
     assert (short.solver.status, short.solver.bound_ms) == (long.solver.status,
                                                              long.solver.bound_ms)
@@ -749,7 +749,7 @@ def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> 
     from solvers.from_profile import problem_from_profile
     from solvers.result import Solution
 
-    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=4, vocab_size=2048)
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
     step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
                          timing="estimate", device="H100", progress=False)
     p = problem_from_profile(step.profile)
@@ -762,6 +762,8 @@ def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> 
         budget = int(p.static_bytes + share * (step.unplanned_peak_bytes - p.static_bytes))
         for calls in (chain[:2], chain[1:4:2], chain):
             sol = dp.solve(joint.ideal(p, calls), budget, math.inf)
+            if not sol.feasible:  # the search scores no layout of it
+                continue
             for layout in joint._layouts(p, calls, shapes, math.inf):
                 planned = [r for r in layout.regions if r.is_recompute]
                 scanned = [Solution.scored(p, s, budget, solver="scan", started_s=0.0)
