@@ -157,8 +157,7 @@ class Runner:
         cores; here both share every round's host. Returns the median difference (``ours``
         minus ``theirs``, a share of the plain step) and the order statistics around it
         that hold the median with 95 % confidence (``low``, ``high``; distribution-free)."""
-        steps = [(ours[0], ours[1]), (theirs[0], theirs[1]),
-                 (self.zm.model, contextlib.nullcontext)]
+        steps = [ours, theirs, (self.zm.model, contextlib.nullcontext)]
         diffs = []
         for i in range(rounds + self.warmup):
             times = [0.0] * 3

@@ -364,7 +364,11 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
     if stopped:  # before what is proven: the budget is not
         proof = (f" The {options.solver} search stopped at its time limit "
                  f"({options.time_limit_s:g} s) before it found a plan within the budget or "
-                 f"proved there is none: a longer one (TIME_LIMIT) may find one.{proof}")
+                 f"proved there is none: a longer one (TIME_LIMIT)"
+                 + ("" if options.deterministic else
+                    ", or one run to its end (DETERMINISTIC: the same answer on a busy "
+                    "machine as on a quiet one),")
+                 + f" may find one.{proof}")
     body = (f"{proof} Static memory alone (parameters, gradients, buffers, inputs, optimizer "
             f"state{', per rank' if at_minimum.sharding else ''}) is "
             f"{format_bytes(problem.static_bytes + sum(problem.param_grad_bytes))}.")
@@ -377,8 +381,10 @@ def _infeasible(prof: GraphProfile, problem: Problem, options: SolveOptions,
              f"{offload.format_map(_SHELL)} Raise --budget-gb or shrink the "
              "batch (--set); mixed precision and sharded parameters are planned from Python "
              "(planner.optimize(..., autocast=torch.bfloat16, parallelize=...)).")
-    python = python.replace("TIME_LIMIT", "time_limit_s")
-    shell = shell.replace("TIME_LIMIT", "--time-limit")
+    python = python.replace("TIME_LIMIT", "time_limit_s").replace(
+        "DETERMINISTIC", "deterministic=True")
+    shell = shell.replace("TIME_LIMIT", "--time-limit").replace(
+        "DETERMINISTIC", "--deterministic")
     return InfeasibleBudgetError(python, peak, bound if bound is not None and bound <= peak
                                  else None, at_minimum, shell_message=shell)
 

@@ -415,8 +415,11 @@ def test_a_deterministic_plan_is_the_same_on_a_loaded_machine(
     assert (loaded.solver.status, loaded.solver.bound_ms) == (quiet.solver.status,
                                                              quiet.solver.bound_ms)
     ANSWERS.clear()  # counting seconds, the search stops before it finds a plan
-    with pytest.raises(InfeasibleBudgetError, match="stopped at its time limit"):
+    with pytest.raises(InfeasibleBudgetError, match="stopped at its time limit") as caught:
         solve(step, budget_bytes=budget, time_limit_s=5)
+    # and names the search that does not count them
+    assert "deterministic=True" in str(caught.value)
+    assert "--deterministic" in caught.value.shell_message
 
 
 def _unplanned(step: object) -> int:
