@@ -27,8 +27,10 @@ bound on `ideal` (real offload holds at least as much at every event and never r
 plus the reruns of checkpointed calls, and the copies' floor (`copy_back_floor`: the copies
 back start no earlier than the backward of the model's output, and the first call waits for
 all of them). The least over every set and mode bounds every schedule of the space, with any
-prefetch point; sets past one whose floor is above the best found are bounded by that floor
-(it grows with c). When the time limit cuts the search short, no bound is claimed.
+prefetch point. A set whose every mode's reruns or floor alone reach the best found is
+bounded by the least of these (neither solved nor replayed: none of its schedules can be
+kept); sets past one whose floor is above the best found are bounded by that floor (it
+grows with c). When the time limit cuts the search short, no bound is claimed.
 """
 
 from __future__ import annotations
@@ -310,10 +312,14 @@ class _Search:
         floors = [copy_back_floor(self.problem, sch) for sch in layouts]
         reruns = [simulate(self.problem, sch.with_offloads(())).recompute_time_ms
                   for sch in layouts]
-        floor = min(floors, default=0.0)
-        self.pruned = self.best is not None and floor >= self.best.objective_ms
-        if self.pruned:  # this set, and the larger ones of its stride, cannot do better
-            self.bounds.append(floor)
+        # each layout adds at least its own reruns, and its copies' floor
+        least = min((max(rerun, floor) for rerun, floor in zip(reruns, floors, strict=True)),
+                    default=0.0)
+        self.pruned = self.best is not None and min(floors, default=0.0) >= self.best.objective_ms
+        if self.best is not None and least >= self.best.objective_ms:
+            # this set cannot do better (nor, `pruned`, the larger ones of its stride, whose
+            # copies only grow): no base solve, no replay
+            self.bounds.append(least)
             return True
         beat = self.best.objective_ms if self.best is not None else math.inf
         found, bound = _best_for(self.problem, self.budget, calls, self.chain, self.deadline,

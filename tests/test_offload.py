@@ -781,3 +781,44 @@ def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> 
                         assert got is not None
                         assert got.schedule == least.schedule or got.objective_ms >= beat
     assert skipped > 0
+
+
+def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(monkeypatch) -> None:
+    """Every schedule of an offload set adds at least the reruns of its own layout's
+    checkpoints and its copies' floor: where the least of these reaches the best schedule
+    found, the set gets no base solve and no replay. Solved anyway, no such set does
+    better than the answer; and some are skipped by their reruns where their copies' floor
+    alone would not have skipped them."""
+    import math
+
+    from solvers import joint
+    from solvers.dp import search as dp
+    from solvers.from_profile import problem_from_profile
+
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)
+    p = problem_from_profile(step.profile)
+    budget = int(p.static_bytes + 0.7 * (step.unplanned_peak_bytes - p.static_bytes))
+    best_for, run = joint._best_for, joint._Search.run
+    solved, tried = set(), {}
+
+    def solving(*args: Any, **kwargs: Any) -> Any:
+        solved.add(tuple(args[2]))  # the offload set's calls
+        return best_for(*args, **kwargs)
+
+    def trying(search: Any, calls: list, layouts: list) -> bool:
+        tried.setdefault(tuple(calls), layouts)
+        return run(search, calls, layouts)
+
+    monkeypatch.setattr(joint, "_best_for", solving)
+    monkeypatch.setattr(joint._Search, "run", trying)
+    answer = joint.solve(p, budget, math.inf, deterministic=True)
+    chain = joint.offload_chain(p)
+    skipped = {calls: layouts for calls, layouts in tried.items()
+               if calls and layouts and calls not in solved}
+    assert any(min(joint.copy_back_floor(p, s) for s in layouts) < answer.objective_ms
+               for layouts in skipped.values())
+    for calls, layouts in skipped.items():
+        found, _ = best_for(p, budget, list(calls), chain, math.inf, dp.solve, layouts)
+        assert found is None or found.objective_ms >= answer.objective_ms
