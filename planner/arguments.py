@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -72,8 +72,10 @@ class SolveOptions:
     """How a profiled step is planned, checked once and passed whole from the API to the
     solvers: the budget, the solver and its time limit, whether saved activations may go to
     host memory and how much of it they may take (`host_budget_bytes`, bytes, used only
-    with `offload`), whether op ranges of traced forwards may be checkpointed, and whether
-    the search is `deterministic` (the same plan on a loaded machine as on a quiet one)."""
+    with `offload`), whether op ranges of traced forwards may be checkpointed, whether
+    the search is `deterministic` (the same plan on a loaded machine as on a quiet one), and
+    whether a long search shows its `progress` on a terminal (not part of what is asked:
+    equal options with and without it get the same remembered answer)."""
 
     budget_bytes: int
     solver: str = "auto"
@@ -82,6 +84,7 @@ class SolveOptions:
     host_budget_bytes: int = 0
     op_ranges: bool = True
     deterministic: bool = False
+    progress: bool = field(default=False, compare=False)
 
     def at(self, budget_bytes: int) -> SolveOptions:
         """The same options at another budget."""

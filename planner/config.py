@@ -197,7 +197,7 @@ class PlanConfig:
         """The search's fields, at ``budget_bytes``, as the solvers take them."""
         return SolveOptions(budget_bytes, self.solver, float(self.time_limit_s), self.offload,
                             host_budget_arg(self.offload, self.host_budget_gb) or 0,
-                            self.op_ranges, self.deterministic)
+                            self.op_ranges, self.deterministic, progress=self.progress)
 
     def options(self, *groups: str) -> dict[str, Any]:
         """The fields of ``groups``, by name (keywords of the function that takes them)."""

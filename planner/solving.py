@@ -15,6 +15,7 @@ from planner.profiling import ProfiledStep
 from planner.runtime.offload import KEEPS_THROUGH_HOOKS
 from planner.sharding import Sharding, rank_problem
 from planner.solution_memo import ANSWERS, problem_digest
+from profiles.progress import _bar
 from profiles.schema import GraphProfile
 from solvers import SOLVERS, Problem, Schedule, Solution, Status, deterministic_solver, simulate
 from solvers import joint as solvers_joint
@@ -290,11 +291,19 @@ def _solve(problem: Problem, options: SolveOptions, time_limit_s: float) -> Solu
     started = perf_counter()
     plain = _named_solver(options)(problem, budget_bytes, time_limit_s / 2)
     left = max(0.05, time_limit_s - _spent(options, started))
-    # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
-    joint = solvers_joint.solve(problem, budget_bytes, left,
-                                host_budget_bytes=options.host_budget_bytes,
-                                keeps_offloaded=KEEPS_THROUGH_HOOKS,
-                                deterministic=options.deterministic)
+    bar = _bar(range(0), "offload sets", options.progress)
+
+    def weighed(done: int, at_most: int) -> None:
+        bar.total = at_most
+        bar.update(done - bar.n)
+
+    try:  # offloaded keeps need torch to route SAC's cache through saved-tensor hooks
+        joint = solvers_joint.solve(problem, budget_bytes, left,
+                                    host_budget_bytes=options.host_budget_bytes,
+                                    keeps_offloaded=KEEPS_THROUGH_HOOKS,
+                                    deterministic=options.deterministic, on_set=weighed)
+    finally:
+        bar.close()
     if not joint.feasible or (plain.feasible and plain.objective_ms <= joint.objective_ms):
         return plain
     return joint

@@ -253,23 +253,28 @@ def moved_bytes(problem: Problem, calls: list[tuple[int, int]], stored: float = 
 
 def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
           host_budget_bytes: float = math.inf, base: Base = dp.solve,
-          keeps_offloaded: bool = True, deterministic: bool = False) -> Solution:
+          keeps_offloaded: bool = True, deterministic: bool = False,
+          on_set: Callable[[int, int], None] | None = None) -> Solution:
     """The fastest schedule of the space (module doc) within both budgets
     (`host_budget_bytes`: host memory the offloaded activations may take; unlimited by
     default);
     `keeps_offloaded=False` where torch cannot move what a checkpoint keeps (SAC's cache)
     through saved-tensor hooks: offloaded calls are then stored, and their pieces keep
     nothing. ``deterministic``: the whole search, each base solve run to its end (the
-    same answer on a loaded machine as on a quiet one; it may take long)."""
+    same answer on a loaded machine as on a quiet one; it may take long). ``on_set``:
+    called after each offload set is weighed with how many have been and how many at most
+    will be (a progress bar's)."""
     t0 = time.perf_counter()
     deadline = math.inf if deterministic else t0 + time_limit_s * (1 - PAST_THE_LAST_CHECK)
     chain = [call for call in offload_chain(problem) if moved_bytes(problem, [call])
              ] if problem.host_link is not None else []  # calls that move something
     shapes = _Shapes(STORED_SHARES if keeps_offloaded else (1.0,),
                      offload_pieces(problem, chain, keeps=keeps_offloaded))
-    search = _Search(problem, budget_bytes, chain, deadline, base)
+    probes = _probes(problem, chain, shapes)
+    search = _Search(problem, budget_bytes, chain, deadline, base, on_set,
+                     1 + len(probes) + sum(len(chain[::stride]) for stride in STRIDES))
     complete = search.run([], [])
-    for count in _probes(problem, chain, shapes):  # likely good sets first (time limits)
+    for count in probes:  # likely good sets first (time limits)
         search.run(chain[:count], _layouts(problem, chain[:count], shapes, host_budget_bytes))
     for stride in STRIDES if chain else ():
         picks = chain[::stride]
@@ -292,9 +297,11 @@ class _Search:
     """The best schedule so far and the bound of every offload set tried."""
 
     def __init__(self, problem: Problem, budget: int, chain: list[tuple[int, int]],
-                 deadline: float, base: Base) -> None:
+                 deadline: float, base: Base, on_set: Callable[[int, int], None] | None,
+                 at_most: int) -> None:
         self.problem, self.budget, self.chain = problem, budget, chain
         self.deadline, self.base = deadline, base
+        self.on_set, self.at_most = on_set, at_most  # a progress bar's: sets tried, of
         self.best: Solution | None = None
         self.bounds: list[float] = []
         self.pruned = False
@@ -309,6 +316,14 @@ class _Search:
         if calls and time.perf_counter() > self.deadline:
             return False
         self.tried.add(tuple(calls))
+        try:
+            return self._weigh(calls, layouts)
+        finally:
+            if self.on_set is not None:
+                self.on_set(len(self.tried), self.at_most)
+
+    def _weigh(self, calls: list[tuple[int, int]], layouts: list[Schedule]) -> bool:
+        """`run` of a set not tried before: its bound, and its best schedule if it can win."""
         floors = [copy_back_floor(self.problem, sch) for sch in layouts]
         reruns = [simulate(self.problem, sch.with_offloads(())).recompute_time_ms
                   for sch in layouts]

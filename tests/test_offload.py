@@ -822,3 +822,47 @@ def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(monk
     for calls, layouts in skipped.items():
         found, _ = best_for(p, budget, list(calls), chain, math.inf, dp.solve, layouts)
         assert found is None or found.objective_ms >= answer.objective_ms
+
+
+def test_the_offload_search_shows_its_sets_on_a_terminal_and_nothing_in_logs(
+        monkeypatch, capfd) -> None:
+    """The offload search may take minutes: on a terminal a bar counts the offload sets it
+    has weighed, of at most how many; in a log (no terminal) nothing is written. The bar
+    changes nothing of the answer."""
+    import math
+
+    import profiles.progress
+    from planner import solving
+    from planner.arguments import SolveOptions
+    from planner.solving import _solve
+    from solvers import joint
+    from solvers.from_profile import problem_from_profile
+
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)
+    p = problem_from_profile(step.profile)
+    budget = int(p.static_bytes + 0.5 * (step.unplanned_peak_bytes - p.static_bytes))
+    weighed = []
+    quiet = joint.solve(p, budget, math.inf, deterministic=True,
+                        on_set=lambda done, at_most: weighed.append((done, at_most)))
+    assert [done for done, _ in weighed] == list(range(1, len(weighed) + 1))
+    assert weighed[-1][0] <= weighed[-1][1]
+    options = SolveOptions(budget, offload=True, host_budget_bytes=2**40, deterministic=True,
+                           progress=True)
+    capfd.readouterr()
+    logged = _solve(p, options, math.inf)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(profiles.progress, "_in_notebook", lambda: True)  # as if shown
+    bars = []
+
+    def keep(*args: Any) -> Any:
+        bars.append(profiles.progress._bar(*args))
+        return bars[-1]
+
+    monkeypatch.setattr(solving, "_bar", keep)
+    shown = _solve(p, options, math.inf)
+    assert "offload sets" in capfd.readouterr().err
+    (bar,) = bars
+    assert (bar.n, bar.total) == weighed[-1]  # every set weighed was counted
+    assert logged.schedule == shown.schedule == quiet.schedule
