@@ -301,7 +301,7 @@ class _Search:
                  at_most: int) -> None:
         self.problem, self.budget, self.chain = problem, budget, chain
         self.deadline, self.base = deadline, base
-        self.on_set, self.at_most = on_set, at_most  # a progress bar's: sets tried, of
+        self.on_set, self.at_most = on_set, at_most  # told after each set: tried, at most
         self.best: Solution | None = None
         self.bounds: list[float] = []
         self.pruned = False

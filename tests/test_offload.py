@@ -737,7 +737,20 @@ def test_a_schema_3_plan_file_moves_its_offloaded_calls_keeps_as_it_did(gpt, tmp
     assert loaded.offloaded_bytes == plan.offloaded_bytes
 
 
-def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def gpt2_on_h100() -> tuple[ProfiledStep, Problem]:
+    """A GPT-2 of two layers on the meta device, timed for an H100 (copies beside compute),
+    and its problem: the offload search's own tests."""
+    from solvers.from_profile import problem_from_profile
+
+    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
+    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
+                         timing="estimate", device="H100", progress=False)
+    return step, problem_from_profile(step.profile)
+
+
+def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch,
+                                                                 gpt2_on_h100) -> None:
     """`joint._score` stops replaying a layout's distances and releases once one fits with no
     stall, or fits where the rerun alone reaches the best of the other sets: it returns the
     very schedule the full scan keeps (the first of the least added time), and with a time
@@ -746,13 +759,9 @@ def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> 
 
     from solvers import joint
     from solvers.dp import search as dp
-    from solvers.from_profile import problem_from_profile
     from solvers.result import Solution
 
-    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
-    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
-                         timing="estimate", device="H100", progress=False)
-    p = problem_from_profile(step.profile)
+    step, p = gpt2_on_h100
     replayed = []
     monkeypatch.setattr(joint, "simulate", lambda *args: replayed.append(1) or simulate(*args))
     chain = joint.offload_chain(p)
@@ -783,7 +792,8 @@ def test_scoring_a_layout_stops_where_no_later_distance_can_win(monkeypatch) -> 
     assert skipped > 0
 
 
-def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(monkeypatch) -> None:
+def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(
+        monkeypatch, gpt2_on_h100) -> None:
     """Every schedule of an offload set adds at least the reruns of its own layout's
     checkpoints and its copies' floor: where the least of these reaches the best schedule
     found, the set gets no base solve and no replay. Solved anyway, no such set does
@@ -793,12 +803,8 @@ def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(monk
 
     from solvers import joint
     from solvers.dp import search as dp
-    from solvers.from_profile import problem_from_profile
 
-    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
-    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
-                         timing="estimate", device="H100", progress=False)
-    p = problem_from_profile(step.profile)
+    step, p = gpt2_on_h100
     budget = int(p.static_bytes + 0.7 * (step.unplanned_peak_bytes - p.static_bytes))
     best_for, run = joint._best_for, joint._Search.run
     solved, tried = set(), {}
@@ -825,7 +831,7 @@ def test_an_offload_set_whose_own_reruns_reach_the_best_found_is_not_solved(monk
 
 
 def test_the_offload_search_shows_its_sets_on_a_terminal_and_nothing_in_logs(
-        monkeypatch, capfd) -> None:
+        monkeypatch, capfd, gpt2_on_h100) -> None:
     """The offload search may take minutes: on a terminal a bar counts the offload sets it
     has weighed, of at most how many; in a log (no terminal) nothing is written. The bar
     changes nothing of the answer."""
@@ -836,12 +842,8 @@ def test_the_offload_search_shows_its_sets_on_a_terminal_and_nothing_in_logs(
     from planner.arguments import SolveOptions
     from planner.solving import _solve
     from solvers import joint
-    from solvers.from_profile import problem_from_profile
 
-    model = zoo.get("gpt", size="gpt2", batch=2, device="meta", n_layer=2, vocab_size=2048)
-    step = profile_model(model.model, model.example_inputs, loss_fn=model.loss_fn,
-                         timing="estimate", device="H100", progress=False)
-    p = problem_from_profile(step.profile)
+    step, p = gpt2_on_h100
     budget = int(p.static_bytes + 0.5 * (step.unplanned_peak_bytes - p.static_bytes))
     weighed = []
     quiet = joint.solve(p, budget, math.inf, deterministic=True,
