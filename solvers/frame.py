@@ -3,7 +3,7 @@ call does, as rules written once, each consequence one function here. `simulate`
 independent replay) and every solver (`accounting`, `dp`, `cpsat`, `keep`, `inner`, `joint`,
 `offload`) call these; none derives them.
 
-Our rules are numbered F1-F8 so they cannot be confused with torch's own "Rule 1-4" in
+Our rules are numbered F1-F9 so they cannot be confused with torch's own "Rule 1-4" in
 torch/utils/checkpoint.py (`_checkpoint_hook`, `_recomputation_hook`, `_CheckpointFrame`,
 `_StopRecomputationError`), where they were read:
 
@@ -34,11 +34,20 @@ F7. Frame death. The frame lives while a tensor it packed lives: until the backw
 F8. Worth checkpointing. A region is a candidate only when all its nodes can be rerun and
     one of them packs (`worth_checkpointing`): one that packs nothing never reruns and only
     holds its inputs, which storing does not.
+F9. Skipped steps. In the rerun of a top-level frame without children, a step the rerun
+    runs is skipped when its node is skippable (`Problem.skippable`), nothing the rerun
+    runs or packs needs its outputs' values, and they lead to one cached node (its sink):
+    no run step, nor the unrun last (F3), saves them, and every run step that reads them
+    and makes something is cached (F6) or skipped itself, all with the same sink (a view
+    makes nothing and reads no values). Skipped, it makes its outputs
+    uninitialized, so the rerun's memory is as if it ran and its time is not spent
+    (`dead_steps`). One sink per skipped step makes the time a keep set saves the sum of
+    what each kept node's chain saves, wherever the chains do not overlap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -46,8 +55,8 @@ import numpy as np
 from solvers.problem import Problem
 from solvers.schedule import Region
 
-__all__ = ["ChildFrame", "FlatStops", "FrameEnd", "FrameRules", "frame_end", "frame_rules",
-           "own_packs", "region_rules", "worth_checkpointing"]
+__all__ = ["ChildFrame", "FlatStops", "FrameEnd", "FrameRules", "dead_steps", "frame_end",
+           "frame_rules", "may_skip", "own_packs", "region_rules", "worth_checkpointing"]
 
 
 class FrameRules(NamedTuple):
@@ -143,6 +152,55 @@ def frame_end(rules: FrameRules, stop: int) -> FrameEnd:
     if rules.death is None:
         return FrameEnd(False, stop - 1)
     return FrameEnd(True, rules.death)
+
+
+def dead_steps(problem: Problem, rules: FrameRules, start: int,
+               cached: Collection[int]) -> frozenset[int]:
+    """F9: the steps the rerun of a top-level frame without children, entered at `start`
+    with `rules`, skips when its SAC cache serves `cached`.
+
+    >>> p = Problem.chain([4, 4, 4, 1], [1.0] * 4)  # node i saves node i-1's output
+    >>> q = p.model_copy(update={"node_skippable": [True, False, False, False],
+    ...                          "node_saved": [[], [], [1], [2]]})
+    >>> sorted(dead_steps(q, frame_rules(q, [2]), 0, {1}))  # node 1 kept: node 0 not needed
+    [0]
+    """
+    run = rules.run_steps(start)
+    unrun = rules.rerun_stop - 1 if rules.last_not_run else None
+    sink: dict[int, int] = {}
+    for i in reversed(run):
+        if i in cached or not problem.skippable(i):
+            continue
+        ends: set[int] | None = set()
+        for s in problem.outputs[i]:
+            for j in problem.consumers[s]:
+                if j not in run and j != unrun:
+                    continue
+                if s in problem.saved[j]:
+                    ends = None  # its pack needs the values
+                elif j == unrun or not problem.outputs[j]:
+                    continue  # never runs (F3), or a view: reads no values
+                elif j in cached:
+                    ends.add(j)
+                elif j in sink:
+                    ends.add(sink[j])
+                else:
+                    ends = None
+                if ends is None:
+                    break
+            if ends is None:
+                break
+        if ends is not None and len(ends) == 1:
+            sink[i] = ends.pop()
+    return frozenset(sink)
+
+
+def may_skip(problem: Problem) -> np.ndarray:
+    """Per node, whether some rerun may skip it (F9): skippable, and no node saves its
+    outputs. What bounds on rerun time leave out, wherever the frame and whatever it keeps."""
+    saved = {s for i in range(problem.n_nodes) for s in problem.saved[i]}
+    return np.asarray([problem.skippable(i) and not saved.intersection(problem.outputs[i])
+                       for i in range(problem.n_nodes)], dtype=bool)
 
 
 def worth_checkpointing(problem: Problem, start: int, stop: int) -> bool:

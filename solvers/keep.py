@@ -11,8 +11,10 @@ keeping nothing plus one term per node of K (`KeepSpace.parts`; the tests hold i
    what the rerun would make later, negative at k's rerun step by the temporaries it no
    longer allocates);
 2. the bytes held past the end of the forward add up (`KeepSpace.residue`), and so does the
-   rerun time saved (k's forward time; nodes the early-stopped rerun never runs save none
-   and only hold memory, so they are left out);
+   rerun time saved (k's forward time, and that of the steps the rerun then skips: F9,
+   `KeepSpace.chains`; nodes the early-stopped rerun never runs save none and only hold
+   memory, so they are left out), except where one candidate lies in another's chain: such
+   candidates form a group whose every subset is priced as a whole (`KeepSpace.groups`);
 3. the SAC policy's overhead is paid once, whatever K is (`Problem.checkpoint_overhead_ms`).
 
 So a solver needs per region only the keep sets on the Pareto front of (bytes held past
@@ -27,20 +29,22 @@ so subsets of those nodes get their own fronts (`choices`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
 
 from solvers.accounting import Context, WindowParts, profile_parts
+from solvers.frame import dead_steps
 from solvers.front import bucket_ends, pareto
 
 __all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "MAX_EXPORTS", "KeepChoice",
-           "KeepSpace", "choices", "pareto_front", "under_caps"]
+           "KeepSpace", "choices", "front_of", "pareto_front", "under_caps"]
 
 MAX_EXPORTS = 4  # up to this many exporting candidates, every subset of them is offered
+Option = tuple[int, float, tuple[int, ...]]  # a keep set's (residue bytes, ms saved, items)
 FRONT_POINTS = 256  # fronts larger than this are thinned to this many memory buckets
 CAP_LEVELS = 4  # `under_caps`: caps on the local peak tried per region
 CAP_POINTS = 16  # ... and the sets kept per cap
@@ -52,9 +56,12 @@ class KeepSpace:
 
     `nodes` are the candidates: keepable nodes the rerun runs. Per candidate: `residue`
     (bytes it adds to those held past the forward), `exports` (storages read after the
-    window that it then holds past the forward), `saved_ms` (the rerun time it saves) and
+    window that it then holds past the forward), `saved_ms` (the rerun time it saves, its
+    chain's included), `chains` (the steps the rerun skips when it alone is kept, F9) and
     a row of `delta` (what it adds to each slot of `base.local`). `floor`: `base.local`
-    plus every negative term, below which no keep set's slots go.
+    plus every negative term, below which no keep set's slots go. `groups`: candidates
+    whose chains overlap (one lies in another's), each with the steps every subset of it
+    skips (`skips`, keyed by the subset's sorted candidate indices).
     """
 
     base: WindowParts
@@ -64,6 +71,10 @@ class KeepSpace:
     saved_ms: tuple[float, ...]
     delta: np.ndarray
     floor: np.ndarray
+    chains: tuple[frozenset[int], ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
+    skips: Mapping[tuple[int, ...], frozenset[int]] = field(default_factory=dict)
+    group_saved_ms: Mapping[tuple[int, ...], float] = field(default_factory=dict)
 
     @classmethod
     def analyse(cls, ctx: Context, a0: int, b0: int, x: int, y: int,
@@ -76,19 +87,63 @@ class KeepSpace:
         if not info.packs:
             return None
         base = profile_parts(ctx, a0, b0, [info], external, skip)
-        nodes, residue, exports, saved, deltas = [], [], [], [], []
+        nodes, residue, exports, chains, deltas = [], [], [], [], []
         for k in info.rules.run_steps(x):  # F6: those its rerun takes from the cache
             if p.can_keep(k):
                 one = profile_parts(ctx, a0, b0, [ctx.region(x, y, [k])], external, skip)
                 nodes.append(k)
                 residue.append(one.residue_bytes - base.residue_bytes)
                 exports.append(one.held_out - base.held_out)
-                saved.append(float(p.fwd_time_ms[k]))
+                chains.append(dead_steps(p, info.rules, x, {k}))
                 deltas.append(one.local - base.local)
         delta = (np.stack(deltas) if deltas
                  else np.zeros((0, len(base.local)), dtype=np.int64))
-        return cls(base, tuple(nodes), tuple(residue), tuple(exports), tuple(saved), delta,
-                   base.local + np.minimum(delta, 0).sum(axis=0))
+        groups = _overlapping(nodes, chains)
+        skips = {subset: dead_steps(p, info.rules, x, {nodes[i] for i in subset})
+                 for g in groups for subset in _subsets(g)}
+        space = cls(base, tuple(nodes), tuple(residue), tuple(exports), (), delta,
+                    base.local + np.minimum(delta, 0).sum(axis=0), tuple(chains), groups, skips)
+        return space.at_times(p.fwd_time_ms)
+
+    def at_times(self, fwd_time_ms: Sequence[float], shift: int = 0) -> KeepSpace:
+        """This space with each candidate's saving from `fwd_time_ms`, its nodes moved by
+        `shift` (an identical block elsewhere in the chain: the same structure, its own
+        times)."""
+        def ms(nodes: Iterable[int]) -> float:
+            return float(sum(fwd_time_ms[i + shift] for i in nodes))
+
+        return replace(self, saved_ms=tuple(ms((k, *chain)) for k, chain in
+                                            zip(self.nodes, self.chains, strict=True)),
+                       group_saved_ms={subset: ms((*(self.nodes[i] for i in subset), *skipped))
+                                       for subset, skipped in self.skips.items()})
+
+    def saved_for(self, chosen: Iterable[int]) -> float:
+        """The rerun time keeping candidates `chosen` (indices) saves: each one's own and
+        its chain's, a group's subset priced as a whole."""
+        idx = set(chosen)
+        total = sum(self.saved_ms[i] for i in idx if i not in self._grouped)
+        for g in self.groups:
+            subset = tuple(i for i in g if i in idx)
+            if subset:
+                total += self.group_saved_ms[subset]
+        return total
+
+    def units(self, among: Iterable[int] | None = None) -> list[list[Option]]:
+        """The candidates (`among`, default all) as independent units for a front: a
+        candidate alone, or a group's every nonempty subset (of those among them)."""
+        pick = set(range(len(self.nodes)) if among is None else among)
+        out: list[list[Option]] = [[(self.residue[i], self.saved_ms[i], (i,))]
+                                   for i in sorted(pick) if i not in self._grouped]
+        for g in self.groups:
+            members = tuple(i for i in g if i in pick)
+            if members:
+                out.append([(sum(self.residue[i] for i in sub), self.saved_for(sub), sub)
+                            for sub in _subsets(members)])
+        return out
+
+    @cached_property
+    def _grouped(self) -> frozenset[int]:
+        return frozenset(i for g in self.groups for i in g)
 
     def parts(self, chosen: Iterable[int]) -> WindowParts:
         """The window's parts when the region keeps candidates `chosen` (indices), without
@@ -102,8 +157,7 @@ class KeepSpace:
     def choice(self, chosen: Iterable[int]) -> KeepChoice:
         """The real keep option of candidates `chosen`."""
         idx = tuple(sorted(set(chosen)))
-        return KeepChoice(idx, sum(self.residue[i] for i in idx),
-                          sum(self.saved_ms[i] for i in idx), True,
+        return KeepChoice(idx, sum(self.residue[i] for i in idx), self.saved_for(idx), True,
                           frozenset().union(*(self.exports[i] for i in idx)))
 
     def floor_parts(self, residue_bytes: int, held_out: frozenset[int]) -> WindowParts:
@@ -171,12 +225,22 @@ def pareto_front(residue: Sequence[int], saved_ms: Sequence[float], *,
     >>> [(r, s) for r, s, _ in pareto_front([4, 1, 2], [3.0, 1.0, 1.0])[0]]
     [(0, 0.0), (1, 1.0), (3, 2.0), (4, 3.0), (5, 4.0), (7, 5.0)]
     """
-    front: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    units = [[(r, s, (i,))] for i, (r, s) in enumerate(zip(residue, saved_ms, strict=True))]
+    return front_of(units, max_points=max_points, optimistic=optimistic)
+
+
+def front_of(units: Sequence[Sequence[Option]], *, max_points: int = FRONT_POINTS,
+             optimistic: bool = False) -> tuple[list[Option], bool]:
+    """`pareto_front` over units of which a keep set takes at most one option each (a
+    candidate, or one subset of a group: `KeepSpace.units`)."""
+    front: list[Option] = [(0, 0.0, ())]
     thinned = False
-    for i, (r, s) in enumerate(zip(residue, saved_ms, strict=True)):
-        if s <= 0:
+    for options in units:
+        useful = [o for o in options if o[1] > 0]
+        if not useful:
             continue
-        front = pareto(front + [(fr + r, fs + s, (*items, i)) for fr, fs, items in front],
+        front = pareto(front + [(fr + r, fs + s, tuple(sorted((*items, *more))))
+                                for fr, fs, items in front for r, s, more in useful],
                        cost=lambda e: e[0], loss=lambda e: -e[1])
         if len(front) > max_points:
             thinned = True
@@ -238,12 +302,12 @@ def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | Non
             also: Iterable[Iterable[int]] = ()) -> tuple[list[KeepChoice], bool]:
     """The keep options of `space`, and whether a front was thinned.
 
-    Real options (`optimistic=False`): per subset of the exporting candidates (every
-    subset up to `MAX_EXPORTS` of them; beyond, none, each one and all), the front of the
-    others (`pareto_front`), each point with that subset; then `also`, further real sets
-    (candidate indices): a front point beats each on bytes and time but may peak higher
-    inside the window (its outputs wait longer in the cache), so the policies people write
-    by hand are offered as they are.
+    Real options (`optimistic=False`): per subset of the exporting candidates and the
+    groups they are in (every subset up to `MAX_EXPORTS` of them; beyond, none, each one
+    and all), the front of the others (`front_of`), each point with that subset; then
+    `also`, further real sets (candidate indices): a front point beats each on bytes and
+    time but may peak higher inside the window (its outputs wait longer in the cache), so
+    the policies people write by hand are offered as they are.
 
     Optimistic options (the lower bound): one front over every candidate, each point
     handing on every storage any candidate exports (`KeepChoice.exported`): the next
@@ -253,19 +317,20 @@ def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | Non
     points = max_points or FRONT_POINTS
     if optimistic:
         everything = frozenset().union(*space.exports)
-        front, thinned = pareto_front(space.residue, space.saved_ms, max_points=points,
-                                      optimistic=True)
+        front, thinned = front_of(space.units(), max_points=points, optimistic=True)
         return [KeepChoice(items, r, s, not thinned, everything) for r, s, items in front
                 if items or thinned], thinned
-    exporting = [i for i, e in enumerate(space.exports) if e and space.saved_ms[i] > 0]
-    plain = [i for i, e in enumerate(space.exports) if not e]
-    front, thinned = pareto_front([space.residue[i] for i in plain],
-                                  [space.saved_ms[i] for i in plain], max_points=points)
-    subsets = ([c for n in range(len(exporting) + 1)
-                for c in itertools.combinations(exporting, n)]
-               if len(exporting) <= MAX_EXPORTS else
-               [(), *((i,) for i in exporting), tuple(exporting)])
-    out = [space.choice((*fixed, *(plain[i] for i in items)))
+    # a group with an exporting member is enumerated with the exporting candidates
+    exporting = {i for i, e in enumerate(space.exports) if e and space.saved_ms[i] > 0}
+    exporting |= {i for g in space.groups if exporting.intersection(g) for i in g}
+    plain = [i for i, e in enumerate(space.exports) if not e and i not in exporting]
+    front, thinned = front_of(space.units(plain), max_points=points)
+    fixed_pool = sorted(exporting)
+    subsets = ([c for n in range(len(fixed_pool) + 1)
+                for c in itertools.combinations(fixed_pool, n)]
+               if len(fixed_pool) <= MAX_EXPORTS else
+               [(), *((i,) for i in fixed_pool), tuple(fixed_pool)])
+    out = [space.choice((*fixed, *items))
            for fixed in subsets for _, _, items in front if fixed or items]
     offered = {c.chosen for c in out}
     for extra in also:
@@ -274,3 +339,32 @@ def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | Non
             offered.add(chosen)
             out.append(space.choice(chosen))
     return out, thinned
+
+
+def _overlapping(nodes: Sequence[int], chains: Sequence[frozenset[int]]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Candidates (indices) whose kept node plus chain overlap another's, grouped (the
+    connected ones together); those alone are left out."""
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, (k, chain) in enumerate(zip(nodes, chains, strict=True)):
+        for node in (k, *chain):
+            j = owner.setdefault(node, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(nodes)):
+        groups.setdefault(root(i), []).append(i)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
+
+
+def _subsets(members: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every nonempty subset of `members`, each sorted."""
+    return [c for n in range(1, len(members) + 1)
+            for c in itertools.combinations(sorted(members), n)]

@@ -164,6 +164,13 @@ class Problem(BaseModel):
     beyond its state (in `static_bytes`); the step's last event, the same under every
     schedule (`simulate.optimizer_step_peak`). Default 0: the budget covers forward and backward.
 
+    Optional `node_skippable[i]` says a rerun may skip node i when nothing it runs needs
+    node i's outputs (`solvers.frame` F9): a functional op that draws no random numbers,
+    allocates nothing but its outputs (no forward temporaries), does not save its own output,
+    and that the selective-checkpoint policy sees (one aten op). Skipped, it makes outputs of
+    the same shape, uninitialized: the memory is the same, its time is not spent. Default:
+    no node is skipped.
+
     Optional `host_link`: how fast saved activations move to host memory and back; a
     schedule may offload only on a problem that has one.
 
@@ -197,6 +204,7 @@ class Problem(BaseModel):
     op_kind: list[str] | None = None
     node_grad_inputs: list[list[int]] | None = None
     keepable: list[bool] | None = None
+    node_skippable: list[bool] | None = None
     checkpoint_region_ms: float = 0.0
     checkpoint_pack_ms: float = 0.0
     checkpoint_sac_op_ms: float = 0.0
@@ -237,8 +245,8 @@ class Problem(BaseModel):
             "param_grad_bytes": self.param_grad_bytes,
         }
         for optional in ("block_of_node", "node_saves_static", "node_packs_before_running",
-                         "op_kind", "keepable", "node_ops", "node_packed", "node_grad_inputs",
-                         "fwd_runtime_bytes"):
+                         "op_kind", "keepable", "node_skippable", "node_ops", "node_packed",
+                         "node_grad_inputs", "fwd_runtime_bytes"):
             if getattr(self, optional) is not None:
                 per_node[optional] = getattr(self, optional)
         if self.node_grad_inputs is not None:
@@ -319,6 +327,11 @@ class Problem(BaseModel):
             _check(not before or not set(self.node_saved[i]) & set(self.node_outputs[i]),
                    f"node {i} ({self.node_names[i]}) saves its own output, which it can only "
                    f"pack after running: node_packs_before_running[{i}] must be False.")
+        for i, skippable in enumerate(self.node_skippable or ()):
+            _check(not skippable or (self.fwd_temp_bytes[i] == 0
+                                     and not set(self.node_saved[i]) & set(self.node_outputs[i])),
+                   f"node {i} ({self.node_names[i]}) saves its own output or allocates forward "
+                   f"temporaries: a rerun cannot skip it, node_skippable[{i}] must be False.")
         if self.observed_backward is not None:
             obs = self.observed_backward
             _check(len(obs.before) == len(obs.peak) == len(obs.after) == n,
@@ -567,6 +580,11 @@ class Problem(BaseModel):
         schedule keeping any other (e.g. a node whose output an in-place op finishes).
         """
         return bool(self.recomputable[i]) and (self.keepable is None or bool(self.keepable[i]))
+
+    def skippable(self, i: int) -> bool:
+        """Whether a rerun may skip node i where nothing it runs needs its outputs
+        (`node_skippable`; default: never)."""
+        return self.node_skippable is not None and bool(self.node_skippable[i])
 
     def decision_costs(self, i: int) -> dict[Decision, DecisionCost]:
         """What each decision open to node i's outputs costs (`solvers.decision.cost`): KEEP;

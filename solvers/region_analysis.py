@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from solvers.clock import rerun_ms, rerun_overhead_ms
-from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
+from solvers.frame import (
+    ChildFrame,
+    FrameRules,
+    dead_steps,
+    frame_end,
+    frame_rules,
+    own_packs,
+)
 
 if TYPE_CHECKING:
     from solvers.accounting import Context
@@ -74,9 +81,11 @@ class Rerun(_Frame):
     """One rerun pass of a frame with `rules`, entered at `start`: the steps
     `rules.rerun_steps(start)`, at the backward of `rules.trigger`.
 
-    Nodes in `cached` come from the SAC cache (no time, no new memory); `idle` are the steps
-    that do no work (F3); `step_const` is each step's allocation + forward temporaries (0 when
-    idle). `time_ms` is the forward time of the nodes run plus `overhead_ms`, the frame's
+    Nodes in `cached` come from the SAC cache (no time, no new memory); `skipped` are made
+    uninitialized (F9: no time, the same memory); `idle` are the steps that take no time
+    (those, and F3's unrun last); `step_const` is each step's allocation + forward
+    temporaries (0 when cached or unrun: a skipped step allocates what it would make).
+    `time_ms` is the forward time of the nodes run plus `overhead_ms`, the frame's
     `clock.rerun_overhead_ms`, which `simulate` charges to the first step.
     """
 
@@ -87,11 +96,13 @@ class Rerun(_Frame):
     overhead_ms: float
     time_ms: float
     end: int  # the frame's region's end (its `overhead_ms` depends on it: op ranges)
+    skipped: frozenset[int] = frozenset()
 
     @property
     def idle(self) -> frozenset[int]:
-        """The steps that cost no time: kept nodes, and the last one when it is not run."""
-        return self.rules.idle_steps(self.cached)
+        """The steps that cost no time: kept nodes, skipped ones (F9), and the last one when
+        it is not run."""
+        return self.rules.idle_steps(self.cached) | self.skipped
 
 
 @dataclass(frozen=True)
@@ -252,8 +263,10 @@ def _flat_analysis(ctx: Context, a: int, b: int, keep: frozenset[int]) -> Region
         stop = rules.rerun_stop
         overhead_ms = rerun_overhead_ms(p, a, stop, keep, b)
         cached_steps = keep & frozenset(i for i, *_ in steps)
-        time_ms = rerun_ms(p, a, stop, rules.idle_steps(cached_steps), overhead_ms)
-        reruns = (Rerun(a, rules, cached_steps, tuple(consts), overhead_ms, time_ms, b),)
+        skipped = dead_steps(p, rules, a, cached_steps)
+        time_ms = rerun_ms(p, a, stop, rules.idle_steps(cached_steps) | skipped, overhead_ms)
+        reruns = (Rerun(a, rules, cached_steps, tuple(consts), overhead_ms, time_ms, b,
+                        skipped),)
     for k in keep:  # F6: kept nodes the rerun does not run stay cached until the frame dies
         if not rules.takes_cached(a, k):
             held.update((s, end_of_frame) for s in p.outputs[k] if s not in ctx.loss)
@@ -358,7 +371,9 @@ class _NestedAnalysis:
         cached = frame_keep & frozenset(steps)
         consts: list[int] = []
         overhead_ms = rerun_overhead_ms(p, first, last, frame_keep, end)
-        time_ms = rerun_ms(p, first, last, rules.idle_steps(cached), overhead_ms)
+        skipped = dead_steps(p, rules, first, cached) if parent and not self.children \
+            else frozenset()
+        time_ms = rerun_ms(p, first, last, rules.idle_steps(cached) | skipped, overhead_ms)
         for i in steps:
             if i not in run:  # F3: stops in its pack, nothing made
                 consts.append(0)
@@ -376,7 +391,7 @@ class _NestedAnalysis:
                 else:
                     self.made.append((s, r, i, pts))
         self.reruns.append(Rerun(first, rules, cached, tuple(consts), overhead_ms, time_ms,
-                                 end))
+                                 end, skipped))
 
     def result(self) -> RegionInfo:
         self._hold_originals()

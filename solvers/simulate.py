@@ -87,7 +87,7 @@ from typing import NamedTuple
 
 from solvers.clock import rerun_overhead_ms, rerun_step_ms, step_overhead_ms
 from solvers.copy_queues import CopyQueues
-from solvers.frame import ChildFrame, FrameRules, frame_end, frame_rules, own_packs
+from solvers.frame import ChildFrame, FrameRules, dead_steps, frame_end, frame_rules, own_packs
 from solvers.offload import OffloadGroup, offload_groups
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -186,6 +186,7 @@ class _Frame:
     inputs: tuple[int, ...]
     rules: FrameRules  # where its rerun stops, whether its last step runs, when it dies
     keep: frozenset[int] = frozenset()  # `region.keep`, read at each step of its reruns
+    skipped: frozenset[int] = frozenset()  # F9: rerun steps made uninitialized, in no time
     alive: bool = True
     recomputed: bool = False
     child_inputs: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -284,6 +285,8 @@ class _Replay:
         own = own_packs(p, r.start, r.stop, [(c.start, c.stop) for c in r.children])
         f.rules = frame_rules(p, own, [ChildFrame(c.region.start, c.rules)
                                        for c in f.children if c.inputs])
+        if parent is None and not f.children:
+            f.skipped = dead_steps(p, f.rules, r.start, r.keep)
         return f
 
     # ------------------------------------------------------------ memory
@@ -441,7 +444,10 @@ class _Replay:
         label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
         if not_run:
             label += " (stops in its pack)"
-        time = rerun_step_ms(p, i, cached or not_run, overhead_ms)
+        skipped = root is not None and i in root.skipped
+        if skipped:
+            label += " (skipped: nothing needs it)"
+        time = rerun_step_ms(p, i, cached or not_run or skipped, overhead_ms)
         if root is None:
             self._copy_out(i, env, time)
         self._record(label, "forward" if root is None else "recompute", i, time,

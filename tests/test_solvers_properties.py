@@ -52,9 +52,11 @@ def check_reported_numbers(p: Problem, sol: Solution) -> tuple[int, float] | Non
 
 @st.composite
 def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
-             unkeepable: bool | None = None, spans: bool = False) -> Problem:
+             unkeepable: bool | None = None, spans: bool = False,
+             skippable: bool | None = None) -> Problem:
     """Random small problem; `unkeepable` True: some recomputable node is not keepable,
-    False: `keepable` is None, None (default): either. Storages may be held by the program
+    False: `keepable` is None, None (default): either; `skippable` likewise for nodes a
+    rerun may skip (F9, `node_skippable`). Storages may be held by the program
     past their last reader (`storage_release`, as a local variable is), some by the caller
     all step; `spans` adds module spans (the only regions a schedule may recompute)."""
     n = draw(st.integers(min_nodes, max_nodes))
@@ -111,6 +113,11 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
     if draw(st.booleans()):  # matmul-like nodes: pack their inputs before they run
         packs_before = [draw(st.booleans()) and not set(saved[i]) & set(outputs[i])
                         for i in range(n)]
+    fwd_temp = [draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)]
+    skip_flags = None
+    if skippable or (skippable is None and draw(st.booleans())):  # F9
+        skip_flags = [i < n - 1 and fwd_temp[i] == 0 and not set(saved[i]) & set(outputs[i])
+                     and draw(st.integers(0, 2)) > 0 for i in range(n)]
     release = None
     if draw(st.booleans()):
         release = [draw(st.sampled_from([producer[s], producer[s],
@@ -121,7 +128,7 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         node_names=[f"v{i}" for i in range(n)],
         fwd_time_ms=[float(draw(st.integers(1, 9))) for _ in range(n)],
         bwd_time_ms=[float(draw(st.integers(1, 9))) for _ in range(n)],
-        fwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
+        fwd_temp_bytes=fwd_temp,
         bwd_temp_bytes=[draw(st.sampled_from([0, 0, 5, 30])) for _ in range(n)],
         recomputable=recomputable,
         node_inputs=inputs,
@@ -135,6 +142,7 @@ def problems(draw: st.DrawFn, min_nodes: int = 2, max_nodes: int = 7,
         block_of_node=block,
         node_grad_inputs=grad_inputs if partial_grads else None,
         keepable=keepable,
+        node_skippable=skip_flags,
         node_packs_before_running=packs_before,
         storage_release=release,
         module_spans=draw(module_spans(n, producer)) if spans else None,

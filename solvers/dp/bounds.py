@@ -11,7 +11,7 @@ import numpy as np
 
 from solvers.accounting import Context
 from solvers.dp.chain import is_empty
-from solvers.frame import FlatStops
+from solvers.frame import FlatStops, may_skip
 
 __all__ = ["MadeBytes", "SpanBounds"]
 
@@ -82,7 +82,9 @@ class SpanBounds:
         self.next_real = np.minimum.accumulate(nxt[::-1])[::-1]  # first non-empty node >= i
         fwd = self.fwd_ms = np.asarray(p.fwd_time_ms, dtype=float)
         self.fwd_upto = np.concatenate([[0.0], np.cumsum(fwd)])
-        self.rerun_upto = np.concatenate([[0.0], np.cumsum(np.where(keepable, 0.0, fwd))])
+        # what keeping matmuls may leave to rerun: the rest, less what F9 may skip
+        self.rerun_upto = np.concatenate([[0.0], np.cumsum(
+            np.where(keepable | may_skip(p), 0.0, fwd))])
         self.keepable = keepable
 
     def _pieces(self, a: int, b: int) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from solvers.accounting import Context, RegionInfo
 from solvers.dp.chain import checkpoint_runs, is_empty
-from solvers.frame import worth_checkpointing
+from solvers.frame import dead_steps, worth_checkpointing
 from solvers.problem import Problem
 from solvers.schedule import RECOMPUTE, Region
 
@@ -162,12 +162,12 @@ def reruns_rel(regions: tuple, a: int) -> list[RerunRel]:
             for r in regions for q in r.reruns]
 
 
-def flat_rerun_rel(r: RegionInfo, keep: frozenset[int], a: int) -> RerunRel:
+def flat_rerun_rel(p: Problem, r: RegionInfo, keep: frozenset[int], a: int) -> RerunRel:
     """`reruns_rel`'s entry for region `r` without children (which reruns) had it kept
-    `keep` (its frame's rules do not depend on what it keeps)."""
+    `keep` (its frame's rules do not depend on what it keeps; the steps it skips do, F9)."""
     kept = keep & frozenset(r.steps())
-    return RerunRel(r.a - a, r.stop - a, _rel(r.rules.idle_steps(kept), a), _rel(kept, a),
-                    r.b - a)
+    idle = r.rules.idle_steps(kept) | dead_steps(p, r.rules, r.a, kept)
+    return RerunRel(r.a - a, r.stop - a, _rel(idle, a), _rel(kept, a), r.b - a)
 
 
 Spec = tuple[tuple[int, int, tuple[int, ...], tuple], ...]  # regions relative to a window
@@ -216,7 +216,7 @@ def window_signature(ctx: Context, a: int, b: int,
 
     return tuple((p.fwd_event_bytes[i], p.bwd_temp_bytes[i],
                   p.recomputable[i], p.packs[i], p.stops_before_running[i], p.is_matmul(i),
-                  p.can_keep(i),
+                  p.can_keep(i), p.skippable(i),
                   tuple(rel(s) for s in p.uses[i]), tuple(rel(s) for s in p.outputs[i]),
                   tuple(rel(s) for s in p.saved[i]),
                   tuple((stop - a, tuple(rel(s) for s in inputs))

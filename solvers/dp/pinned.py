@@ -70,6 +70,7 @@ import numpy as np
 from solvers.accounting import BACKWARD, FORWARD, RERUN, Context, table_slice
 from solvers.dp.chain import stage_index
 from solvers.dp.options import Spec
+from solvers.frame import may_skip
 from solvers.problem import Problem
 
 __all__ = ["Cover", "PinnedHold", "ReaderHold", "bound_over_holds", "cut_table", "held_table",
@@ -114,8 +115,9 @@ class _CoverCost:
     def __init__(self, problem: Problem) -> None:
         n = problem.n_nodes
         fwd = np.asarray(problem.fwd_time_ms, dtype=float)
-        rerun = np.where([problem.is_matmul(i) and problem.can_keep(i) for i in range(n)],
-                         0.0, fwd)
+        keeps = np.asarray([problem.is_matmul(i) and problem.can_keep(i) for i in range(n)],
+                           dtype=bool)
+        rerun = np.where(keeps | may_skip(problem), 0.0, fwd)  # F9 may skip those too
         self.rerun_upto = np.concatenate([[0.0], np.cumsum(rerun)])
         self.fixed_upto = np.concatenate([[0], np.cumsum([not r for r in problem.recomputable])])
         last = -1

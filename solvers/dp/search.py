@@ -74,7 +74,6 @@ and other child splits are not searched.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -626,8 +625,7 @@ class _Pass:
         # and storages are that window's, its rerun savings that block's forward times
         shift = a - origin
         p = self.p
-        space = dataclasses.replace(space, saved_ms=tuple(
-            float(p.fwd_time_ms[k + shift]) for k in space.nodes))
+        space = space.at_times(p.fwd_time_ms, shift)
         info = self.ctx.region(x, y)
         by_hand = [[i for i, k in enumerate(space.nodes) if wanted(k + shift)]
                    for wanted in (p.is_linear, p.is_matmul)]
@@ -641,9 +639,9 @@ class _Pass:
             held_rel = self._out_rel(parts, origin)  # its storages are the origin window's
             spec = ((x - a, y - a, tuple(sorted(k - a for k in keep)), ()),)
             if choice.real:
-                out.append(_Option(parts, held_rel, [flat_rerun_rel(info, keep, a)], spec))
+                out.append(_Option(parts, held_rel, [flat_rerun_rel(p, info, keep, a)], spec))
             else:  # a corner: keeping nothing's rerun with the SAC overhead, less its saving
-                sac = flat_rerun_rel(info, frozenset(), a)._replace(
+                sac = flat_rerun_rel(p, info, frozenset(), a)._replace(
                     kept=np.asarray([x - a], dtype=np.int64))
                 out.append(_Option(parts, held_rel, [sac], spec, choice.saved_ms))
         return out
