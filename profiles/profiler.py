@@ -43,7 +43,14 @@ from profiles.functions import function_name
 from profiles.inputs import normalize_inputs
 from profiles.leaves import tensors_in
 from profiles.parallel import Parallelism, fake_world, parallel_layout, parallel_twin
-from profiles.recording import _CallRecord, _dtype_name, _observed, _OpRecord, _Recorded
+from profiles.recording import (
+    _CallRecord,
+    _dtype_name,
+    _observed,
+    _OpRecord,
+    _Recorded,
+    skippable_op,
+)
 from profiles.schema import (
     CheckpointCosts,
     FunctionSpan,
@@ -573,6 +580,8 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
                      if info["producer"] is not None and info["producer"] < len(names)}
     users: dict[str, list[str]] = {}
     nodes = []
+    # a custom Function's forward: its own backward reads what it saved, unseen by our rules
+    in_function = {i for f in rec.recorder.functions for i in range(f.start, f.stop)}
     writers: dict[int, int] = {}  # storage -> last node writing it in place
     for record in records:
         for sid in record.written:
@@ -594,6 +603,10 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
         keepable = bool(record.new_storages) and not any(
             writers.get(s, -1) > record.index for s in record.new_storages)
         mutated = sorted(storages.infos[s]["name"] for s in record.mutated_state)
+        skippable = keepable and record.index not in in_function and skippable_op(
+            record.func, len(record.outputs), len(record.new_storages)) and not (
+            record.random or record.written or mutated or set(record.saved) & set(
+                record.new_storages))
         times = measured.per_node[record.index] if measured else None
         nodes.append(NodeProfile(
             index=record.index, name=name, op="aten", target=record.name,
@@ -607,6 +620,7 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
             bwd_temp_bytes=bwd.temp_bytes, stateful=bool(mutated), mutated_buffers=mutated,
             random=record.random, ops=[record.name],
             output_ops=[0] if record.new_storages else [], keepable=keepable,
+            skippable=skippable,
             saved_tensors=len(record.saved), written_storages=record.written,
             packs_after_running=record.packed_after_running if record.saved else None,
             grad_storages=bwd.grad_storages, fwd_runtime_bytes=record.runtime_bytes,

@@ -26,6 +26,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 from profiles.devices import DeviceSpec
@@ -174,6 +175,19 @@ class _OpRecord:
     estimated_ms: float = 0.0
     runtime_bytes: int | None = None  # a parallel step: what its runtime holds meanwhile
     runtime_ops_before: int = 0
+
+
+def skippable_op(func: Any, n_outputs: int, n_new_storages: int) -> bool:
+    """Whether a rerun may answer a call of ``func`` with uninitialized tensors of the
+    shapes its meta kernel gives (`solvers.frame` F9): an aten op a SAC policy sees, that
+    mutates nothing, returns only tensors, none of them a view, each on a new storage, and
+    draws no random numbers."""
+    if not isinstance(func, torch._ops.OpOverload) or func in SAC_IGNORED_OPS:
+        return False
+    schema = func._schema
+    return (not schema.is_mutable and torch.Tag.nondeterministic_seeded not in func.tags
+            and 0 < n_outputs == n_new_storages == len(schema.returns)
+            and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns))
 
 
 @dataclass

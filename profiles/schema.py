@@ -146,6 +146,11 @@ class NodeProfile(_Strict):
                                   description="positions in ops that allocate new_storages")
     keepable: bool = Field(True, description="a SAC policy can save its outputs (no output "
                            "is finished by an in-place op)")
+    skippable: bool = Field(False, description="a checkpoint's rerun may answer it with "
+                            "uninitialized outputs where nothing needs their values: one "
+                            "functional op a SAC policy sees, drawing no random numbers, "
+                            "writing nothing in place, every output a new storage it does "
+                            "not save")
     saved_tensors: Count | None = Field(
         None, description="tensors autograd saves when this node runs (pack-hook calls,"
         " parameters included); None in older profiles")

@@ -56,7 +56,8 @@ from solvers.problem import Problem
 from solvers.schedule import Region
 
 __all__ = ["ChildFrame", "FlatStops", "FrameEnd", "FrameRules", "dead_steps", "frame_end",
-           "frame_rules", "may_skip", "own_packs", "region_rules", "worth_checkpointing"]
+           "frame_rules", "may_skip", "own_packs", "region_rules", "region_skips",
+           "worth_checkpointing"]
 
 
 class FrameRules(NamedTuple):
@@ -193,6 +194,14 @@ def dead_steps(problem: Problem, rules: FrameRules, start: int,
         if ends is not None and len(ends) == 1:
             sink[i] = ends.pop()
     return frozenset(sink)
+
+
+def region_skips(problem: Problem, region: Region) -> frozenset[int]:
+    """F9 for a top-level RECOMPUTE `region`: the steps its rerun skips (none where it has
+    children), as `simulate` replays it and the runtime installs it."""
+    if region.children:
+        return frozenset()
+    return dead_steps(problem, region_rules(problem, region), region.start, region.keep)
 
 
 def may_skip(problem: Problem) -> np.ndarray:

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 
 from profiles.devices import DEVICES
-from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall
+from profiles.schema import STATIC_KINDS, GraphProfile, ModuleCall, NodeProfile
 from solvers.problem import (
     MATMUL_KINDS,
     HostLink,
@@ -98,6 +98,16 @@ def block_calls(profile: GraphProfile, block_prefix: str | None = None) -> list[
             continue
         chosen.extend(group)
     return sorted(chosen, key=lambda c: c.start)
+
+
+def _skippable(nodes: list[NodeProfile], saved: list[list[int]],
+               outputs: list[list[int]]) -> list[bool] | None:
+    """`Problem.node_skippable`: the one-op nodes the profile says a rerun may skip, with
+    no forward temporaries and not saving their own output; None where there are none
+    (profiles recorded before Dec 2026)."""
+    flags = [nd.skippable and len(nd.ops) == 1 and not nd.fwd_temp_bytes
+             and not set(saved[i]) & set(outputs[i]) for i, nd in enumerate(nodes)]
+    return flags if any(flags) else None
 
 
 def op_kind(ops: list[str], fx_op: str) -> str:
@@ -292,6 +302,7 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         node_grad_inputs=grad_inputs,
         op_kind=[op_kind(nd.ops, nd.op) for nd in nodes],
         keepable=[nd.keepable for nd in nodes],
+        node_skippable=_skippable(nodes, node_saved, node_outputs),
         # checkpoint overhead: not modelled (0) for profiles recorded without it
         checkpoint_region_ms=costs.region_ms if costs else 0.0,
         checkpoint_pack_ms=costs.pack_ms if costs else 0.0,

@@ -87,7 +87,14 @@ from typing import NamedTuple
 
 from solvers.clock import rerun_overhead_ms, rerun_step_ms, step_overhead_ms
 from solvers.copy_queues import CopyQueues
-from solvers.frame import ChildFrame, FrameRules, dead_steps, frame_end, frame_rules, own_packs
+from solvers.frame import (
+    ChildFrame,
+    FrameRules,
+    frame_end,
+    frame_rules,
+    own_packs,
+    region_skips,
+)
 from solvers.offload import OffloadGroup, offload_groups
 from solvers.problem import Problem
 from solvers.schedule import Region, Schedule
@@ -285,8 +292,8 @@ class _Replay:
         own = own_packs(p, r.start, r.stop, [(c.start, c.stop) for c in r.children])
         f.rules = frame_rules(p, own, [ChildFrame(c.region.start, c.rules)
                                        for c in f.children if c.inputs])
-        if parent is None and not f.children:
-            f.skipped = dead_steps(p, f.rules, r.start, r.keep)
+        if parent is None:
+            f.skipped = region_skips(p, r)
         return f
 
     # ------------------------------------------------------------ memory

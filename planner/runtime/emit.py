@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
 
 from planner.plan import PlanMismatchError, PlanMismatchWarning
 from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
+from planner.runtime.skipping import with_skips
 from planner.runtime.traced_program import Program, Range
 from profiles.kernels import attention_kernels
 from profiles.traced import trace_forward, trace_inputs
@@ -99,6 +100,9 @@ class RegionSpec:
     # an op range of the module's traced forward, fx nodes first..last ('': the whole call)
     first: str = ""
     last: str = ""
+    # (aten op, occurrence among the ops of that name the rerun recomputes): the ops its
+    # rerun answers with uninitialized outputs, nothing needing their values (F9)
+    skipped_ops: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def is_range(self) -> bool:
@@ -231,8 +235,14 @@ class _Checkpoint:
         if not check and not self.spec.saved_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.saved_ops)
+        skipped = self.spec.skipped_ops
+
+        def contexts() -> tuple[Any, Any]:
+            sac = create_selective_checkpoint_contexts(policy)
+            return with_skips(sac, skipped) if skipped else sac
+
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
-                         context_fn=lambda: create_selective_checkpoint_contexts(policy))
+                         context_fn=contexts)
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True

@@ -37,7 +37,8 @@ from planner.runtime.offload import (
     suspended_offload,
 )
 from profiles.schema import GraphProfile
-from solvers import Decision, ModuleCall, OpRange, Region, Schedule
+from solvers import Decision, ModuleCall, OpRange, Problem, Region, Schedule
+from solvers.frame import region_skips
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +50,36 @@ def region_specs(plan: Plan, strict: bool = False) -> list[RegionSpec]:
     """What to install on each checkpointed module: the decisions of the ops it does not
     recompute, by (op, occurrence in the module's forward), the ops the forward is expected
     to run, buffers to restore."""
-    return schedule_specs(plan.profile, plan.schedule, plan.autocast_dtype, strict)
+    return schedule_specs(plan.profile, plan.schedule, plan.autocast_dtype, strict,
+                          plan.problem())
 
 
 def schedule_specs(profile: GraphProfile, schedule: Schedule, autocast_dtype: str | None,
-                   strict: bool = False) -> list[RegionSpec]:
-    """`region_specs` of ``schedule`` (its regions' targets set) on ``profile``."""
+                   strict: bool = False, problem: Problem | None = None) -> list[RegionSpec]:
+    """`region_specs` of ``schedule`` (its regions' targets set) on ``profile``; with the
+    ``problem`` it was planned on, the ops each top-level region's rerun skips (F9)."""
     nodes = profile.nodes
+    top = {id(r) for r in schedule.regions}
     out = []
     for region in schedule.recompute_regions():  # pre-order: outer before nested
         target = region.target
         path = target.path
+        skips = region_skips(problem, region) if problem is not None and id(region) in top \
+            else frozenset()
         counter: Counter[str] = Counter()
+        rerun: Counter[str] = Counter()  # the ops of each name the rerun recomputes
         saved_ops: dict[tuple[str, int], Decision] = {}
+        skipped_ops: set[tuple[str, int]] = set()
         for k in range(region.start, region.stop):
             node = nodes[k]
             if node.target in _SAC_UNSEEN:  # never shown to a SAC policy
                 continue
             if k in region.saves:
                 saved_ops[(node.target, counter[node.target])] = region.saves[k]
+            else:
+                if k in skips:
+                    skipped_ops.add((node.target, rerun[node.target]))
+                rerun[node.target] += 1
             counter[node.target] += 1
         prefix = f"{path}." if path else ""
         ranged = isinstance(target, OpRange)
@@ -77,7 +89,8 @@ def schedule_specs(profile: GraphProfile, schedule: Schedule, autocast_dtype: st
                               tuple(sorted(counter.items())), strict,
                               autocast_dtype=autocast_dtype,
                               first=target.first if ranged else "",
-                              last=target.last if ranged else ""))
+                              last=target.last if ranged else "",
+                              skipped_ops=frozenset(skipped_ops)))
     return out
 
 
