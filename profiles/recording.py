@@ -180,12 +180,13 @@ class _OpRecord:
 def skippable_op(func: Any, n_outputs: int, n_new_storages: int) -> bool:
     """Whether a rerun may answer a call of ``func`` with uninitialized tensors of the
     shapes its meta kernel gives (`solvers.frame` F9): an aten op a SAC policy sees, that
-    mutates nothing, returns only tensors, none of them a view, each on a new storage, and
-    draws no random numbers."""
+    reads a tensor, mutates nothing, returns only tensors, none of them a view, each on a
+    new storage, and draws no random numbers."""
     if not isinstance(func, torch._ops.OpOverload) or func in SAC_IGNORED_OPS:
         return False
     schema = func._schema
     return (not schema.is_mutable and torch.Tag.nondeterministic_seeded not in func.tags
+            and any(str(a.type) == "Tensor" for a in schema.arguments)  # not a factory
             and 0 < n_outputs == n_new_storages == len(schema.returns)
             and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns))
 

@@ -2,7 +2,8 @@
 
 One row per node whose output the backward saves (a storage some node's backward needs),
 and per node a checkpoint reruns or keeps: the plan's decision for it
-(`solvers.Schedule.decisions`) and the cost of every decision open to it
+(`solvers.Schedule.decisions`; a recomputed one its rerun skips, F9, reads "skipped")
+and the cost of every decision open to it
 (`Problem.decision_costs`: bytes held on the device and the host from its forward to its
 backward, time added to the forward and the backward), so a reader sees
 why: what keeping a recomputed activation would hold, what recomputing a kept one would
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from solvers.decision import RULES, Decision, DecisionCost
+from solvers.frame import region_skips
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -40,10 +42,17 @@ class DecisionRow(NamedTuple):
     decision: Decision
     costs: dict[Decision, DecisionCost]
     nbytes: int  # its outputs' bytes: what keeping it holds on the device
+    skipped: bool = False  # recomputed, but its rerun skips it: nothing needs it (F9)
 
     @property
     def cost(self) -> DecisionCost:
-        return self.costs[self.decision]
+        """What the plan pays for it: a skipped rerun step adds no time."""
+        paid = self.costs[self.decision]
+        return paid._replace(backward_ms=0.0) if self.skipped else paid
+
+    @property
+    def label(self) -> str:
+        return "skipped" if self.skipped else RULES[self.decision].label
 
 
 def decision_table(plan: Plan) -> list[DecisionRow]:
@@ -52,9 +61,11 @@ def decision_table(plan: Plan) -> list[DecisionRow]:
     saved = {s for storages in problem.saved for s in storages}
     checkpointed = plan.schedule.recomputed_nodes()
     decided = plan.schedule.decisions()
+    skipped = {i for r in plan.schedule.regions if r.is_recompute
+               for i in region_skips(problem, r)}
     nodes = plan.profile.nodes
     return [DecisionRow(i, nodes[i].name, nodes[i].target, nodes[i].module, decided[i],
-                        problem.decision_costs(i), problem.output_bytes(i))
+                        problem.decision_costs(i), problem.output_bytes(i), i in skipped)
             for i in range(problem.n_nodes) if problem.outputs[i] and (
                 i in checkpointed or any(s in saved for s in problem.outputs[i]))]
 
@@ -71,7 +82,7 @@ def format_decisions(plan: Plan, rows: int = 20) -> str:
         paid = r.cost
         rerun = next((c.backward_ms for d, c in r.costs.items() if RULES[d].reruns), None)
         op = r.op.removeprefix("aten.").removesuffix(".default")
-        lines.append(f"{r.name[:32]:<32} {op[:20]:<20} {RULES[r.decision].label:<11} "
+        lines.append(f"{r.name[:32]:<32} {op[:20]:<20} {r.label:<11} "
                      f"{paid.device_bytes / MIB:>10.3f} {paid.host_bytes / MIB:>9.3f} "
                      f"{paid.backward_ms:>11.3f} {r.nbytes / MIB:>9.3f} "
                      f"{'-' if rerun is None else f'{rerun:.3f}':>9}")

@@ -239,7 +239,11 @@ class _Checkpoint:
 
         def contexts() -> tuple[Any, Any]:
             sac = create_selective_checkpoint_contexts(policy)
-            return with_skips(sac, skipped) if skipped else sac
+            # compiled, the partitioner decides what the rerun runs (it drops what nothing
+            # reads): no mode of ours in its graph
+            if skipped and not torch.compiler.is_compiling():
+                return with_skips(sac, skipped)
+            return sac
 
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
                          context_fn=contexts)

@@ -55,9 +55,15 @@ class SkipOps(TorchDispatchMode):
         if (name, occurrence) not in self.skipped:
             return func(*args, **kwargs)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        meta_kwargs = tree_map(_meta, kwargs)
+        if "device" in meta_kwargs:  # a factory-like op (new_ones): shapes only, no memory
+            device = kwargs["device"] or device
+            meta_kwargs["device"] = torch.device("meta")
+        if device is None:  # no tensor to place the outputs by: run it
+            return func(*args, **kwargs)
         try:
             with _disable_current_modes():
-                shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+                shapes = func(*tree_map(_meta, args), **meta_kwargs)
         except (NotImplementedError, RuntimeError):  # no meta kernel: run it
             return func(*args, **kwargs)
         self.skipped_count += 1
