@@ -14,7 +14,8 @@ keeping nothing plus one term per node of K (`KeepSpace.parts`; the tests hold i
    rerun time saved (k's forward time, and that of the steps the rerun then skips: F9,
    `KeepSpace.chains`; nodes the early-stopped rerun never runs save none and only hold
    memory, so they are left out), except where one candidate lies in another's chain: such
-   candidates form a group whose every subset is priced as a whole (`KeepSpace.groups`);
+   candidates form a group whose every subset is priced as a whole (`KeepSpace.groups`,
+   up to `GROUP_MAX` members);
 3. the SAC policy's overhead is paid once, whatever K is (`Problem.checkpoint_overhead_ms`).
 
 So a solver needs per region only the keep sets on the Pareto front of (bytes held past
@@ -40,10 +41,14 @@ from solvers.accounting import Context, WindowParts, profile_parts
 from solvers.frame import dead_steps
 from solvers.front import bucket_ends, pareto
 
-__all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "MAX_EXPORTS", "KeepChoice",
+__all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "GROUP_MAX", "MAX_EXPORTS", "KeepChoice",
            "KeepSpace", "choices", "front_of", "pareto_front", "under_caps"]
 
 MAX_EXPORTS = 4  # up to this many exporting candidates, every subset of them is offered
+# candidates whose chains overlap are priced together up to this many (every subset); in a
+# larger group each is priced alone with its whole chain: never below what it saves with
+# the others (the lower-bound pass's need), while real options are priced exactly
+GROUP_MAX = 6
 Option = tuple[int, float, tuple[int, ...]]  # a keep set's (residue bytes, ms saved, items)
 FRONT_POINTS = 256  # fronts larger than this are thinned to this many memory buckets
 CAP_LEVELS = 4  # `under_caps`: caps on the local peak tried per region
@@ -61,7 +66,8 @@ class KeepSpace:
     a row of `delta` (what it adds to each slot of `base.local`). `floor`: `base.local`
     plus every negative term, below which no keep set's slots go. `groups`: candidates
     whose chains overlap (one lies in another's), each with the steps every subset of it
-    skips (`skips`, keyed by the subset's sorted candidate indices).
+    skips (`skips`, keyed by the subset's sorted candidate indices); `exact` False where a
+    larger group's candidates are priced alone (`GROUP_MAX`).
     """
 
     base: WindowParts
@@ -75,6 +81,7 @@ class KeepSpace:
     groups: tuple[tuple[int, ...], ...] = ()
     skips: Mapping[tuple[int, ...], frozenset[int]] = field(default_factory=dict)
     group_saved_ms: Mapping[tuple[int, ...], float] = field(default_factory=dict)
+    exact: bool = True  # False: a group over GROUP_MAX, priced alone (savings an upper bound)
 
     @classmethod
     def analyse(cls, ctx: Context, a0: int, b0: int, x: int, y: int,
@@ -98,11 +105,13 @@ class KeepSpace:
                 deltas.append(one.local - base.local)
         delta = (np.stack(deltas) if deltas
                  else np.zeros((0, len(base.local)), dtype=np.int64))
-        groups = _overlapping(nodes, chains)
+        overlapping = _overlapping(nodes, chains)
+        groups = tuple(g for g in overlapping if len(g) <= GROUP_MAX)
         skips = {subset: dead_steps(p, info.rules, x, {nodes[i] for i in subset})
                  for g in groups for subset in _subsets(g)}
         space = cls(base, tuple(nodes), tuple(residue), tuple(exports), (), delta,
-                    base.local + np.minimum(delta, 0).sum(axis=0), tuple(chains), groups, skips)
+                    base.local + np.minimum(delta, 0).sum(axis=0), tuple(chains), groups, skips,
+                    exact=len(groups) == len(overlapping))
         return space.at_times(p.fwd_time_ms)
 
     def at_times(self, fwd_time_ms: Sequence[float], shift: int = 0) -> KeepSpace:

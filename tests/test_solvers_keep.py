@@ -44,8 +44,11 @@ def test_keeping_a_set_adds_up_its_nodes_terms(p: Problem, data: st.DataObject) 
     stop = ctx.region(x, y).stop  # the SAC term counts the ops the rerun runs
     sac = p.checkpoint_overhead_ms(x, stop, [x]) - p.checkpoint_overhead_ms(x, stop)
     saved = space.saved_for(chosen)  # what each kept node saves, its skipped chain's too
-    assert want.time_ms == pytest.approx(space.base.time_ms + (sac if keep else 0) - saved,
-                                         abs=1e-9)
+    rerun = space.base.time_ms + (sac if keep else 0) - saved
+    if space.exact:
+        assert want.time_ms == pytest.approx(rerun, abs=1e-9)
+    else:  # a group too large to price whole: its savings never fall short
+        assert want.time_ms >= rerun - 1e-9
     schedule = Schedule.from_segments(n, [Region(x, y, RECOMPUTE, keep=keep)])
     assert p.static_bytes + got.peak(ctx, 0) == evaluate(p, schedule)[0] == simulate(
         p, schedule).peak_bytes

@@ -18,6 +18,7 @@ from solvers import (
     Status,
     bruteforce,
     cpsat,
+    keep,
     memory_lower_bound,
     simulate,
 )
@@ -82,6 +83,17 @@ def test_a_kept_node_in_anothers_chain_is_priced_with_it() -> None:
         rerun = simulate(attention(skippable=False), schedule).recompute_time_ms
         assert simulate(p, schedule).recompute_time_ms == rerun - (
             space.saved_for(chosen) - sum(p.fwd_time_ms[k] for k in keep))
+
+
+def test_a_group_too_large_to_price_whole_never_prices_below_its_savings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keep, "GROUP_MAX", 1)
+    p = attention()
+    space = KeepSpace.analyse(Context(p), 0, 6, 0, 5)
+    assert not space.exact and space.groups == ()
+    index = {k: i for i, k in enumerate(space.nodes)}
+    both = [index[2], index[3]]  # scale (in softmax's chain) and softmax
+    assert space.saved_for(both) == (3.0 + 2.0) + (4.0 + 3.0 + 2.0) > 4.0 + 3.0 + 2.0
 
 
 def test_the_dp_plans_reruns_that_skip_and_runs_faster_for_it() -> None:
