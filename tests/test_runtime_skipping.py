@@ -4,6 +4,9 @@ those its reruns skip, and the step then runs as predicted and trains alike."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 
@@ -84,3 +87,32 @@ def test_a_region_whose_rerun_needs_everything_skips_nothing(gpt) -> None:
     schedule = Schedule.from_segments(p.n_nodes, regions)
     plan = plan_for_schedule(full.profile, schedule, full.inputs, full.structure_fingerprint)
     assert all(not s.skipped_ops for s in region_specs(plan))
+
+
+def test_a_call_that_runs_other_ops_than_planned_skips_nothing(
+        gpt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast (planned without) the forward runs casts the plan never counted: the
+    occurrences it names would be other ops, so the rerun runs everything, and trains
+    alike."""
+    zm, full = gpt
+    plan = _keeping_softmax(full)
+    modes: list[skipping.SkipOps] = []
+    counting = skipping.SkipOps.__init__
+
+    def init(self: skipping.SkipOps, *args, **kwargs) -> None:
+        counting(self, *args, **kwargs)
+        modes.append(self)
+
+    monkeypatch.setattr(skipping.SkipOps, "__init__", init)
+    grads = []
+    for planned in (False, True):
+        model = copy.deepcopy(zm.model)
+        if planned:
+            planner.apply(model, plan)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the guard says the precision is not planned
+            zm.loss_fn(model(*zm.example_inputs)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert modes and all(m.skipped_count == 0 for m in modes)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

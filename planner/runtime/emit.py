@@ -236,13 +236,14 @@ class _Checkpoint:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.saved_ops)
         skipped = self.spec.skipped_ops
+        planned_ops = [False]  # its forward ran the plan's op stream: the rerun may skip
 
         def contexts() -> tuple[Any, Any]:
             sac = create_selective_checkpoint_contexts(policy)
             # compiled, the partitioner decides what the rerun runs (it drops what nothing
             # reads): no mode of ours in its graph
             if skipped and not torch.compiler.is_compiling():
-                return with_skips(sac, skipped)
+                return with_skips(sac, skipped, lambda: planned_ops[0])
             return sac
 
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
@@ -250,6 +251,7 @@ class _Checkpoint:
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True
+            planned_ops[0] = policy.counters[False] == Counter(dict(self.spec.expected_ops))
         return out
 
     def _planned_step(self, tensors: list[torch.Tensor]) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,12 +35,13 @@ def _meta(value: Any) -> Any:
 
 class SkipOps(TorchDispatchMode):
     """Below a SAC rerun: the ops ``skipped`` (op name, occurrence among the recomputed ops
-    of that name) return uninitialized outputs; the others run. ``skipped_count``: how many
-    it answered."""
+    of that name) return uninitialized outputs while ``enabled()``; the others run.
+    ``skipped_count``: how many it answered."""
 
-    def __init__(self, skipped: frozenset[tuple[str, int]]) -> None:
+    def __init__(self, skipped: frozenset[tuple[str, int]],
+                 enabled: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
-        self.skipped = skipped
+        self.skipped, self.enabled = skipped, enabled
         self.seen: Counter[str] = Counter()
         self.skipped_count = 0
 
@@ -52,7 +53,7 @@ class SkipOps(TorchDispatchMode):
         name = str(func)
         occurrence = self.seen[name]
         self.seen[name] += 1
-        if (name, occurrence) not in self.skipped:
+        if (name, occurrence) not in self.skipped or not self.enabled():
             return func(*args, **kwargs)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         meta_kwargs = tree_map(_meta, kwargs)
@@ -72,15 +73,17 @@ class SkipOps(TorchDispatchMode):
                         if isinstance(m, torch.Tensor) else m, shapes)
 
 
-def with_skips(contexts: tuple[Any, Any], skipped: frozenset[tuple[str, int]]
-               ) -> tuple[Any, Any]:
+def with_skips(contexts: tuple[Any, Any], skipped: frozenset[tuple[str, int]],
+               enabled: Callable[[], bool]) -> tuple[Any, Any]:
     """SAC's (forward, recompute) contexts with :class:`SkipOps` beneath the recompute one
-    (entered first: the SAC mode sees each op first and recomputes through it)."""
+    (entered first: the SAC mode sees each op first and recomputes through it). It skips
+    only while ``enabled()``: the call's forward ran the op stream the plan was made for
+    (else the occurrences it names are other ops)."""
     forward, recompute = contexts
 
     @contextlib.contextmanager
     def rerun() -> Iterator[None]:
-        with SkipOps(skipped), recompute:
+        with SkipOps(skipped, enabled), recompute:
             yield
 
     return forward, rerun()
