@@ -603,10 +603,6 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
         keepable = bool(record.new_storages) and not any(
             writers.get(s, -1) > record.index for s in record.new_storages)
         mutated = sorted(storages.infos[s]["name"] for s in record.mutated_state)
-        skippable = keepable and record.index not in in_function and skippable_op(
-            record.func, len(record.outputs), len(record.new_storages)) and not (
-            record.random or record.written or mutated or set(record.saved) & set(
-                record.new_storages))
         times = measured.per_node[record.index] if measured else None
         nodes.append(NodeProfile(
             index=record.index, name=name, op="aten", target=record.name,
@@ -620,7 +616,7 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
             bwd_temp_bytes=bwd.temp_bytes, stateful=bool(mutated), mutated_buffers=mutated,
             random=record.random, ops=[record.name],
             output_ops=[0] if record.new_storages else [], keepable=keepable,
-            skippable=skippable,
+            skippable=keepable and record.index not in in_function and _skippable(record),
             saved_tensors=len(record.saved), written_storages=record.written,
             packs_after_running=record.packed_after_running if record.saved else None,
             grad_storages=bwd.grad_storages, fwd_runtime_bytes=record.runtime_bytes,
@@ -635,6 +631,14 @@ def _node_profiles(rec: _Recorded, measured: _MeasuredTimes | None) -> list[Node
         grad_storages=loss_reads, saved_tensors=0,
         fwd_runtime_bytes=rec.recorder.runtime_peak if rec.recorder.runtime else None))
     return nodes
+
+
+def _skippable(record: _OpRecord) -> bool:
+    """Whether a rerun may skip the op (`NodeProfile.skippable`): one `skippable_op` that
+    draws no random numbers, writes nothing in place and saves none of its outputs."""
+    return skippable_op(record.func, len(record.outputs), len(record.new_storages)) and not (
+        record.random or record.written or record.mutated_state
+        or set(record.saved) & set(record.new_storages))
 
 
 def _with_observed_backward(nodes: list[NodeProfile], observed: list | None

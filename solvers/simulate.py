@@ -448,12 +448,8 @@ class _Replay:
         if root is None:
             for f in self.end_of_forward.get(i, ()):
                 self._kill(f)
-        label = f"fwd:{p.node_names[i]}" if root is None else f"recompute:{p.node_names[i]}"
-        if not_run:
-            label += " (stops in its pack)"
         skipped = root is not None and i in root.skipped
-        if skipped:
-            label += " (skipped: nothing needs it)"
+        label = _event_label(p.node_names[i], root is None, not_run, skipped)
         time = rerun_step_ms(p, i, cached or not_run or skipped, overhead_ms)
         if root is None:
             self._copy_out(i, env, time)
@@ -583,6 +579,13 @@ class _Replay:
         parts = self._parts(self.live_grad, p.optimizer_step_bytes)
         self._record(OPTIMIZER_STEP, "backward", 0, 0.0,
                      self._live() + p.optimizer_step_bytes, parts)
+
+
+def _event_label(name: str, forward: bool, not_run: bool, skipped: bool) -> str:
+    """How the timeline names a node's forward or rerun step."""
+    return (f"fwd:{name}" if forward else f"recompute:{name}") + (
+        " (stops in its pack)" if not_run else "") + (
+        " (skipped: nothing needs it)" if skipped else "")
 
 
 def _traced_owners(problem: Problem, schedule: Schedule) -> set[tuple[int, int]]:

@@ -235,24 +235,30 @@ class _Checkpoint:
         if not check and not self.spec.saved_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
         policy = _Policy(self.spec.saved_ops)
-        skipped = self.spec.skipped_ops
         planned_ops = [False]  # its forward ran the plan's op stream: the rerun may skip
-
-        def contexts() -> tuple[Any, Any]:
-            sac = create_selective_checkpoint_contexts(policy)
-            # compiled, the partitioner decides what the rerun runs (it drops what nothing
-            # reads): no mode of ours in its graph
-            if skipped and not torch.compiler.is_compiling():
-                return with_skips(sac, skipped, lambda: planned_ops[0])
-            return sac
-
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
-                         context_fn=contexts)
+                         context_fn=self._contexts(policy, lambda: planned_ops[0]))
         if check:
             self._check_ops(policy.counters[False])  # under strict, raises every call
             self.checked = True
             planned_ops[0] = policy.counters[False] == Counter(dict(self.spec.expected_ops))
         return out
+
+    def _contexts(self, policy: _Policy, planned_ops: Callable[[], bool]
+                  ) -> Callable[[], tuple[Any, Any]]:
+        """The checkpoint's context_fn: SAC's contexts of ``policy``, its rerun skipping the
+        plan's ops (F9) once ``planned_ops()`` says the forward ran the planned op stream.
+        Compiled, the partitioner decides what the rerun runs (it drops what nothing
+        reads): no mode of ours in its graph."""
+        skipped = self.spec.skipped_ops
+
+        def contexts() -> tuple[Any, Any]:
+            sac = create_selective_checkpoint_contexts(policy)
+            if skipped and not torch.compiler.is_compiling():
+                return with_skips(sac, skipped, planned_ops)
+            return sac
+
+        return contexts
 
     def _planned_step(self, tensors: list[torch.Tensor]) -> bool:
         """Whether this call is one of the training step the plan was made for: the module
