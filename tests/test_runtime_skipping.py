@@ -30,6 +30,20 @@ def gpt() -> tuple[zoo.ZooModel, planner.Plan]:
     return zm, plan
 
 
+@pytest.fixture
+def modes(monkeypatch: pytest.MonkeyPatch) -> list[skipping.SkipOps]:
+    """Every skipping mode a rerun enters during the test."""
+    made: list[skipping.SkipOps] = []
+    counting = skipping.SkipOps.__init__
+
+    def init(self: skipping.SkipOps, *args, **kwargs) -> None:
+        counting(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(skipping.SkipOps, "__init__", init)
+    return made
+
+
 def _keeping_softmax(plan: planner.Plan) -> planner.Plan:
     """Every attention call checkpointed, keeping its softmax's output."""
     p = plan.problem()
@@ -53,7 +67,7 @@ def test_the_profile_says_which_ops_a_rerun_may_skip(gpt) -> None:
 
 
 def test_a_rerun_skips_what_the_kept_softmax_makes_useless_and_trains_alike(
-        gpt, monkeypatch: pytest.MonkeyPatch) -> None:
+        gpt, modes: list[skipping.SkipOps]) -> None:
     zm, full = gpt
     plan = _keeping_softmax(full)
     specs = region_specs(plan)
@@ -63,14 +77,6 @@ def test_a_rerun_skips_what_the_kept_softmax_makes_useless_and_trains_alike(
     rows = [r for r in decision_table(plan) if r.skipped]  # the notebook's table says so
     assert sorted({r.op for r in rows}) == sorted(op for op, _ in SKIPPED)
     assert all(r.label == "skipped" and r.cost.backward_ms == 0.0 for r in rows)
-    modes: list[skipping.SkipOps] = []
-    counting = skipping.SkipOps.__init__
-
-    def init(self: skipping.SkipOps, *args, **kwargs) -> None:
-        counting(self, *args, **kwargs)
-        modes.append(self)
-
-    monkeypatch.setattr(skipping.SkipOps, "__init__", init)
     report = planner.verify(zm.model, plan, zm.example_inputs, zm.loss_fn, repeats=1)
     assert report.grads_equal and report.losses_equal  # dropout 0.1: the RNG replays alike
     assert report.measured_peak_bytes == report.predicted_peak_bytes
@@ -90,20 +96,12 @@ def test_a_region_whose_rerun_needs_everything_skips_nothing(gpt) -> None:
 
 
 def test_a_call_that_runs_other_ops_than_planned_skips_nothing(
-        gpt, monkeypatch: pytest.MonkeyPatch) -> None:
+        gpt, modes: list[skipping.SkipOps]) -> None:
     """Under autocast (planned without) the forward runs casts the plan never counted: the
     occurrences it names would be other ops, so the rerun runs everything, and trains
     alike."""
     zm, full = gpt
     plan = _keeping_softmax(full)
-    modes: list[skipping.SkipOps] = []
-    counting = skipping.SkipOps.__init__
-
-    def init(self: skipping.SkipOps, *args, **kwargs) -> None:
-        counting(self, *args, **kwargs)
-        modes.append(self)
-
-    monkeypatch.setattr(skipping.SkipOps, "__init__", init)
     grads = []
     for planned in (False, True):
         model = copy.deepcopy(zm.model)
