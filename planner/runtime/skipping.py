@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 __all__ = ["SkipOps", "with_skips"]
@@ -55,7 +55,10 @@ class SkipOps(TorchDispatchMode):
         self.seen[name] += 1
         if (name, occurrence) not in self.skipped or not self.enabled():
             return func(*args, **kwargs)
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(type(t) is not torch.Tensor for t in tensors):  # a DTensor, a fake: run it
+            return func(*args, **kwargs)
+        device = tensors[0].device if tensors else None
         meta_kwargs = tree_map(_meta, kwargs)
         if "device" in meta_kwargs:  # a factory-like op (new_ones): shapes only, no memory
             device = kwargs["device"] or device
