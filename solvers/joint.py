@@ -16,6 +16,11 @@ of the set stored, the rest checkpointed (s in `STORED_SHARES`; the earliest cal
 longest forward to copy in). A stored one may also recompute its pieces
 (`offload_pieces`: the regions inside it, module calls or op ranges, that free the most
 bytes per ms of rerun, `solvers.dp.inner`), so it moves only what is dear to recompute.
+Or each call of the set runs as a split checkpoint (`split_checkpoint`, `SPLITS`): it holds
+every output its backward needs, moves the dear ones and keeps the rest on the device, its
+rerun skipping what those make unneeded (F9): the copies move a fraction of the call's
+bytes, so more calls fit the link's time; or it reruns its cheap leaves too, and may move
+all it holds.
 Every other decision is the base solver's (the DP by default: keep or recompute per
 activation over module calls), planned on `ideal(calls)`, the problem where those calls hold
 nothing for the backward (re-planned for less when the real copies run over the budget).
@@ -39,7 +44,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from solvers.accounting import Context
@@ -55,9 +60,10 @@ from solvers.spaces import SearchSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISTANCES", "RELEASES", "STORED_SHARES", "checkpointed", "copy_back_floor",
-           "ideal", "landed_releases", "layout", "moved_bytes", "offload_chain", "offload_keeps",
-           "offload_pieces", "offloads", "solve"]
+__all__ = ["DISTANCES", "RELEASES", "SPLITS", "STORED_SHARES", "Split", "checkpointed",
+           "copy_back_floor", "ideal", "landed_releases", "layout", "moved_bytes",
+           "offload_chain", "offload_keeps", "offload_pieces", "offloads", "solve",
+           "split_checkpoint"]
 
 DISTANCES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 RELEASES = ("own", "next", "landed")
@@ -133,14 +139,18 @@ def landed_releases(problem: Problem, schedule: Schedule, chain: list[tuple[int,
     return Schedule(regions=schedule.regions, offloads=tuple(out))
 
 
-def ideal(problem: Problem, calls: list[tuple[int, int]]) -> Problem:
-    """`problem` with `calls` stored and holding nothing for the backward: what offloading
-    them would be with copies that take no time."""
+def ideal(problem: Problem, calls: list[tuple[int, int]],
+          held: Collection[int] = frozenset()) -> Problem:
+    """`problem` with `calls` stored and holding nothing for the backward but the outputs
+    of `held` (kept on the device by split checkpoints): what offloading them would be
+    with copies that take no time."""
     inside = {i for a, b in calls for i in range(a, b)}
     if not inside:
         return problem
+    kept = {s for k in held for s in problem.outputs[k]}
     return problem.model_copy(update={
-        "node_saved": [[] if i in inside else list(s) for i, s in enumerate(problem.node_saved)],
+        "node_saved": [[s for s in saved if s in kept] if i in inside else list(saved)
+                       for i, saved in enumerate(problem.node_saved)],
         "recomputable": [r and i not in inside for i, r in enumerate(problem.recomputable)]})
 
 
@@ -162,9 +172,11 @@ def offload_keeps(problem: Problem, call: tuple[int, int]) -> frozenset[int] | N
     return frozenset(keep)
 
 
-def checkpointed(schedule: Schedule, regions: Iterable[Region]) -> Schedule:
+def checkpointed(schedule: Schedule, regions: Iterable[Region],
+                 move_keeps: bool | Collection[int] = True) -> Schedule:
     """`schedule` with each of `regions` (RECOMPUTE, disjoint) that lies in a stored stretch
-    put there (one inside a recompute region is left out)."""
+    put there (one inside a recompute region is left out), those inside an offloaded call
+    moving what they keep (``move_keeps``, `Schedule.with_offloads`)."""
     merged: list[Region] = []
     for r in schedule.regions:  # stored stretches merged: a call may straddle two
         if merged and merged[-1].mode == STORE and r.mode == STORE:
@@ -186,9 +198,8 @@ def checkpointed(schedule: Schedule, regions: Iterable[Region]) -> Schedule:
             out.append(r)
         elif pos < r.stop:
             out.append(Region(pos, r.stop, STORE))
-    # each region put inside an offloaded call moves what it keeps with the call
     return Schedule(regions=tuple(out), offloads=schedule.offloads).with_offloads(
-        schedule.offloads)
+        schedule.offloads, move_keeps=move_keeps)
 
 
 def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bool = True
@@ -216,17 +227,72 @@ def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bo
     return [light, heavy] if heavy != light else [light]
 
 
+class Split(NamedTuple):
+    """A level of `split_checkpoint`: whether it reruns its leaves, and moves all it holds."""
+
+    rerun_leaves: bool
+    moves_all: bool = False
+
+
+# the levels the search tries: hold all and move the dear outputs; rerun the leaves too;
+# and rerun the leaves and move all the rest (a softmax after its scores, say)
+SPLITS = (Split(False), Split(True), Split(True, moves_all=True))
+
+
+def split_checkpoint(problem: Problem, call: tuple[int, int], level: Split
+                     ) -> tuple[Region, frozenset[int]] | None:
+    """`call` as one checkpoint that holds every output its backward needs, and what it moves:
+    the dear outputs (`offload_keeps`), while the rest stay on the device (per-tensor
+    offload: the bytes cheap to hold but dear to rerun, a softmax after its scores, are not
+    copied), or with ``level.moves_all`` all it holds. With ``level.rerun_leaves``, a needed
+    output that is not dear and whose inputs it holds is rerun instead (an attention's
+    dropout, a GELU, a layer norm). The rerun skips what nothing it runs needs (F9). None
+    where the call cannot be a checkpoint."""
+    dear = offload_keeps(problem, call)
+    if dear is None:
+        return None
+    a, b = call
+    needed = {s for i in range(a, b) for s in problem.saved[i]}
+    unneeded = {problem.storage_producer[s] for s in set(problem.storages_made(a, b)) - needed}
+    held, rerun = set(dear), set()
+    for i in range(a, b):
+        if i in dear or not problem.can_keep(i) or needed.isdisjoint(problem.outputs[i]):
+            continue
+        made = {m for s in problem.inputs[i] if a <= (m := problem.storage_producer[s]) < b}
+        # a copy of a dear output nothing else needs (q, k, v of a fused projection) reruns:
+        # held, the dear node would rerun for its other readers (F9 skips one sink's chain)
+        copy = bool(made) and made <= dear & unneeded
+        if made <= held and (level.rerun_leaves or copy):
+            rerun.add(i)
+        else:
+            held.add(i)
+    read = {s for i in rerun for s in problem.inputs[i]}
+    dear = frozenset(i for i in dear if not (needed | read).isdisjoint(problem.outputs[i]))
+    keep = (held - offload_keeps(problem, call)) | dear
+    return Region(a, b, RECOMPUTE, keep=keep), keep if level.moves_all else dear
+
+
 def layout(problem: Problem, calls: list[tuple[int, int]], stored: float = 1.0,
-           pieces: Mapping[tuple[int, int], tuple[Region, ...]] | None = None) -> Schedule:
+           pieces: Mapping[tuple[int, int], tuple[Region, ...]] | None = None,
+           split: Split | None = None) -> Schedule:
     """`calls` offloaded (fetched when needed), the first share `stored` of them stored
-    (recomputing their `pieces`, where given) and the rest checkpointed keeping
-    `offload_keeps` (where they can be), nothing else planned."""
+    (recomputing their `pieces`, where given), or each a `split_checkpoint` of level
+    ``split``, and the rest checkpointed keeping `offload_keeps`
+    (where they can be), every keep moved but a split checkpoint's; nothing else planned."""
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(calls)
     cut = round(stored * len(calls))
-    regions = [q for c in calls[:cut] for q in (pieces or {}).get(c, ())]
-    regions += [Region(*c, RECOMPUTE, keep=k) for c in calls[cut:]
-                if (k := offload_keeps(problem, c)) is not None]
-    return checkpointed(schedule, regions) if regions else schedule
+    if split is None:
+        regions = [q for c in calls[:cut] for q in (pieces or {}).get(c, ())]
+        moving: set[int] = {k for q in regions for k in q.keep}
+    else:
+        splits = [x for c in calls[:cut] if (x := split_checkpoint(problem, c, split))]
+        regions = [region for region, _ in splits]
+        moving = {k for _, moved in splits for k in moved}
+    for c in calls[cut:]:
+        if (keep := offload_keeps(problem, c)) is not None:
+            regions.append(Region(*c, RECOMPUTE, keep=keep))
+            moving |= keep
+    return checkpointed(schedule, regions, moving) if regions else schedule
 
 
 def copy_back_floor(problem: Problem, schedule: Schedule) -> float:
@@ -269,7 +335,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
     chain = [call for call in offload_chain(problem) if moved_bytes(problem, [call])
              ] if problem.host_link is not None else []  # calls that move something
     shapes = _Shapes(STORED_SHARES if keeps_offloaded else (1.0,),
-                     offload_pieces(problem, chain, keeps=keeps_offloaded))
+                     offload_pieces(problem, chain, keeps=keeps_offloaded),
+                     SPLITS if keeps_offloaded else ())
     probes = _probes(problem, chain, shapes)
     search = _Search(problem, budget_bytes, chain, deadline, base, on_set,
                      1 + len(probes) + sum(len(chain[::stride]) for stride in STRIDES))
@@ -289,7 +356,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0, *,
         if not complete:
             break
     found = _answer(problem, budget_bytes, search.best, search.bounds if complete else None,
-                    chain, shapes.shares, t0)
+                    chain, shapes, t0)
     return found if complete else found.timed_out()
 
 
@@ -348,11 +415,13 @@ class _Search:
 
 
 class _Shapes(NamedTuple):
-    """How offloaded calls may run: the shares of them stored (`layout`), and per call the
-    levels of pieces a stored one may recompute (`offload_pieces`)."""
+    """How offloaded calls may run: the shares of them stored (`layout`), per call the
+    levels of pieces a stored one may recompute (`offload_pieces`), and the levels of split
+    checkpoints (`split_checkpoint`) they may run as."""
 
     shares: tuple[float, ...]
     pieces: list[dict[tuple[int, int], tuple[Region, ...]]]
+    splits: tuple[Split, ...] = ()
 
 
 def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> list[int]:
@@ -381,14 +450,15 @@ def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> 
 def _layouts(problem: Problem, calls: list[tuple[int, int]], shapes: _Shapes,
              host_budget_bytes: float) -> list[Schedule]:
     """The distinct layouts of `calls` (`layout`: each share, stored ones with and without
-    their pieces) within the host budget."""
+    their pieces, and each level of split checkpoints) within the host budget."""
+    shapes_of = [(share, pieces, None) for share in shapes.shares
+                 for pieces in ((None, *shapes.pieces) if share else (None,))]
     out: list[Schedule] = []
-    for share in shapes.shares:
-        for pieces in (None, *shapes.pieces) if share else (None,):
-            schedule = layout(problem, calls, share, pieces)
-            moved = sum(g.nbytes(problem) for g in offload_groups(problem, schedule))
-            if schedule not in out and 0 < moved <= host_budget_bytes:
-                out.append(schedule)
+    for share, pieces, split in shapes_of + [(1.0, None, split) for split in shapes.splits]:
+        schedule = layout(problem, calls, share, pieces, split)
+        moved = sum(g.nbytes(problem) for g in offload_groups(problem, schedule))
+        if schedule not in out and 0 < moved <= host_budget_bytes:
+            out.append(schedule)
     return out
 
 
@@ -397,23 +467,51 @@ def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
               layouts: list[Schedule], beat: float = math.inf
               ) -> tuple[Solution | None, float]:
     """The best schedule offloading `calls` (any distance, as any of `layouts` runs them)
-    and the bound of `ideal`. The layouts whose real copies run over the budget at every
-    distance share a re-plan of the rest for less (by the least of their overruns), up to
-    `RETRIES` times. `beat`: the added time of the best schedule of other sets (what is
-    not below it is not kept)."""
-    planned = ideal(problem, calls)
-    first = base(planned, budget, max(0.05, deadline - time.perf_counter()))
-    bound = (first.bound_ms or 0.0) if first.feasible else math.inf
-    best, sol, target = None, first, budget
-    pending = [[r for r in shape.regions if r.is_recompute]
-               for shape in layouts or [Schedule.store_all(problem.n_nodes)]]
+    and the bound of `ideal`. The rest is planned on `ideal` of what each layout holds on
+    the device (`_on_device`: what its split checkpoints keep there), and the layouts whose
+    real copies run over the budget at every distance share a re-plan of the rest for less
+    (by the least of their overruns), up to `RETRIES` times. `beat`: the added time of the
+    best schedule of other sets (what is not below it is not kept)."""
+    plain = base(ideal(problem, calls), budget, max(0.05, deadline - time.perf_counter()))
+    bound = (plain.bound_ms or 0.0) if plain.feasible else math.inf
+    by_held: dict[frozenset[int], list[list[Region]]] = {}
+    for shape in layouts or [Schedule.store_all(problem.n_nodes)]:
+        by_held.setdefault(_on_device(shape), []).append(
+            [r for r in shape.regions if r.is_recompute])
+    best = None
+    for held, pending in by_held.items():
+        planned = ideal(problem, calls, held)
+        sol = plain if not held else base(planned, budget,
+                                          max(0.05, deadline - time.perf_counter()))
+        found = _replanned(problem, budget, calls, chain, deadline, base, planned, sol,
+                           pending, beat if best is None else min(beat, best.objective_ms))
+        if found is not None and (best is None or found.objective_ms < best.objective_ms):
+            best = found
+        if best is not None and time.perf_counter() > deadline:
+            break
+    return best, bound
+
+
+def _on_device(schedule: Schedule) -> frozenset[int]:
+    """The nodes whose outputs `schedule`'s checkpoints keep on the device inside its
+    offloaded calls (a split checkpoint's)."""
+    return frozenset(k for r in schedule.regions for k in r.keep - r.offloaded()
+                     if any(o.start <= k < o.stop for o in schedule.offloads))
+
+
+def _replanned(problem: Problem, budget: int, calls: list[tuple[int, int]],
+               chain: list[tuple[int, int]], deadline: float, base: Base, planned: Problem,
+               sol: Solution, pending: list[list[Region]], beat: float) -> Solution | None:
+    """The best of `pending` (layouts' regions) over base plan `sol` of `planned`, each
+    distance scored (`_score`), re-planning `planned` for less while all run over."""
+    best, target = None, budget
     for attempt in range(RETRIES + 1):
         if not sol.feasible or sol.schedule is None:
             break
         over_by: list[tuple[list[Region], int]] = []
         for regions in pending:
             if best is not None and time.perf_counter() > deadline:
-                return best, bound
+                return best
             found, over = _score(problem, budget, calls, chain, sol, regions, deadline,
                                  beat if best is None else min(beat, best.objective_ms))
             if found is not None and (best is None or found.objective_ms < best.objective_ms):
@@ -425,7 +523,7 @@ def _best_for(problem: Problem, budget: int, calls: list[tuple[int, int]],
             break
         target -= min(over for _, over in over_by)  # plan the rest for less
         sol = base(planned, target, max(0.05, deadline - time.perf_counter()))
-    return best, bound
+    return best
 
 
 def _candidates(problem: Problem, calls: list[tuple[int, int]], chain: list[tuple[int, int]],
@@ -441,8 +539,8 @@ def _candidates(problem: Problem, calls: list[tuple[int, int]], chain: list[tupl
     for distance, release in itertools.product(distances, releases):
         schedule = Schedule(regions=sol.schedule.regions).with_offloads(
             offloads(problem, calls, chain, distance, int(release == "next")))
-        if planned:
-            schedule = checkpointed(schedule, planned)
+        if planned:  # as the layout decided what its checkpoints move
+            schedule = checkpointed(schedule, planned, move_keeps=False)
         if release == "landed":
             schedule = landed_releases(problem, schedule, chain)
         if schedule not in seen:  # not a distance past the chain's end, or releases that agree
@@ -478,7 +576,7 @@ def _score(problem: Problem, budget: int, calls: list[tuple[int, int]],
 
 
 def _answer(problem: Problem, budget: int, best: Solution | None, bounds: list[float] | None,
-            chain: list[tuple[int, int]], stored_shares: tuple[float, ...], t0: float
+            chain: list[tuple[int, int]], shapes: _Shapes, t0: float
             ) -> Solution:
     space = SearchSpace(
         text=(f"offload the saved activations of the first c of every m-th of {len(chain)} "
@@ -488,7 +586,11 @@ def _answer(problem: Problem, budget: int, best: Solution | None, bounds: list[f
               "the next, or the first after its copies end, the first share s of them stored (with "
               "or without the pieces inside each that free the most bytes per ms of rerun "
               "recomputed) and the rest checkpointed with their costliest outputs per byte "
-              f"kept and offloaded (s in {list(stored_shares)}); the rest: the DP's space "
+              f"kept and offloaded (s in {list(shapes.shares)})"
+              + (", or each call one checkpoint holding every output its backward needs, the "
+                 "costliest per byte offloaded and the rest on the device (with or without "
+                 "its cheap leaves rerun)" if shapes.splits else "")
+              + "; the rest: the DP's space "
               "(keep or recompute per activation over module calls, and regions inside a "
               "layer: module calls or op ranges)"),
         cuts="solver", keep="stage-any")

@@ -20,7 +20,7 @@ checkpoints save as OFFLOAD, one by one, while the ones they KEEP stay on the de
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -373,24 +373,29 @@ class Schedule(BaseModel):
             "offloads": tuple(o.with_targets(target_of) for o in self.offloads)})
 
     def with_offloads(self, offloads: Iterable[Offload | tuple[int, int]], *,
-                      move_keeps: bool = True) -> Schedule:
+                      move_keeps: bool | Collection[int] = True) -> Schedule:
         """The same regions, offloading the given calls (Offloads or `(start, stop)` spans,
         prefetched when first needed). With ``move_keeps`` the top-level checkpoints inside
-        them move what they keep (KEEP becomes OFFLOAD); else their saves stay as they are
-        (a choice per node). Outside every offloaded call, OFFLOAD becomes KEEP.
+        them move what they keep (KEEP becomes OFFLOAD), or only the nodes it lists; else
+        their saves stay as they are (a choice per node). Outside every offloaded call,
+        OFFLOAD becomes KEEP.
 
         >>> Schedule.store_all(6).with_offloads([(0, 2), Offload(start=2, stop=4,
         ...                                      prefetch=(4, 6))]).describe()
         'S[0:6] O[0:2] O[2:4 <-4:6]'
         >>> Schedule.from_segments(6, [(1, 4)], keep=[2]).with_offloads([(0, 5)]).describe()
         'S[0:1] R[1:4 offload=2] S[4:6] O[0:5]'
+        >>> Schedule.from_segments(6, [(1, 4)], keep=[2, 3]).with_offloads(
+        ...     [(0, 5)], move_keeps={3}).describe()
+        'S[0:1] R[1:4 keep=2 offload=3] S[4:6] O[0:5]'
         """
         spans = tuple(o if isinstance(o, Offload) else Offload(start=o[0], stop=o[1])
                       for o in offloads)
         regions = []
         for top in self.regions:
             inside = _inside(top, spans)
-            saves = {k: Decision.OFFLOAD if inside and move_keeps and d is Decision.KEEP
+            saves = {k: Decision.OFFLOAD if inside and d is Decision.KEEP and (
+                         move_keeps is True or (move_keeps is not False and k in move_keeps))
                      else Decision.KEEP if not inside and d is Decision.OFFLOAD else d
                      for k, d in top.saves.items()}
             regions.append(top if saves == top.saves else top.model_copy(update={"saves": saves}))
