@@ -16,11 +16,11 @@ of the set stored, the rest checkpointed (s in `STORED_SHARES`; the earliest cal
 longest forward to copy in). A stored one may also recompute its pieces
 (`offload_pieces`: the regions inside it, module calls or op ranges, that free the most
 bytes per ms of rerun, `solvers.dp.inner`), so it moves only what is dear to recompute.
-Or each call of the set runs as a split checkpoint (`split_checkpoint`, `SPLITS`): it holds
-every output its backward needs, moves the dear ones and keeps the rest on the device, its
-rerun skipping what those make unneeded (F9): the copies move a fraction of the call's
-bytes, so more calls fit the link's time; or it reruns its cheap leaves too, and may move
-all it holds.
+Or each call of the set runs as a split checkpoint (`split_checkpoint`, `SPLITS`): it
+reruns its cheap leaves (a dropout, a GELU) and holds every other output its backward
+needs, moving the dear ones and keeping the rest on the device, or moving all, its rerun
+skipping what those make unneeded (F9): the copies move a fraction of the call's bytes,
+so more calls fit the link's time.
 Every other decision is the base solver's (the DP by default: keep or recompute per
 activation over module calls), planned on `ideal(calls)`, the problem where those calls hold
 nothing for the backward (re-planned for less when the real copies run over the budget).
@@ -60,7 +60,7 @@ from solvers.spaces import SearchSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DISTANCES", "RELEASES", "SPLITS", "STORED_SHARES", "Split", "checkpointed",
+__all__ = ["DISTANCES", "RELEASES", "SPLITS", "STORED_SHARES", "checkpointed",
            "copy_back_floor", "ideal", "landed_releases", "layout", "moved_bytes",
            "offload_chain", "offload_keeps", "offload_pieces", "offloads", "solve",
            "split_checkpoint"]
@@ -68,6 +68,7 @@ __all__ = ["DISTANCES", "RELEASES", "SPLITS", "STORED_SHARES", "Split", "checkpo
 DISTANCES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 RELEASES = ("own", "next", "landed")
 STORED_SHARES = (1.0, 0.0)  # of an offload set, run stored (module doc)
+SPLITS = (False, True)  # split checkpoints moving only their dear outputs, or all they hold
 STRIDES = (1, 4, 2, 3, 6)  # in the order searched (good answers early under a time limit)
 PIECE_RATIO = 2.0  # `offload_pieces`' heavier level: its bytes per ms over the call's
 SHORT_OF_ALL = 3  # `_probes`: sets of all the chain but its last 1..3 calls, tried early
@@ -227,57 +228,38 @@ def offload_pieces(problem: Problem, calls: Iterable[tuple[int, int]], keeps: bo
     return [light, heavy] if heavy != light else [light]
 
 
-class Split(NamedTuple):
-    """A level of `split_checkpoint`: whether it reruns its leaves, and moves all it holds."""
-
-    rerun_leaves: bool
-    moves_all: bool = False
-
-
-# the levels the search tries: hold all and move the dear outputs; rerun the leaves too;
-# and rerun the leaves and move all the rest (a softmax after its scores, say)
-SPLITS = (Split(False), Split(True), Split(True, moves_all=True))
-
-
-def split_checkpoint(problem: Problem, call: tuple[int, int], level: Split
+def split_checkpoint(problem: Problem, call: tuple[int, int], moves_all: bool
                      ) -> tuple[Region, frozenset[int]] | None:
-    """`call` as one checkpoint that holds every output its backward needs, and what it moves:
-    the dear outputs (`offload_keeps`), while the rest stay on the device (per-tensor
-    offload: the bytes cheap to hold but dear to rerun, a softmax after its scores, are not
-    copied), or with ``level.moves_all`` all it holds. With ``level.rerun_leaves``, a needed
-    output that is not dear and whose inputs it holds is rerun instead (an attention's
-    dropout, a GELU, a layer norm). The rerun skips what nothing it runs needs (F9). None
-    where the call cannot be a checkpoint."""
+    """`call` as one checkpoint that reruns its leaves (needed outputs not dear per byte whose
+    inputs it holds: an attention's dropout, a GELU, a layer norm, a copy) and holds every
+    other output its backward needs, and what it moves: the dear outputs
+    (`offload_keeps`), while the rest stay on the device (per-tensor offload: the bytes
+    cheap to hold but dear to rerun, a softmax after its scores, are not copied), or with
+    ``moves_all`` all it holds. The rerun skips what nothing it runs needs (F9). None where
+    the call cannot be a checkpoint."""
     dear = offload_keeps(problem, call)
     if dear is None:
         return None
     a, b = call
     needed = {s for i in range(a, b) for s in problem.saved[i]}
-    unneeded = {problem.storage_producer[s] for s in set(problem.storages_made(a, b)) - needed}
     held, rerun = set(dear), set()
     for i in range(a, b):
         if i in dear or not problem.can_keep(i) or needed.isdisjoint(problem.outputs[i]):
             continue
         made = {m for s in problem.inputs[i] if a <= (m := problem.storage_producer[s]) < b}
-        # a copy of a dear output nothing else needs (q, k, v of a fused projection) reruns:
-        # held, the dear node would rerun for its other readers (F9 skips one sink's chain)
-        copy = bool(made) and made <= dear & unneeded
-        if made <= held and (level.rerun_leaves or copy):
-            rerun.add(i)
-        else:
-            held.add(i)
+        (rerun if made <= held else held).add(i)
     read = {s for i in rerun for s in problem.inputs[i]}
-    dear = frozenset(i for i in dear if not (needed | read).isdisjoint(problem.outputs[i]))
-    keep = (held - offload_keeps(problem, call)) | dear
-    return Region(a, b, RECOMPUTE, keep=keep), keep if level.moves_all else dear
+    moved = frozenset(i for i in dear if not (needed | read).isdisjoint(problem.outputs[i]))
+    keep = (held - dear) | moved
+    return Region(a, b, RECOMPUTE, keep=keep), keep if moves_all else moved
 
 
 def layout(problem: Problem, calls: list[tuple[int, int]], stored: float = 1.0,
            pieces: Mapping[tuple[int, int], tuple[Region, ...]] | None = None,
-           split: Split | None = None) -> Schedule:
+           split: bool | None = None) -> Schedule:
     """`calls` offloaded (fetched when needed), the first share `stored` of them stored
-    (recomputing their `pieces`, where given), or each a `split_checkpoint` of level
-    ``split``, and the rest checkpointed keeping `offload_keeps`
+    (recomputing their `pieces`, where given), or each a `split_checkpoint` (``split``:
+    moving all it holds or not), and the rest checkpointed keeping `offload_keeps`
     (where they can be), every keep moved but a split checkpoint's; nothing else planned."""
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(calls)
     cut = round(stored * len(calls))
@@ -421,7 +403,7 @@ class _Shapes(NamedTuple):
 
     shares: tuple[float, ...]
     pieces: list[dict[tuple[int, int], tuple[Region, ...]]]
-    splits: tuple[Split, ...] = ()
+    splits: tuple[bool, ...] = ()
 
 
 def _probes(problem: Problem, chain: list[tuple[int, int]], shapes: _Shapes) -> list[int]:
@@ -587,9 +569,9 @@ def _answer(problem: Problem, budget: int, best: Solution | None, bounds: list[f
               "or without the pieces inside each that free the most bytes per ms of rerun "
               "recomputed) and the rest checkpointed with their costliest outputs per byte "
               f"kept and offloaded (s in {list(shapes.shares)})"
-              + (", or each call one checkpoint holding every output its backward needs, the "
-                 "costliest per byte offloaded and the rest on the device (with or without "
-                 "its cheap leaves rerun)" if shapes.splits else "")
+              + (", or each call one checkpoint rerunning its cheap leaves and holding every "
+                 "other output its backward needs, the costliest per byte offloaded and the "
+                 "rest on the device, or all offloaded" if shapes.splits else "")
               + "; the rest: the DP's space "
               "(keep or recompute per activation over module calls, and regions inside a "
               "layer: module calls or op ranges)"),
