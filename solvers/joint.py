@@ -23,7 +23,9 @@ skipping what those make unneeded (F9): the copies move a fraction of the call's
 so more calls fit the link's time.
 Every other decision is the base solver's (the DP by default: keep or recompute per
 activation over module calls), planned on `ideal(calls)`, the problem where those calls hold
-nothing for the backward (re-planned for less when the real copies run over the budget).
+nothing for the backward but what split checkpoints keep on the device (re-planned for less
+when the real copies run over the budget). Split checkpoints are tried where copies run
+beside compute (`_beside_compute`).
 The objective is what the schedule adds to the step: recompute time plus the time compute
 waits for copies.
 
