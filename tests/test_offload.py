@@ -261,7 +261,7 @@ def _schedule(step: ProfiledStep, how: str) -> Schedule:
         assert any(problem.span(r.start, r.stop).kind == "ops"
                    for r in schedule.regions if r.is_recompute)
         return schedule
-    if how.startswith("split"):  # each block one checkpoint moving only its dear outputs
+    if how.startswith("split"):  # each block a split checkpoint (`joint.split_checkpoint`)
         from solvers import joint
         from solvers.from_profile import problem_from_profile
 
@@ -306,7 +306,7 @@ def test_offload_plans_measure_as_predicted_with_identical_gradients(gpt, how: s
         for region in plan.schedule.regions:
             assert all(status[k] == (viz.OFFLOADED if k in region.offloaded() else viz.SAVED)
                        for k in region.keep)
-    if how.startswith("split"):  # the dear outputs moved, the rest held on the device
+    if how.startswith("split"):  # fewer bytes moved than stored blocks, some kept on the device
         stored = _plan(step, "alone").schedule.with_offloads(_blocks(step))
         assert plan.offloaded_bytes < plan_for_schedule(
             step.profile, stored, step.inputs, step.structure).offloaded_bytes
