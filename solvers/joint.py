@@ -261,8 +261,9 @@ def layout(problem: Problem, calls: list[tuple[int, int]], stored: float = 1.0,
            split: bool | None = None) -> Schedule:
     """`calls` offloaded (fetched when needed), the first share `stored` of them stored
     (recomputing their `pieces`, where given), or each a `split_checkpoint` (``split``:
-    moving all it holds or not), and the rest checkpointed keeping `offload_keeps`
-    (where they can be), every keep moved but a split checkpoint's; nothing else planned."""
+    moving all it holds or not; stored where it cannot be one), and the rest checkpointed
+    keeping `offload_keeps` (where they can be), every keep moved but a split checkpoint's;
+    nothing else planned."""
     schedule = Schedule.store_all(problem.n_nodes).with_offloads(calls)
     cut = round(stored * len(calls))
     if split is None:
