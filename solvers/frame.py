@@ -36,13 +36,13 @@ F8. Worth checkpointing. A region is a candidate only when all its nodes can be 
     holds its inputs, which storing does not.
 F9. Skipped steps. In the rerun of a top-level frame without children, a step the rerun
     runs is skipped when its node is skippable (`Problem.skippable`), nothing the rerun
-    runs or packs needs its outputs' values, and they lead to one cached node (its sink):
-    no run step, nor the unrun last (F3), saves them, and every run step that reads them
-    and makes something is cached (F6) or skipped itself, all with the same sink (a view
-    makes nothing and reads no values). Skipped, it makes its outputs
-    uninitialized, so the rerun's memory is as if it ran and its time is not spent
-    (`dead_steps`). One sink per skipped step makes the time a keep set saves the sum of
-    what each kept node's chain saves, wherever the chains do not overlap.
+    runs or packs needs its outputs' values, and some run step reads them: no run step,
+    nor the unrun last (F3), saves them, and every run step that reads them and makes
+    something is cached (F6) or skipped itself (a view makes nothing and reads no values).
+    Skipped, it makes its outputs uninitialized, so the rerun's memory is as if it ran and
+    its time is not spent (`dead_steps`). A step read by several may need several kept
+    nodes (a fused projection whose q, k and v copies are all kept): the least keep sets
+    skipping each step (`skip_covers`) say which kept nodes' savings are priced together.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from solvers.schedule import Region
 
 __all__ = ["ChildFrame", "FlatStops", "FrameEnd", "FrameRules", "dead_steps", "frame_end",
            "frame_rules", "may_skip", "own_packs", "region_rules", "region_skips",
-           "worth_checkpointing"]
+           "skip_covers", "worth_checkpointing"]
 
 
 class FrameRules(NamedTuple):
@@ -166,34 +166,71 @@ def dead_steps(problem: Problem, rules: FrameRules, start: int,
     >>> sorted(dead_steps(q, frame_rules(q, [2]), 0, {1}))  # node 1 kept: node 0 not needed
     [0]
     """
+    needs = _skip_needs(problem, rules, start)
+    dead: set[int] = set()
+    for i in reversed(rules.run_steps(start)):
+        readers = needs.get(i) if i not in cached else None
+        if readers and all(j in cached or j in dead for j in readers):
+            dead.add(i)
+    return frozenset(dead)
+
+
+def skip_covers(problem: Problem, rules: FrameRules, start: int, candidates: Collection[int],
+                most: int) -> dict[int, list[frozenset[int]]] | None:
+    """F9 over every keep set of `candidates`: per step some set skips, the least sets that
+    skip it (a set skips it when it holds one of them); None where a step has more than
+    `most` or one holds more than `most` candidates (too many to price every subset)."""
+    needs = _skip_needs(problem, rules, start)
+    served: dict[int, list[frozenset[int]]] = {}  # step -> least sets caching or skipping it
+    covers: dict[int, list[frozenset[int]]] = {}
+    for i in reversed(rules.run_steps(start)):
+        own = [frozenset({i})] if i in candidates else []
+        ways: list[frozenset[int]] = [frozenset()] if needs.get(i) else []
+        for j in needs.get(i, ()):
+            ways = _least([w | v for w in ways for v in served.get(j, ())])
+            if len(ways) > most or any(len(w) > most for w in ways):
+                return None
+        if ways:
+            covers[i] = ways
+        served[i] = _least(own + ways)
+    return covers
+
+
+def _least(sets: list[frozenset[int]]) -> list[frozenset[int]]:
+    """The sets of `sets` holding no other (each once)."""
+    out: list[frozenset[int]] = []
+    for s in sorted(set(sets), key=len):
+        if not any(t <= s for t in out):
+            out.append(s)
+    return out
+
+
+def _skip_needs(problem: Problem, rules: FrameRules, start: int) -> dict[int, frozenset[int]]:
+    """F9's static part: per run step a rerun may skip, the run steps reading its outputs'
+    values (nonempty; a view reads none, the unrun last runs none). A step is absent where
+    it is not skippable, nothing the rerun runs reads it, or a run step (or the unrun last)
+    saves its outputs: its pack needs the values."""
     run = rules.run_steps(start)
     unrun = rules.rerun_stop - 1 if rules.last_not_run else None
-    sink: dict[int, int] = {}
-    for i in reversed(run):
-        if i in cached or not problem.skippable(i):
+    needs: dict[int, frozenset[int]] = {}
+    for i in run:
+        if not problem.skippable(i):
             continue
-        ends: set[int] | None = set()
+        readers: set[int] | None = set()
         for s in problem.outputs[i]:
             for j in problem.consumers[s]:
                 if j not in run and j != unrun:
                     continue
                 if s in problem.saved[j]:
-                    ends = None  # its pack needs the values
-                elif j == unrun or not problem.outputs[j]:
-                    continue  # never runs (F3), or a view: reads no values
-                elif j in cached:
-                    ends.add(j)
-                elif j in sink:
-                    ends.add(sink[j])
-                else:
-                    ends = None
-                if ends is None:
+                    readers = None
                     break
-            if ends is None:
+                if j != unrun and problem.outputs[j]:
+                    readers.add(j)
+            if readers is None:
                 break
-        if ends is not None and len(ends) == 1:
-            sink[i] = ends.pop()
-    return frozenset(sink)
+        if readers:
+            needs[i] = frozenset(readers)
+    return needs
 
 
 def region_skips(problem: Problem, region: Region) -> frozenset[int]:

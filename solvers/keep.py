@@ -12,10 +12,11 @@ keeping nothing plus one term per node of K (`KeepSpace.parts`; the tests hold i
    longer allocates);
 2. the bytes held past the end of the forward add up (`KeepSpace.residue`), and so does the
    rerun time saved (k's forward time, and that of the steps the rerun then skips: F9,
-   `KeepSpace.chains`; nodes the early-stopped rerun never runs save none and only hold
-   memory, so they are left out), except where one candidate lies in another's chain: such
-   candidates form a group whose every subset is priced as a whole (`KeepSpace.groups`,
-   up to `GROUP_MAX` members);
+   `KeepSpace.reach`; nodes the early-stopped rerun never runs save none and only hold
+   memory, so they are left out), except where one candidate lies in another's reach, or a
+   step is skipped only when several are kept (`frame.skip_covers`: q, k and v copies that
+   all feed on one projection): such candidates form a group whose every subset is priced
+   as a whole (`KeepSpace.groups`, up to `GROUP_MAX` members);
 3. the SAC policy's overhead is paid once, whatever K is (`Problem.checkpoint_overhead_ms`).
 
 So a solver needs per region only the keep sets on the Pareto front of (bytes held past
@@ -38,17 +39,21 @@ from typing import NamedTuple
 import numpy as np
 
 from solvers.accounting import Context, WindowParts, profile_parts
-from solvers.frame import dead_steps
+from solvers.frame import FrameRules, dead_steps, may_skip, skip_covers
 from solvers.front import bucket_ends, pareto
+from solvers.problem import Problem
 
 __all__ = ["CAP_LEVELS", "CAP_POINTS", "FRONT_POINTS", "GROUP_MAX", "MAX_EXPORTS", "KeepChoice",
            "KeepSpace", "choices", "front_of", "pareto_front", "under_caps"]
 
 MAX_EXPORTS = 4  # up to this many exporting candidates, every subset of them is offered
-# candidates whose chains overlap are priced together up to this many (every subset); in a
-# larger group each is priced alone with its whole chain: never below what it saves with
+# candidates whose reaches overlap are priced together up to this many (every subset); in a
+# larger group each is priced alone with its whole reach: never below what it saves with
 # the others (the lower-bound pass's need), while real options are priced exactly
 GROUP_MAX = 6
+# least keep sets per skipped step, and candidates per set, followed before every candidate
+# is priced with every step a rerun may skip (`_reach`): past this, no group is exact anyway
+COVERS_MAX = 32
 Option = tuple[int, float, tuple[int, ...]]  # a keep set's (residue bytes, ms saved, items)
 FRONT_POINTS = 256  # fronts larger than this are thinned to this many memory buckets
 CAP_LEVELS = 4  # `under_caps`: caps on the local peak tried per region
@@ -62,12 +67,13 @@ class KeepSpace:
     `nodes` are the candidates: keepable nodes the rerun runs. Per candidate: `residue`
     (bytes it adds to those held past the forward), `exports` (storages read after the
     window that it then holds past the forward), `saved_ms` (the rerun time it saves, its
-    chain's included), `chains` (the steps the rerun skips when it alone is kept, F9) and
-    a row of `delta` (what it adds to each slot of `base.local`). `floor`: `base.local`
-    plus every negative term, below which no keep set's slots go. `groups`: candidates
-    whose chains overlap (one lies in another's), each with the steps every subset of it
-    skips (`skips`, keyed by the subset's sorted candidate indices); `exact` False where a
-    larger group's candidates are priced alone (`GROUP_MAX`).
+    reach's included), `reach` (the steps the rerun may skip for it, F9: alone, or kept
+    with others) and a row of `delta` (what it adds to each slot of `base.local`).
+    `floor`: `base.local` plus every negative term, below which no keep set's slots go.
+    `groups`: candidates whose reaches overlap (one lies in another's, or a step needs
+    several), each with the steps every subset of it skips (`skips`, keyed by the subset's
+    sorted candidate indices); `exact` False where a larger group's candidates are priced
+    alone (`GROUP_MAX`), each with its whole reach.
     """
 
     base: WindowParts
@@ -77,7 +83,7 @@ class KeepSpace:
     saved_ms: tuple[float, ...]
     delta: np.ndarray
     floor: np.ndarray
-    chains: tuple[frozenset[int], ...] = ()
+    reach: tuple[frozenset[int], ...] = ()
     groups: tuple[tuple[int, ...], ...] = ()
     skips: Mapping[tuple[int, ...], frozenset[int]] = field(default_factory=dict)
     group_saved_ms: Mapping[tuple[int, ...], float] = field(default_factory=dict)
@@ -105,12 +111,13 @@ class KeepSpace:
                 deltas.append(one.local - base.local)
         delta = (np.stack(deltas) if deltas
                  else np.zeros((0, len(base.local)), dtype=np.int64))
-        overlapping = _overlapping(nodes, chains)
+        reach = _reach(p, info.rules, x, nodes, chains)
+        overlapping = _overlapping(nodes, reach)
         groups = tuple(g for g in overlapping if len(g) <= GROUP_MAX)
         skips = {subset: dead_steps(p, info.rules, x, {nodes[i] for i in subset})
                  for g in groups for subset in _subsets(g)}
         space = cls(base, tuple(nodes), tuple(residue), tuple(exports), (), delta,
-                    base.local + np.minimum(delta, 0).sum(axis=0), tuple(chains), groups, skips,
+                    base.local + np.minimum(delta, 0).sum(axis=0), tuple(reach), groups, skips,
                     exact=len(groups) == len(overlapping))
         return space.at_times(p.fwd_time_ms)
 
@@ -121,14 +128,14 @@ class KeepSpace:
         def ms(nodes: Iterable[int]) -> float:
             return float(sum(fwd_time_ms[i + shift] for i in nodes))
 
-        return replace(self, saved_ms=tuple(ms((k, *chain)) for k, chain in
-                                            zip(self.nodes, self.chains, strict=True)),
+        return replace(self, saved_ms=tuple(ms((k, *steps)) for k, steps in
+                                            zip(self.nodes, self.reach, strict=True)),
                        group_saved_ms={subset: ms((*(self.nodes[i] for i in subset), *skipped))
                                        for subset, skipped in self.skips.items()})
 
     def saved_for(self, chosen: Iterable[int]) -> float:
         """The rerun time keeping candidates `chosen` (indices) saves: each one's own and
-        its chain's, a group's subset priced as a whole."""
+        its reach's, a group's subset priced as a whole."""
         idx = set(chosen)
         total = sum(self.saved_ms[i] for i in idx if i not in self._grouped)
         for g in self.groups:
@@ -350,9 +357,28 @@ def choices(space: KeepSpace, *, optimistic: bool = False, max_points: int | Non
     return out, thinned
 
 
+def _reach(p: Problem, rules: FrameRules, start: int, nodes: Sequence[int],
+           chains: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """Per candidate, the steps its keeping may skip: those it skips alone (its chain) and
+    those a least keep set holding it and others skips (F9, `skip_covers`); every step a
+    rerun may skip where the sets are too many to follow (`COVERS_MAX`)."""
+    covers = skip_covers(p, rules, start, nodes, COVERS_MAX)
+    if covers is None:
+        skippable = may_skip(p)
+        anything = frozenset(i for i in rules.run_steps(start) if skippable[i])
+        return [chain | anything for chain in chains]
+    joint: dict[int, set[int]] = {}
+    for step, sets in covers.items():
+        for members in sets:
+            if len(members) > 1:
+                for k in members:
+                    joint.setdefault(k, set()).add(step)
+    return [chain | joint.get(k, set()) for k, chain in zip(nodes, chains, strict=True)]
+
+
 def _overlapping(nodes: Sequence[int], chains: Sequence[frozenset[int]]
                  ) -> tuple[tuple[int, ...], ...]:
-    """Candidates (indices) whose kept node plus chain overlap another's, grouped (the
+    """Candidates (indices) whose kept node plus reach overlap another's, grouped (the
     connected ones together); those alone are left out."""
     parent = list(range(len(nodes)))
 

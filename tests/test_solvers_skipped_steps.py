@@ -3,6 +3,7 @@ needs, and every solver prices that as `simulate` replays it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -24,7 +25,7 @@ from solvers import (
 )
 from solvers.accounting import Context, evaluate
 from solvers.dp import search as dp
-from solvers.frame import dead_steps, may_skip, region_rules
+from solvers.frame import dead_steps, may_skip, region_rules, region_skips, skip_covers
 from solvers.keep import KeepSpace
 from solvers.testing import transformer
 
@@ -94,6 +95,58 @@ def test_a_group_too_large_to_price_whole_never_prices_below_its_savings(
     index = {k: i for i, k in enumerate(space.nodes)}
     both = [index[2], index[3]]  # scale (in softmax's chain) and softmax
     assert space.saved_for(both) == (3.0 + 2.0) + (4.0 + 3.0 + 2.0) > 4.0 + 3.0 + 2.0
+
+
+def projection() -> Problem:
+    """proj -> q, k and v copies of its output -> scores (saves q and k) -> ctx (saves
+    scores and v) -> head (saves ctx, makes much) -> loss; proj and the copies skippable:
+    proj's output is read by three copies, so only keeping all three skips it."""
+    names = ["proj", "q", "k", "v", "scores", "ctx", "head", "loss"]
+    sizes = [24, 8, 8, 8, 16, 8, 64, 1]
+    return Problem(
+        name="projection", node_names=names,
+        fwd_time_ms=[8.0, 1.0, 1.0, 1.0, 2.0, 2.0, 1.0, 1.0], bwd_time_ms=[1.0] * 8,
+        fwd_temp_bytes=[0] * 8, bwd_temp_bytes=[0] * 8, recomputable=[True] * 7 + [False],
+        node_inputs=[[], [0], [0], [0], [1, 2], [4, 3], [5], [6]],
+        node_outputs=[[i] for i in range(8)],
+        node_saved=[[], [], [], [], [1, 2], [4, 3], [5], [6]],
+        storage_bytes=sizes, storage_producer=list(range(8)), storage_grad_bytes=sizes,
+        static_bytes=0, param_grad_bytes=[0] * 8,
+        node_skippable=[True, True, True, True, False, False, False, False])
+
+
+def test_a_step_read_by_several_is_skipped_when_every_reader_is_kept() -> None:
+    """proj's output feeds three copies: a rerun keeping all three skips proj, one keeping
+    two runs it (the third needs it); the keep space prices the three as one group, each
+    subset as `simulate` replays it, and the DP keeps the three where it pays."""
+    p = projection()
+    rules = region_rules(p, Region(0, 6, "recompute"))
+    assert dead_steps(p, rules, 0, {1, 2, 3}) == {0}
+    assert dead_steps(p, rules, 0, {1, 2}) == frozenset()
+    assert skip_covers(p, rules, 0, {1, 2, 3}, 8) == {0: [frozenset({1, 2, 3})]}
+    space = KeepSpace.analyse(Context(p), 0, 8, 0, 6)
+    index = {k: i for i, k in enumerate(space.nodes)}
+    copies = sorted(index[k] for k in (1, 2, 3))
+    assert any(set(copies) <= set(g) for g in space.groups) and space.exact
+    plain = p.model_copy(update={"node_skippable": None})
+    for chosen in itertools.chain.from_iterable(
+            itertools.combinations(copies, n) for n in range(1, 4)):
+        keep = [space.nodes[i] for i in chosen]
+        schedule = Schedule.from_segments(8, [Region(0, 6, "recompute", keep=keep)])
+        rerun = simulate(plain, schedule).recompute_time_ms
+        assert simulate(p, schedule).recompute_time_ms == rerun - (
+            space.saved_for(chosen) - sum(p.fwd_time_ms[k] for k in keep))
+    assert space.saved_for(copies) == 3.0 + 8.0
+    # room to keep the copies, not the projection: the DP's stages (the fan-out merges the
+    # block into one) reach the exact optimum only by skipping the projection
+    budget = _budget(p, 0.7)
+    sol, without = dp.solve(p, budget, math.inf), dp.solve(plain, budget, math.inf)
+    exact = cpsat.solve(p, budget, 20.0, deterministic=True)
+    assert sol.status == exact.status == Status.OPTIMAL
+    check_reported_numbers(p, sol)
+    assert sol.objective_ms == pytest.approx(exact.objective_ms)
+    assert sol.objective_ms < without.objective_ms
+    assert any(region_skips(p, r) == {0} for r in sol.schedule.recompute_regions())
 
 
 def test_the_dp_plans_reruns_that_skip_and_runs_faster_for_it() -> None:
