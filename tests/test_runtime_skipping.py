@@ -83,6 +83,28 @@ def test_a_rerun_skips_what_the_kept_softmax_makes_useless_and_trains_alike(
     assert modes and all(m.skipped_count == len(SKIPPED) for m in modes)
 
 
+def test_a_projection_whose_three_copies_are_kept_is_skipped_and_trains_alike(
+        gpt, modes: list[skipping.SkipOps]) -> None:
+    """The fused q/k/v projection feeds three copies (q, k and v made contiguous for their
+    matmuls): keeping the three (and the softmax) skips the projection as well, though no
+    one of them alone would; the step peaks as predicted and trains alike."""
+    zm, full = gpt
+    p = full.problem()
+    copies = ("/clone", "/clone_1", "/clone_2", "/_softmax")
+    regions = [Region(s.start, s.stop, "recompute", keep=[
+        i for i in range(s.start, s.stop) if p.node_names[i].endswith(copies)])
+        for s in p.module_spans or () if s.kind == "call" and s.name.endswith(".attn")]
+    schedule = Schedule.from_segments(p.n_nodes, regions)
+    plan = plan_for_schedule(full.profile, schedule, full.inputs, full.structure_fingerprint)
+    specs = region_specs(plan)
+    assert len(specs) == 2
+    assert all({("aten.addmm.default", 0), *SKIPPED} <= set(s.skipped_ops) for s in specs)
+    report = planner.verify(zm.model, plan, zm.example_inputs, zm.loss_fn, repeats=1)
+    assert report.grads_equal and report.losses_equal
+    assert report.measured_peak_bytes == report.predicted_peak_bytes
+    assert modes and all(m.skipped_count == len(specs[0].skipped_ops) for m in modes)
+
+
 def test_a_region_whose_rerun_needs_everything_skips_nothing(gpt) -> None:
     """Keeping only the matmul that reads the dropout's output leaves every step needed."""
     _, full = gpt

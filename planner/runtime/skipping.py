@@ -28,6 +28,10 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 __all__ = ["SkipOps", "with_skips"]
 
+# what a skipped op may read: plain tensors, a module's own parameters among them (a
+# projection's bias); a subclass (DTensor, fake) runs its op
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 def _meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
@@ -56,7 +60,7 @@ class SkipOps(TorchDispatchMode):
         if (name, occurrence) not in self.skipped or not self.enabled():
             return func(*args, **kwargs)
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(type(t) is not torch.Tensor for t in tensors):  # a DTensor, a fake: run it
+        if any(type(t) not in _PLAIN for t in tensors):  # a DTensor, a fake: run it
             return func(*args, **kwargs)
         device = tensors[0].device if tensors else None
         meta_kwargs = tree_map(_meta, kwargs)
