@@ -179,7 +179,7 @@ def skip_covers(problem: Problem, rules: FrameRules, start: int, candidates: Col
                 most: int) -> dict[int, list[frozenset[int]]] | None:
     """F9 over every keep set of `candidates`: per step some set skips, the least sets that
     skip it (a set skips it when it holds one of them); None where a step has more than
-    `most` or one holds more than `most` candidates (too many to price every subset)."""
+    `most` least sets, or one of them more than `most` candidates (too many to follow)."""
     needs = _skip_needs(problem, rules, start)
     served: dict[int, list[frozenset[int]]] = {}  # step -> least sets caching or skipping it
     covers: dict[int, list[frozenset[int]]] = {}
