@@ -408,6 +408,11 @@ class Problem(BaseModel):
         return lives
 
     @cached_property
+    def _skip_needs_memo(self) -> dict[tuple[Any, int], dict[int, frozenset[int]]]:
+        """`frame._skip_needs` per frame rules and start."""
+        return {}
+
+    @cached_property
     def _traced_lives(self) -> dict[frozenset[tuple[int, int]], tuple[tuple, tuple]]:
         return {}
 
