@@ -5,7 +5,7 @@ One profile per model and one simulator for every row: GPT-2-medium (24 x 1024, 
 Llama-style model with SDPA attention at a real size (8 layers x 4096, seq 4096, batch 1,
 bf16 autocast), each built on the meta device and profiled for an H100 (estimated times).
 
-    python benchmarks/predicted_frontier.py           # both models (about 4 min on 2 cores)
+    python benchmarks/predicted_frontier.py           # both models (about 18 min on 2 cores)
     python benchmarks/predicted_frontier.py --quick   # tiny sizes, for the smoke test
 
 Peers, applied to every layer as their authors do: HF gradient checkpointing (keep
