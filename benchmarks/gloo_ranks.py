@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 # transformers: its import makes two tensors, which a rank measuring all its process holds
 # (`benchmarks/pipeline_harness.py`) would count where its own imports do not make them
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "planner", "profiles", "solvers"]
+           "planner", "profiles", "solvers",
+           "benchmarks.forkserver_heap"]  # last: freezes the server's heap (its doc)
 
 
 def free_port() -> int:
