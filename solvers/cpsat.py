@@ -366,6 +366,13 @@ def _schedule(n: int, chosen: list[RegionInfo]) -> Schedule:
     return Schedule.from_segments(n, regions)
 
 
+# A deterministic search stops on CP-SAT's measure of work; seconds only stop a runaway, at
+# this many per unit of work. Not 3: on a quiet 2-core machine the tiny GPT's search did 3.2
+# units in 9.5 s, so beside two other jobs a net of 3 s a unit stopped it before its proof
+# and the "same answer on a loaded machine" changed (fresh-clone CI, 2026-12-01).
+WALL_S_PER_WORK_UNIT = 10.0
+
+
 def _solver(time_limit_s: float, workers: int = 2,
             deterministic: bool = False) -> cp_model.CpSolver:
     """CP-SAT with a wall-time limit, or (``deterministic``) one worker, a fixed seed and a
@@ -375,11 +382,26 @@ def _solver(time_limit_s: float, workers: int = 2,
         sol.parameters.num_workers = 1
         sol.parameters.random_seed = 0
         sol.parameters.max_deterministic_time = max(0.05, time_limit_s)
-        sol.parameters.max_time_in_seconds = max(0.1, 3 * time_limit_s)  # a safety net
+        sol.parameters.max_time_in_seconds = max(0.5, WALL_S_PER_WORK_UNIT * time_limit_s)
     else:
         sol.parameters.num_workers = workers
         sol.parameters.max_time_in_seconds = max(0.05, time_limit_s)
     return sol
+
+
+def _say_if_the_clock_stopped(solver: cp_model.CpSolver, status: int) -> None:
+    """A deterministic search that the wall-clock net stopped before its work limit (and
+    before an answer it proved) may answer otherwise on a quieter machine: said as a
+    warning, with what to do."""
+    params = solver.parameters
+    if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE) or \
+            solver.deterministic_time >= 0.99 * params.max_deterministic_time:
+        return
+    logger.warning(
+        "cpsat: a deterministic search stopped at its wall-clock safety net (%.0f s) after "
+        "%.2f of its %.2f units of work: the machine is too busy for the same answer as on a "
+        "quiet one; give it a longer time limit or fewer jobs beside it",
+        params.max_time_in_seconds, solver.deterministic_time, params.max_deterministic_time)
 
 
 class MinPeak(NamedTuple):
@@ -421,6 +443,8 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
             0.05, min(solver.parameters.max_time_in_seconds,
                       started + wall_s - time.perf_counter()))
     st = solver.Solve(mdl.model)
+    if deterministic and wall_s is None:
+        _say_if_the_clock_stopped(solver, st)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return MinPeak(0, None, None)
     chosen = [r for r, v in zip(cands, mdl.x, strict=True) if solver.Value(v)]
@@ -458,6 +482,8 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
         left = time_limit_s if deterministic else time_limit_s - (time.perf_counter() - t0)
         solver = _solver(left, deterministic=deterministic)
         st = solver.Solve(mdl.model)
+        if deterministic:
+            _say_if_the_clock_stopped(solver, st)
         if st == cp_model.INFEASIBLE:
             mfb = _min_budget(problem, ctx, left if deterministic
                               else time_limit_s - (time.perf_counter() - t0), deterministic)
