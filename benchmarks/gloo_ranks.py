@@ -18,11 +18,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-# what every rank imports; the server imports it once, before forking the first rank. Not
-# transformers: its import makes two tensors, which a rank measuring all its process holds
-# (`benchmarks/pipeline_harness.py`) would count where its own imports do not make them
+# what the ranks import; the server imports it once, before forking the first rank. Hugging
+# Face's models too (6-10 s a rank on 2 cores where each imported them), but not its Trainer:
+# importing `transformers.trainer` makes two tensors, which a frozen heap would hide from a
+# rank measuring all its process (`tests/test_gloo_ranks.py` checks the preload makes none)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
            "planner", "profiles", "solvers",
+           "transformers", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama",
            "benchmarks.forkserver_heap"]  # last: freezes the server's heap (its doc)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,28 @@ FIRST = ("test_notebook.py", "test_hf_trainer.py", "test_hf_accelerate.py", "tes
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: k for k, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each test process freezes the heap its imports and collection made (torch,
+    transformers, the test modules: ~785,000 objects), as `benchmarks/forkserver_heap.py`
+    does for gloo ranks. A measure that lists every tensor alive (`PeakTracker` with
+    ``follow_resizes``) then collects and lists the young objects only (0.5 s a measure
+    less), and so do the interpreter's own full collections. A frozen object is still freed
+    by its count; a frozen tensor is one no measure lists, so only a few KiB of constants
+    (libraries' and parameters of tests) may be alive here."""
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    made = sum(t.untyped_storage().nbytes() for t in alive if t.device.type != "meta")
+    if made > FROZEN_TENSOR_BYTES:
+        raise pytest.UsageError(
+            f"{len(alive)} tensors ({made / 2**20:.1f} MiB) are alive after collection: make "
+            "a test's tensors and models inside the test (or a fixture), not at import or in "
+            "parametrize, so that no frozen tensor hides from PeakTracker")
+    gc.freeze()
+
+
+FROZEN_TENSOR_BYTES = 2**20
 
 
 # Small sizes keep the suite fast on 2 CPU cores, with batches large enough that

@@ -21,11 +21,12 @@ def _report_heap(rank: int, out: str) -> None:
 def test_a_rank_starts_with_the_servers_heap_frozen_and_the_caller_keeps_its_own(
         tmp_path: Path) -> None:
     out = tmp_path / "rank0.json"
+    frozen_here = gc.get_freeze_count()  # the suite's own (conftest), not the ranks' server's
     spawn_ranks(_report_heap, (str(out),), 1)
     heap = json.loads(out.read_text())
     # torch and the planner, frozen; what the rank made since, a small part of it
     assert heap["frozen"] > 100_000 and heap["young"] < heap["frozen"] / 2
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen_here
 
 
 def test_the_preload_makes_no_tensor() -> None:
