@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +36,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(fn: Callable[..., Any], args: tuple, nprocs: int) -> None:
+# A rank that never ends (a deadlock in a collective, a dead rank its parent never reaps)
+# fails its caller after this long instead of holding the suite to CI's limit: a
+# two-process step here takes under a minute, beside a loaded machine's other work too.
+RANKS_TIMEOUT_S = 900.0
+
+
+def spawn_ranks(fn: Callable[..., Any], args: tuple, nprocs: int,
+                timeout_s: float = RANKS_TIMEOUT_S) -> None:
     """``fn(rank, *args)`` on ``nprocs`` processes forked from the preloaded server; raises
-    what a rank raised, as ``torch.multiprocessing.spawn`` does."""
+    what a rank raised, as ``torch.multiprocessing.spawn`` does, and `TimeoutError` (the
+    ranks killed) where they have not all ended after ``timeout_s``."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver",
+                               join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            running = [rank for rank, p in enumerate(ranks.processes) if p.is_alive()]
+            for p in ranks.processes:
+                p.kill()
+            raise TimeoutError(
+                f"gloo ranks {running} of {getattr(fn, '__name__', fn)} still ran after "
+                f"{timeout_s:.0f} s (killed): a rank waits on a collective another never "
+                "reached, or a tracer (py-spy without --nonblocking) holds an ended rank")

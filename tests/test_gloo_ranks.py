@@ -8,8 +8,10 @@ import gc
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
 from gloo_ranks import PRELOAD, spawn_ranks
 
 
@@ -38,3 +40,14 @@ def test_the_preload_makes_no_tensor() -> None:
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, cwd=Path(__file__).resolve().parents[1])
     assert found.stdout.split() == ["0"]
+
+
+def _wait_forever(rank: int) -> None:
+    threading.Event().wait()
+
+
+def test_ranks_that_never_end_fail_their_caller_and_are_killed() -> None:
+    """A hung rank (py-spy's tracer once held an ended one for 19 minutes) is an error
+    naming the ranks and the function, not a suite held to CI's limit."""
+    with pytest.raises(TimeoutError, match=r"gloo ranks \[0, 1\] of _wait_forever still ran"):
+        spawn_ranks(_wait_forever, (), 2, timeout_s=1.0)
