@@ -15,14 +15,6 @@ Pareto front of (bytes freed, rerun time), thinned to `INNER_POINTS` sets (a sta
 more sets than that offers every one, `every_set`). Each set is then
 an ordinary option of the stage, which the DP profiles exactly like any other: the sum only
 chooses which sets are offered, it never enters a reported number or a bound.
-
-The sum says nothing of when the bytes come back: one large region reruns all it frees at
-once in the backward, two smaller ones each rerun theirs at its own time. So the DP's stage
-is also offered the fronts of the sets whose largest region frees at most each of
-`CAP_LEVELS` levels (the tiny zoo GPT at 40 % of its activations: one region over an
-attention and its MLP, 889,856 B freed for 0.116 ms, dominates the pair of the attention's
-core and the MLP, 824,320 B for 0.133 ms, whose reruns do not meet; with the pair the DP
-answers 0.229 ms, CP-SAT's proven optimum, where it answered 0.548 ms).
 """
 
 from __future__ import annotations
@@ -33,11 +25,10 @@ from solvers.accounting import Context, RegionInfo, profile_parts
 from solvers.frame import worth_checkpointing
 from solvers.front import pareto
 
-__all__ = ["CAP_LEVELS", "INNER_POINTS", "Piece", "every_set", "inner_front", "inner_options"]
+__all__ = ["INNER_POINTS", "Piece", "every_set", "inner_front", "inner_options"]
 
 INNER_POINTS = 24  # sets offered per stage (the front of bytes freed against rerun time)
 _FRONT = 64  # points kept per position of the interval DP
-CAP_LEVELS = 8  # levels of the largest region's bytes whose fronts a stage also offers
 
 Piece = tuple[int, float, tuple[RegionInfo, ...]]  # bytes freed, rerun ms, regions
 
@@ -72,22 +63,11 @@ def inner_options(ctx: Context, a: int, b: int,
                   outside: frozenset[int] = frozenset()) -> list[tuple[RegionInfo, ...]]:
     """Sets of disjoint regions inside stage `[a, b)` (module doc), each sorted, none empty;
     `outside`: storages the caller accounts for by position (left out of the profiles).
-    A stage with at most `INNER_POINTS` such sets offers all of them (`every_set`); else
-    the front of every set, then those of the sets whose largest region frees at most each
-    of `CAP_LEVELS` levels, each set once."""
+    A stage with at most `INNER_POINTS` such sets offers all of them (`every_set`)."""
     every = every_set(ctx, a, b)
     if every is not None:
         return every
-    pieces = _pieces(ctx, a, b, outside, keeps=True)
-    sizes = sorted({freed for freed, _, _ in pieces})
-    if len(sizes) > CAP_LEVELS:
-        sizes = [sizes[round(k * (len(sizes) - 1) / (CAP_LEVELS - 1))]
-                 for k in range(CAP_LEVELS)]
-    offered: dict[tuple[tuple[int, int, frozenset[int]], ...], tuple[RegionInfo, ...]] = {}
-    for cap in reversed(sizes):  # the uncapped front first: it is `inner_front`'s
-        for _, _, regions in _sets_front([pc for pc in pieces if pc[0] <= cap], a, b):
-            offered.setdefault(tuple((r.a, r.b, r.keep) for r in regions), regions)
-    return list(offered.values())
+    return [regions for _, _, regions in inner_front(ctx, a, b, outside)]
 
 
 def every_set(ctx: Context, a: int, b: int) -> list[tuple[RegionInfo, ...]] | None:
@@ -110,34 +90,19 @@ def every_set(ctx: Context, a: int, b: int) -> list[tuple[RegionInfo, ...]] | No
 
 def inner_front(ctx: Context, a: int, b: int, outside: frozenset[int] = frozenset(),
                 keeps: bool = True) -> list[Piece]:
-    """The front of every set of candidate regions inside stage `[a, b)` with the bytes it
-    frees past the forward and its rerun time (both summed over its regions), fewest bytes
-    first; `keeps=False`: regions keep nothing."""
-    return _sets_front(_pieces(ctx, a, b, outside, keeps), a, b)
-
-
-def _pieces(ctx: Context, a: int, b: int, outside: frozenset[int], keeps: bool
-            ) -> list[Piece]:
-    """Each candidate region inside stage `[a, b)` that frees bytes past the forward, alone."""
+    """`inner_options` with the bytes each set frees past the forward and its rerun time
+    (both summed over its regions), fewest bytes first; `keeps=False`: regions keep
+    nothing."""
     base = profile_parts(ctx, a, b, (), frozenset(), outside).residue_bytes
-    pieces = []
+    by_stop: dict[int, list[Piece]] = {}
     for info in _candidates(ctx, a, b):
         if info.keep and not keeps:
             continue
         freed = base - profile_parts(ctx, a, b, (info,), frozenset(), outside).residue_bytes
         if freed > 0:
-            pieces.append((freed, info.time_ms, (info,)))
-    return pieces
-
-
-def _sets_front(pieces: Sequence[Piece], a: int, b: int) -> list[Piece]:
-    """The interval DP over stage `[a, b)`: the front of the sets of disjoint `pieces`
-    (sums of their bytes and times), thinned to `INNER_POINTS`, fewest bytes first."""
-    if not pieces:
+            by_stop.setdefault(info.b, []).append((freed, info.time_ms, (info,)))
+    if not by_stop:
         return []
-    by_stop: dict[int, list[Piece]] = {}
-    for piece in pieces:
-        by_stop.setdefault(piece[2][0].b, []).append(piece)
     fronts: list[list[Piece]] = [[(0, 0.0, ())]]
     for pos in range(a + 1, b + 1):
         points = list(fronts[-1])
