@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from ortools.sat.python import cp_model
 
@@ -372,34 +372,41 @@ def _schedule(n: int, chosen: list[RegionInfo]) -> Schedule:
 # and the "same answer on a loaded machine" changed (fresh-clone CI, 2026-12-01).
 WALL_S_PER_WORK_UNIT = 10.0
 
-# The least-time model's proofs come from the LP relaxation of its peak constraints, which
-# CP-SAT's fullest linearization (its `max_lp` worker) tightens: the tiny zoo GPT at 40 %,
-# one worker, 8.9 s -> 0.8 s to prove (3.2 -> 0.26 units of work); two workers, 13.2 s ->
-# 1.5 s with `max_lp` beside `default_lp` where the default pair was taken. The least-peak
-# model (`min_peak`) proves sooner without it (1.6 s -> 3.9 s at 30 % with it).
+# How CP-SAT best proves each model, measured. The least-time model's proofs come from the LP
+# relaxation of its peak constraints, which CP-SAT's fullest linearization (its `max_lp`
+# worker) tightens: the tiny zoo GPT at 40 %, one worker, 8.9 s -> 0.8 s to prove (3.2 ->
+# 0.26 units of work); two workers, 13.2 s -> 1.5 s with `max_lp` in place of `default_lp`.
+# The least-peak model proves sooner without it (1.6 s -> 3.9 s), and, deterministic, by
+# binary search on the peak: DeepLabV3-MobileNetV3 found nothing in 10 units (42 s) and now
+# proves its least peak in 5, Inception-v3 proves 181.1 MiB where it found 185.0 MiB
+# unproven, the tiny GPT proves in 0.30 units where it took 0.46 (a search that counts
+# seconds did worse with it: DeepLabV3 unproven where it proved in 5 s).
 FULL_LP_LEVEL = 2
-FULL_LP_WORKERS = ("max_lp", "default_lp")
+FULL_LP_WORKERS = ("max_lp",)
+PEAK_PROBE_CONFLICTS = 100
 
 
 def _solver(time_limit_s: float, workers: int = 2, deterministic: bool = False,
-            full_lp: bool = False) -> cp_model.CpSolver:
+            objective: Literal["time", "peak"] = "time") -> cp_model.CpSolver:
     """CP-SAT with a wall-time limit, or (``deterministic``) one worker, a fixed seed and a
-    deterministic time limit, so the same model always gets the same answer. ``full_lp``:
-    the fullest linearization (`FULL_LP_LEVEL`) for the one deterministic worker, and
-    `FULL_LP_WORKERS` for the first workers of a search that counts seconds."""
+    deterministic time limit, so the same model always gets the same answer; set as the
+    model's ``objective`` proves best (above)."""
     sol = cp_model.CpSolver()
+    params = sol.parameters
     if deterministic:
-        sol.parameters.num_workers = 1
-        sol.parameters.random_seed = 0
-        sol.parameters.max_deterministic_time = max(0.05, time_limit_s)
-        sol.parameters.max_time_in_seconds = max(0.5, WALL_S_PER_WORK_UNIT * time_limit_s)
-        if full_lp:
-            sol.parameters.linearization_level = FULL_LP_LEVEL
+        params.num_workers = 1
+        params.random_seed = 0
+        params.max_deterministic_time = max(0.05, time_limit_s)
+        params.max_time_in_seconds = max(0.5, WALL_S_PER_WORK_UNIT * time_limit_s)
+        if objective == "time":
+            params.linearization_level = FULL_LP_LEVEL
+        else:
+            params.binary_search_num_conflicts = PEAK_PROBE_CONFLICTS
     else:
-        sol.parameters.num_workers = workers
-        sol.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-        if full_lp:
-            sol.parameters.subsolvers.extend(FULL_LP_WORKERS[:workers])
+        params.num_workers = workers
+        params.max_time_in_seconds = max(0.05, time_limit_s)
+        if objective == "time":
+            params.subsolvers.extend(FULL_LP_WORKERS)
     return sol
 
 
@@ -451,7 +458,7 @@ def min_peak(problem: Problem, time_limit_s: float = 10.0,
         return MinPeak(0, None, None)
     mdl.model.Minimize(mdl.budget)
     left = time_limit_s if deterministic else deadline - time.perf_counter()
-    solver = _solver(left, deterministic=deterministic)
+    solver = _solver(left, deterministic=deterministic, objective="peak")
     if wall_s is not None:
         solver.parameters.max_time_in_seconds = max(
             0.05, min(solver.parameters.max_time_in_seconds,
@@ -494,7 +501,7 @@ def solve(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0,
     logger.debug("cpsat: %d candidates (%s), %d nodes", len(cands), space, problem.n_nodes)
     while True:
         left = time_limit_s if deterministic else time_limit_s - (time.perf_counter() - t0)
-        solver = _solver(left, deterministic=deterministic, full_lp=True)
+        solver = _solver(left, deterministic=deterministic, objective="time")
         st = solver.Solve(mdl.model)
         if deterministic:
             _say_if_the_clock_stopped(solver, st)
