@@ -42,8 +42,8 @@ def test_the_least_time_is_proven_within_one_unit_of_work(tiny_gpt: tuple[Proble
 
 def test_the_least_peak_is_proven_by_binary_search() -> None:
     """Deterministic, the zoo GPT's least peak over CP-SAT's candidates is proven within 1.4
-    units of work (1.24; the default search took 1.63, and at 1.4 had found 14.3 MB where the
-    least is 11.8 MB)."""
+    units of work (1.24; the default search took 1.63, and at 1.4 had found 13.6 MiB where the
+    least is 11.2 MiB)."""
     zm = zoo.get("gpt")
     p = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                       progress=False).problem()
