@@ -363,9 +363,10 @@ class _BackwardObserver(RuntimeAwareMode):
         self.function_ops: dict[int, int] = {}  # a Function call's node -> its last op
         self.written_views: list[torch.Tensor] = []  # views an op wrote in place, in forward
         self._live: dict[StorageWeakRef, int] = {}
-        # (forward op, live before, after, whether an unpack): each backward op, and each
-        # unpack of a saved tensor (live then: what a rerun it starts runs on top of)
-        self.ops: list[tuple[int | None, int, int, bool]] = []
+        # (forward op, live before, after, what): each backward op ("op"), each unpack of a
+        # saved tensor ("unpack": live then is what a rerun it starts runs on top of), and
+        # each node's release of its saved tensors ("release", `_Saved`)
+        self.ops: list[tuple[int | None, int, int, str]] = []
 
     def function_started(self, cls: type, args: tuple, kwargs: dict) -> tuple[int, int]:
         """A custom Function's node is made, numbered, before its forward's ops run."""
@@ -376,19 +377,28 @@ class _BackwardObserver(RuntimeAwareMode):
         if len(self.names) > start:  # booked to its last op, as the profile books it
             self.function_ops[seq] = len(self.names) - 1
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor  # kept as autograd keeps it: the hooks are here for `unpack`
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        """Kept as autograd keeps it, in a holder whose death says when its node let go."""
+        return _Saved(tensor, self._released)
 
-    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _released(self) -> None:
+        """A node released its saved tensors (the engine does so once the node's work is
+        done, before it adds the node's gradients into buffers of other nodes' inputs)."""
+        if self.backward:
+            self.ops.append((self._current_forward(), *(self.live_bytes(),) * 2, "release"))
+
+    def _current_forward(self) -> int | None:
+        """The forward op whose backward node the engine is running now, if known."""
+        node = torch._C._current_autograd_node()
+        return self.op_of_seq.get(node._sequence_nr()) if node is not None else None
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
         """A backward node unpacks a saved tensor: what the backward holds now is what a
         checkpoint's rerun that this unpack starts runs on top of (CopySlices, the backward
         of an in-place op on a view, allocates its gradient buffers before it unpacks)."""
         if self.backward:
-            node = torch._C._current_autograd_node()
-            forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
-            live = self.live_bytes()
-            self.ops.append((forward, live, live, True))
-        return tensor
+            self.ops.append((self._current_forward(), *(self.live_bytes(),) * 2, "unpack"))
+        return saved.tensor
 
     def _as_strided_backwards(self) -> None:
         """A view written in place has its backward rebased onto the new base: on a device's
@@ -478,7 +488,7 @@ class _BackwardObserver(RuntimeAwareMode):
             if StorageWeakRef(local_tensor(tensor).untyped_storage()) not in inputs:
                 self.runtime.add(tensor)
         if self.backward:
-            self.ops.append((None, before, self.live_bytes(), False))
+            self.ops.append((None, before, self.live_bytes(), "op"))
         return out
 
     def _op(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -501,11 +511,22 @@ class _BackwardObserver(RuntimeAwareMode):
             ref = StorageWeakRef(storage)
             if ref not in inputs and ref not in self._live:
                 self._live[ref] = storage.nbytes()
-        node = torch._C._current_autograd_node()
-        forward = self.op_of_seq.get(node._sequence_nr()) if node is not None else None
-        self.ops.append((forward, before, sum(self._live.values()) + self._runtime_bytes(),
-                         False))
+        self.ops.append((self._current_forward(), before,
+                         sum(self._live.values()) + self._runtime_bytes(), "op"))
         return out
+
+
+class _Saved:
+    """A saved tensor as `_BackwardObserver.pack` keeps it: ``released`` is called when
+    autograd drops it (the node's ``release_variables``), or the graph dies."""
+
+    __slots__ = ("released", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, released: Callable[[], None]) -> None:
+        self.tensor, self.released = tensor, released
+
+    def __del__(self) -> None:
+        self.released()
 
 
 def _fresh_gradients(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
@@ -514,9 +535,10 @@ def _fresh_gradients(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
 
 
 def _observe_backward(step: _Step, names: list[str], real: bool, spec: DeviceSpec | None
-                      ) -> list[tuple[int, int, int, int]] | None:
+                      ) -> list[tuple[int, int, int, int, int]] | None:
     """Per op of the profile (``names``, then the loss), the backward-held bytes before its
-    backward, at its peak, after it and at its first unpack (`_per_op`), observed in a fake
+    backward, at its peak, after it, at its first unpack and at its peak while it holds its
+    saved tensors (`_per_op`), observed in a fake
     step, or in a real one when the forward ran on real tensors and fake ones cannot run
     the backward, or run another forward (LED's slices: the nodes of the fake backward then
     fold onto the profile's ops only approximately, and its temporaries land on other
@@ -560,14 +582,16 @@ def _observe(step: _Step, observer: _BackwardObserver, args: tuple, kwargs: dict
         observer.map_nodes(loss)
         observer.backward = True
         loss.backward()
+        observer.backward = False  # what dies with the graph from here on is no node's
 
 
 def _per_op(observer: _BackwardObserver, names: list[str]
-            ) -> list[tuple[int, int, int, int]]:
+            ) -> list[tuple[int, int, int, int, int]]:
     """Fold the observed backward ops onto the profile's ops (aligned by name where the
     observed forward differs, e.g. a mask a library builds only for fake tensors): per op,
-    what the backward holds before its backward, at its peak, after it, and when it first
-    unpacks a saved tensor."""
+    what the backward holds before its backward, at its peak, after it, when it first
+    unpacks a saved tensor, and at its peak while it still holds its saved tensors (below
+    the peak where the most comes after it released them: a gradient summed into a buffer)."""
     import difflib
 
     n = len(names)
@@ -578,25 +602,33 @@ def _per_op(observer: _BackwardObserver, names: list[str]
             mapping[a + k] = b + k
     before: dict[int, int] = {}
     peak: dict[int, int] = {}
+    held: dict[int, int] = {}
     after: dict[int, int] = {}
     unpack: dict[int, int] = {}
+    released: set[int] = set()
     current = n  # the loss pseudo-node: the seed made before any node runs
-    for forward, live_before, live_after, unpacks in observer.ops:
+    for forward, live_before, live_after, what in observer.ops:
         target = mapping.get(forward) if forward is not None else None
         if target is not None and target < current:
             after[current] = live_before  # what it freed is gone once the next one starts
             current = target
+        if what == "release":
+            released.add(current)
+            continue
         before.setdefault(current, live_before)
         peak[current] = max(peak.get(current, 0), live_after, live_before)
+        if current not in released:
+            held[current] = peak[current]
         after[current] = live_after
-        if unpacks:
+        if what == "unpack":
             unpack.setdefault(current, live_before)
-    rows: list[tuple[int, int, int, int]] = []
+    rows: list[tuple[int, int, int, int, int]] = []
     carry = 0
     for j in range(n, -1, -1):  # backward order; nodes without work keep what is live
         if j in before:
-            rows.append((before[j], peak[j], after[j], unpack.get(j, before[j])))
+            rows.append((before[j], peak[j], after[j], unpack.get(j, before[j]),
+                         held.get(j, before[j])))
             carry = after[j]
         else:
-            rows.append((carry, carry, carry, carry))
+            rows.append((carry, carry, carry, carry, carry))
     return rows[::-1]

@@ -647,8 +647,9 @@ def _with_observed_backward(nodes: list[NodeProfile], observed: list | None
     if observed is None:
         return nodes
     return [node.model_copy(update={"bwd_live_before_bytes": b, "bwd_peak_bytes": p,
-                                    "bwd_live_after_bytes": a, "bwd_unpack_bytes": u})
-            for node, (b, p, a, u) in zip(nodes, observed, strict=True)]
+                                    "bwd_live_after_bytes": a, "bwd_unpack_bytes": u,
+                                    "bwd_held_peak_bytes": h})
+            for node, (b, p, a, u, h) in zip(nodes, observed, strict=True)]
 
 
 def _module_calls(rec: _Recorded) -> list[ModuleCall]:

@@ -169,6 +169,12 @@ class NodeProfile(_Strict):
                                        "backward holds during it (temporaries included)")
     bwd_live_after_bytes: Bytes | None = Field(None, description="observed: what it "
                                              "holds once this node's backward is done")
+    bwd_held_peak_bytes: Bytes | None = Field(
+        None, description="observed: the most the backward holds during this node's work "
+        "while the node still holds its saved tensors; below bwd_peak_bytes where the most "
+        "comes after it released them (the engine then sums its gradients into buffers of "
+        "other nodes' inputs), so that moment runs without them; None: not observed (profiles "
+        "before it: the whole peak is taken as held)")
     bwd_unpack_bytes: Bytes | None = Field(
         None, description="observed: what the backward holds when this node's backward "
         "first unpacks a saved tensor, where a checkpoint's rerun it starts begins (above "

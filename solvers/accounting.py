@@ -61,7 +61,9 @@ def gradient_bytes(problem: Problem) -> tuple[list[int], list[int]]:
     return [g.event(j) for j in range(problem.n_nodes)], list(g.at_rerun)
 
 
-RERUN, BACKWARD, FORWARD = 0, 1, 2  # the sections of `Context.g_table`
+# the sections of `Context.g_table`; RELEASED: a node's moment after it released its saved
+# tensors (`GradientEvents.releases`), a slot of its own after its backward event's
+RERUN, BACKWARD, FORWARD, RELEASED = 0, 1, 2, 3
 
 
 def table_index(n: int, section: int, j: int) -> int:
@@ -141,13 +143,16 @@ class Context:
         self.alloc = [p.output_bytes(i) for i in range(n)]
         # gradient bytes in backward event j's peak / live just before it (reruns see this)
         self.g_event, self.g_rest = gradient_bytes(p)
+        grads = p.gradient_events
+        self.releasing = [grads.releases(j) for j in range(n)]
         self.held_fwd = held_fwd
         # bytes outside any window at node j, per kind of event: sections of n entries,
-        # indexed by `table_index` (RERUN, BACKWARD: gradients + loss; FORWARD: caller-held
-        # storages made before j)
+        # indexed by `table_index` (RERUN, BACKWARD, RELEASED: gradients + loss; FORWARD:
+        # caller-held storages made before j)
+        released = np.asarray(grads.released or [0] * n, dtype=np.int64)
         sections = {RERUN: np.asarray(self.g_rest, dtype=np.int64) + self.loss_bytes,
                     BACKWARD: np.asarray(self.g_event, dtype=np.int64) + self.loss_bytes,
-                    FORWARD: held_fwd}
+                    FORWARD: held_fwd, RELEASED: released + self.loss_bytes}
         self.g_table = np.concatenate([sections[k] for k in sorted(sections)])
         self._regions: dict[tuple[int, int, frozenset[int], tuple[ChildSpec, ...]],
                             RegionInfo] = {}
@@ -348,11 +353,7 @@ class _Slots:
         time_ms = 0.0
         top = b0  # the backward of nodes [j + 1, top) is laid out next, none triggering
         for j in [*sorted((t for t in at_trigger if a0 <= t < b0), reverse=True), a0 - 1]:
-            n_plain, first = top - j - 1, len(const)  # nodes top - 1 down to j + 1
-            bwd_slot[j + 1 - a0:top - a0] = range(first + n_plain - 1, first - 1, -1)
-            const.extend(reversed(ctx.bwd_temp[j + 1:top]))
-            gidx.extend(range(table_index(n, BACKWARD, top - 1 - a0),
-                              table_index(n, BACKWARD, j - a0), -1))
+            _backward_slots(ctx, a0, j + 1, top, const, gidx, bwd_slot)
             if j < a0:
                 break
             for pi, ri in at_trigger[j]:
@@ -364,11 +365,30 @@ class _Slots:
                 for i in range(rr.start, rr.stop):  # summed as `simulate` sums its events
                     time_ms += rerun_step_ms(p, i, i in idle,
                                              rr.overhead_ms if i == rr.start else 0.0)
-            bwd_slot[j - a0] = len(const)
-            const.append(ctx.bwd_temp[j])
-            gidx.append(table_index(n, BACKWARD, j - a0))
+            _backward_slots(ctx, a0, j, j + 1, const, gidx, bwd_slot)
             top = j
         return cls(const, gidx, bwd_slot, off, in_region, time_ms)
+
+
+def _backward_slots(ctx: Context, a0: int, lo: int, hi: int, const: list[int],
+                    gidx: list[int], bwd_slot: list[int]) -> None:
+    """Lay out the backward events of nodes hi - 1 down to lo, none triggering a rerun,
+    each followed by its moment after release where it has one (`Context.releasing`)."""
+    n = ctx.n
+    if not any(ctx.releasing[lo:hi]):
+        first = len(const)
+        bwd_slot[lo - a0:hi - a0] = range(first + hi - lo - 1, first - 1, -1)
+        const.extend(reversed(ctx.bwd_temp[lo:hi]))
+        gidx.extend(range(table_index(n, BACKWARD, hi - 1 - a0),
+                          table_index(n, BACKWARD, lo - 1 - a0), -1))
+        return
+    for j in range(hi - 1, lo - 1, -1):
+        bwd_slot[j - a0] = len(const)
+        const.append(ctx.bwd_temp[j])
+        gidx.append(table_index(n, BACKWARD, j - a0))
+        if ctx.releasing[j]:
+            const.append(0)
+            gidx.append(table_index(n, RELEASED, j - a0))
 
 
 def _add_regenerated(diff: np.ndarray, plans: Sequence[RegionInfo], slots: _Slots,

@@ -211,7 +211,8 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
     for lst in cover.values():
         if len(lst) > 1:
             md.AddAtMostOne(x[c] for c in lst)
-    upper = p.static_bytes + total + max(ctx.g_event) + max(p.bwd_temp_bytes) \
+    upper = p.static_bytes + total + max(*ctx.g_event, *p.gradient_events.released) \
+        + max(p.bwd_temp_bytes) \
         + max(p.fwd_event_bytes) + sum(p.storage_bytes)
     B: cp_model.IntVar | int = md.NewIntVar(0, upper, "budget") if budget is None else budget
 
@@ -228,16 +229,31 @@ def _build(ctx: Context, cands: list[RegionInfo], budget: int | None,
     return _Model(md, x, cands, B)
 
 
+def _bwd(j: int) -> int:
+    """The position of backward event j: `_released(j)` comes after it in time, then
+    `_rerun(j - 1)`; a storage released at position q is held at positions >= q."""
+    return 3 * j + 1
+
+
+def _released(j: int) -> int:
+    """The position of node j's moment after it released its saved tensors."""
+    return 3 * j
+
+
+def _rerun(j: int) -> int:
+    """The position just before backward event j, where reruns triggered at j start."""
+    return 3 * j + 2
+
+
 def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int, _Holder]]]:
-    """Per storage, (release position, holder): position 2j is backward event j, 2j + 1 just
-    before it (where reruns triggered at j start)."""
+    """Per storage, (release position, holder): `_bwd`, `_released` and `_rerun`."""
     p = ctx.p
     holders: dict[int, list[tuple[int, _Holder]]] = defaultdict(list)
     for s in range(p.n_storages):
         if s in ctx.loss:
             continue
         for k in ctx.savers[s]:
-            holders[s].append((2 * k, _SaverHolds(k)))
+            holders[s].append((_bwd(k), _SaverHolds(k)))
     for c, r in enumerate(cands):
         if not r.packs:  # the frame never reruns
             continue
@@ -246,13 +262,13 @@ def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int,
             if s in ctx.loss:  # caller-held: a constant already
                 continue
             if s in inputs or not r.rules.takes_cached(r.a, p.storage_producer[s]):
-                holders[s].append((2 * r.death, c))  # until the frame dies
+                holders[s].append((_bwd(r.death), c))  # until the frame dies
             else:  # a kept output the rerun takes: until the rerun ends, and its savers
                 # (the latest alone, `r.held[s]`, is the same model, but CP-SAT then searches
                 # otherwise: the test UNet's lowest peak moved to a tie that simulate
                 # over-predicts by 0.96 %, an error left for its own issue)
-                holders[s].append((2 * r.trigger + 1, c))
-                holders[s].extend((2 * j, c) for j in rerun_savers(ctx, s, r.stop))
+                holders[s].append((_rerun(r.trigger), c))
+                holders[s].extend((_bwd(j), c) for j in rerun_savers(ctx, s, r.stop))
     return holders
 
 
@@ -298,10 +314,10 @@ def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[Region
     """Every backward event, and every rerun's largest event, fits the budget."""
     p = ctx.p
     n = p.n_nodes
-    # positions 0 .. 2n-1: A[pos] = bytes of gen-0 storages held there
+    # positions 0 .. 3n-1: A[pos] = bytes of gen-0 storages held there
     A = []
     acc = 0
-    for pos in range(2 * n):
+    for pos in range(3 * n):
         terms = delta_at.get(pos, [])
         if not terms:
             A.append(acc)
@@ -310,16 +326,24 @@ def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[Region
         md.Add(v == acc + sum(b * e for b, e in terms))
         A.append(v)
         acc = v
-    regen_terms: dict[int, list] = defaultdict(list)
+    regen_terms: dict[int, list] = defaultdict(list)  # at backward event j
+    regen_after: dict[int, list] = defaultdict(list)  # at j's moment after its release
     for c, r in enumerate(cands):
         if not r.packs:  # the frame never reruns
             continue
-        for j, g in enumerate(_regen_live(r, p.storage_bytes), start=r.a):
+        live = _regen_live(r, p.storage_bytes)
+        for j, g in enumerate(live, start=r.a):
             if g:
                 regen_terms[j].append(g * x[c])
+            if j > r.a and live[j - 1 - r.a]:  # those held to j's backward are gone
+                regen_after[j].append(live[j - 1 - r.a] * x[c])
+    grads = p.gradient_events
     for j in range(n):
         md.Add(p.static_bytes + ctx.g_event[j] + p.bwd_temp_bytes[j] + ctx.loss_bytes
-               + A[2 * j] + sum(regen_terms.get(j, [])) <= B)
+               + A[_bwd(j)] + sum(regen_terms.get(j, [])) <= B)
+        if ctx.releasing[j]:
+            md.Add(p.static_bytes + grads.released[j] + ctx.loss_bytes + A[_released(j)]
+                   + sum(regen_after.get(j, [])) <= B)
     for c, r in enumerate(cands):
         _check(deadline)
         if not r.packs:  # the frame never reruns
@@ -327,7 +351,7 @@ def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[Region
         rest = p.static_bytes + ctx.g_rest[r.trigger] + ctx.loss_bytes
         delta = _rerun_delta(ctx, r)
         big = rest + total + delta
-        md.Add(rest + A[2 * r.trigger + 1] + delta <= B + big * (1 - x[c]))
+        md.Add(rest + A[_rerun(r.trigger)] + delta <= B + big * (1 - x[c]))
 
 
 def _forward_constraints(md: cp_model.CpModel, ctx: Context, held_after: dict[int, object],

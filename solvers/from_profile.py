@@ -270,7 +270,9 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
             peak=[nd.bwd_peak_bytes for nd in nodes],
             after=[nd.bwd_live_after_bytes for nd in nodes],
             unpack=[nd.bwd_unpack_bytes for nd in nodes]
-            if all(nd.bwd_unpack_bytes is not None for nd in nodes) else None)
+            if all(nd.bwd_unpack_bytes is not None for nd in nodes) else None,
+            held=[nd.bwd_held_peak_bytes for nd in nodes]
+            if all(nd.bwd_held_peak_bytes is not None for nd in nodes) else None)
     return Problem(
         name=profile.model_name,
         node_names=[nd.name for nd in nodes],

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from solvers.problem import Problem
+    from solvers.problem import ObservedBackward, Problem
 
 __all__ = ["ACCUMULATION_COPIES", "GradientEvents", "caller_held", "fwd_event_bytes",
            "gradient_events", "last_read", "readers", "rerun_read_end", "storages_made",
@@ -26,21 +26,30 @@ ACCUMULATION_COPIES = 2
 
 
 class GradientEvents(NamedTuple):
-    """Per backward node j: gradient bytes live before it, made by it, and the transient
-    of adding a fresh gradient into an existing buffer (see `Problem.gradient_events`)."""
+    """Per backward node j: gradient bytes live before it and made by it while it holds its
+    saved tensors (see `Problem.gradient_events`)."""
 
     before: tuple[int, ...]
     added: tuple[int, ...]
-    accumulated: tuple[int, ...]
     after: tuple[int, ...]  # live once node j's backward has run (its inputs' freed)
     # held when node j's backward first unpacks a saved tensor: what a checkpoint's rerun
     # that its unpack starts runs on top of (its gradient buffers, where it makes them
     # first: an in-place op on a view's CopySlices); `before` where not observed
     at_rerun: tuple[int, ...] = ()
+    # held at node j's peak after the engine released j's saved tensors, where that is
+    # above its event's gradients and temporaries: autograd sums j's fresh gradients into
+    # buffers then (`release_variables` runs before `InputBuffer::add`), so that moment
+    # holds none of what only j saved; 0 where the event itself is the larger
+    released: tuple[int, ...] = ()
 
     def event(self, j: int) -> int:
-        """Gradient bytes in backward event j's peak."""
-        return self.before[j] + self.added[j] + self.accumulated[j]
+        """Gradient bytes in backward event j's peak (its saved tensors still held)."""
+        return self.before[j] + self.added[j]
+
+    def releases(self, j: int) -> bool:
+        """Whether node j's moment after its release can be above its event
+        (`released`): the one place that says when the replay and the solvers count it."""
+        return bool(self.released) and self.released[j] > 0
 
 
 def uses(problem: Problem) -> tuple[tuple[int, ...], ...]:
@@ -143,19 +152,15 @@ def gradient_events(problem: Problem) -> GradientEvents:
     backward of its last forward reader (in backward order, its first) and is freed
     after its producer's backward; the loss's gradient seed is held by the caller's
     ``backward()`` call until it returns. Each earlier reader makes a fresh gradient
-    that autograd adds into the existing buffer: a transient of that gradient's size
-    (`ACCUMULATION_COPIES` of it). A parameter's ``.grad`` appears at the backward of
-    its `param_grad_bytes` node and stays.
+    (during its event) that autograd then adds into the existing buffer, after the reader
+    released its saved tensors: `ACCUMULATION_COPIES` of it at that moment (`released`).
+    A parameter's ``.grad`` appears at the backward of its `param_grad_bytes` node and
+    stays.
     """
-    n = problem.n_nodes
     if problem.observed_backward is not None:  # what the engine did, not a model of it
-        obs = problem.observed_backward
-        return GradientEvents(tuple(obs.before),
-                              tuple(pk - b for b, pk in zip(obs.before, obs.peak,
-                                                            strict=True)),
-                              (0,) * n, tuple(obs.after),
-                              tuple(obs.unpack if obs.unpack is not None else obs.before))
-    before, added, accumulated, after = [0] * n, [0] * n, [0] * n, [0] * n
+        return _observed_events(problem.observed_backward)
+    n = problem.n_nodes
+    before, added, after, released = [0] * n, [0] * n, [0] * n, [0] * n
     live, grads = 0, set()
     seeds = {s for s in problem.grad_inputs[n - 1] if s in problem.caller_held}
     seeds |= {s for s in problem.outputs[n - 1] if not problem.consumers[s]}
@@ -167,16 +172,29 @@ def gradient_events(problem: Problem) -> GradientEvents:
                     if problem.storage_grad_bytes[s] > 0 and not problem.consumers[s]]
         new = [s for s in dict.fromkeys(new) if s not in grads]
         before[j] = live
-        added[j] = sum(problem.storage_grad_bytes[s] for s in new) + problem.param_grad_bytes[j]
-        accumulated[j] = ACCUMULATION_COPIES * sum(
-            problem.storage_grad_bytes[s] for s in set(problem.grad_inputs[j])
-            if s in grads and s not in new)
+        made = sum(problem.storage_grad_bytes[s] for s in new) + problem.param_grad_bytes[j]
+        fresh = sum(problem.storage_grad_bytes[s] for s in set(problem.grad_inputs[j])
+                    if s in grads and s not in new)
+        added[j] = made + fresh
         grads.update(new)
-        live += added[j]
+        live += made
         for s in problem.outputs[j]:
             if s in grads and s not in seeds:
                 grads.discard(s)
                 live -= problem.storage_grad_bytes[s]
         after[j] = live
-    return GradientEvents(tuple(before), tuple(added), tuple(accumulated), tuple(after),
-                          tuple(before))
+        summed = live + ACCUMULATION_COPIES * fresh
+        if fresh and summed > before[j] + added[j] + problem.bwd_temp_bytes[j]:
+            released[j] = summed
+    return GradientEvents(tuple(before), tuple(added), tuple(after), tuple(before),
+                          tuple(released))
+
+
+def _observed_events(obs: ObservedBackward) -> GradientEvents:
+    """`gradient_events` as observed: a node's event holds its peak while its saved
+    tensors were held (`held`, where observed), the rest comes after its release."""
+    held = obs.held if obs.held is not None else obs.peak
+    return GradientEvents(
+        tuple(obs.before), tuple(h - b for b, h in zip(obs.before, held, strict=True)),
+        tuple(obs.after), tuple(obs.unpack if obs.unpack is not None else obs.before),
+        tuple(pk if pk > h else 0 for h, pk in zip(held, obs.peak, strict=True)))

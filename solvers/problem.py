@@ -50,9 +50,12 @@ def _check(cond: bool, msg: str) -> None:
 
 class ObservedBackward(BaseModel):
     """Per node, what the backward holds (gradients and temporaries, as observed in one
-    step): just before the node's backward, at its peak, once it is done, and (`unpack`)
+    step): just before the node's backward, at its peak, once it is done, (`unpack`)
     when it first unpacks a saved tensor, which is when a checkpoint's rerun it starts
-    begins (None: not observed; taken as `before`)."""
+    begins (None: not observed; taken as `before`), and (`held`) at its peak while the node
+    still holds its saved tensors: below `peak` where the most comes after the engine
+    released them, summing the node's gradients into other buffers (None: not observed;
+    taken as `peak`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -60,6 +63,7 @@ class ObservedBackward(BaseModel):
     peak: list[int]
     after: list[int]
     unpack: list[int] | None = None
+    held: list[int] | None = None
 
 
 class ModuleSpan(BaseModel):
@@ -339,6 +343,9 @@ class Problem(BaseModel):
             _check(all(0 <= b <= pk and a <= pk for b, pk, a in zip(
                 obs.before, obs.peak, obs.after, strict=True)),
                 "observed_backward: each peak must be at least its before and after.")
+            _check(obs.held is None or (len(obs.held) == n and all(
+                h <= pk for h, pk in zip(obs.held, obs.peak, strict=True))),
+                f"observed_backward.held needs {n} entries, none above its peak.")
         if self.storage_release is not None:
             bad = [s for s in range(m)
                    if not self.storage_producer[s] <= self.storage_release[s] <= n]

@@ -38,7 +38,7 @@ __all__ = ["BYTE_FIELDS", "ProblemShift", "RoutingError", "RoutingSpread", "Wors
 # the problem's fields in bytes: what a routing changes (times are left as profiled)
 BYTE_FIELDS = ("fwd_temp_bytes", "bwd_temp_bytes", "storage_bytes", "storage_grad_bytes",
                "param_grad_bytes", "fwd_runtime_bytes")
-_OBSERVED = ("before", "peak", "after", "unpack")
+_OBSERVED = ("before", "peak", "after", "unpack", "held")
 _TIMES = ("fwd_time_ms", "bwd_time_ms")
 
 

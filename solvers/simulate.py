@@ -49,9 +49,12 @@ Gradients (`Problem.gradient_events`, the same under every schedule): the gradie
 storage appears during the backward of its last forward reader and is freed after its
 producer's backward, except the loss's seed, which the caller's ``backward()`` holds to the
 end; unread outputs of other nodes get no gradient.* Every earlier reader (in backward
-order, a later one) makes a fresh gradient that autograd adds into the existing buffer: a
-transient of that gradient's size during its backward. Parameter gradients appear at the
-backward of `param_grad_bytes`' node and stay.
+order, a later one) makes a fresh gradient that autograd adds into the existing buffer once
+the reader's work is done: the engine releases the node's saved tensors first
+(`release_variables`, then `InputBuffer::add`), so that moment (`GradientEvents.releases`)
+holds the summed gradients without what only that node saved, and frames that died with
+it; a backward event's peak is the larger of the two moments. Parameter gradients appear
+at the backward of `param_grad_bytes`' node and stay.
 
 Offload (`Schedule.offloads`, moved storages and fetch times from `solvers.offload`): a
 moved storage's saves hold nothing on the device; its first save copies it to the host
@@ -559,15 +562,18 @@ class _Replay:
             for g in needed:
                 self.copies.wait_for(g)
             self.live_grad = grads.before[j]
-            add, accumulate = grads.added[j], grads.accumulated[j]
-            before = self._live()
-            parts = self._parts(self.live_grad + add, p.bwd_temp_bytes[j] + accumulate)
+            peak = self._live() + grads.added[j] + p.bwd_temp_bytes[j]
+            parts = self._parts(self.live_grad + grads.added[j], p.bwd_temp_bytes[j])
             self.live_grad = grads.after[j]
             self._release(Token(Hold.BACKWARD, j))
             for fr in self.deaths.get(j, ()):
                 self._kill(fr)
-            self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j],
-                         before + add + p.bwd_temp_bytes[j] + accumulate, parts)
+            if grads.releases(j):  # its gradients summed once its saved tensors are gone
+                summed = self._live() - grads.after[j] + grads.released[j]
+                if summed > peak:
+                    peak, parts = summed, self._parts(grads.released[j], 0)
+            self._record(f"bwd:{p.node_names[j]}", "backward", j, p.bwd_time_ms[j], peak,
+                         parts)
 
     def optimizer_step(self) -> None:
         """The optimizer's step after the backward, when the budget covers it: what is

@@ -7,6 +7,7 @@ import warnings
 import pydantic
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -185,6 +186,35 @@ def test_a_custom_function_saving_an_earlier_tensor_is_planned_and_measured() ->
     plan = optimize(model, (x,), budget_gb=1.0, loss_fn=lambda y: y.sum(), timing="estimate",
                     progress=False)
     report = verify(model, plan, (x,), loss_fn=lambda y: y.sum())
+    assert report.measured_peak_bytes == report.predicted_peak_bytes, report.summary()
+
+
+class _PoolAndSkip(nn.Module):
+    """A convolution's output read by a max-pool, which saves its int64 indices, and by a
+    skip: the pool's backward sums its gradient into the skip's buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).relu()
+        return F.max_pool2d(y, 2).sum() + (y * 2).sum()
+
+
+def test_a_gradient_summed_after_its_node_let_go_of_its_saves_is_predicted_exactly() -> None:
+    """The engine releases a node's saved tensors before it sums the node's gradients into
+    other buffers: the pool's indices are gone by then. The step's peak is that sum (counted
+    with the indices, it was predicted 11 % high: 639,880 B against 574,344 B)."""
+    from planner import optimize, verify
+
+    torch.manual_seed(0)
+    model, x = _PoolAndSkip(), torch.randn(4, 3, 32, 32)
+    plan = optimize(model, (x,), budget_gb=1.0, loss_fn=lambda y: y, timing="estimate",
+                    progress=False)
+    node = next(n for n in plan.profile.nodes if "max_pool2d" in n.name)
+    assert node.bwd_held_peak_bytes < node.bwd_peak_bytes
+    report = verify(model, plan, (x,), loss_fn=lambda y: y)
     assert report.measured_peak_bytes == report.predicted_peak_bytes, report.summary()
 
 

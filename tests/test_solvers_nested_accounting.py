@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from test_solvers_properties import problems
 
 from solvers import Offload, Problem, Region, Schedule, simulate
-from solvers.accounting import Context, RegionInfo, evaluate, profile_parts
+from solvers.accounting import (
+    RELEASED,
+    Context,
+    RegionInfo,
+    evaluate,
+    profile_parts,
+    table_index,
+)
 from solvers.frame import region_rules
 from solvers.problem import HostLink
 from solvers.region_analysis import _NestedAnalysis
@@ -122,8 +129,18 @@ def check(p: Problem, sched: Schedule) -> None:
     ctx = Context(p)
     parts = profile_parts(ctx, 0, p.n_nodes, _regions(ctx, sched))
     assert p.static_bytes + parts.peak(ctx, 0) == tl.peak_bytes
-    events = p.static_bytes + parts.local + ctx.g_table[parts.g_index]
-    assert events.tolist() == [e.peak_bytes for e in tl.events], sched.describe()
+    slots = (p.static_bytes + parts.local + ctx.g_table[parts.g_index]).tolist()
+    # a node's moment after its release is a slot of its own, a part of its backward event
+    n = p.n_nodes
+    released = parts.g_index >= table_index(n, RELEASED, 0)
+    assert released.sum() == sum(p.gradient_events.releases(j) for j in range(n))
+    events: list[int] = []
+    for slot, after_release in zip(slots, released, strict=True):
+        if after_release:
+            events[-1] = max(events[-1], slot)
+        else:
+            events.append(slot)
+    assert events == [e.peak_bytes for e in tl.events], sched.describe()
     end_of_forward = tl.events[p.n_nodes - 1].live_bytes
     assert p.static_bytes + ctx.loss_bytes + parts.residue_bytes == end_of_forward
     # regions without children take the closed form: the general analysis must agree

@@ -74,7 +74,7 @@ def _chain() -> Problem:
         node_saved=[[0], [1], [1, 0, 2], [3], [4], []],
         storage_bytes=[32, 16, 1, 3, 36, 1, 1], storage_producer=[0, 1, 2, 3, 4, 4, 5],
         storage_grad_bytes=[32, 16, 1, 3, 36, 0, 1], static_bytes=0,
-        param_grad_bytes=[0, 0, 0, 10, 0, 0], block_of_node=[0, 1, 1, 2, 2, 2])
+        param_grad_bytes=[0, 0, 0, 14, 0, 0], block_of_node=[0, 1, 1, 2, 2, 2])
 
 
 def test_a_flat_optimum_is_claimed_over_flat_schedules_only() -> None:

@@ -214,7 +214,8 @@ def window_signature(ctx: Context, a: int, b: int,
                 p.storage_grad_bytes[s], lr - a if lr >= 0 else None, s in ctx.loss,
                 tuple(k - a for k in ctx.savers[s]))
 
-    return tuple((p.fwd_event_bytes[i], p.bwd_temp_bytes[i],
+    releases = ctx.releasing
+    return tuple((p.fwd_event_bytes[i], p.bwd_temp_bytes[i], releases[i],
                   p.recomputable[i], p.packs[i], p.stops_before_running[i], p.is_matmul(i),
                   p.can_keep(i), p.skippable(i),
                   tuple(rel(s) for s in p.uses[i]), tuple(rel(s) for s in p.outputs[i]),

@@ -67,7 +67,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from solvers.accounting import BACKWARD, FORWARD, RERUN, Context, table_slice
+from solvers.accounting import BACKWARD, FORWARD, RELEASED, RERUN, Context, table_slice
 from solvers.dp.chain import stage_index
 from solvers.dp.options import Spec
 from solvers.frame import may_skip
@@ -282,6 +282,7 @@ def held_table(problem: Problem, table: np.ndarray, last_read: tuple[int, ...],
         out[table_slice(n, FORWARD, last_read[h.storage] + 1, n)] += h.nbytes
         out[table_slice(n, RERUN, h.holder, n)] += h.nbytes
         out[table_slice(n, BACKWARD, h.holder, n)] += h.nbytes
+        out[table_slice(n, RELEASED, h.holder + 1, n)] += h.nbytes
     return out
 
 

@@ -87,6 +87,7 @@ import numpy as np
 from solvers.accounting import (
     BACKWARD,
     FORWARD,
+    RELEASED,
     RERUN,
     Context,
     WindowParts,
@@ -293,6 +294,7 @@ def _pin_tables(ctx: Context, pinned: frozenset[int], skips: dict[int, list[int]
             low[table_slice(n, FORWARD, prod + 1, n)] += nbytes
             low[table_slice(n, RERUN, holders[0], n)] += nbytes
             low[table_slice(n, BACKWARD, holders[0], n)] += nbytes
+            low[table_slice(n, RELEASED, holders[0] + 1, n)] += nbytes
         else:
             low[table_slice(n, FORWARD, prod + 1, last + 1)] += nbytes
     return up, low
@@ -305,6 +307,7 @@ def _add_conservative(ctx: Context, table: np.ndarray, s: int, sign: int) -> Non
     table[table_slice(n, FORWARD, prod + 1, n)] += nbytes
     table[table_slice(n, RERUN, prod, n)] += nbytes
     table[table_slice(n, BACKWARD, prod, n)] += nbytes
+    table[table_slice(n, RELEASED, prod, n)] += nbytes
 
 
 def _rerun_ms(p: Problem, a: int, fwd_sum: np.ndarray, fwd: np.ndarray,
