@@ -7,8 +7,7 @@ load), so the two are compared in work, and in seconds on this machine beside it
   from the DP's answer as `auto` does: ours with the fullest linearization
   (``cpsat.FULL_LP_LEVEL``), the default at level 1;
 * the least peak (`cpsat.min_peak`): by binary search on the peak
-  (`PEAK_PROBE_CANDIDATE` conflicts a probe, the candidate `cpsat.PEAK_PROBE_CONFLICTS`
-  holds back), the default without.
+  (``cpsat.PEAK_PROBE_CONFLICTS`` conflicts a probe), the default without.
 
     python benchmarks/cpsat_settings.py          # zoo GPT tiny and small, ResNet, HF GPT-2
     python benchmarks/cpsat_settings.py --dag    # also DeepLabV3-MobileNetV3, Inception-v3
@@ -35,18 +34,16 @@ from solvers.dp import search as dp
 
 FRACTIONS = (0.3, 0.4, 0.5)
 DAG_CASES = ("torchvision deeplabv3_mobilenet_v3_large", "torchvision inception_v3")
-PEAK_PROBE_CANDIDATE = 100
 
 
 @contextlib.contextmanager
 def settings(ours: bool) -> Iterator[list]:
-    """Ours with the binary-search candidate, or CP-SAT's defaults (linearization level 1, no
-    binary search); yields the list of solvers made in it, to read their work."""
+    """Ours, or CP-SAT's defaults (linearization level 1, no binary search); yields the list
+    of solvers made in it, to read their work."""
     made: list = []
     saved = cpsat._solver, cpsat.FULL_LP_LEVEL, cpsat.PEAK_PROBE_CONFLICTS
-    cpsat.PEAK_PROBE_CONFLICTS = PEAK_PROBE_CANDIDATE if ours else -1
     if not ours:
-        cpsat.FULL_LP_LEVEL = 1
+        cpsat.FULL_LP_LEVEL, cpsat.PEAK_PROBE_CONFLICTS = 1, -1
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         made.append(saved[0](*args, **kwargs))

@@ -13,10 +13,11 @@ def memory_lower_bound(problem: Problem) -> int:
 
     Forward of node i: its outputs, every storage produced earlier and read at or after i,
     and its forward temp. Backward of node j: its saved storages, the gradient bytes every
-    schedule has in that event (activation gradients alive then, the accumulation transient,
-    parameter gradients of nodes >= j; `accounting.gradient_bytes`), the loss outputs the
-    caller holds (all but those the loss's backward saves), and its backward temp.
-    Recomputation only adds to these.
+    schedule has in that event (activation gradients alive then, its fresh ones, parameter
+    gradients of nodes >= j; `accounting.gradient_bytes`), the loss outputs the caller
+    holds (all but those the loss's backward saves), and its backward temp; once j released
+    its saves, the gradients it sums into buffers then (`GradientEvents.released`) and the
+    loss outputs. Recomputation only adds to these.
     """
     p = problem
     n = p.n_nodes
@@ -36,9 +37,11 @@ def memory_lower_bound(problem: Problem) -> int:
     for i in range(n):
         act += diff[i]
         best = max(best, act + p.fwd_event_bytes[i])
+    released = p.gradient_events.released or [0] * n
     for j in range(n - 1, -1, -1):
         saved = sum(p.storage_bytes[s] for s in set(p.saved[j]) - loss)
-        best = max(best, saved + g_event[j] + loss_bytes + p.bwd_temp_bytes[j])
+        best = max(best, saved + g_event[j] + loss_bytes + p.bwd_temp_bytes[j],
+                   released[j] + loss_bytes)
     return p.static_bytes + best
 
 

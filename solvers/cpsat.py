@@ -265,8 +265,7 @@ def _holders(ctx: Context, cands: list[RegionInfo]) -> dict[int, list[tuple[int,
                 holders[s].append((_bwd(r.death), c))  # until the frame dies
             else:  # a kept output the rerun takes: until the rerun ends, and its savers
                 # (the latest alone, `r.held[s]`, is the same model, but CP-SAT then searches
-                # otherwise: the test UNet's lowest peak moved to a tie that simulate
-                # over-predicts by 0.96 %, an error left for its own issue)
+                # otherwise)
                 holders[s].append((_rerun(r.trigger), c))
                 holders[s].extend((_bwd(j), c) for j in rerun_savers(ctx, s, r.stop))
     return holders
@@ -403,13 +402,13 @@ WALL_S_PER_WORK_UNIT = 10.0
 # The least-peak model proves sooner without it (1.6 s -> 3.9 s). Deterministic, a binary
 # search on the peak (`binary_search_num_conflicts` 100) proved DeepLabV3-MobileNetV3's least
 # peak in 5 units where 10 found nothing, and Inception-v3's 181.1 MiB where 185.0 MiB was
-# found unproven (`benchmarks/results/cpsat-settings.md`), but its least-peak schedule of the
-# U-Net's traced op ranges (`tests/test_traced.py`) measured 0.96 % below its prediction,
-# over the 0.5 % the simulator is held to: held back (-1, CP-SAT's default) until that
-# schedule's prediction is understood.
+# found unproven (`benchmarks/results/cpsat-settings.md`). (Its least-peak schedule of the
+# U-Net's traced op ranges once measured 0.96 % below its prediction: the simulator counted
+# a max-pool's indices at the gradient sum after the pool's backward, which the engine runs
+# once the pool released them; `lifetimes.GradientEvents.released`.)
 FULL_LP_LEVEL = 2
 FULL_LP_WORKERS = ("max_lp",)
-PEAK_PROBE_CONFLICTS = -1
+PEAK_PROBE_CONFLICTS = 100
 
 
 def _solver(time_limit_s: float, workers: int = 2, deterministic: bool = False,
