@@ -266,7 +266,7 @@ def profile_parts(ctx: Context, a0: int, b0: int,
     nodes up to `until[s]` (the caller's table counts them at the later nodes').
     Slots are `simulate`'s events in order: the forward of the window's nodes, then per
     backward node j (descending) the steps of the reruns it triggers (a parent's before its
-    child's) and j's own event.
+    child's), j's own event and, where it has one, its moment after release (`_Slots`).
     """
     n_fw = b0 - a0
     plans = list(regions)
@@ -324,9 +324,10 @@ class _Slots:
     """The events of a window in `simulate`'s order, with what each adds by itself.
 
     `const`: bytes allocated or temporary at each slot; `gidx`: its `Context.g_table` entry
-    relative to the window start; `bwd_slot[k]`: slot of node a0 + k's backward;
-    `off[pi][r] + x`: slot of node x's step in rerun r of plan pi; `time_ms`: the reruns'
-    time, added step by step in event order as `simulate` does (equal to the bit).
+    relative to the window start; `bwd_slot[k]`: slot of node a0 + k's backward (its moment
+    after release, where it has one, is the next slot); `off[pi][r] + x`: slot of node x's
+    step in rerun r of plan pi; `time_ms`: the reruns' time, added step by step in event
+    order as `simulate` does (equal to the bit).
     """
 
     const: list[int]

@@ -310,7 +310,8 @@ def _hold_chains(md: cp_model.CpModel, ctx: Context,
 def _backward_constraints(md: cp_model.CpModel, ctx: Context, cands: list[RegionInfo],
                           x: list, B: object, delta_at: dict[int, list], total: int,
                           deadline: float | None) -> None:
-    """Every backward event, and every rerun's largest event, fits the budget."""
+    """Every backward event, each node's moment after its release (`_released`), and every
+    rerun's largest event fits the budget."""
     p = ctx.p
     n = p.n_nodes
     # positions 0 .. 3n-1: A[pos] = bytes of gen-0 storages held there
