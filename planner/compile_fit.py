@@ -51,6 +51,7 @@ from profiles.inputs import normalize_inputs
 from profiles.progress import _bar
 from solvers.baselines import policy_schedule
 from solvers.from_profile import block_calls
+from solvers.simulate import optimizer_step_peak
 
 __all__ = ["MAX_PROBES", "fit_compiled", "plan_compiled", "warn_eager_plan_compiled"]
 
@@ -81,6 +82,8 @@ class _Search:
                  report: Callable[[str], None]) -> None:
         self.profiled, self.options, self.step, self.report = profiled, options, step, report
         self.budget = options.budget_bytes
+        self.optimizer_state = profiled.profile.static.optimizer_state_bytes
+        self.optimizer_step = optimizer_step_peak(profiled.problem())
         self.probes: list[_Probe] = []
         self.least_eager: int | None = None  # the eager budget of the least eager peak
 
@@ -96,13 +99,19 @@ class _Search:
     def probe(self, eager_budget: int) -> _Probe:
         eager_budget, plan = self.solve(eager_budget)
         seen = next((p for p in self.probes if p.plan.schedule == plan.schedule), None)
-        peak = seen.peak if seen is not None else self.step.peak_bytes(plan)
+        peak = seen.peak if seen is not None else self.peak_bytes(plan)
         probe = _Probe(eager_budget, plan, peak)
         self.probes.append(probe)
         if seen is None:
             self.report(f"eager budget {format_bytes(eager_budget)}: compiled peak "
                         f"{format_bytes(peak)}")
         return probe
+
+    def peak_bytes(self, plan: Plan) -> int:
+        """The training step's peak with ``plan``, compiled: the optimizer's state is held
+        through the forward and backward (measured without it: planning makes no state),
+        and its step runs after the backward, eager, as the profile measured it."""
+        return max(self.step.peak_bytes(plan) + self.optimizer_state, self.optimizer_step)
 
     @property
     def measured(self) -> int:
@@ -158,7 +167,7 @@ class _Search:
                                  profiled.inputs, profiled.structure)
         if any(p.plan.schedule == plan.schedule for p in self.probes):
             return
-        peak = self.step.peak_bytes(plan)
+        peak = self.peak_bytes(plan)
         self.probes.append(_Probe(plan.predicted_peak_bytes, plan, peak))
         self.report(f"every block checkpointed: compiled peak {format_bytes(peak)}")
 
@@ -181,6 +190,8 @@ class _Search:
                           eager_budget_bytes=chosen.eager_budget,
                           probes=[(p.eager_budget, p.peak) for p in self.probes],
                           compiles=self.measured,
+                          optimizer_state_bytes=self.optimizer_state,
+                          optimizer_step_peak_bytes=self.optimizer_step,
                           measure=self.step.measure,
                           recompile_limit_hit=getattr(self.step, "recompile_limit_hit", None))
         return chosen.plan.model_copy(update={"budget_bytes": budget or self.budget,
@@ -203,7 +214,6 @@ def fit_compiled(profiled: ProfiledStep, options: SolveOptions, step: CompiledSt
 _NOT_COMPILED = {
     "envelope": "each bucket of an envelope would compile and be measured on its own",
     "offload": "offload's hooks are refused under torch.compile (docs/recipes.md)",
-    "optimizer": "the optimizer's step is not compiled with the model's",
     "sharding": "a rank's compiled step is measured on one process only",
     "parallelize": "a rank's compiled step is measured on one process only",
 }
@@ -258,12 +268,12 @@ def _warn_recompile_limit(step: CompiledStep) -> None:
 
 def warn_eager_plan_compiled(trainer: str) -> None:
     """A trainer switch plans the eager step, and ``trainer`` compiles it: said once, with
-    what to do instead (a switch plans with the trainer's optimizer and every batch
-    length, which a compiled step's plan does not cover yet)."""
+    what to do instead (a switch plans every batch length, which a compiled step's plan
+    does not cover yet)."""
     warnings.warn(
         f"{trainer}: the switch plans the eager step, and compiled, a step keeps what inductor "
         "and its partitioner keep (over the budget on a ResNet, docs/recipes.md "
-        "'torch.compile'). Planning the compiled step with the trainer's optimizer and every "
-        "batch length is not supported yet: leave a margin, or plan with "
-        "planner.optimize(..., compiled='model') and planner.apply() yourself, without this "
-        "switch", PlanMismatchWarning, stacklevel=3)
+        "'torch.compile'). Planning the compiled step for every batch length is not "
+        "supported yet: leave a margin, or plan one batch shape with "
+        "planner.optimize(..., compiled='model', optimizer=...) and planner.apply() "
+        "yourself, without this switch", PlanMismatchWarning, stacklevel=3)

@@ -221,8 +221,15 @@ class CompiledFit(_Strict):
                                              "after apply (torchtitan's order)")
     blocks: list[str] = Field(default_factory=list, description="with 'blocks': the "
                               "modules compiled, each with its .compile()")
-    peak_bytes: Bytes = Field(description="the compiled step's peak with this schedule, "
-                              "measured")
+    peak_bytes: Bytes = Field(description="the compiled step's peak with this schedule: its "
+                              "forward and backward measured, plus the optimizer's state, "
+                              "or the optimizer's step where that is larger")
+    optimizer_state_bytes: Bytes = Field(0, description="the optimizer's state, held "
+                                         "through the compiled forward and backward (0: "
+                                         "planned without an optimizer)")
+    optimizer_step_peak_bytes: Bytes = Field(0, description="the peak of the optimizer's "
+                                             "step after the backward, run eager, the same "
+                                             "under every schedule (the profile's)")
     eager_budget_bytes: Bytes = Field(description="the budget the eager schedule was "
                                       "solved at")
     probes: list[tuple[Bytes, Bytes]] = Field(description="each eager solve: (eager budget, "
@@ -240,12 +247,19 @@ class CompiledFit(_Strict):
             f"blocks {self.blocks[0]} .. {self.blocks[-1]}" if self.blocks else self.mode
         return (f"compiled ({what}): measured peak {format_bytes(self.peak_bytes)} of "
                 f"the compiled step within budget {format_bytes(budget_bytes)} ("
-                f"{self.measure}; {self.compiles} schedules compiled); the eager "
-                f"schedule solved at {format_bytes(self.eager_budget_bytes)}, and the eager "
-                "numbers below are the eager step's" + (
+                f"{self.measure}; {self.compiles} schedules compiled{self._optimizer()}); "
+                f"the eager schedule solved at {format_bytes(self.eager_budget_bytes)}, "
+                "and the eager numbers below are the eager step's" + (
                     "" if self.recompile_limit_hit is None else
                     f"; dynamo's recompile limit ({self.recompile_limit_hit}) was reached: "
                     "the calls past it ran eager, measured as such"))
+
+    def _optimizer(self) -> str:
+        if not self.optimizer_state_bytes and not self.optimizer_step_peak_bytes:
+            return ""
+        return (f"; the optimizer's state {format_bytes(self.optimizer_state_bytes)} "
+                "counted through it, and its eager step, peaking at "
+                f"{format_bytes(self.optimizer_step_peak_bytes)}")
 
 
 def moved_keeps_named(schedule: Any) -> Any:
