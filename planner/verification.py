@@ -156,6 +156,44 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     return peak, loss.detach(), grads
 
 
+def measure_training_step(module: nn.Module, args: tuple, kwargs: dict,
+                          loss_fn: Callable[[Any], torch.Tensor],
+                          optimizer: torch.optim.Optimizer,
+                          autocast_dtype: str | None = None) -> int:
+    """Peak bytes of a training step with ``optimizer`` (forward, backward, ``step()``,
+    ``zero_grad()``) as training meets it from its second step on: a first step makes the
+    optimizer's state (and compiles, where ``module`` is compiled), the second is measured.
+    The step's tensors are the parameters, buffers, inputs, loss target and the optimizer's
+    state, plus what the step allocates above them: the CUDA allocator's peak on a GPU
+    (less what else the process holds), the CPU allocator's events on the CPU (compiled
+    code included, :func:`planner.measure.allocator_peak`). Both steps update the
+    parameters, as training does."""
+    from planner.measure import allocator_peak, storages_bytes
+
+    device = _model_device(module)
+
+    def step() -> None:
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_fn(module(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    state = [t for s in optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    resident = [*module.parameters(), *module.buffers(), *state, *bound_tensors(loss_fn),
+                *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+    if device.type != "cuda":
+        return storages_bytes(resident) + allocator_peak(step).peak_bytes
+    torch.cuda.synchronize(device)
+    bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(resident, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
+
+
 def _grads_as_one_backward_left_them(module: nn.Module, device: torch.device,
                                      run: Callable[[], torch.Tensor]) -> None:
     """``run()`` once for the gradients it leaves, then zeroed; its random draws and

@@ -22,9 +22,10 @@ from planner import (
 )
 from planner.arguments import SolveOptions
 from planner.compile_fit import MAX_PROBES, fit_compiled
-from planner.compiled_step import CompiledStep
+from planner.compiled_step import CompiledStep, compiled
 from planner.runtime.emit import checkpointed_modules
 from planner.solving import solve_profiled
+from planner.verification import measure_training_step
 from solvers.baselines import policy_schedule
 from solvers.schedule import Schedule
 
@@ -188,32 +189,6 @@ def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_wa
         remove(model)
 
 
-def _training_step_peak(model: torch.nn.Module, x: torch.Tensor, loss_fn: Callable,
-                        optimizer: torch.optim.Optimizer) -> int:
-    """The peak of a compiled training step with its optimizer, as training meets it from
-    the second step on (the optimizer's state made): parameters, buffers, the input, the
-    loss's target and the state, plus the CPU allocator's most above them through forward,
-    backward and ``optimizer.step()``."""
-    from planner.measure import allocator_peak, storages_bytes
-    from planner.verification import bound_tensors
-
-    compiled = torch.compile(model)
-
-    def step() -> None:
-        loss_fn(compiled(x)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # compiles, and makes the optimizer's state
-    state = [t for s in optimizer.state.values() for t in s.values()
-             if isinstance(t, torch.Tensor)]
-    resident = storages_bytes([*model.parameters(), *model.buffers(), x, *state,
-                               *bound_tensors(loss_fn)])
-    peak = resident + allocator_peak(step).peak_bytes
-    torch._dynamo.reset()
-    return peak
-
-
 def test_a_compiled_plan_with_its_optimizer_holds_the_training_step_it_runs() -> None:
     """inductor for real, with AdamW: the plan's peak counts the optimizer's state through
     the compiled forward and backward and the optimizer's own step after them, and a
@@ -234,7 +209,8 @@ def test_a_compiled_plan_with_its_optimizer_holds_the_training_step_it_runs() ->
     assert plan.compiled.peak_bytes <= plan.budget_bytes == budget
     apply(model, plan)
     try:
-        measured = _training_step_peak(model, x, zm.loss_fn, optimizer)
+        with compiled(model, "model", []):
+            measured = measure_training_step(model, (x,), {}, zm.loss_fn, optimizer)
     finally:
         remove(model)
     assert measured == plan.compiled.peak_bytes
