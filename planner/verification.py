@@ -129,20 +129,10 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     static = [*module.parameters(), *module.buffers(),
               *(p.grad for p in module.parameters() if p.grad is not None),
               *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
-    if device.type == "cuda":
-        static += bound_tensors(loss_fn)
-        torch.cuda.synchronize(device)
-        bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(static, device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = run()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
-    elif compiled:
-        from planner.measure import allocator_peak, storages_bytes
-
+    if device.type == "cuda" or compiled:
         held: list[torch.Tensor] = []
-        peak = storages_bytes([*static, *bound_tensors(loss_fn)]) + \
-            allocator_peak(lambda: held.append(run())).peak_bytes
+        peak = _peak_above([*static, *bound_tensors(loss_fn)], device,
+                           lambda: held.append(run()))
         loss = held[0]
     else:
         from planner.measure import PeakTracker
@@ -168,8 +158,6 @@ def measure_training_step(module: nn.Module, args: tuple, kwargs: dict,
     (less what else the process holds), the CPU allocator's events on the CPU (compiled
     code included, :func:`planner.measure.allocator_peak`). Both steps update the
     parameters, as training does."""
-    from planner.measure import allocator_peak, storages_bytes
-
     device = _model_device(module)
 
     def step() -> None:
@@ -184,12 +172,22 @@ def measure_training_step(module: nn.Module, args: tuple, kwargs: dict,
              if isinstance(t, torch.Tensor)]
     resident = [*module.parameters(), *module.buffers(), *state, *bound_tensors(loss_fn),
                 *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+    return _peak_above(resident, device, step)
+
+
+def _peak_above(resident: list[torch.Tensor], device: torch.device,
+                call: Callable[[], Any]) -> int:
+    """Peak bytes of ``call()`` with ``resident`` held: on a GPU the CUDA allocator's peak,
+    less what else the process holds; on the CPU ``resident`` plus the most the CPU
+    allocator's events hold above them (compiled code included)."""
     if device.type != "cuda":
-        return storages_bytes(resident) + allocator_peak(step).peak_bytes
+        from planner.measure import allocator_peak, storages_bytes
+
+        return storages_bytes(resident) + allocator_peak(call).peak_bytes
     torch.cuda.synchronize(device)
     bystanders = torch.cuda.memory_allocated(device) - _allocated_bytes(resident, device)
     torch.cuda.reset_peak_memory_stats(device)
-    step()
+    call()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
 
