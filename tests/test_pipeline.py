@@ -161,7 +161,8 @@ def test_the_split_makes_the_slowest_stage_fastest_within_the_budget() -> None:
     assert [s.plan.pipeline.spec.stage_index for s in found.stages] == [0, 1]
     assert found.step_ms(MICROBATCHES) == 5 * found.slowest_ms
     with pytest.raises(InfeasibleBudgetError, match="fits") as caught:
-        plan_pipeline(steps, 4, 2, budget_gb=2**20 / 2**30, least=1, most=3, solver="dp")
+        plan_pipeline(steps, 4, 2, budget_gb=2**20 / 2**30, least=1, most=3, solver="dp",
+                      time_limit_s=4)
     # a split's least is its stages' least peaks (each held: the test above), at most the
     # even split's unplanned peaks
     assert 2**20 < caught.value.min_budget_bytes <= max(steps(r, 2).peak() for r in range(2))
