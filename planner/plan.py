@@ -168,6 +168,11 @@ class PlanOffload(NamedTuple):
     release_module: str | None = None  # at whose end the device copies go (None: its own)
 
 
+# what a plan derives and caches, and the fields it derives it from
+_DERIVED_FROM = {"_problem": frozenset({"profile", "sharding"}),
+                 "_replay": frozenset({"profile", "sharding", "schedule", "routing"})}
+
+
 class _Replay(NamedTuple):
     """What ``simulate`` says of a plan's schedule on its profile (and of no checkpointing)."""
 
@@ -333,14 +338,18 @@ class Plan(_Strict):
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None,
                    deep: bool = False) -> Plan:
-        """A copy; what it derives is derived again (``update`` may change the schedule)."""
+        """A copy; what it derives from a field ``update`` changes is derived again, the
+        rest kept (a plan given the profile's notes keeps its problem and replay: on a 70B
+        profile a replay takes seconds)."""
         copied = super().model_copy(update=update, deep=deep)
         if update and "schedule" in update and copied.pipeline is not None and \
                 "pipeline" not in update:  # the stage's replay was of the old schedule
             copied.__dict__["pipeline"] = copied.pipeline.model_copy(
                 update={"peak_bytes": None})
-        for derived in ("_replay", "_problem"):
-            copied.__dict__.pop(derived, None)
+        changed = set(update or ())
+        for derived, sources in _DERIVED_FROM.items():
+            if deep or changed & sources:
+                copied.__dict__.pop(derived, None)
         return copied
 
     def reusing(self, problem: Problem) -> Plan:

@@ -358,4 +358,4 @@ def test_an_interleaved_split_makes_the_slowest_rank_fastest_within_the_budget()
     assert max(rank.time_ms for rank in found) == pytest.approx(best)
     with pytest.raises(InfeasibleBudgetError, match="per rank fit"):
         plan_interleaved(rank_steps, blocks, ranks, chunks, budget_gb=2**20 / 2**30,
-                         least=1, most=3, solver="dp", time_limit_s=8)
+                         least=1, most=3, solver="dp", time_limit_s=4)

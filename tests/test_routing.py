@@ -143,11 +143,11 @@ def test_a_bounded_plan_keeps_its_bound_through_save_load_and_replan(tmp_path) -
         <= plan.predicted_peak_bytes
     low = plan.profile.static.total_bytes + 1
     with pytest.raises(InfeasibleBudgetError, match="at every routing of its experts") as error:
-        replan(loaded, budget_bytes=low, deterministic=True)
+        replan(loaded, budget_bytes=low, deterministic=True, time_limit_s=10)
     lowest = error.value.plan
     assert lowest.predicted_peak_bytes == error.value.min_budget_bytes
     again = replan(loaded, budget_bytes=error.value.min_budget_bytes,
-                   deterministic=True)
+                   deterministic=True, time_limit_s=10)
     assert again.predicted_peak_bytes <= error.value.min_budget_bytes
 
 
