@@ -25,7 +25,6 @@ results (``frontier_report.py``).
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ import frontier_peers
 import torch
 from frontier_auto_sac import AUTO_SAC, auto_sac_not_run, auto_sac_peer
 from frontier_compile import COMPILE, COMPILE_BUDGETS, compile_backend, compile_peer
-from frontier_measure import TIME_UP, Runner, distinct_peaks, grads_match, planned
+from frontier_measure import TIME_UP, Runner, distinct_peaks, grads_match
 from frontier_peers import eager_peer, replay_peers
 from frontier_report import format_row, make_result, write_result
 from torch import nn
@@ -219,10 +218,9 @@ def our_plans(zm: zoo.ZooModel, runner: Runner, timing: str, rows: list[dict[str
             row(label, "ours", status=f"infeasible: {error.args[0][:200]}", budget_bytes=budget)
             continue
         planning_s = time.perf_counter() - began
-        # apply() instruments the model in place: applied only around each planned step,
-        # so the interleaved no-checkpointing steps run the plain model
-        peak, ms, base, grads = runner.run(zm.model, functools.partial(planned, zm.model,
-                                                                       plan))
+        # timed on a copy with the plan applied once, as training applies it; the
+        # interleaved no-checkpointing steps run the plain model
+        peak, ms, base, grads = runner.run(runner.applied(plan))
         equal, diff = grads_match(reference, grads)
         row(label, "ours", status="ok", budget_bytes=budget, peak_bytes=peak, step_ms=ms,
             base_step_ms=base,

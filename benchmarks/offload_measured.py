@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from frontier_measure import Runner, grads_match, planned
+from frontier_measure import Runner, grads_match
 
 from planner import zoo
 from planner.api import optimize, plan_for_schedule, replan
@@ -93,13 +93,13 @@ def _measure(runner: Runner, zm: zoo.ZooModel, label: str, plan: Plan | None,
              context: Any, reference: dict[str, torch.Tensor]) -> dict[str, Any]:
     if runner.out_of_time():
         return dict(label=label, status="not run: time is up")
-    if plan is not None:
-        context = functools.partial(planned, zm.model, plan)
+    module = zm.model if plan is None else runner.applied(plan)  # applied once
+    context = context if plan is None else contextlib.nullcontext
     started = time.perf_counter()
-    peak, ms, base, grads = runner.run(zm.model, context)
+    peak, ms, base, grads = runner.run(module, context)
     equal, diff = grads_match(reference, grads)
     row = dict(label=label, status="ok", peak_bytes=peak, step_ms=ms, base_step_ms=base,
-               warm_peak_bytes=runner.warm_peak(zm.model, context),
+               warm_peak_bytes=runner.warm_peak(module, context),
                grads_equal=equal, grad_max_abs_diff=diff,
                seconds=time.perf_counter() - started)
     if plan is not None:
