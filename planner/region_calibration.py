@@ -9,8 +9,8 @@ region on 2 CPU cores where the tiny-op constants charge 0.29 ms, and a small op
 a Llama MLP about 0.5 ms where they charge 0.1 (issue 62).
 
 So where every cost is host cost (a step profiled and timed on the CPU), the constants are
-measured on the model: plans, installed as `planner.apply` installs them, are each timed
-between two plain steps (the median of what a plan's step took beyond their mean):
+measured on the model: plans, installed as `planner.apply` installs them, are timed
+against the plain step in interleaved rounds (the median of each round's difference):
 every repeated block recomputed (large regions, module calls), and in each block its
 smallest span that saves something, an op range or a module call, with no random op (small
 regions, as plans of many regions cut them). What each adds beyond its reruns (the clock's
@@ -21,7 +21,7 @@ as its traced program (when that ran node by node, GPT small's two calibrations 
 0.12 and 0.35 ms more than a block's module call; ResNet: none); ``pack_ms`` then stays
 the tiny-op chains' and ``range_ms`` is what a range costs more
 (`Problem.checkpoint_range_ms`). The plain steps of those
-steps also set the profile's time: its forward node times are scaled to their median
+rounds also set the profile's time: its forward node times are scaled to their median
 forward and its backward node times to their median backward, so the reruns a region's
 measured ms are set against, and every plan's overhead, are counted in the step as it runs
 here. A third plan, every block recomputed keeping its matmuls, measures ``sac_op_ms``:
@@ -36,7 +36,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -61,13 +61,11 @@ __all__ = [
     "fitted_costs",
 ]
 
-# seconds of steps (at least MIN_ROUNDS rounds): GPT small's blocks plan
+# seconds of interleaved steps (at least MIN_ROUNDS rounds): GPT small's blocks plan
 # predicted +54.9 to +57.5 % in five calibrations of 1.3 s, +55.6 to +63.0 % in five of
 # 0.8 s (median of 5 rounds), +56.1 to +57.3 % in five of 2.4 s
 CALIBRATION_S = 1.5
-# a round: each plan's step after a plain one (8 steps for 4 plans, as 6 and 16 rounds of
-# the plain step and the 4 plans, each paired with the round's one plain step, took)
-MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 4, 10, 1
+MIN_ROUNDS, MAX_ROUNDS, WARMUP_ROUNDS = 6, 16, 1
 
 # (ms beyond the reruns, regions that rerun, tensors packed, of the regions the op ranges,
 # aten ops under a selective policy)
@@ -217,22 +215,19 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
     if costs is None or not schedules:
         return None
     specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
-    blocks = problem.blocks()
-    targets = span_targets(profile)
     try:
-        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s,
-                             [targets[b].path for b in blocks])
+        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
     except Exception as error:  # the model as it was; the tiny-op constants stay
         log.warning("could not time %s with its blocks checkpointed (%s: %s); a region's "
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
         return None
-    profile = _step_scaled(profile, timed, blocks)
+    profile = _step_scaled(profile, timed)
     problem = problem_from_profile(profile)
     measured = []
-    for schedule, added in zip(schedules, timed.added, strict=True):
+    for schedule, ms in zip(schedules, timed.planned, strict=True):
         nodes_ms = _charged(problem, schedule)  # the reruns' node time
-        measured.append((statistics.median(added) - nodes_ms,
+        measured.append((_paired_ms(ms, timed.plain) - nodes_ms,
                          round(_charged(problem, schedule, region_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, pack_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, range_ms=1.0) - nodes_ms),
@@ -243,14 +238,12 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
     return profile.model_copy(update={"checkpoint_costs": fitted})
 
 
-def _step_scaled(profile: GraphProfile, timed: Timed,
-                 blocks: list[tuple[int, int]]) -> GraphProfile:
+def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:
     """``profile`` with its forward and its backward node times each scaled to the median of
-    the calibration's plain steps, each of ``blocks``' forward to its own
-    (`_forward_scales`). The profile times the whole step in 5 back-to-back runs after
-    timing every op alone; its forward's share of the step then moves between profiles
-    (ResNet b16 on 2 cores: forward 6.8, 7.9, 9.4 ms and backward 12.2, 12.0, 10.2 in
-    three profiles, where steps timed as the calibration times them read 7.0 and
+    the calibration's plain steps. The profile times the whole step in 5 back-to-back runs
+    after timing every op alone; its forward's share of the step then moves between
+    profiles (ResNet b16 on 2 cores: forward 6.8, 7.9, 9.4 ms and backward 12.2, 12.0,
+    10.2 in three profiles, where steps timed as the calibration times them read 7.0 and
     9.5-9.8), and a plan's overhead, its reruns' forward time over the step, with it."""
     forward = statistics.median(timed.plain_forward)
     backward = statistics.median(t - f for t, f in zip(timed.plain, timed.plain_forward,
@@ -260,43 +253,12 @@ def _step_scaled(profile: GraphProfile, timed: Timed,
     if min(forward, backward, fwd_sum, bwd_sum) <= 0:
         return profile
     fwd, bwd = forward / fwd_sum, backward / bwd_sum
-    blocks_ms = [statistics.median(ms) for ms in timed.blocks] \
-        if len(timed.blocks) == len(blocks) and all(timed.blocks) else []
-    scales = _forward_scales([n.fwd_time_ms for n in profile.nodes], forward, blocks,
-                             blocks_ms)
-    nodes = [n.model_copy(update={"fwd_time_ms": n.fwd_time_ms * scale,
-                                  "bwd_time_ms": n.bwd_time_ms * bwd})
-             for n, scale in zip(profile.nodes, scales, strict=True)]
+    nodes = [n.model_copy(update={"fwd_time_ms": n.fwd_time_ms * fwd,
+                                  "bwd_time_ms": n.bwd_time_ms * bwd}) for n in profile.nodes]
     step = profile.step and profile.step.model_copy(update={
         "fwd_ms": forward, "bwd_ms": backward, "fwd_scale": profile.step.fwd_scale * fwd,
         "bwd_scale": profile.step.bwd_scale * bwd})
     return profile.model_copy(update={"nodes": nodes, "step": step})
-
-
-def _forward_scales(times: list[float], forward: float, blocks: list[tuple[int, int]],
-                    blocks_ms: list[float]) -> list[float]:
-    """Each node's forward scale: a block's nodes to the block's forward as its module's
-    hooks timed it in the plain steps, the other nodes to the rest of ``forward``; one
-    scale for all where the blocks were not timed or leave the rest nothing. Ops timed
-    alone misplace a step's time between blocks: ResNet b16's first two blocks (large
-    maps) summed 4.64 ms each in the profile against 3.93 and 3.77 timed in the step, its
-    last four 2.16-3.14 ms against 2.42-3.45 (one scale for all: ratios 0.81-1.12), so a
-    plan recomputing its first blocks was predicted high (one block: 12.3 % against
-    9.9 %); GPT small's identical blocks, 1.01-1.03.
-
-    >>> _forward_scales([1.0, 2.0, 2.0, 1.0], 12.0, [(1, 2), (2, 3)], [3.0, 5.0])
-    [2.0, 1.5, 2.5, 2.0]
-    """
-    total = sum(times)
-    uniform = [forward / total] * len(times)
-    inside = [sum(times[a:b]) for a, b in blocks]
-    rest_nodes, rest_ms = total - sum(inside), forward - sum(blocks_ms)
-    if not blocks_ms or min(inside) <= 0 or rest_nodes <= 0 or rest_ms <= 0:
-        return uniform
-    scales = [rest_ms / rest_nodes] * len(times)
-    for (a, b), ms, nodes in zip(blocks, blocks_ms, inside, strict=True):
-        scales[a:b] = [ms / nodes] * (b - a)
-    return scales
 
 
 def _charged(problem: Problem, schedule: Schedule, region_ms: float = 0.0,
@@ -308,25 +270,28 @@ def _charged(problem: Problem, schedule: Schedule, region_ms: float = 0.0,
         "checkpoint_step_ms": 0.0}), schedule).recompute_time_ms
 
 
+def _paired_ms(planned: list[float], plain: list[float]) -> float:
+    """What a plan adds to the plain step: the median of the rounds' differences. Each
+    round times both back to back, so a drift of the host between rounds cancels. GPT small,
+    five calibrations of 5 rounds each: the small spans' plan measured 1.9-4.9 ms so, and
+    1.5-6.0 ms as the difference of the two lower quartiles."""
+    return statistics.median(a - b for a, b in zip(planned, plain, strict=True))
+
+
 class Timed(NamedTuple):
-    """Step times (ms) of the plain model, the plain steps' forward (loss included), what
-    each plan added to its step over the plain steps either side of it (one list a plan),
-    and what a planned model's guard took in each step."""
+    """Step times (ms) of the plain model and under each plan, round by round, the plain
+    steps' forward (loss included), and what a planned model's guard took in each step."""
 
     plain: list[float]
-    added: list[list[float]]
+    planned: list[list[float]]
     plain_forward: list[float]
     guard: list[float] = []  # noqa: RUF012 (never appended to: a NamedTuple's default)
-    blocks: list[list[float]] = []  # noqa: RUF012 (each block's forward, the plain steps')
 
 
 def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
-                 specs: list[list[Any]], budget_s: float, block_paths: Sequence[str] = ()
-                 ) -> Timed:
-    """Each plan's step between two plain steps (`_added`), the plans in an order that
-    turns each round (`_round_order`); the forward of each module at ``block_paths`` in
-    the plain steps."""
+                 specs: list[list[Any]], budget_s: float) -> Timed:
+    """Steps without a plan and under each of ``specs``, interleaved by round."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext
@@ -351,76 +316,30 @@ def _timed_steps(model: nn.Module, args: tuple, kwargs: dict,
 
     # one installation per plan: its op-stream check runs in the warm-up round only
     installations = [prepare_checkpoints(model, s) for s in specs]
-    sequence: list[tuple[int, float, float]] = []  # (plan, 0 for none; ms; forward ms)
-    started, plain_step = time.perf_counter(), [False]
-    with _state_kept(model), _forward_clocks(model, block_paths, clock, plain_step) as blocks:
+    timed = Timed([], [[] for _ in specs], [], guard_ms)
+    started = time.perf_counter()
+    with _state_kept(model):
         for round_ in range(WARMUP_ROUNDS + MAX_ROUNDS):
-            if round_ == WARMUP_ROUNDS:
-                sequence.clear()
-                for ms in blocks:
-                    ms.clear()
-            for k in _round_order(round_, len(installations)):
-                for plan in (0, k + 1):
-                    plain_step[0] = not plan
-                    ms = _installed_step(step, model, installations[k] if plan else None)
-                    sequence.append((plan, ms, forward[0]))
-            rounds = round_ + 1 - WARMUP_ROUNDS
-            if rounds >= MIN_ROUNDS and time.perf_counter() - started > budget_s:
+            times, plain_forward = [0.0] * (1 + len(installations)), 0.0
+            for k in _round_order(round_, len(times)):
+                times[k] = _installed_step(step, model, installations[k - 1] if k else None)
+                plain_forward = plain_forward if k else forward[0]
+            if round_ >= WARMUP_ROUNDS:
+                timed.plain.append(times[0])
+                timed.plain_forward.append(plain_forward)
+                for out, ms in zip(timed.planned, times[1:], strict=True):
+                    out.append(ms)
+            if len(timed.plain) >= MIN_ROUNDS and time.perf_counter() - started > budget_s:
                 break
-        plain_step[0] = True
-        sequence.append((0, _installed_step(step, model, None), forward[0]))
-    plain = [(ms, fwd) for plan, ms, fwd in sequence if not plan]
-    return Timed([ms for ms, _ in plain], _added(sequence, len(specs)),
-                 [fwd for _, fwd in plain], guard_ms, blocks)
-
-
-@contextlib.contextmanager
-def _forward_clocks(model: nn.Module, paths: Sequence[str], clock: Callable[[], float],
-                    on: list[bool]) -> Iterator[list[list[float]]]:
-    """The ms of each forward call of the modules at ``paths`` while ``on[0]`` (hooks,
-    removed on the way out)."""
-    times: list[list[float]] = [[] for _ in paths]
-    handles = []
-    for k, path in enumerate(paths):
-        began = [0.0]
-
-        def enter(_module: nn.Module, _args: Any, began: list[float] = began) -> None:
-            began[0] = clock()
-
-        def leave(_module: nn.Module, _args: Any, _out: Any, k: int = k,
-                  began: list[float] = began) -> None:
-            if on[0]:
-                times[k].append((clock() - began[0]) * 1e3)
-
-        module = model.get_submodule(path)
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    try:
-        yield times
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _added(sequence: list[tuple[int, float, float]], plans: int) -> list[list[float]]:
-    """What each plan's step took beyond the mean of the plain steps either side of it.
-    The host's speed drifts from one step to the next; a plain step adjacent on both
-    sides cancels a steady drift, and pairs closer in time differ less: ResNet b16 on 2
-    cores, 11 samples a plan, the differences' median absolute deviation was 6.8, 9.8,
-    15.1 and 5.3 % of the step so, and 12.0, 13.1, 23.9 and 17.4 % against a plain step
-    five steps away (as rounds of five steps paired them)."""
-    added: list[list[float]] = [[] for _ in range(plans)]
-    for i, (plan, ms, _) in enumerate(sequence):
-        if plan:
-            added[plan - 1].append(ms - (sequence[i - 1][1] + sequence[i + 1][1]) / 2)
-    return added
+    return timed
 
 
 def _round_order(round_: int, n: int) -> list[int]:
-    """The order of a round's ``n`` plans: rotated by one each round, so that each plan
-    is first, second, ... equally often, as the frontier times its rows: a step after
-    another pays part of what that one left, and a fixed order would bill it to the same
-    plan every round. (Six calibrations each way on HF GPT-2 gave region costs of
-    0.49-0.92 ms in a fixed order, 0.55-0.91 ms rotated: the noise is the rounds', not
+    """The order of a round's ``n`` steps (0: the plain one): rotated by one each round,
+    so that each step is first, second, ... equally often, as the frontier times its rows:
+    a step after another pays part of what that one left, and a fixed order would bill it
+    to the same plan every round. (Six calibrations each way on HF GPT-2 gave region costs
+    of 0.49-0.92 ms in a fixed order, 0.55-0.91 ms rotated: the noise is the rounds', not
     the order's.)"""
     return [(round_ + i) % n for i in range(n)]
 
