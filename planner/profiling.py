@@ -100,18 +100,22 @@ def profile_model(model: nn.Module, example_inputs: Any = None, *,
         autocast = _ambient_autocast(_model_device(model).type)
         if autocast is not None:
             log.info("planning under the ambient torch.autocast(%s)", autocast)
+    # one process on the CPU: measured op times are scaled to the calibration's steps
+    # (`_calibrated`), not to a whole step the profile would time first
+    on_host = parallel is None and ddp is None and _model_device(model).type == "cpu"
     with (_plan_suspended(model), _training_mode(model) as was_eval,
           _training_config(model) as cache_off):
         again = functools.partial(
             profiles.profile, model, _as_inputs(args, kwargs), loss_fn=c.loss_fn,
             optimizer=c.optimizer, autocast=autocast, timing=c.timing, device=c.device,
-            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel)
+            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel,
+            whole_step=not on_host)
         prof = again(progress=c.progress)
         routed, routing = _routed_loops(model, prof), None
         if routed and bound_routing and \
                 (bounded := routing_bound(model, again, ddp, c.progress)) is not None:
             prof, routing = bounded
-        if parallel is None and ddp is None and _host_timed(model, prof):
+        if on_host and _host_timed(model, prof):
             prof = _calibrated(model, args, kwargs, c.loss_fn, autocast, prof)
     notes = _step_notes(model, prof, args, kwargs, was_eval=was_eval, toy_batch=toy_batch,
                         cache_off=cache_off)
@@ -122,20 +126,21 @@ def profile_model(model: nn.Module, example_inputs: Any = None, *,
 
 def _host_timed(model: nn.Module, prof: GraphProfile) -> bool:
     """Whether the step was timed on this process's CPU (every cost host cost), where a
-    region's cost is measured on the model itself (`planner.region_calibration`)."""
+    region's cost is measured on the model itself (`planner.region_calibration`): its ops
+    measured (their times are then the calibration's to scale), or estimated where the
+    real forward took another path, with the host's checkpoint costs."""
     costs = prof.checkpoint_costs
-    return costs is not None and costs.source == CPU_MEASURED and \
-        _model_device(model).type == "cpu"
+    return _model_device(model).type == "cpu" and (
+        prof.timing == "measure" or (costs is not None and costs.source == CPU_MEASURED))
 
 
 def _calibrated(model: nn.Module, args: tuple, kwargs: dict,
                 loss_fn: Callable[[Any], torch.Tensor] | None, autocast: torch.dtype | None,
                 prof: GraphProfile) -> GraphProfile:
-    """``prof`` with its step's times and its checkpoint costs measured on ``model`` where
-    it has blocks (`planner.region_calibration`)."""
-    calibrated = calibrated_profile(model, args, kwargs, loss_fn or profiles.default_loss,
-                                    autocast, prof)
-    return prof if calibrated is None else calibrated
+    """``prof`` with its step's times and, where it has blocks, its checkpoint costs
+    measured on ``model`` (`planner.region_calibration`)."""
+    return calibrated_profile(model, args, kwargs, loss_fn or profiles.default_loss,
+                              autocast, prof)
 
 
 def _step_notes(model: nn.Module, prof: GraphProfile, args: tuple, kwargs: dict, *,

@@ -46,7 +46,7 @@ from torch import nn
 from planner.runtime.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
 from planner.runtime.guard import step_checks
 from planner.runtime.install import schedule_specs
-from profiles.schema import CheckpointCosts, GraphProfile
+from profiles.schema import CheckpointCosts, GraphProfile, StepTiming
 from solvers import Problem, Schedule, simulate
 from solvers.from_profile import problem_from_profile, span_targets
 
@@ -204,25 +204,30 @@ def _bounded_fit(rows: list[tuple[float, list[float]]], floors: list[float]) -> 
 def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                        loss_fn: Callable[[Any], torch.Tensor], autocast: torch.dtype | None,
                        profile: GraphProfile, budget_s: float = CALIBRATION_S
-                       ) -> GraphProfile | None:
+                       ) -> GraphProfile:
     """``profile`` with its node times set to the step as the calibration's plain steps
-    time it (`_step_scaled`) and its checkpoint costs fitted to the plans measured on
-    ``model`` (module doc); None where the model has no blocks to checkpoint whole, the profile has
-    no costs, or a checkpointed step fails (logged)."""
+    time it (`_step_scaled`) and, where the model has blocks to checkpoint whole, its
+    checkpoint costs fitted to the plans measured on ``model`` (module doc). Without
+    blocks, or where a checkpointed step fails (logged), a few plain steps are timed and
+    the costs stay the tiny-op calibration's: the profile's own op times are always
+    scaled here (`planner.profiling` profiles without timing the whole step)."""
     costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
     schedules = calibration_schedules(profile, problem) if costs is not None else []
-    if costs is None or not schedules:
-        return None
     specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
     try:
-        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs, budget_s)
+        timed = _timed_steps(model, args, kwargs, loss_fn, autocast, specs,
+                             budget_s if specs else 0.0)
     except Exception as error:  # the model as it was; the tiny-op constants stay
+        if not specs:
+            raise
         log.warning("could not time %s with its blocks checkpointed (%s: %s); a region's "
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
-        return None
+        schedules, timed = [], _timed_steps(model, args, kwargs, loss_fn, autocast, [], 0.0)
     profile = _step_scaled(profile, timed)
+    if not schedules:
+        return profile
     problem = problem_from_profile(profile)
     measured = []
     for schedule, ms in zip(schedules, timed.planned, strict=True):
@@ -240,11 +245,13 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
 
 def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:
     """``profile`` with its forward and its backward node times each scaled to the median of
-    the calibration's plain steps. The profile times the whole step in 5 back-to-back runs
-    after timing every op alone; its forward's share of the step then moves between
-    profiles (ResNet b16 on 2 cores: forward 6.8, 7.9, 9.4 ms and backward 12.2, 12.0,
-    10.2 in three profiles, where steps timed as the calibration times them read 7.0 and
-    9.5-9.8), and a plan's overhead, its reruns' forward time over the step, with it."""
+    the calibration's plain steps, and its ``step`` those medians. Scaled to the whole step
+    as the profile times it (5 back-to-back runs after timing every op alone), the
+    forward's share of the step moved between profiles (ResNet b16 on 2 cores: forward
+    6.8, 7.9, 9.4 ms and backward 12.2, 12.0, 10.2 in three profiles, where steps timed as
+    the calibration times them read 7.0 and 9.5-9.8), and a plan's overhead, its reruns'
+    forward time over the step, with it; so the planner's profiles skip that timing
+    (``whole_step=False``) and are scaled here only."""
     forward = statistics.median(timed.plain_forward)
     backward = statistics.median(t - f for t, f in zip(timed.plain, timed.plain_forward,
                                                        strict=True))
@@ -255,9 +262,10 @@ def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:
     fwd, bwd = forward / fwd_sum, backward / bwd_sum
     nodes = [n.model_copy(update={"fwd_time_ms": n.fwd_time_ms * fwd,
                                   "bwd_time_ms": n.bwd_time_ms * bwd}) for n in profile.nodes]
-    step = profile.step and profile.step.model_copy(update={
-        "fwd_ms": forward, "bwd_ms": backward, "fwd_scale": profile.step.fwd_scale * fwd,
-        "bwd_scale": profile.step.bwd_scale * bwd})
+    before = profile.step or StepTiming(fwd_ms=fwd_sum, bwd_ms=bwd_sum, fwd_scale=1.0,
+                                        bwd_scale=1.0)
+    step = StepTiming(fwd_ms=forward, bwd_ms=backward, fwd_scale=before.fwd_scale * fwd,
+                      bwd_scale=before.bwd_scale * bwd)
     return profile.model_copy(update={"nodes": nodes, "step": step})
 
 

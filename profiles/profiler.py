@@ -59,7 +59,6 @@ from profiles.schema import (
     NodeProfile,
     ParallelLayout,
     StaticMemory,
-    StepTiming,
     StorageInfo,
     fingerprint,
 )
@@ -109,6 +108,7 @@ def profile(
     warmup: int = 2,
     progress: bool = True,
     parallel: Parallelism | None = None,
+    whole_step: bool = True,
 ) -> GraphProfile:
     """Profile one training step (forward, loss, backward) of ``model`` as it runs eagerly.
 
@@ -151,6 +151,10 @@ def profile(
             mesh's size, and the step recorded is that copy's on ``example_inputs`` (one
             rank's batch), with its runtime's memory measured at every node; the optimizer
             state and step count ``1/world_size`` of the model's. Times are estimated.
+        whole_step: with measured times, time the whole step too and scale the op times
+            to it (``step``); False leaves them as timed alone and ``step`` None, for a
+            caller that scales them to steps it times itself (the planner's calibration on
+            the CPU, `planner.region_calibration`).
 
     The model is left as it was: parameters, buffers, gradients and RNG state.
 
@@ -168,7 +172,7 @@ def profile(
         rec = _record_with_fallback(step, request.execution == "real", request.abstract, spec,
                                     optimizer, progress)
         measured, costs, timing = _timings(step, rec, request.timing, spec, step.device_type,
-                                           (repeats, warmup), progress)
+                                           (repeats, warmup), progress, whole_step)
         # the same program as recorded: a real recording ran the real device's kernels
         kernels = None if rec.real else spec
         observed = _backward_memory(step, rec, kernels)
@@ -251,9 +255,7 @@ def _graph_profile(model: nn.Module, request: _Request, rec: _Recorded,
         module_calls=traced_calls(model, _module_calls(rec), nodes, functions),
         function_calls=functions,
         static=rec.static,
-        step=StepTiming(fwd_ms=measured.step_fwd_ms, bwd_ms=measured.step_bwd_ms,
-                        fwd_scale=measured.fwd_scale, bwd_scale=measured.bwd_scale)
-        if measured else None,
+        step=measured.step if measured else None,
         checkpoint_costs=costs,
         parallel=layout,
     )

@@ -3,7 +3,9 @@
 The step runs for real once more, recording each op's arguments (``_ArgRecorder``); each op
 is timed alone (forward, and forward + backward, less the autograd engine's per-call cost)
 and the op times are scaled to the measured whole step: ops give the split, the step the
-total. ``profiles.calibrate`` measures the checkpoint overhead on the same device.
+total (``whole_step=False`` leaves them as timed alone, for a caller that scales them to
+steps it times itself: the planner's calibration on the CPU, `planner.region_calibration`).
+``profiles.calibrate`` measures the checkpoint overhead on the same device.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from profiles.functions import FunctionCall, function_name, watched_functions
 from profiles.host_costs import host_checkpoint_costs
 from profiles.progress import _bar
 from profiles.recording import _OpRecord, _Recorded
-from profiles.schema import MAX_SCALE, CheckpointCosts
+from profiles.schema import MAX_SCALE, CheckpointCosts, StepTiming
 from profiles.step import _Step
 from profiles.swap import swapped_tensors
 
@@ -143,36 +145,35 @@ class _ArgRecorder(TorchDispatchMode):
 
 @dataclass
 class _MeasuredTimes:
-    per_node: list[tuple[float, float]]  # (forward, backward) ms per op, calibrated
-    step_fwd_ms: float
-    step_bwd_ms: float
-    fwd_scale: float
-    bwd_scale: float
+    per_node: list[tuple[float, float]]  # (forward, backward) ms per op, scaled to `step`
+    step: StepTiming | None  # the whole step and the scales applied; None: not timed whole
 
 
 def _timings(step: _Step, rec: _Recorded, timing: str, spec: DeviceSpec, device_type: str,
-             repeats_warmup: tuple[int, int], progress: bool
+             repeats_warmup: tuple[int, int], progress: bool, whole_step: bool = True
              ) -> tuple[_MeasuredTimes | None, CheckpointCosts, str]:
     """(measured op times or None, checkpoint costs, the timing that holds): measured and
-    calibrated on the device with ``timing="measure"``, else the roofline's estimates (also
-    when the measured run took another path than the recorded one)."""
+    calibrated on the device with ``timing="measure"`` (scaled to the whole step where
+    ``whole_step``), else the roofline's estimates (also when the measured run took another
+    path than the recorded one)."""
     if timing != "measure":
         return None, spec.checkpoint_costs(), timing
     timer = _Timer(torch.device(device_type), *repeats_warmup)
-    measured = _measure_times(step, rec.recorder.records, timer, progress)
+    measured = _measure_times(step, rec.recorder.records, timer, progress, whole_step)
     return measured, host_checkpoint_costs(device_type), \
         "measure" if measured is not None else "estimate"
 
 
 def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
-                   progress: bool) -> _MeasuredTimes | None:
+                   progress: bool, whole_step: bool = True) -> _MeasuredTimes | None:
     """Forward/backward wall time of every op (loss last), on real tensors.
 
     Isolated op times carry costs a whole step does not (cold caches, per-call engine
     entry), most visibly on CPU; so the whole step is timed too and op times are scaled to
-    add up to it: ops give the split, the step gives the total. Runs on copies of the
-    buffers, so the model's statistics do not move. Returns None when the real run does
-    not dispatch the ops the profile saw (the forward branched differently).
+    add up to it: ops give the split, the step gives the total (not ``whole_step``: left
+    as timed alone). Runs on copies of the buffers, so the model's statistics do not move.
+    Returns None when the real run does not dispatch the ops the profile saw (the forward
+    branched differently).
     """
     model = step.model
     buffers = {name: b.clone() for name, b in model.named_buffers(remove_duplicate=False)}
@@ -208,11 +209,14 @@ def _measure_times(step: _Step, records: list[_OpRecord], timer: _Timer,
                 timed[key] = times[-1]
         _time_function_backwards(times, recorder.functions, timer)
         del recorder
+        if not whole_step:
+            return _MeasuredTimes(times, None)
         step_fwd_ms, step_bwd_ms = _measure_step(step, timer)
     fwd_scale = _scale(step_fwd_ms, sum(f for f, _ in times))
     bwd_scale = _scale(step_bwd_ms, sum(b for _, b in times))
     return _MeasuredTimes([(f * fwd_scale, b * bwd_scale) for f, b in times],
-                          step_fwd_ms, step_bwd_ms, fwd_scale, bwd_scale)
+                          StepTiming(fwd_ms=step_fwd_ms, bwd_ms=step_bwd_ms,
+                                     fwd_scale=fwd_scale, bwd_scale=bwd_scale))
 
 
 # ops whose time follows their inputs' values (their outputs' shapes do): timed every time

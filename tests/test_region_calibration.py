@@ -106,14 +106,63 @@ def test_calibration_schedules_are_whole_blocks_and_a_small_span_in_each():
     assert one.recompute_regions() == inner[:1]
 
 
-def test_no_blocks_no_calibration():
+def test_without_blocks_plain_steps_scale_the_profile_and_the_costs_stay():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.LayerNorm(16))
     x = torch.randn(4, 8)
     prof = profiles.profile(model, (x,), loss_fn=lambda out: out.sum(), timing="measure",
-                            progress=False)
+                            progress=False, whole_step=False)
+    assert prof.step is None  # the ops as timed alone
     assert calibration_schedules(prof, problem_from_profile(prof)) == []
-    assert calibrated_profile(model, (x,), {}, lambda out: out.sum(), None, prof,
-                              budget_s=0.0) is None
+    calibrated = calibrated_profile(model, (x,), {}, lambda out: out.sum(), None, prof,
+                                    budget_s=0.0)
+    assert calibrated.checkpoint_costs == prof.checkpoint_costs
+    assert calibrated.step is not None
+    assert calibrated.fwd_time_ms == pytest.approx(calibrated.step.fwd_ms)
+    assert calibrated.bwd_time_ms == pytest.approx(calibrated.step.bwd_ms)
+
+
+def test_where_a_checkpointed_step_fails_plain_steps_still_scale_the_profile(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from planner import region_calibration
+
+    def refused(*_: object) -> None:
+        raise RuntimeError("no checkpoint here")
+
+    zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
+    prof = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
+                            progress=False, whole_step=False)
+    monkeypatch.setattr(region_calibration, "prepare_checkpoints", refused)
+    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
+    calibrated = calibrated_profile(zm.model, args, kwargs, zm.loss_fn, None, prof,
+                                    budget_s=0.0)
+    assert "could not time GPT with its blocks checkpointed" in caplog.text
+    assert calibrated.checkpoint_costs == prof.checkpoint_costs  # the tiny-op constants
+    assert calibrated.step is not None
+    assert calibrated.fwd_time_ms == pytest.approx(calibrated.step.fwd_ms)
+
+
+def test_planning_on_the_cpu_times_the_whole_step_only_in_the_calibration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile's own whole-step timing (about 9 steps) is skipped where the calibration
+    times plain steps and sets the node times to them anyway (HF GPT-2, 4 layers: 0.5 s of
+    a 5 s plan); a profile alone still times it."""
+    from profiles import timing
+
+    whole: list[int] = []
+    measure_step = timing._measure_step
+    monkeypatch.setattr(timing, "_measure_step",
+                        lambda *a: whole.append(1) or measure_step(*a))
+    zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
+    planned = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
+                            progress=False).profile
+    assert whole == []
+    assert "fitted to this model's" in planned.checkpoint_costs.source
+    assert planned.step is not None
+    assert planned.fwd_time_ms == pytest.approx(planned.step.fwd_ms)
+    assert planned.bwd_time_ms == pytest.approx(planned.step.bwd_ms)
+    alone = profiles.profile(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                             timing="measure", progress=False)
+    assert whole == [1] and alone.step is not None
 
 
 def _state(model: torch.nn.Module) -> dict:
