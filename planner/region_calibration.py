@@ -46,8 +46,6 @@ from torch import nn
 from planner.runtime.emit import ANY_PRECISION, prepare_checkpoints, remove_checkpoints
 from planner.runtime.guard import step_checks
 from planner.runtime.install import schedule_specs
-from profiles.calibrate import CPU_MEASURED
-from profiles.host_costs import host_checkpoint_costs
 from profiles.schema import CheckpointCosts, GraphProfile, StepTiming
 from solvers import Problem, Schedule, simulate
 from solvers.from_profile import problem_from_profile, span_targets
@@ -209,12 +207,11 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                        ) -> GraphProfile:
     """``profile`` with its node times set to the step as the calibration's plain steps
     time it (`_step_scaled`) and, where the model has blocks to checkpoint whole, its
-    checkpoint costs fitted to the plans measured on ``model`` (module doc), none below
-    the host's tiny-op constants as this process measures them (`_present`). Without
+    checkpoint costs fitted to the plans measured on ``model`` (module doc). Without
     blocks, or where a checkpointed step fails (logged), a few plain steps are timed and
-    the costs are those constants: the profile's own op times are always scaled here
-    (`planner.profiling` profiles without timing the whole step)."""
-    costs = _present(profile.checkpoint_costs)
+    the costs stay the tiny-op calibration's: the profile's own op times are always
+    scaled here (`planner.profiling` profiles without timing the whole step)."""
+    costs = profile.checkpoint_costs
     problem = problem_from_profile(profile)
     schedules = calibration_schedules(profile, problem) if costs is not None else []
     specs = [schedule_specs(profile, s, ANY_PRECISION) for s in schedules]
@@ -228,7 +225,7 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
                     "cost stays the tiny-op calibration's", type(model).__name__,
                     type(error).__name__, error)
         schedules, timed = [], _timed_steps(model, args, kwargs, loss_fn, autocast, [], 0.0)
-    profile = _step_scaled(profile, timed).model_copy(update={"checkpoint_costs": costs})
+    profile = _step_scaled(profile, timed)
     if not schedules:
         return profile
     problem = problem_from_profile(profile)
@@ -244,15 +241,6 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
         "guard_ms": statistics.median(timed.guard) if timed.guard else 0.0})
     log.info("checkpoint costs calibrated on the model: %s", fitted.source)
     return profile.model_copy(update={"checkpoint_costs": fitted})
-
-
-def _present(costs: CheckpointCosts | None) -> CheckpointCosts | None:
-    """The host's tiny-op constants measured by this process, where ``costs`` are them as
-    a file may have kept them from another hour (`profiles.host_costs`): the fit sets them
-    against the steps it times now, as the least a region costs."""
-    if costs is None or costs.source != CPU_MEASURED:
-        return costs
-    return host_checkpoint_costs("cpu", fresh=True)
 
 
 def _step_scaled(profile: GraphProfile, timed: Timed) -> GraphProfile:

@@ -7,9 +7,7 @@ for the processes after it: each plan's first profile in a process used to pay 0
 them (issue 62: "kept per host and torch version"). The file is
 ``$XDG_CACHE_HOME/checkpoint-planner/host-checkpoint-costs.json`` (``~/.cache`` without
 it); ``CHECKPOINT_PLANNER_CACHE`` names another directory, or ``off`` to measure in every
-process. Delete the file to measure again (say, after the host was busy when it measured);
-the planner's calibration on a CPU model measures them in its own process anyway
-(``fresh``), since it sets them against the steps it times.
+process. Delete the file to measure again (say, after the host was busy when it measured).
 """
 
 from __future__ import annotations
@@ -34,23 +32,18 @@ __all__ = ["CACHE_ENV", "CALIBRATION_S", "host_checkpoint_costs"]
 CALIBRATION_S = 0.5  # time spent measuring checkpoint overhead (timing="measure")
 CACHE_ENV = "CHECKPOINT_PLANNER_CACHE"
 
-# this process's, by `_host_key`: the constants, and whether this process measured them
-_MEASURED: dict[str, tuple[CheckpointCosts, bool]] = {}
+_MEASURED: dict[str, CheckpointCosts] = {}  # this process's, by `_host_key`
 
 
-def host_checkpoint_costs(device_type: str, *, fresh: bool = False) -> CheckpointCosts:
+def host_checkpoint_costs(device_type: str) -> CheckpointCosts:
     """The constants on this host for ``device_type``: this process's, else the disk's,
-    else measured now (and kept in both). ``fresh``: measured by this process (once), not
-    read from the disk, for a caller that sets them against times it measures now: the
-    planner's calibration on the model fits no region cost below them, and the file's, kept
-    from an hour when the host ran twice as slow (0.369 ms a region and 0.046 a tensor,
-    against 0.21 and 0.021), put Llama's every-layer plan 7.7 points high."""
+    else measured now (and kept in both)."""
     key = _host_key(device_type)
-    if key not in _MEASURED or (fresh and not _MEASURED[key][1]):
-        kept = None if fresh else _stored().get(key)
-        _MEASURED[key] = (CheckpointCosts.model_validate(kept), False) if kept is not None \
-            else (_measured_and_stored(key, device_type), True)
-    return _MEASURED[key][0]
+    if key not in _MEASURED:
+        kept = _stored().get(key)
+        _MEASURED[key] = CheckpointCosts.model_validate(kept) if kept is not None else \
+            _measured_and_stored(key, device_type)
+    return _MEASURED[key]
 
 
 def _host_key(device_type: str) -> str:

@@ -63,22 +63,6 @@ def test_the_next_process_on_the_host_reads_them_from_disk(
     assert len((tmp_path / "host-checkpoint-costs.json").read_text().split('"region_ms"')) == 3
 
 
-def test_a_fresh_ask_measures_once_in_this_process_and_renews_the_file(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The planner's CPU calibration asks for constants measured now (``fresh``), not a
-    file's from another hour; once per process, and the next processes read those."""
-    calls = _counted(monkeypatch, str(tmp_path))
-    host_costs.host_checkpoint_costs("cpu")
-    monkeypatch.setattr(host_costs, "_MEASURED", {})  # another process: the file's
-    assert host_costs.host_checkpoint_costs("cpu").source == "measured 1" and calls == ["cpu"]
-    fresh = host_costs.host_checkpoint_costs("cpu", fresh=True)
-    assert fresh.source == "measured 2"
-    assert host_costs.host_checkpoint_costs("cpu", fresh=True) == fresh
-    assert host_costs.host_checkpoint_costs("cpu") == fresh and calls == ["cpu", "cpu"]
-    monkeypatch.setattr(host_costs, "_MEASURED", {})
-    assert host_costs.host_checkpoint_costs("cpu").source == "measured 2"
-
-
 @pytest.mark.parametrize("content", ["{not json", '{"cpu|x": {"region_ms": -1}}', "[]"])
 def test_a_file_that_cannot_be_read_is_measured_again_and_rewritten(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str) -> None:

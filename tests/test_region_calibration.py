@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +14,6 @@ from planner.region_calibration import (
     fitted_costs,
 )
 from planner.runtime.emit import checkpointed_modules
-from profiles.calibrate import CPU_MEASURED
 from profiles.inputs import normalize_inputs
 from profiles.schema import CheckpointCosts
 from solvers.from_profile import problem_from_profile
@@ -290,24 +286,3 @@ def test_no_plan_pays_for_its_place_in_a_round(monkeypatch: pytest.MonkeyPatch) 
     assert len(plain) == region_calibration.MIN_ROUNDS
     # over every 3 rounds each step had each place once: the same time in total
     assert sum(plain[:3]) == sum(planned[0][:3]) == sum(planned[1][:3]) == 31.0
-
-
-def test_the_fit_is_floored_by_constants_measured_now_not_by_a_files(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A file kept from an hour when the host ran slow (here 50 ms a region, 5 a tensor):
-    a plan's calibration measures the tiny-op constants in its own process, fits the
-    model's region costs above those, not the file's, and renews the file."""
-    from profiles import host_costs
-
-    stale = CheckpointCosts(region_ms=50.0, pack_ms=5.0, sac_op_ms=1.0, source=CPU_MEASURED)
-    key = host_costs._host_key("cpu")
-    (tmp_path / "host-checkpoint-costs.json").write_text(json.dumps({key: stale.model_dump()}))
-    monkeypatch.setenv(host_costs.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(host_costs, "_MEASURED", {})  # a process that has measured nothing
-    zm = zoo.get("gpt", size="tiny", batch=2, dropout=0.0)
-    costs = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="measure",
-                          progress=False).profile.checkpoint_costs
-    assert "fitted to this model's" in costs.source
-    assert costs.region_ms < stale.region_ms and costs.pack_ms < stale.pack_ms
-    assert costs.sac_op_ms < stale.sac_op_ms
-    assert host_costs._stored()[key]["region_ms"] < stale.region_ms
