@@ -193,6 +193,7 @@ def stage_spec(pipeline: StageSpec | dict[str, Any]) -> tuple[StageSpec, int]:
 
 
 BISECTIONS = 8  # of the one-microbatch budget, each solve with its share of the time left
+PRECISION = 128  # the bisection stops within 1/PRECISION of the stage's budget
 LOWEST_SHARE = 0.4  # of the time left, for the lowest-peak plan
 
 
@@ -207,7 +208,8 @@ def plan_stage(module: nn.Module, microbatch: Any, spec: StageSpec, *, budget_gb
 
     The plan is one microbatch's, made for steps that start with gradients allocated (as
     they are from the stage's first backward on): the least recompute at the largest
-    one-microbatch budget whose plan fits the stage, found by bisection. Each plan is
+    one-microbatch budget whose plan fits the stage, found by bisection to within
+    1/``PRECISION`` of the stage's budget. Each plan is
     optimal for its budget as the solver says; the stage objective itself is not proven.
 
     Raises:
@@ -277,10 +279,11 @@ def _plan_stage_steps(steps: StageSteps, budget: int, time_limit_s: float,
         if not at_one and tries == 0:
             break  # one microbatch alone does not fit the stage's budget
         if at_one and peak > budget:
-            high = one
+            # every budget from the plan's own peak up to ``one`` has the same optimum
+            high = min(one, plan.predicted_peak_bytes)
         else:  # a fit, or a budget too small for one microbatch: go higher (below the
             low = max(one, fits_from - 1)  # minimum the error named, nothing fits)
-        if high - low <= 1:
+        if high - low <= max(1, budget // PRECISION):
             break
     if best is None:
         raise InfeasibleBudgetError(
