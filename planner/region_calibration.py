@@ -80,7 +80,8 @@ def calibration_schedules(profile: GraphProfile, problem: Problem) -> list[Sched
     every block recomputed keeping them (a selective policy's cost per op: ResNet b16's
     blocks so measured +51.3 % where the tiny-op chains' 0.018 ms an op predicted
     +39.1 %), and the first of those small spans alone (or the first block): what a step
-    pays once for rerunning any region (`clock.step_overhead_ms`); [] without two blocks
+    pays once for rerunning any region (`clock.step_overhead_ms`, charged where the rounds
+    resolve it: `fitted_costs`); [] without two blocks
     that are whole module calls of recomputable nodes."""
     blocks = problem.blocks()
     once = {c.path for c in profile.module_calls if c.calls == 1}  # one checkpoint per call
@@ -120,16 +121,19 @@ def _packed_per_node(problem: Problem) -> list[int]:
     return [round(unit.checkpoint_overhead_ms(i, i + 1)) for i in range(problem.n_nodes)]
 
 
-def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> CheckpointCosts:
+def fitted_costs(costs: CheckpointCosts, measured: list[Measured],
+                 errors: list[float] | None = None) -> CheckpointCosts:
     """``costs`` fitted to ``measured``: per plan, the ms its regions added beyond their
     reruns, how many rerun, the tensors they pack, how many of them are op ranges and the
     aten ops a selective policy sees. Over the plans without a policy (least squares, no
     cost below the tiny-op chains' ``costs``): ``step_ms`` where the plans rerun different
-    numbers of regions, once per step (`clock.step_overhead_ms`); without op ranges,
-    ``region_ms`` and ``pack_ms``; with them, ``pack_ms`` stays the tiny-op chains' and a
-    module call's and an op range's region costs are fitted (``range_ms``: what a range
-    costs more). Then ``sac_op_ms``: what the plans with a policy cost beyond those, per
-    op (kept where no plan has one).
+    numbers of regions, once per step (`clock.step_overhead_ms`), and where ``errors`` (the
+    standard error of each plan's ms) are given, only if it is at least ``RESOLVED`` of its
+    own standard errors (else 0, its ms left to the other costs: `_resolved_columns`);
+    without op ranges, ``region_ms`` and ``pack_ms``; with them, ``pack_ms`` stays the
+    tiny-op chains' and a module call's and an op range's region costs are fitted
+    (``range_ms``: what a range costs more). Then ``sac_op_ms``: what the plans with a
+    policy cost beyond those, per op (kept where no plan has one).
 
     The tiny-op chains time checkpoint's own frame, packs and policy, which a region of
     the model pays too, so a plan that measured less is noise. (HF GPT-2 in a full frontier
@@ -161,9 +165,13 @@ def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> Checkpoint
     if len({m[1] for m in plain}) > 1:
         columns.append(("step_ms", 0.0, lambda n, p, r: 1))
     fixed = costs.pack_ms if ranges else 0.0  # the tensors' cost, where not fitted
+    rows = [(ms - fixed * p, [count(n, p, r) for _, _, count in columns])
+            for ms, n, p, r, _ in plain]
+    if errors is not None and columns[-1][0] == "step_ms":
+        plain_errors = [e for m, e in zip(measured, errors, strict=True) if not m[4]]
+        columns, rows = _resolved_columns(columns, rows, plain_errors)
     fit = dict(zip((c[0] for c in columns), _bounded_fit(
-        [(ms - fixed * p, [count(n, p, r) for _, _, count in columns])
-         for ms, n, p, r, _ in plain], [floor for _, floor, _ in columns]), strict=True))
+        rows, [floor for _, floor, _ in columns]), strict=True))
     update = {"region_ms": fit["region_ms"], "pack_ms": fit.get("pack_ms", costs.pack_ms),
               "range_ms": max(0.0, fit.get("range_region_ms", 0.0) - fit["region_ms"]),
               "step_ms": fit.get("step_ms", 0.0)}
@@ -177,6 +185,27 @@ def fitted_costs(costs: CheckpointCosts, measured: list[Measured]) -> Checkpoint
     return costs.model_copy(update={
         **update, "source": f"{costs.source}; region costs fitted to this model's "
                             f"checkpointed blocks ({plans} beyond their reruns)"})
+
+
+RESOLVED = 2.0  # standard errors a fitted step cost must reach to be charged
+
+
+def _resolved_columns(columns: list, rows: list[tuple[float, list[float]]],
+                      errors: list[float]) -> tuple[list, list[tuple[float, list[float]]]]:
+    """``columns`` and ``rows`` without the last column (``step_ms``) where its fitted value
+    is below ``RESOLVED`` standard errors, as propagated from each row's ``errors``: it
+    rests on the one plan that reruns a single small region, whose few tenths of a ms are
+    read off steps hundreds of times longer (HF GPT-2 in a frontier run: 6.19 ms a step,
+    where its one-region plan measured 3.5 % against 12.0 % so predicted)."""
+    fit = _bounded_fit(rows, [floor for _, floor, _ in columns])
+    x = np.array([xs for _, xs in rows], dtype=float)
+    weights = np.linalg.pinv(x)[-1]  # the step cost as a combination of the rows' ms
+    error = float(np.sqrt(((weights * np.asarray(errors, dtype=float)) ** 2).sum()))
+    if fit[-1] >= RESOLVED * error:
+        return columns, rows
+    log.info("checkpoint calibration: a step cost of %.3f ms is within %.1f standard errors "
+             "(%.3f ms) of none; not charged", fit[-1], RESOLVED, error)
+    return columns[:-1], [(y, xs[:-1]) for y, xs in rows]
 
 
 def _bounded_fit(rows: list[tuple[float, list[float]]], floors: list[float]) -> list[float]:
@@ -229,15 +258,16 @@ def calibrated_profile(model: nn.Module, args: tuple, kwargs: dict,
     if not schedules:
         return profile
     problem = problem_from_profile(profile)
-    measured = []
+    measured, errors = [], []
     for schedule, ms in zip(schedules, timed.planned, strict=True):
         nodes_ms = _charged(problem, schedule)  # the reruns' node time
+        errors.append(_paired_error_ms(ms, timed.plain))
         measured.append((_paired_ms(ms, timed.plain) - nodes_ms,
                          round(_charged(problem, schedule, region_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, pack_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, range_ms=1.0) - nodes_ms),
                          round(_charged(problem, schedule, sac_op_ms=1.0) - nodes_ms)))
-    fitted = fitted_costs(costs, measured).model_copy(update={
+    fitted = fitted_costs(costs, measured, errors).model_copy(update={
         "guard_ms": statistics.median(timed.guard) if timed.guard else 0.0})
     log.info("checkpoint costs calibrated on the model: %s", fitted.source)
     return profile.model_copy(update={"checkpoint_costs": fitted})
@@ -284,6 +314,16 @@ def _paired_ms(planned: list[float], plain: list[float]) -> float:
     five calibrations of 5 rounds each: the small spans' plan measured 1.9-4.9 ms so, and
     1.5-6.0 ms as the difference of the two lower quartiles."""
     return statistics.median(a - b for a, b in zip(planned, plain, strict=True))
+
+
+def _paired_error_ms(planned: list[float], plain: list[float]) -> float:
+    """The standard error of `_paired_ms`: the median's of the rounds' differences, from
+    their median absolute deviation (1.4826 of it estimates a normal spread; the median of
+    n draws errs 1.2533 times the mean's)."""
+    diffs = [a - b for a, b in zip(planned, plain, strict=True)]
+    middle = statistics.median(diffs)
+    spread = 1.4826 * statistics.median(abs(d - middle) for d in diffs)
+    return 1.2533 * spread / len(diffs) ** 0.5
 
 
 class Timed(NamedTuple):
