@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config  # activation_memory_budget; torch does not import it
 from frontier_measure import grads_global_rel_error, grads_rel_error
 from frontier_peers import peer_context
 
