@@ -181,11 +181,7 @@ class Runner:
             if i >= self.warmup:
                 diffs.append((times[0] - times[1]) / times[2])
         self._reset()
-        diffs.sort()
-        n = len(diffs)
-        k = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))  # 1.96 / 2: the sign test's
-        return {"median": statistics.median(diffs), "low": diffs[k],
-                "high": diffs[n - 1 - k], "rounds": n}
+        return median_interval(diffs)
 
     def run(self, module: nn.Module, context: Callable[[], Any] = contextlib.nullcontext
             ) -> tuple[int, float, float, dict[str, torch.Tensor]]:
@@ -227,6 +223,16 @@ class Runner:
             if hosts:  # the host's ms over the same passes
                 row["host_ms"] = statistics.median(h for h, _ in hosts)
                 row["base_host_ms"] = statistics.median(h for _, h in hosts)
+
+
+def median_interval(diffs: list[float]) -> dict[str, float]:
+    """The median of paired differences and the order statistics around it that hold the
+    median with 95 % confidence (``low``, ``high``; distribution-free, the sign test's)."""
+    ordered = sorted(diffs)
+    n = len(ordered)
+    k = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))  # 1.96 / 2
+    return {"median": statistics.median(ordered), "low": ordered[k],
+            "high": ordered[n - 1 - k], "rounds": n}
 
 
 def grads_match(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
