@@ -219,6 +219,43 @@ def test_torch_compile_keeps_the_plans_checkpoints() -> None:
     assert planned_saved < 0.7 * unplanned_saved, (planned_saved, unplanned_saved)
 
 
+def test_a_plan_that_keeps_ops_compiles_with_its_policy() -> None:
+    """A region that keeps ops (a selective policy's ``MUST_SAVE``) under ``torch.compile``:
+    dynamo takes a checkpoint's ``context_fn`` only as a module-level function or a partial
+    of one; ours, a closure, failed the trace ("checkpoint not implemented for
+    NestedUserFunctionVariable context_fn"), so no plan with a keep compiled. Compiled, it
+    saves what its policy keeps beyond every block recomputed, gradients identical."""
+    model = zoo.get("gpt", size="tiny", dropout=0.0)
+    prof, plan = _setup(model)
+    problem = problem_from_profile(prof)
+    blocks = problem.blocks()
+    keep = [k for b in blocks for k in problem.matmul_keep(*b)]
+    x, = model.example_inputs
+
+    def compiled_step(schedule: Schedule | None) -> tuple[int, torch.Tensor, dict]:
+        if schedule is not None:
+            apply(model.model, plan_for_schedule(prof, schedule, plan.inputs,
+                                                 structure_fingerprint(model.model)))
+        torch._dynamo.reset()
+        try:
+            compiled = torch.compile(model.model, backend="aot_eager")
+            saved, loss = _saved_bytes(lambda: model.loss_fn(compiled(x)))
+            grads = {n: p.grad.clone() for n, p in model.model.named_parameters()}
+            model.model.zero_grad(set_to_none=True)
+        finally:
+            remove(model.model)
+            torch._dynamo.reset()
+        return saved, loss, grads
+
+    _, base_loss, base_grads = compiled_step(None)
+    whole, _, _ = compiled_step(Schedule.from_segments(problem.n_nodes, blocks))
+    kept, loss, grads = compiled_step(Schedule.from_segments(problem.n_nodes, blocks,
+                                                             keep=keep))
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    assert kept > whole, (kept, whole)
+
+
 def test_a_compiled_op_range_plan_compiles_once() -> None:
     """An op range's checkpoint under ``torch.compile`` compiles at its first steps (the
     first training call checks its op stream, later ones do not), in one graph, and runs

@@ -153,6 +153,17 @@ class _Policy:
         return checkpoint_policy(decision)
 
 
+def _traced_contexts(saved: tuple[tuple[str, int, str], ...]) -> tuple[Any, Any]:
+    """A checkpoint's ``context_fn`` where dynamo traces it: SAC's contexts of a fresh
+    policy of ``saved`` ((op, occurrence, decision) constants), called as the graph is
+    traced. Dynamo takes a module-level function or a partial of one; a closure failed
+    the trace ("checkpoint not implemented for NestedUserFunctionVariable context_fn"), so
+    no plan that keeps ops compiled. The partitioner keeps a ``MUST_SAVE`` and recomputes
+    the rest; no skips (it drops what nothing reads) and no offload (refused compiled)."""
+    return create_selective_checkpoint_contexts(
+        _Policy({(op, n): Decision(d) for op, n, d in saved}))
+
+
 class _Checkpoint:
     """Runs a function of a module under non-reentrant checkpoint as ``spec`` says: the
     SAC policy of its keeps, the op-stream check, buffers restored after a rerun."""
@@ -162,6 +173,8 @@ class _Checkpoint:
     def __init__(self, module: nn.Module, spec: RegionSpec) -> None:
         self.module = module
         self.spec = spec
+        # the decisions as constants a compiled graph's policy is built from (`_traced_contexts`)
+        self._saved = tuple(sorted((op, n, d.value) for (op, n), d in spec.saved_ops.items()))
 
     def _body(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """What checkpoint calls: ``fn``, but on a rerun the buffers it updates are put
@@ -234,6 +247,9 @@ class _Checkpoint:
         # offloaded (offloaded checkpointing); its forward and rerun (`run`) pause them
         if not check and not self.spec.saved_ops:
             return checkpoint(run, *tensors, use_reentrant=False)
+        if torch.compiler.is_compiling():
+            return checkpoint(run, *tensors, use_reentrant=False,
+                              context_fn=functools.partial(_traced_contexts, self._saved))
         policy = _Policy(self.spec.saved_ops)
         planned_ops = [False]  # its forward ran the plan's op stream: the rerun may skip
         out = checkpoint(run, *tensors, use_reentrant=False, **KEEPS_THROUGH_HOOKS,
