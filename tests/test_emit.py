@@ -256,6 +256,52 @@ def test_a_plan_that_keeps_ops_compiles_with_its_policy() -> None:
     assert kept > whole, (kept, whole)
 
 
+def test_an_op_range_around_a_block_compiled_on_its_own_runs_without_a_warning() -> None:
+    """Per-block compile (torchtitan's order: the plan applied, then each block's
+    ``.compile()``) under a model-level op range that runs a block: the block's ops run as
+    compiled code, not the op stream the plan counted, and the range warned "ran other
+    ops than the call the plan checkpoints" at every plan the compiled fit measured.
+    Gradients as the unplanned step compiled per block."""
+    import warnings as _warnings
+
+    from planner.runtime.emit import OpStreamWarning
+
+    model = zoo.get("gpt", size="tiny", dropout=0.0)
+    prof, plan = _setup(model)
+    problem = problem_from_profile(prof)
+    first = problem.blocks()[0]
+    span = next(s for s in problem.module_spans if s.kind == "ops" and s.start < first[0]
+                and s.stop == first[1])
+    plan = plan_for_schedule(prof, Schedule.from_segments(problem.n_nodes,
+                                                          [(span.start, span.stop)]),
+                             plan.inputs, structure_fingerprint(model.model))
+    x, = model.example_inputs
+
+    def compiled_step(planned: bool) -> dict:
+        if planned:
+            apply(model.model, plan)
+        torch._dynamo.reset()
+        blocks = list(model.model.blocks)
+        try:
+            for block in blocks:
+                block.compile(backend="aot_eager")
+            model.loss_fn(model.model(x)).backward()
+            grads = {n: p.grad.clone() for n, p in model.model.named_parameters()}
+            model.model.zero_grad(set_to_none=True)
+        finally:
+            for block in blocks:
+                block._compiled_call_impl = None
+            remove(model.model)
+            torch._dynamo.reset()
+        return grads
+
+    base = compiled_step(False)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error", OpStreamWarning)
+        grads = compiled_step(True)
+    assert all(torch.equal(grads[k], base[k]) for k in base)
+
+
 def test_a_compiled_op_range_plan_compiles_once() -> None:
     """An op range's checkpoint under ``torch.compile`` compiles at its first steps (the
     first training call checks its op stream, later ones do not), in one graph, and runs

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -279,10 +280,25 @@ class _Checkpoint:
     def _planned_step(self, tensors: list[torch.Tensor]) -> bool:
         """Whether this call is one of the training step the plan was made for: the module
         in train() mode (eval runs other ops, e.g. no dropout), under the precision planned,
-        eager (the compiled graph is not counted)."""
+        eager (the compiled graph is not counted), with no module inside compiled on its
+        own (per-block compile runs a block's ops as compiled code: a model-level op range
+        around a block warned of other ops at every plan the compiled fit measured)."""
         return self.module.training and not torch.compiler.is_compiling() and (
             self.spec.autocast_dtype == ANY_PRECISION
-            or _precision(tensors) == self.spec.autocast_dtype)
+            or _precision(tensors) == self.spec.autocast_dtype) and not self._compiled_inside()
+
+    def _compiled_inside(self) -> bool:
+        """Whether a module this region may run is compiled on its own; looked at once (at
+        the first training call, after the compile of torchtitan's order), as a model of
+        many modules would pay for the walk at every call of a region that keeps ops."""
+        inside = getattr(self, "_compiled", None)
+        if inside is None:  # torch.compile(module)'s wrapper, where dynamo is imported
+            frame = sys.modules.get("torch._dynamo.eval_frame")
+            wrapper = frame.OptimizedModule if frame is not None else ()
+            inside = self._compiled = any(
+                m._compiled_call_impl is not None or isinstance(m, wrapper)
+                for m in self.module.modules())
+        return inside
 
     def _check_ops(self, ran: Counter[str]) -> None:
         expected = dict(self.spec.expected_ops)
