@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,12 @@ from planner.api import (
 )
 from planner.arguments import _input_specs
 from planner.plan import Plan
-from planner.runtime.emit import Checkpointed, TracedForward, checkpointed_modules
+from planner.runtime.emit import (
+    Checkpointed,
+    OpStreamWarning,
+    TracedForward,
+    checkpointed_modules,
+)
 from planner.runtime.install import region_specs
 from profiles.inputs import normalize_inputs
 from solvers import Region, Schedule, baselines, simulate
@@ -262,10 +268,6 @@ def test_an_op_range_around_a_block_compiled_on_its_own_runs_without_a_warning()
     compiled code, not the op stream the plan counted, and the range warned "ran other
     ops than the call the plan checkpoints" at every plan the compiled fit measured.
     Gradients as the unplanned step compiled per block."""
-    import warnings as _warnings
-
-    from planner.runtime.emit import OpStreamWarning
-
     model = zoo.get("gpt", size="tiny", dropout=0.0)
     prof, plan = _setup(model)
     problem = problem_from_profile(prof)
@@ -296,8 +298,8 @@ def test_an_op_range_around_a_block_compiled_on_its_own_runs_without_a_warning()
         return grads
 
     base = compiled_step(False)
-    with _warnings.catch_warnings():
-        _warnings.simplefilter("error", OpStreamWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpStreamWarning)
         grads = compiled_step(True)
     assert all(torch.equal(grads[k], base[k]) for k in base)
 
