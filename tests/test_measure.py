@@ -219,6 +219,23 @@ def test_the_allocators_events_count_what_the_tracker_counts_on_an_eager_step(
     assert measured.events > 0 and 0 <= measured.peak_bytes - (peak - static) <= 64
 
 
+def test_a_block_an_earlier_measure_saw_freed_during_this_one_does_not_lower_it() -> None:
+    """The profiler reports the free of every block whose size it recorded, in an earlier
+    profiled call too: a tensor the first measure saw made, freed in the second (garbage
+    collected, a cache replaced), must not cancel what the second allocates."""
+    from planner.measure import allocator_peak
+
+    kept = {}
+    allocator_peak(lambda: kept.setdefault("earlier", torch.empty(1 << 20)))
+
+    def frees_the_earlier_then_allocates() -> float:
+        del kept["earlier"]
+        return float(torch.ones(1 << 20).sum())
+
+    measured = allocator_peak(frees_the_earlier_then_allocates)
+    assert measured.peak_bytes >= 4 << 20 and measured.end_bytes == 0
+
+
 def test_the_allocators_events_see_what_compiled_code_allocates() -> None:
     """Inductor's generated C++ allocates its buffers below the dispatcher (and under a
     dispatch mode such as the tracker dynamo runs the frame eagerly instead): the
