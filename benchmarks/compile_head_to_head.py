@@ -149,7 +149,7 @@ def pairing_row(name: str, mode: str, fraction: float) -> dict[str, Any]:
                    "fraction_peak": theirs.peak, "ours_peak": ours.peak,
                    "planned_peak": plan.compiled.peak_bytes,
                    "compiles": plan.compiled.compiles, "planning_s": planning_s,
-                   **duel(ours, theirs)}
+                   "schedule": plan.compiled.source, **duel(ours, theirs)}
         finally:
             ours.close()
     finally:
@@ -175,8 +175,8 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
         " our process measured the compiled peak the plan records.", "",
         "| model | compiled | fraction | fraction peak MiB | ours peak MiB | as planned "
         "| within | planning s (compiles) | fraction ms | ours ms "
-        "| ours - fraction (95 % interval) | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| ours - fraction (95 % interval) | verdict | our schedule |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         off = r["ours_peak"] - r["planned_peak"]
         lines.append(
@@ -185,7 +185,8 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
             f"| {'yes' if r['ours_peak'] <= r['fraction_peak'] else 'NO'} "
             f"| {r['planning_s']:.0f} ({r['compiles']}) "
             f"| {r['fraction_ms']:.1f} | {r['ours_ms']:.1f} | {r['median']:+.1%} "
-            f"({r['low']:+.1%} to {r['high']:+.1%}) | {verdict(r)} |")
+            f"({r['low']:+.1%} to {r['high']:+.1%}) | {verdict(r)} "
+            f"| {r.get('schedule') or '-'} |")
     slower = sum(verdict(r) == "slower" for r in rows)
     faster = sum(verdict(r) == "faster" for r in rows)
     lines += ["", f"Ours slower beyond 2 % in {slower} of {len(rows)} pairings, faster in "

@@ -113,9 +113,10 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     A compiled step: ``compiled="model"`` (you train ``torch.compile(model)``) or
     ``"blocks"`` (each repeated block's ``.compile()`` after ``apply``, as torchtitan does)
     plans the step compile runs. Inductor fuses ops and its partitioner chooses what
-    untagged ops keep, so its peak is not the eager one: the plan is the eager schedule of
-    the largest eager budget whose step, compiled, measures within ``budget_gb``
-    (:mod:`planner.compile_fit`; each schedule tried compiles and runs one step on the
+    untagged ops keep, so its peak is not the eager one: the plan is the fastest schedule
+    measured whose step, compiled, peaks within ``budget_gb``, among eager optima at a
+    range of eager budgets and hand policies of the repeated blocks
+    (:mod:`planner.compile_fit`; each schedule tried compiles and runs a few steps on the
     model, which is left as it was). ``plan.compiled`` holds what was measured.
 
     Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the

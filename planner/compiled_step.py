@@ -20,9 +20,10 @@ so, and a plan records it (:class:`planner.plan.CompiledFit`).
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,7 +35,18 @@ from planner.runtime.applying import apply
 from planner.runtime.install import _plan_suspended, remove
 from planner.verification import _autocast, _grads_kept, measure_step
 
-__all__ = ["CompiledStep", "compiled"]
+__all__ = ["TIMED_STEPS", "CompiledStep", "Measured", "compiled"]
+
+# steps timed after the measured one; the least is the step's time (a busy host only adds
+# to a step, and schedules are timed one after another, not in turns)
+TIMED_STEPS = 9
+
+
+class Measured(NamedTuple):
+    """A schedule's compiled step: its peak, and the least of its timed steps (ms)."""
+
+    peak_bytes: int
+    step_ms: float | None  # None: not timed
 
 
 @contextlib.contextmanager
@@ -81,6 +93,12 @@ class CompiledStep:
                 else "the CPU allocator's events")
 
     def peak_bytes(self, plan: Plan | None) -> int:
+        return self.run(plan, timed_steps=0).peak_bytes
+
+    def run(self, plan: Plan | None, timed_steps: int = TIMED_STEPS) -> Measured:
+        """The step with ``plan`` compiled: one step compiles, the next is measured, and
+        ``timed_steps`` more are timed (compiled, the eager clock does not say what a
+        schedule costs: inductor fuses what a region recomputes)."""
         model = self.model
         with _plan_suspended(model), _buffers_kept(model) as restore, _grads_kept(model), \
                 _training_mode(model), _training_config(model), warnings.catch_warnings():
@@ -97,9 +115,23 @@ class CompiledStep:
                     peak, _, _ = measure_step(model, self.args, self.kwargs, self.loss_fn,
                                               self.autocast_dtype, compiled=True,
                                               grads_at_start=self.grads_at_start)
+                    step_ms = self._least_ms(timed_steps) if timed_steps else None
             finally:
                 remove(model)
-        return peak
+        return Measured(peak, step_ms)
+
+    def _least_ms(self, steps: int) -> float:
+        """The least wall time of ``steps`` steps (forward, loss, backward), each waited
+        for on a GPU."""
+        device = _model_device(self.model)
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            self._step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - began) * 1e3)
+        return min(times)
 
     def _step(self) -> None:
         with _autocast(_model_device(self.model).type, self.autocast_dtype):

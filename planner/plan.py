@@ -239,6 +239,13 @@ class CompiledFit(_Strict):
                                       "solved at")
     probes: list[tuple[Bytes, Bytes]] = Field(description="each eager solve: (eager budget, "
                                               "compiled peak measured), in order")
+    probe_step_ms: list[float | None] = Field(
+        default_factory=list, description="each probe's compiled step, timed (the least "
+        "of its timed steps, ms; None: not timed), in the order of probes")
+    step_ms: float | None = Field(None, description="this schedule's compiled step, timed "
+                                  "(ms): among the probes that fit, the fastest")
+    source: str = Field("", description="where this schedule came from: the eager optimum "
+                        "at a budget, or a hand policy")
     compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
                           "solve that gave one already measured is not compiled again)")
     measure: str = Field(description="what measured the peaks")
@@ -253,11 +260,17 @@ class CompiledFit(_Strict):
         return (f"compiled ({what}): measured peak {format_bytes(self.peak_bytes)} of "
                 f"the compiled step within budget {format_bytes(budget_bytes)} ("
                 f"{self.measure}; {self.compiles} schedules compiled{self._optimizer()}); "
-                f"the eager schedule solved at {format_bytes(self.eager_budget_bytes)}, "
-                "and the eager numbers below are the eager step's" + (
+                f"the schedule: {self._chosen()}, and the eager numbers below are the "
+                "eager step's" + (
                     "" if self.recompile_limit_hit is None else
                     f"; dynamo's recompile limit ({self.recompile_limit_hit}) was reached: "
                     "the calls past it ran eager, measured as such"))
+
+    def _chosen(self) -> str:
+        source = self.source or \
+            f"the eager optimum at {format_bytes(self.eager_budget_bytes)}"
+        return source if self.step_ms is None else \
+            f"{source}, the fastest that fit, {self.step_ms:.1f} ms a step compiled"
 
     def _optimizer(self) -> str:
         if not self.optimizer_state_bytes and not self.optimizer_step_peak_bytes:

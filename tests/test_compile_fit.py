@@ -21,27 +21,29 @@ from planner import (
     zoo,
 )
 from planner.arguments import SolveOptions
-from planner.compile_fit import MAX_PROBES, fit_compiled
+from planner.compile_fit import MAX_COMPILES, fit_compiled
 from planner.compiled_step import CompiledStep, compiled
 from planner.runtime.emit import checkpointed_modules
-from planner.solving import solve_profiled
+from planner.solving import plan_for_schedule, solve_profiled
 from planner.verification import measure_training_step
 from solvers.baselines import policy_schedule
 from solvers.schedule import Schedule
 
 
 class RuledStep:
-    """A compiled step whose peak a rule of the test gives (no compiler): the search's
-    behaviour alone."""
+    """A compiled step whose peak and time rules of the test give (no compiler, no clock):
+    the search's behaviour alone. Untold, a schedule's time is the eager clock's overhead."""
 
-    mode, measure, blocks = "model", "a rule of the test", []
+    mode, measure, blocks = "model", "rules of the test", []
 
-    def __init__(self, rule: Callable[[Plan], int]) -> None:
-        self.rule, self.measured = rule, []
+    def __init__(self, rule: Callable[[Plan], int],
+                 time_rule: Callable[[Plan], float] = lambda plan: plan.predicted_overhead,
+                 ) -> None:
+        self.rule, self.time_rule, self.measured = rule, time_rule, []
 
-    def peak_bytes(self, plan: Plan) -> int:
+    def run(self, plan: Plan) -> tuple[int, float]:
         self.measured.append(plan.schedule)
-        return self.rule(plan)
+        return self.rule(plan), self.time_rule(plan)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_where_compile_keeps_less_the_plan_recomputes_less_than_the_eager_one(
     assert plan.budget_bytes == budget
     assert plan.compiled.peak_bytes == plan.predicted_peak_bytes * 3 // 4 <= budget
     assert plan.predicted_peak_bytes > budget and plan.recompute_ms < eager.recompute_ms
-    assert len(step.measured) == len(set(step.measured)) <= MAX_PROBES
+    assert len(step.measured) == len(set(step.measured)) <= MAX_COMPILES
     assert plan.compiled.probes[0][0] == mlp_step.unplanned_peak_bytes  # no checkpoint first
     fitting = [eager for eager, peak in plan.compiled.probes if peak <= budget]
     assert len(fitting) > 1 and plan.compiled.eager_budget_bytes == max(fitting)
@@ -166,6 +168,8 @@ def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_wa
     plan = optimize(model, x, budget_gb=budget / 2**30, loss_fn=zm.loss_fn, compiled="model",
                     timing="estimate", deterministic=True, progress=False)
     assert plan.compiled.peak_bytes <= plan.budget_bytes == budget
+    assert plan.compiled.step_ms > 0  # timed, its timed steps leave the model as it was
+    assert len(plan.compiled.probe_step_ms) == len(plan.compiled.probes)
     assert all(model.state_dict()[k].equal(v) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
     assert not checkpointed_modules(model) and model._compiled_call_impl is None
@@ -264,3 +268,25 @@ def test_a_block_past_dynamos_recompile_limit_is_said_and_recorded(
         assert Plan.model_validate_json(plan.model_dump_json()).compiled == plan.compiled
     else:
         assert plan.compiled.recompile_limit_hit is None and not said
+
+
+def test_where_a_hand_policy_compiled_fits_and_runs_faster_the_fit_chooses_it() -> None:
+    """Compiled, a selective policy's recompute fuses into the backward: the eager clock
+    ranks saving the linears of every block far behind the eager optimum, yet compiled it
+    can fit and run faster. The fit measures it and, faster, chooses it; the search's
+    other schedules are still measured, and what it chose is recorded."""
+    zm = zoo.get("gpt", size="tiny")
+    profiled = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                             timing="estimate", progress=False)
+    sac_linear = plan_for_schedule(profiled.profile,
+                                   policy_schedule("sac-linear", profiled.problem()),
+                                   profiled.inputs, profiled.structure)
+    budget = sac_linear.predicted_peak_bytes * 3 // 4 + 1
+    step = RuledStep(lambda plan: plan.predicted_peak_bytes * 3 // 4,
+                     lambda plan: 1.0 if plan.schedule == sac_linear.schedule else 2.0)
+    plan = fit_compiled(profiled, _options(budget), step)
+    assert plan.schedule == sac_linear.schedule and len(step.measured) > 2
+    assert plan.compiled.peak_bytes <= budget and plan.compiled.step_ms == 1.0
+    assert plan.compiled.source == "hand policy 'sac-linear'"
+    assert 2.0 in plan.compiled.probe_step_ms
+    assert "hand policy 'sac-linear', the fastest that fit" in plan.summary()
