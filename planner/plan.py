@@ -243,7 +243,8 @@ class CompiledFit(_Strict):
         default_factory=list, description="each probe's compiled step, timed (the least "
         "of its timed steps, ms; None: not timed), in the order of probes")
     step_ms: float | None = Field(None, description="this schedule's compiled step, timed "
-                                  "(ms): among the probes that fit, the fastest")
+                                  "(ms): among the probes that fit, the fastest, or within "
+                                  "noise of it the largest peak")
     source: str = Field("", description="where this schedule came from: the eager optimum "
                         "at a budget, or a hand policy")
     compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
@@ -269,8 +270,10 @@ class CompiledFit(_Strict):
     def _chosen(self) -> str:
         source = self.source or \
             f"the eager optimum at {format_bytes(self.eager_budget_bytes)}"
-        return source if self.step_ms is None else \
-            f"{source}, the fastest that fit, {self.step_ms:.1f} ms a step compiled"
+        if self.step_ms is None:
+            return source
+        return (f"{source}, the fastest that fit (within noise, the least recompute), "
+                f"{self.step_ms:.1f} ms a step compiled")
 
     def _optimizer(self) -> str:
         if not self.optimizer_state_bytes and not self.optimizer_step_peak_bytes:
