@@ -72,9 +72,10 @@ POLICY_PROBES = 3  # hand policies compiled and measured beyond those
 # selective policy keeps less than that (saving the linears, 3-7 % under its eager peak on
 # GPT small, Llama and ResNet per block, where eager optima kept about their eager peak)
 ESTIMATE_SLACK = 0.10
-# schedules timed one after another in one process differ by this much from noise alone
-# (GPT small per block: saving the linears and every block checkpointed timed in either
-# order in two plans, 3-11 % apart in turns)
+# one process times schedules one after another, not in turns, and a step's time moves by
+# several % with the host: within this share of the fastest, the larger peak is kept (GPT
+# small per block at 0.5 chose every block checkpointed in one of two plans without it,
+# which measured 11 % slower than saving the linears head to head)
 TIME_NOISE = 0.05
 MAX_COMPILES = MAX_PROBES + POLICY_PROBES
 # tried in this order, the largest peaks first (the least recompute)
@@ -229,7 +230,6 @@ class _Search:
             "holds that peak compiled (apply(model, error.plan)); or reduce the batch",
             least.peak, plan=plan)
 
-
     def _compiled_plan(self, chosen: _Probe, budget: int | None = None) -> Plan:
         fit = CompiledFit(mode=self.step.mode, peak_bytes=chosen.peak,
                           blocks=self.step.blocks if self.step.mode == "blocks" else [],
@@ -260,8 +260,8 @@ def _fastest(fitting: list[_Probe]) -> _Probe:
 
 def fit_compiled(profiled: ProfiledStep, options: SolveOptions, step: CompiledStep,
                  report: Callable[[str], None] = lambda line: None) -> Plan:
-    """The plan of the largest eager budget whose schedule, compiled as ``step`` runs it,
-    peaks within ``options.budget_bytes`` (measured); ``report`` hears each probe.
+    """The fastest plan measured whose schedule, compiled as ``step`` runs it, peaks
+    within ``options.budget_bytes`` (the search above); ``report`` hears each probe.
 
     Raises:
         InfeasibleBudgetError: no schedule tried fits; ``min_budget_bytes`` is the least
