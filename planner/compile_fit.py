@@ -78,7 +78,8 @@ ESTIMATE_SLACK = 0.10
 # which measured 11 % slower than saving the linears head to head)
 TIME_NOISE = 0.05
 MAX_COMPILES = MAX_PROBES + POLICY_PROBES
-# tried in this order, the largest peaks first (the least recompute)
+# tried in this order: selective policies first (compiled, their recompute fuses), then
+# whole blocks, the fewer first
 HAND_POLICIES = ("sac-matmuls", "sac-linear", "every-2nd", "every-layer")
 CLOSE_ENOUGH = 0.01  # of the budget: a fitting probe this close to it ends the search
 SOLVES = 3 * MAX_PROBES  # eager solves per plan (a schedule solved again is not measured)

@@ -35,14 +35,14 @@ from planner.runtime.applying import apply
 from planner.runtime.install import _plan_suspended, remove
 from planner.verification import _autocast, _grads_kept, measure_step
 
-__all__ = ["TIMED_STEPS", "CompiledStep", "Measured", "compiled"]
+__all__ = ["TIMED_STEPS", "CompiledMeasure", "CompiledStep", "compiled"]
 
 # steps timed after the measured one; the least is the step's time (a busy host only adds
 # to a step, and schedules are timed one after another, not in turns)
 TIMED_STEPS = 9
 
 
-class Measured(NamedTuple):
+class CompiledMeasure(NamedTuple):
     """A schedule's compiled step: its peak, and the least of its timed steps (ms)."""
 
     peak_bytes: int
@@ -95,7 +95,7 @@ class CompiledStep:
     def peak_bytes(self, plan: Plan | None) -> int:
         return self.run(plan, timed_steps=0).peak_bytes
 
-    def run(self, plan: Plan | None, timed_steps: int = TIMED_STEPS) -> Measured:
+    def run(self, plan: Plan | None, timed_steps: int = TIMED_STEPS) -> CompiledMeasure:
         """The step with ``plan`` compiled: one step compiles, the next is measured, and
         ``timed_steps`` more are timed (compiled, the eager clock does not say what a
         schedule costs: inductor fuses what a region recomputes)."""
@@ -118,7 +118,7 @@ class CompiledStep:
                     step_ms = self._least_ms(timed_steps) if timed_steps else None
             finally:
                 remove(model)
-        return Measured(peak, step_ms)
+        return CompiledMeasure(peak, step_ms)
 
     def _least_ms(self, steps: int) -> float:
         """The least wall time of ``steps`` steps (forward, loss, backward), each waited
