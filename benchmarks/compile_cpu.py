@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._functorch.config  # activation_memory_budget; torch does not import it
 from frontier_measure import grads_global_rel_error, grads_rel_error
 from frontier_peers import peer_context
 
 import profiles
 from planner import InfeasibleBudgetError, apply, optimize, remove, replan, zoo
 from planner.compiled_step import compiled as compiled_as_planned
+from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import measure_step
 from profiles.inputs import normalize_inputs
 
@@ -119,13 +119,14 @@ class Step:
 
 
 @contextlib.contextmanager
-def compiled(zm: zoo.ZooModel, mode: str, fraction: float = 1.0) -> Iterator[None]:
+def compiled(zm: zoo.ZooModel, mode: str, fraction: float | None = None) -> Iterator[None]:
     """The model's forward compiled whole or per block while inside, as the planner's fit
     compiles it (`planner.compiled_step.compiled`), the partition made at the warm-up step
-    under ``activation_memory_budget=fraction``."""
+    under ``activation_memory_budget=fraction`` (None: the one a plan applied set, else
+    torch's default, 1.0)."""
     blocks = [f"{zm.block_prefix}.{name}" for name, _ in
               zm.model.get_submodule(zm.block_prefix).named_children()]
-    with torch._functorch.config.patch(activation_memory_budget=fraction), \
+    with partitioner_budget_set(fraction), \
             compiled_as_planned(zm.model, "model" if mode == "whole" else mode, blocks):
         yield
 

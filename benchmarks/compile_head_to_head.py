@@ -62,7 +62,7 @@ ROUNDS, WARMUP = 31, 3
 STEPS_A_TURN = 5
 
 
-def _schedule_process(conn: Connection, name: str, mode: str, fraction: float,
+def _schedule_process(conn: Connection, name: str, mode: str, fraction: float | None,
                       plan_json: str | None) -> None:
     """One compiled schedule, alive for a pairing: sends its measured peak, then the ms of
     the median ms of the steps each request asks for
@@ -90,7 +90,7 @@ def _schedule_process(conn: Connection, name: str, mode: str, fraction: float,
 class Schedule:
     """A schedule's process: ``peak`` once it has compiled, ``step_ms()`` on request."""
 
-    def __init__(self, name: str, mode: str, fraction: float = 1.0,
+    def __init__(self, name: str, mode: str, fraction: float | None = None,
                  plan: Plan | None = None) -> None:
         self.conn, child = mp.get_context("spawn").Pipe()
         self.process = mp.get_context("spawn").Process(

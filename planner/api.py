@@ -115,9 +115,12 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     plans the step compile runs. Inductor fuses ops and its partitioner chooses what
     untagged ops keep, so its peak is not the eager one: the plan is the fastest schedule
     measured whose step, compiled, peaks within ``budget_gb``, among eager optima at a
-    range of eager budgets and hand policies of the repeated blocks
+    range of eager budgets, hand policies of the repeated blocks and, nothing
+    checkpointed, the partitioner's own ``activation_memory_budget`` at a few fractions
     (:mod:`planner.compile_fit`; each schedule tried compiles and runs a few steps on the
-    model, which is left as it was). ``plan.compiled`` holds what was measured.
+    model, which is left as it was). ``plan.compiled`` holds what was measured, and
+    ``apply`` sets the fraction it was measured under while the plan is applied: compile
+    after ``apply``.
 
     Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the
     fields of :class:`~planner.config.PlanConfig`, where each is described; an unknown one

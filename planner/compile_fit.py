@@ -20,12 +20,16 @@ schedule costs), at most ``MAX_PROBES`` times:
 Then up to ``POLICY_PROBES`` hand policies of the repeated blocks (`HAND_POLICIES`: a
 selective policy's recompute fuses into the compiled backward), where their eager peak,
 scaled as compiling scaled the nearest probe, fits; where still nothing fits, every
-repeated block checkpointed, whatever its estimate. The plan is the fastest measured of
-those that fit, or within `TIME_NOISE` of it, the one of the largest compiled peak (the
-least recompute); timed, the choice may differ from one run to the next; the budget
-holds for either.
+repeated block checkpointed, whatever its estimate. Then, where the unplanned step does
+not fit, nothing checkpointed under the partitioner's own budget
+(``activation_memory_budget``) at up to ``PARTITIONER_PROBES`` fractions
+(`_Search.probe_partitioner`); a plan records the fraction it was measured under, which
+``apply`` sets (`planner.runtime.partitioner`). The plan is the fastest measured of those
+that fit, or within `TIME_NOISE` of it, the one of the largest compiled peak (the least
+recompute); timed, the choice may differ from one run to the next; the budget holds for
+either.
 
-A schedule already measured is not compiled again. The plan records every probe
+A schedule already measured under a fraction is not compiled again. The plan records every probe
 (``plan.compiled``); where none fits, :class:`InfeasibleBudgetError` names the least
 compiled peak measured and carries its plan, which holds it (a search at that budget
 starts afresh and need not end on the same schedule).
@@ -53,6 +57,7 @@ from planner.plan import (
     format_bytes,
 )
 from planner.profiling import ProfiledStep, profile_model
+from planner.runtime.partitioner import partitioner_budget
 from planner.solving import plan_for_schedule, solve_profiled
 from profiles.inputs import normalize_inputs
 from profiles.progress import _bar
@@ -77,7 +82,11 @@ ESTIMATE_SLACK = 0.10
 # small per block at 0.5 chose every block checkpointed in one of two plans without it,
 # which measured 11 % slower than saving the linears head to head)
 TIME_NOISE = 0.05
-MAX_COMPILES = MAX_PROBES + POLICY_PROBES
+# the partitioner's own budget, nothing checkpointed, compiled and measured: the least
+# first, then toward the budget (its peak is not monotone in the fraction: GPT small whole
+# measured 15.09 MiB at 0.5 and 15.10 at 0.2)
+PARTITIONER_PROBES = 4
+MAX_COMPILES = MAX_PROBES + POLICY_PROBES + PARTITIONER_PROBES
 # tried in this order: selective policies first (compiled, their recompute fuses), then
 # whole blocks, the fewer first
 HAND_POLICIES = ("sac-matmuls", "sac-linear", "every-2nd", "every-layer")
@@ -92,6 +101,7 @@ class _Probe:
     peak: int  # compiled, measured
     step_ms: float | None  # compiled, measured (None: a step that does not time)
     source: str  # where the schedule came from, in words
+    fraction: float  # the partitioner's activation_memory_budget it was compiled under
 
     @property
     def lowest_budget(self) -> int:
@@ -116,6 +126,7 @@ class _Search:
         self.optimizer_step = optimizer_step_peak(profiled.problem())
         self.probes: list[_Probe] = []
         self.least_eager: int | None = None  # the eager budget of the least eager peak
+        self.fraction = partitioner_budget()  # what the process's compiles use
 
     def solve(self, eager_budget: int) -> tuple[int, Plan]:
         """The eager plan at ``eager_budget``, or below the eager minimum the least one."""
@@ -130,27 +141,33 @@ class _Search:
         eager_budget, plan = self.solve(eager_budget)
         return self.add(eager_budget, plan, f"the eager optimum at {format_bytes(eager_budget)}")
 
-    def add(self, eager_budget: int, plan: Plan, source: str) -> _Probe:
-        """``plan``'s schedule compiled and measured, once per schedule."""
-        seen = next((p for p in self.probes if p.plan.schedule == plan.schedule), None)
-        peak, step_ms = (seen.peak, seen.step_ms) if seen is not None else self.measure(plan)
-        probe = _Probe(eager_budget, plan, peak, step_ms, source)
+    def add(self, eager_budget: int, plan: Plan, source: str,
+            fraction: float | None = None) -> _Probe:
+        """``plan``'s schedule compiled under the partitioner's ``fraction`` (None: the
+        process's) and measured, once per schedule and fraction."""
+        fraction = self.fraction if fraction is None else fraction
+        seen = next((p for p in self.probes
+                     if (p.plan.schedule, p.fraction) == (plan.schedule, fraction)), None)
+        peak, step_ms = (seen.peak, seen.step_ms) if seen is not None else \
+            self.measure(plan, fraction)
+        probe = _Probe(eager_budget, plan, peak, step_ms, source, fraction)
         self.probes.append(probe)
         if seen is None:
             timed = "" if step_ms is None else f", {step_ms:.1f} ms"
             self.report(f"{source}: compiled peak {format_bytes(peak)}{timed}")
         return probe
 
-    def measure(self, plan: Plan) -> tuple[int, float | None]:
-        """The training step's peak and time with ``plan``, compiled: the optimizer's state
-        is held through the forward and backward (measured without it: planning makes no
-        state), and its step runs after the backward, eager, as the profile measured it."""
-        peak, step_ms = self.step.run(plan)
+    def measure(self, plan: Plan, fraction: float) -> tuple[int, float | None]:
+        """The training step's peak and time with ``plan``, compiled under the partitioner's
+        ``fraction``: the optimizer's state is held through the forward and backward
+        (measured without it: planning makes no state), and its step runs after the
+        backward, eager, as the profile measured it."""
+        peak, step_ms = self.step.run(plan, partitioner_budget=fraction)
         return max(peak + self.optimizer_state, self.optimizer_step), step_ms
 
     @property
     def measured(self) -> int:
-        return len({p.plan.schedule for p in self.probes})
+        return len({(p.plan.schedule, p.fraction) for p in self.probes})
 
     def fitting(self) -> list[_Probe]:
         return [p for p in self.probes if p.peak <= self.budget]
@@ -188,6 +205,7 @@ class _Search:
                 break
             self.probe(budget)
         self.probe_policies()
+        self.probe_partitioner()
         return self.result()
 
     def probe_policies(self) -> None:
@@ -212,6 +230,46 @@ class _Search:
             if last_resort or self._estimate(plan) <= self.budget * (1 + ESTIMATE_SLACK):
                 self.add(plan.predicted_peak_bytes, plan, f"hand policy {name!r}")
                 tried += 1
+
+    def probe_partitioner(self) -> None:
+        """Nothing checkpointed, the partitioner's own budget (``activation_memory_budget``)
+        compiled and measured where the unplanned step does not fit: its least (0) first,
+        then, where that fits, toward the budget between the largest fraction that fit and
+        the least that did not (the unplanned step's), where the line through their peaks
+        meets it. Compiled per block, the partitioner recomputes fused pointwise ops inside
+        a block, which regions of whole ops do not (the zoo Llama per block: 5.26 MiB at
+        0.5, where the least whole-op schedule found peaks at 5.36)."""
+        unplanned = self._unplanned()
+        if unplanned.peak <= self.budget:
+            return
+        low, high = self._partitioned(unplanned, 0.0), unplanned
+        for _ in range(PARTITIONER_PROBES - 1):
+            if low.peak > self.budget:
+                return
+            share = (self.budget - low.peak) / max(high.peak - low.peak, 1)
+            fraction = round(low.fraction + min(max(share, 0.25), 0.75)
+                             * (high.fraction - low.fraction), 3)
+            if fraction in (low.fraction, high.fraction):
+                return
+            probe = self._partitioned(unplanned, fraction)
+            low, high = (probe, high) if probe.peak <= self.budget else (low, probe)
+
+    def _unplanned(self) -> _Probe:
+        """Nothing checkpointed, compiled under the process's partitioner budget (the first
+        probe, where its eager optimum recomputes nothing)."""
+        seen = next((p for p in self.probes if p.fraction == self.fraction
+                     and not p.plan.schedule.recompute_regions()), None)
+        if seen is not None:
+            return seen
+        profiled = self.profiled
+        plan = plan_for_schedule(profiled.profile, policy_schedule("none", profiled.problem()),
+                                 profiled.inputs, profiled.structure)
+        return self.add(plan.predicted_peak_bytes, plan, "no checkpointing")
+
+    def _partitioned(self, unplanned: _Probe, fraction: float) -> _Probe:
+        return self.add(unplanned.eager_budget, unplanned.plan,
+                        f"torch's partitioner at activation_memory_budget={fraction:g}",
+                        fraction)
 
     def _estimate(self, plan: Plan) -> float:
         eager = plan.predicted_peak_bytes
@@ -238,6 +296,7 @@ class _Search:
                           probes=[(p.eager_budget, p.peak) for p in self.probes],
                           probe_step_ms=[p.step_ms for p in self.probes],
                           step_ms=chosen.step_ms, source=chosen.source,
+                          partitioner_budget=chosen.fraction,
                           compiles=self.measured,
                           optimizer_state_bytes=self.optimizer_state,
                           optimizer_step_peak_bytes=self.optimizer_step,

@@ -33,6 +33,7 @@ from planner.model_state import _model_device, _training_config, _training_mode
 from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
 from planner.runtime.install import _plan_suspended, remove
+from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import _autocast, _grads_kept, measure_step
 
 __all__ = ["TIMED_STEPS", "CompiledMeasure", "CompiledStep", "compiled"]
@@ -95,10 +96,13 @@ class CompiledStep:
     def peak_bytes(self, plan: Plan | None) -> int:
         return self.run(plan, timed_steps=0).peak_bytes
 
-    def run(self, plan: Plan | None, timed_steps: int = TIMED_STEPS) -> CompiledMeasure:
+    def run(self, plan: Plan | None, timed_steps: int = TIMED_STEPS,
+            partitioner_budget: float | None = None) -> CompiledMeasure:
         """The step with ``plan`` compiled: one step compiles, the next is measured, and
         ``timed_steps`` more are timed (compiled, the eager clock does not say what a
-        schedule costs: inductor fuses what a region recomputes)."""
+        schedule costs: inductor fuses what a region recomputes). ``partitioner_budget``:
+        the partitioner's ``activation_memory_budget`` while it compiles (None: the one
+        ``plan`` sets, else the process's)."""
         model = self.model
         with _plan_suspended(model), _buffers_kept(model) as restore, _grads_kept(model), \
                 _training_mode(model), _training_config(model), warnings.catch_warnings():
@@ -106,7 +110,8 @@ class CompiledStep:
             if plan is not None:
                 apply(model, plan)
             try:
-                with compiled(model, self.mode, self.blocks):
+                with partitioner_budget_set(partitioner_budget), \
+                        compiled(model, self.mode, self.blocks):
                     hits = _recompile_limit_hits()
                     self._step()  # compiles
                     if _recompile_limit_hits() > hits:

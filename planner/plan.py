@@ -246,7 +246,12 @@ class CompiledFit(_Strict):
                                   "(ms): among the probes that fit, the fastest, or within "
                                   "noise of it the largest peak")
     source: str = Field("", description="where this schedule came from: the eager optimum "
-                        "at a budget, or a hand policy")
+                        "at a budget, a hand policy, or the partitioner at a budget")
+    partitioner_budget: float | None = Field(
+        None, ge=0.0, le=1.0, description="torch's activation_memory_budget (the min-cut "
+        "partitioner's 0-1 budget for what untagged ops keep) this schedule was compiled "
+        "and measured under; apply sets it while the plan is applied, remove puts the "
+        "process's value back (None: the process's own)")
     compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
                           "solve that gave one already measured is not compiled again)")
     measure: str = Field(description="what measured the peaks")

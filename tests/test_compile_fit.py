@@ -24,6 +24,7 @@ from planner.arguments import SolveOptions
 from planner.compile_fit import MAX_COMPILES, TIME_NOISE, fit_compiled
 from planner.compiled_step import CompiledStep, compiled
 from planner.runtime.emit import checkpointed_modules
+from planner.runtime.install import _plan_suspended
 from planner.solving import plan_for_schedule, solve_profiled
 from planner.verification import measure_training_step
 from solvers.baselines import policy_schedule
@@ -32,17 +33,22 @@ from solvers.schedule import Schedule
 
 class RuledStep:
     """A compiled step whose peak and time rules of the test give (no compiler, no clock):
-    the search's behaviour alone. Untold, a schedule's time is the eager clock's overhead."""
+    the search's behaviour alone. Untold, a schedule's time is the eager clock's overhead,
+    and the partitioner's budget changes nothing (``partitioner``: the peak and time of
+    the unplanned step compiled under a fraction below 1)."""
 
     mode, measure, blocks = "model", "rules of the test", []
 
     def __init__(self, rule: Callable[[Plan], int],
                  time_rule: Callable[[Plan], float] = lambda plan: plan.predicted_overhead,
-                 ) -> None:
-        self.rule, self.time_rule, self.measured = rule, time_rule, []
+                 partitioner: Callable[[float], tuple[int, float]] | None = None) -> None:
+        self.rule, self.time_rule, self.partitioner = rule, time_rule, partitioner
+        self.measured: list[tuple[Schedule, float | None]] = []
 
-    def run(self, plan: Plan) -> tuple[int, float]:
-        self.measured.append(plan.schedule)
+    def run(self, plan: Plan, partitioner_budget: float | None = None) -> tuple[int, float]:
+        self.measured.append((plan.schedule, partitioner_budget))
+        if self.partitioner is not None and partitioner_budget not in (None, 1.0):
+            return self.partitioner(partitioner_budget)
         return self.rule(plan), self.time_rule(plan)
 
 
@@ -173,6 +179,7 @@ def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_wa
     assert all(model.state_dict()[k].equal(v) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())
     assert not checkpointed_modules(model) and model._compiled_call_impl is None
+    assert torch._functorch.config.activation_memory_budget == 1.0  # the process's, again
     step = CompiledStep(model, (x,), {}, zm.loss_fn, "model", [])
     assert step.peak_bytes(plan) == plan.compiled.peak_bytes  # measured again: the same
 
@@ -304,3 +311,53 @@ def test_among_schedules_timed_within_noise_the_fit_keeps_the_one_that_recompute
     plan = fit_compiled(mlp_step, _options(budget), step)
     fitting = [peak for _, peak in plan.compiled.probes if peak <= budget]
     assert len(set(fitting)) > 1 and plan.compiled.peak_bytes == max(fitting)
+
+
+def test_where_the_partitioners_own_budget_fits_and_runs_fastest_the_plan_carries_it(
+        mlp_step) -> None:
+    """Compiled per block, the partitioner recomputes fused pointwise ops that no region of
+    whole ops can: where, nothing checkpointed, its own budget (a fraction) fits and runs
+    fastest, the plan is that, says so and records the fraction; the fractions tried run
+    from the least toward the budget, each measured once."""
+    unplanned = mlp_step.unplanned_peak_bytes
+    budget = int(0.6 * unplanned)
+
+    def partitioner(fraction: float) -> tuple[int, float]:
+        return int(unplanned * (0.4 + 0.4 * fraction)), 1e-3  # fits up to 0.5
+
+    step = RuledStep(lambda plan: plan.predicted_peak_bytes, partitioner=partitioner)
+    plan = fit_compiled(mlp_step, _options(budget), step)
+    fractions = [f for _, f in step.measured if f not in (None, 1.0)]
+    assert fractions[0] == 0.0 and len(fractions) == len(set(fractions)) > 2
+    fitting = [f for f in fractions if partitioner(f)[0] <= budget]
+    assert plan.compiled.partitioner_budget == max(fitting) and 0 < max(fitting) <= 0.5
+    assert not plan.schedule.recompute_regions() and plan.compiled.peak_bytes <= budget
+    assert plan.compiled.source.startswith("torch's partitioner at activation_memory_budget=")
+    assert "torch's partitioner" in plan.summary()
+
+
+def test_apply_sets_the_partitioners_budget_its_plan_was_measured_under_and_remove_restores(
+        mlp_step) -> None:
+    """A compiled plan holds under the partitioner's budget it was measured under: apply
+    sets it (compile partitions after apply), a plan applied in its place restores the
+    value found first, profiling the planned model sees the process's own, and remove
+    puts it back."""
+    budget = int(0.9 * mlp_step.unplanned_peak_bytes)
+    plan = fit_compiled(mlp_step, _options(budget), RuledStep(
+        lambda plan: plan.predicted_peak_bytes * 3 // 4))
+    assert plan.compiled.partitioner_budget == 1.0  # the process's, recorded
+    partitioned = plan.model_copy(update={"compiled": plan.compiled.model_copy(
+        update={"partitioner_budget": 0.25})})
+    zm = zoo.get("mlp", batch=512, width=64, depth=6)
+    config = torch._functorch.config
+    with config.patch(activation_memory_budget=0.75):
+        apply(zm.model, partitioned)
+        assert config.activation_memory_budget == 0.25
+        with _plan_suspended(zm.model):
+            assert config.activation_memory_budget == 0.75
+        assert config.activation_memory_budget == 0.25
+        apply(zm.model, plan)
+        assert config.activation_memory_budget == 1.0
+        apply(zm.model, partitioned)
+        remove(zm.model)
+        assert config.activation_memory_budget == 0.75

@@ -143,6 +143,10 @@ class PlanGuard:
         self.device_type = device_type
         self.strict = strict
         self.restore_use_cache = restore_use_cache
+        # the partitioner's budget the compiled plan was measured under, and the value its
+        # apply replaced (`planner.runtime.partitioner`)
+        self.partitioner_budget = plan.compiled.partitioner_budget if plan.compiled else None
+        self.restore_partitioner_budget: float | None = None
         self.model_name = plan.model_name
         self.budget = format_bytes(plan.budget_bytes)
         self.modules = dict(_walk(model))

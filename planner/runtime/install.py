@@ -1,5 +1,6 @@
 """apply / remove: install a plan on the model's own modules (checkpoints, offload hooks,
-the guard), take it off, and set it aside while the model is profiled again."""
+the guard; for a compiled plan the partitioner's budget it was measured under), take it
+off, and set it aside while the model is profiled again."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from planner.runtime.offload import (
     remove_offload,
     suspended_offload,
 )
+from planner.runtime.partitioner import set_partitioner_budget
 from profiles.schema import GraphProfile
 from solvers import Decision, ModuleCall, OpRange, Problem, Region, Schedule
 from solvers.frame import region_skips
@@ -135,6 +137,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, strict: bool = False) -> nn.Modu
     guard = PlanGuard(plan, model, _model_device(model).type, strict, configs,
                       checkpointed_modules(model))
     model.register_forward_pre_hook(guard, with_kwargs=True, prepend=True)
+    if guard.partitioner_budget is not None:
+        guard.restore_partitioner_budget = set_partitioner_budget(guard.partitioner_budget)
     return model
 
 
@@ -239,6 +243,8 @@ def remove(model: nn.Module) -> nn.Module:
         model._forward_pre_hooks_with_kwargs.pop(key, None)
         for config in guard.restore_use_cache:
             config.use_cache = True
+        if guard.restore_partitioner_budget is not None:
+            set_partitioner_budget(guard.restore_partitioner_budget)
     remove_checkpoints(model)
     remove_offload(model)
     return model
@@ -287,3 +293,5 @@ def _put_back(wrappers: dict[str, Any], guards: list[PlanGuard],
     for guard in guards:
         for config in guard.restore_use_cache:
             config.use_cache = False
+        if guard.restore_partitioner_budget is not None:
+            set_partitioner_budget(guard.partitioner_budget)
