@@ -13,6 +13,8 @@ import torch
 from planner import (
     InfeasibleBudgetError,
     Plan,
+    PlanMismatchError,
+    PlanMismatchWarning,
     apply,
     optimize,
     profile_model,
@@ -361,3 +363,30 @@ def test_apply_sets_the_partitioners_budget_its_plan_was_measured_under_and_remo
         apply(zm.model, partitioned)
         remove(zm.model)
         assert config.activation_memory_budget == 0.75
+
+
+def test_a_partitioner_budget_changed_after_apply_is_said_at_the_next_step(mlp_step) -> None:
+    """The guard says, once, with what to do, that the partitioner's budget moved away from
+    the one the compiled plan was measured under; strict, it refuses the step."""
+    budget = int(0.9 * mlp_step.unplanned_peak_bytes)
+    plan = fit_compiled(mlp_step, _options(budget), RuledStep(
+        lambda plan: plan.predicted_peak_bytes * 3 // 4))
+    zm = zoo.get("mlp", batch=512, width=64, depth=6)
+    config = torch._functorch.config
+    with config.patch(activation_memory_budget=1.0):
+        apply(zm.model, plan)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", PlanMismatchWarning)
+                zm.loss_fn(zm.model(*zm.example_inputs)).backward()  # as planned: silent
+            zm.model.zero_grad(set_to_none=True)
+            config.activation_memory_budget = 0.3
+            with pytest.warns(PlanMismatchWarning, match=r"measured compiled under 1\.0"):
+                zm.loss_fn(zm.model(*zm.example_inputs)).backward()
+            zm.model.zero_grad(set_to_none=True)
+            apply(zm.model, plan, strict=True)
+            config.activation_memory_budget = 0.3
+            with pytest.raises(PlanMismatchError, match=r"activation_memory_budget is 0\.3"):
+                zm.model(*zm.example_inputs)
+        finally:
+            remove(zm.model)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from planner.plan import InputSpec, Plan, PlanMismatchError, PlanMismatchWarning, format_bytes
+from planner.runtime.partitioner import partitioner_budget
 from profiles.parallel import describe_parallel, job_backend, layout_changes
 
 __all__ = ["PlanGuard"]
@@ -190,6 +191,22 @@ class PlanGuard:
                 self.as_applied = _AsApplied(module)  # a copy of the model: its own ids
         if not getattr(self, "parallel_checked", True):
             self._check_parallel(module)
+        self._check_partitioner()
+
+    def _check_partitioner(self) -> None:
+        """A compiled plan's budget holds under the partitioner's budget it was measured
+        under, which apply set: said where it changed since (a graph partitioned after the
+        change keeps what that budget keeps)."""
+        planned = getattr(self, "partitioner_budget", None)  # (guards pickled before it)
+        if planned is None or partitioner_budget() == planned:
+            return
+        self._complain(
+            f"torch._functorch.config.activation_memory_budget is {partitioner_budget()}, "
+            f"and this plan of {self.model_name} was measured compiled under {planned}, "
+            f"which apply set: graphs compiled now keep what the partitioner keeps at the "
+            f"new value, and the {self.budget} budget does not hold for them. Leave it at "
+            f"{planned} while the plan is applied, or plan again under the value you want",
+            about="partitioner")
 
     def _check_parallel(self, model: nn.Module) -> None:
         """On the first training step: the model runs under the parallelism planned (the
