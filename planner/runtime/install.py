@@ -243,8 +243,10 @@ def remove(model: nn.Module) -> nn.Module:
         model._forward_pre_hooks_with_kwargs.pop(key, None)
         for config in guard.restore_use_cache:
             config.use_cache = True
-        if guard.restore_partitioner_budget is not None:
-            set_partitioner_budget(guard.restore_partitioner_budget)
+        # a table's guard, or one pickled before it, has set no partitioner budget
+        restore_budget = getattr(guard, "restore_partitioner_budget", None)
+        if restore_budget is not None:
+            set_partitioner_budget(restore_budget)
     remove_checkpoints(model)
     remove_offload(model)
     return model
@@ -293,5 +295,5 @@ def _put_back(wrappers: dict[str, Any], guards: list[PlanGuard],
     for guard in guards:
         for config in guard.restore_use_cache:
             config.use_cache = False
-        if guard.restore_partitioner_budget is not None:
+        if getattr(guard, "restore_partitioner_budget", None) is not None:
             set_partitioner_budget(guard.partitioner_budget)
