@@ -14,7 +14,9 @@
 # plans.
 #
 # LEASE=clock (the default since 2026-11-29): the fp32 and bf16 frontiers only, each row with
-# its host / device split (issue 62); LEASE=memory: the parts above.
+# its host / device split (issue 62); LEASE=memory: the parts above; LEASE=compile (issue
+# 64): GPT-2-medium compiled per block, ours against activation_memory_budget at 0.5, fp32
+# and bf16, head to head (benchmarks/compile_head_to_head.py; results written per pairing).
 #
 #   bash benchmarks/gpu_lease.sh   # then: tar xzf gpu.tgz; results into benchmarks/results,
 #                                  # <case>.<gpu>.json profiles into profiles/recorded
@@ -42,6 +44,12 @@ if [ "${LEASE:-clock}" = clock ]; then  # issue 62: the frontier's clock, host a
     --solve-time-limit 20
   part bf16 200 --peers every-layer every-2nd chen-sqrt-n sac-linear --time-limit 150 \
     --solve-time-limit 20
+elif [ "$LEASE" = compile ]; then  # issue 64: GPT-2-medium compiled per block, fp32 and bf16
+  echo "== lease part compile (timeout 560 s) at $(date +%T)"
+  timeout 560 python3 benchmarks/compile_head_to_head.py --device cuda --models gpt2-medium \
+    --modes blocks --fractions 0.5 --precisions fp32 bf16 --rounds 9 --steps-a-turn 3 \
+    --out "$R"
+  echo "== lease part compile exit $? at $(date +%T)"
 else
   echo "== lease part peak gaps (timeout 90 s) at $(date +%T)"
   timeout 90 python3 benchmarks/gpu_peak_gaps.py --out "$R"
