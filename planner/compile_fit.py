@@ -283,7 +283,10 @@ class _Search:
         return self.add(plan.predicted_peak_bytes, plan, "no checkpointing")
 
     def _partitioned(self, unplanned: _Probe, fraction: float) -> _Probe:
-        return self.add(unplanned.eager_budget, unplanned.plan,
+        note = (f"Nothing checkpointed: compiled, torch's partitioner recomputes what it "
+                f"chooses under activation_memory_budget={fraction:g} (0: all it can, 1: its "
+                "default), which apply sets.")
+        return self.add(unplanned.eager_budget, unplanned.plan.model_copy(update={"note": note}),
                         f"torch's partitioner at activation_memory_budget={fraction:g}",
                         fraction)
 

@@ -336,6 +336,8 @@ def test_where_the_partitioners_own_budget_fits_and_runs_fastest_the_plan_carrie
     assert not plan.schedule.recompute_regions() and plan.compiled.peak_bytes <= budget
     assert plan.compiled.source.startswith("torch's partitioner at activation_memory_budget=")
     assert "torch's partitioner" in plan.summary()
+    assert "No checkpointing needed" not in plan.summary()  # the eager step does not fit
+    assert "torch's partitioner recomputes" in plan.note
 
 
 def test_apply_sets_the_partitioners_budget_its_plan_was_measured_under_and_remove_restores(
