@@ -270,11 +270,15 @@ class _Search:
         fraction = round(low.fraction + share * (high.fraction - low.fraction), 3)
         return None if fraction in (low.fraction, high.fraction) else fraction
 
-    def _unplanned(self) -> _Probe:
-        """Nothing checkpointed, compiled under the process's partitioner budget (the first
-        probe, where its eager optimum recomputes nothing)."""
-        seen = next((p for p in self.probes if p.fraction == self.fraction
+    def _unplanned_seen(self) -> _Probe | None:
+        """Nothing checkpointed, compiled under the process's partitioner budget, where
+        measured (the first probe, where its eager optimum recomputes nothing)."""
+        return next((p for p in self.probes if p.fraction == self.fraction
                      and not p.plan.schedule.recompute_regions()), None)
+
+    def _unplanned(self) -> _Probe:
+        """`_unplanned_seen`, measured now where it was not."""
+        seen = self._unplanned_seen()
         if seen is not None:
             return seen
         profiled = self.profiled
@@ -315,6 +319,7 @@ class _Search:
                           probes=[(p.eager_budget, p.peak) for p in self.probes],
                           probe_step_ms=[p.step_ms for p in self.probes],
                           step_ms=chosen.step_ms, source=chosen.source,
+                          unplanned_step_ms=getattr(self._unplanned_seen(), "step_ms", None),
                           partitioner_budget=chosen.fraction,
                           compiles=self.measured,
                           optimizer_state_bytes=self.optimizer_state,

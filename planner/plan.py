@@ -247,6 +247,9 @@ class CompiledFit(_Strict):
                                   "noise of it the largest peak")
     source: str = Field("", description="where this schedule came from: the eager optimum "
                         "at a budget, a hand policy, or the partitioner at a budget")
+    unplanned_step_ms: float | None = Field(
+        None, description="the compiled step with nothing checkpointed, timed as the probes "
+        "are (ms; None: not timed): what step_ms is set against")
     partitioner_budget: float | None = Field(
         None, ge=0.0, le=1.0, description="torch's activation_memory_budget (the min-cut "
         "partitioner's 0-1 budget for what untagged ops keep) this schedule was compiled "
@@ -277,8 +280,11 @@ class CompiledFit(_Strict):
             f"the eager optimum at {format_bytes(self.eager_budget_bytes)}"
         if self.step_ms is None:
             return source
+        overhead = "" if not self.unplanned_step_ms else \
+            f" ({self.step_ms / self.unplanned_step_ms - 1:+.1%} against " \
+            f"{self.unplanned_step_ms:.1f} ms with nothing checkpointed)"
         return (f"{source}, the fastest that fit (within noise, the least recompute), "
-                f"{self.step_ms:.1f} ms a step compiled")
+                f"{self.step_ms:.1f} ms a step compiled{overhead}")
 
     def _optimizer(self) -> str:
         if not self.optimizer_state_bytes and not self.optimizer_step_peak_bytes:
