@@ -320,8 +320,8 @@ def test_among_schedules_timed_within_noise_the_fit_keeps_the_one_that_recompute
 
 def test_where_the_partitioners_own_budget_fits_and_runs_fastest_the_plan_carries_it(
         mlp_step) -> None:
-    """Compiled per block, the partitioner recomputes fused pointwise ops that no region of
-    whole ops can: where, nothing checkpointed, its own budget (a fraction) fits and runs
+    """Compiled, the partitioner recomputes fused pointwise ops that no region of whole ops
+    can: where, nothing checkpointed, its own budget (a fraction) fits and runs
     fastest, the plan is that, says so and records the fraction; the fractions tried run
     from the least toward the budget, each measured once."""
     unplanned = mlp_step.unplanned_peak_bytes
