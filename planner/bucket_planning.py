@@ -29,7 +29,7 @@ from profiles.inputs import normalize_inputs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BucketPlanner", "plan_envelope"]
+__all__ = ["BucketPlanner", "bucket_label", "plan_envelope"]
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
                             (envelope.resident_batches - 1) * resident_bytes(*longest))
     entries = []
     for length, pad, a, k in reversed(bucket_batches(args, kwargs, envelope)):
-        label = _label(length, pad)
+        label = bucket_label(length, pad)
         log.info("planning the bucket of batches %s", label)
         entries.append(TableEntry(length=length, padded=pad, plan=planner.plan(label, a, k)))
     entries, checks = _checked_edges(entries_in_order(entries), envelope, planner, args,
@@ -105,7 +105,7 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
     return table
 
 
-def _label(length: int | None, pad: bool | None) -> str:
+def bucket_label(length: int | None, pad: bool | None) -> str:
     tokens = "as given" if length is None else f"of {length} tokens"
     return tokens + ("" if pad is None else ", padded" if pad else ", unpadded")
 
@@ -152,14 +152,14 @@ def _planned_apart(planner: BucketPlanner, entry: TableEntry, shortest: int,
     found = []
     if longest > shortest:
         a, k = batch_at(args, kwargs, longest, envelope.batch_size, pad)
-        plan = planner.plan(_label(longest, pad), a, k)
+        plan = planner.plan(bucket_label(longest, pad), a, k)
         found.append(TableEntry(length=longest, padded=pad, plan=plan))
         replay = _replayed_peak(step, plan)
         if replay is not None and replay <= plan.budget_bytes:
             return found
     a, k = batch_at(args, kwargs, shortest, envelope.batch_size, pad)
     return [TableEntry(length=shortest, padded=pad,
-                       plan=planner.plan(_label(shortest, pad), a, k)), *found]
+                       plan=planner.plan(bucket_label(shortest, pad), a, k)), *found]
 
 
 def _replayed_peak(step: ProfiledStep, plan: Plan) -> int | None:
@@ -188,7 +188,7 @@ def covering(table: PlanTable, model: nn.Module, example_inputs: Any,
 
     length = sequence_length(args, kwargs) if table.envelope.max_length else None
     pad = padded(table.masks, args, kwargs) if table.masks else None
-    label = _label(length, pad)
+    label = bucket_label(length, pad)
     if progress:
         progress(label)
     entry = TableEntry(length=length, padded=pad, plan=planner.plan(label, args, kwargs))

@@ -47,8 +47,17 @@ from torch import nn
 
 import profiles
 from planner.arguments import SolveOptions
-from planner.compiled_step import CompiledStep
+from planner.bucket_planning import BucketPlanner, bucket_label
+from planner.compiled_step import Batch, CompiledStep
 from planner.config import PARALLEL, PROFILING, STEP, PlanConfig
+from planner.envelope import (
+    Envelope,
+    batch_at,
+    branches,
+    mask_inputs,
+    ragged,
+    resident_bytes,
+)
 from planner.plan import (
     CompiledFit,
     InfeasibleBudgetError,
@@ -102,6 +111,7 @@ class _Probe:
     step_ms: float | None  # compiled, measured (None: a step that does not time)
     source: str  # where the schedule came from, in words
     fraction: float  # the partitioner's activation_memory_budget it was compiled under
+    batch_peaks: tuple[int, ...] = ()  # each batch's, where the step measures several
 
     @property
     def lowest_budget(self) -> int:
@@ -123,6 +133,7 @@ class _Search:
         self.profiled, self.options, self.step, self.report = profiled, options, step, report
         self.budget = options.budget_bytes
         self.optimizer_state = profiled.profile.static.optimizer_state_bytes
+        self.resident = profiled.profile.static.resident_input_bytes
         self.optimizer_step = optimizer_step_peak(profiled.problem())
         self.probes: list[_Probe] = []
         self.least_eager: int | None = None  # the eager budget of the least eager peak
@@ -148,22 +159,26 @@ class _Search:
         fraction = self.fraction if fraction is None else fraction
         seen = next((p for p in self.probes
                      if (p.plan.schedule, p.fraction) == (plan.schedule, fraction)), None)
-        peak, step_ms = (seen.peak, seen.step_ms) if seen is not None else \
-            self.measure(plan, fraction)
-        probe = _Probe(eager_budget, plan, peak, step_ms, source, fraction)
+        peak, step_ms, batch_peaks = (seen.peak, seen.step_ms, seen.batch_peaks) \
+            if seen is not None else self.measure(plan, fraction)
+        probe = _Probe(eager_budget, plan, peak, step_ms, source, fraction, batch_peaks)
         self.probes.append(probe)
         if seen is None:
             timed = "" if step_ms is None else f", {step_ms:.1f} ms"
             self.report(f"{source}: compiled peak {format_bytes(peak)}{timed}")
         return probe
 
-    def measure(self, plan: Plan, fraction: float) -> tuple[int, float | None]:
+    def measure(self, plan: Plan, fraction: float
+                ) -> tuple[int, float | None, tuple[int, ...]]:
         """The training step's peak and time with ``plan``, compiled under the partitioner's
-        ``fraction``: the optimizer's state is held through the forward and backward
-        (measured without it: planning makes no state), and its step runs after the
-        backward, eager, as the profile measured it."""
-        peak, step_ms = self.step.run(plan, partitioner_budget=fraction)
-        return max(peak + self.optimizer_state, self.optimizer_step), step_ms
+        ``fraction``, and each batch's peak: the optimizer's state and the other resident
+        batches are held through the forward and backward (measured without them: planning
+        makes no state, and the step holds one batch), and the optimizer's step runs after
+        the backward, eager, as the profile measured it."""
+        measured = self.step.run(plan, partitioner_budget=fraction)
+        peaks = tuple(max(peak + self.optimizer_state + self.resident, self.optimizer_step)
+                      for peak in measured.batch_peaks or (measured.peak_bytes,))
+        return max(peaks), measured.step_ms, peaks
 
     @property
     def measured(self) -> int:
@@ -325,9 +340,17 @@ class _Search:
                           optimizer_state_bytes=self.optimizer_state,
                           optimizer_step_peak_bytes=self.optimizer_step,
                           measure=self.step.measure,
-                          recompile_limit_hit=getattr(self.step, "recompile_limit_hit", None))
+                          recompile_limit_hit=getattr(self.step, "recompile_limit_hit", None),
+                          batches=self._batch_record(chosen))
         return chosen.plan.model_copy(update={"budget_bytes": budget or self.budget,
                                               "compiled": fit})
+
+    def _batch_record(self, chosen: _Probe) -> list[tuple[str, int]]:
+        batches = getattr(self.step, "batches", [])
+        if len(batches) < 2:
+            return []
+        return [(batch.label, peak) for batch, peak in zip(batches, chosen.batch_peaks,
+                                                             strict=True)]
 
 
 def _fastest(fitting: list[_Probe]) -> _Probe:
@@ -356,7 +379,6 @@ def fit_compiled(profiled: ProfiledStep, options: SolveOptions, step: CompiledSt
 
 # what a compiled step's plan does not cover yet, and why
 _NOT_COMPILED = {
-    "envelope": "each bucket of an envelope would compile and be measured on its own",
     "offload": "offload's hooks are refused under torch.compile (docs/recipes.md)",
     "sharding": "a rank's compiled step is measured on one process only",
     "parallelize": "a rank's compiled step is measured on one process only",
@@ -365,23 +387,38 @@ _NOT_COMPILED = {
 
 def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
                   config: PlanConfig) -> Plan:
-    """``optimize(..., compiled=mode)``: the eager step profiled once, then
-    :func:`fit_compiled` with the model itself compiled as ``mode`` says."""
+    """``optimize(..., compiled=mode)``: the eager step profiled once (at the envelope's
+    longest batch, where one is given), then :func:`fit_compiled` with the model itself
+    compiled as ``mode`` says, measured on every batch :func:`training_batches` names."""
     given = sorted(set(config.given()) & set(_NOT_COMPILED))
     if given:
         raise ValueError(f"compiled={config.compiled!r} with {given[0]}= is not planned yet: "
                          f"{_NOT_COMPILED[given[0]]}")
+    if config.envelope is not None and config.envelope.buckets != "one":
+        raise ValueError(f"compiled={config.compiled!r} covers an envelope with one plan, "
+                         "measured on its batches (a plan per bucket would switch schedules "
+                         "inside the compiled graph): give Envelope(buckets='one')")
     if config.execution == "fake" or any(p.is_meta for p in model.parameters()):
         raise ValueError(f"compiled={config.compiled!r} measures the compiled step, which "
                          "needs real tensors: the model on its training device, "
                          "execution='real'")
-    profiled = profile_model(model, example_inputs, **config.options(STEP, PROFILING,
-                                                                      PARALLEL))
     args, kwargs = normalize_inputs(model, example_inputs)
-    step = CompiledStep(model, args, kwargs, config.loss_fn or profiles.default_loss,
-                        config.compiled, [c.path for c in block_calls(profiled.profile)],
+    batches, profiled_batch = training_batches(args, kwargs, config.envelope)
+    resident = 0 if config.envelope is None else \
+        (config.envelope.resident_batches - 1) * resident_bytes(profiled_batch.args,
+                                                                profiled_batch.kwargs)
+    options = config.solve_options(budget_bytes)
+    profile_options = config.options(STEP, PROFILING, PARALLEL)
+    profiled = profile_model(model, example_inputs, **profile_options) \
+        if config.envelope is None else BucketPlanner(model, options, profile_options,
+                                                      resident).profiled(profiled_batch.args,
+                                                                         profiled_batch.kwargs)
+    step = CompiledStep(model, profiled_batch.args, profiled_batch.kwargs,
+                        config.loss_fn or profiles.default_loss, config.compiled,
+                        [c.path for c in block_calls(profiled.profile)],
                         autocast_dtype=profiled.profile.autocast_dtype,
-                        grads_at_start=config.grad_accumulation)
+                        grads_at_start=config.grad_accumulation,
+                        batches=batches)
     bar = _bar(range(MAX_COMPILES), f"compiled steps ({config.compiled})", config.progress)
 
     def report(line: str) -> None:
@@ -390,10 +427,36 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
         log.info("compiled step, %s", line)
 
     try:
-        return fit_compiled(profiled, config.solve_options(budget_bytes), step, report)
+        return fit_compiled(profiled, options, step, report)
     finally:
         bar.close()
         _warn_recompile_limit(step)
+
+
+def training_batches(args: tuple, kwargs: dict, envelope: Envelope | None
+                     ) -> tuple[list[Batch], Batch]:
+    """The batches a compiled plan is measured on, in the order training meets them, and
+    the one profiled and timed. Without an envelope the example; with one, a batch shorter
+    than the longest first (its shape compiles, and the next length compiles again with the
+    length dynamic, as dynamo does in training: every later length runs that graph), then
+    the longest in each mask branch, the padded one profiled (its mask takes attention's
+    masked branch, and the plan's guard lets unpadded batches through a padded plan, not
+    the other way round), and the longest again with rows of many lengths
+    (:func:`~planner.envelope.ragged`)."""
+    if envelope is None:
+        return [Batch("", args, kwargs)], Batch("", args, kwargs)
+    pads = branches(envelope, mask_inputs(args, kwargs))[::-1]  # the padded first
+    longest = envelope.max_length
+    shorter = max(envelope.min_length, 2)  # dynamo specializes a size of 1: its own graph
+    lengths = [shorter, longest] if longest is not None and shorter < longest else [longest]
+    batches = [Batch(bucket_label(length, pad),
+                     *batch_at(args, kwargs, length, envelope.batch_size, pad))
+               for length in lengths for pad in (pads if length == longest else pads[:1])]
+    profiled = batches[len(lengths) - 1]
+    if pads[0]:  # rows of many lengths, as a collator pads them: the mask's values differ
+        batches.append(Batch(bucket_label(longest, True) + " (rows of 1 to all tokens)",
+                             *ragged(profiled.args, profiled.kwargs)))
+    return batches, profiled
 
 
 def _warn_recompile_limit(step: CompiledStep) -> None:
@@ -410,14 +473,12 @@ def _warn_recompile_limit(step: CompiledStep) -> None:
         "compiled='model'", PlanMismatchWarning, stacklevel=4)
 
 
-def warn_eager_plan_compiled(trainer: str) -> None:
+def warn_eager_plan_compiled(trainer: str, why: str) -> None:
     """A trainer switch plans the eager step, and ``trainer`` compiles it: said once, with
-    what to do instead (a switch plans every batch length, which a compiled step's plan
-    does not cover yet)."""
+    ``why`` the compiled step is not planned, and what to do instead."""
     warnings.warn(
         f"{trainer}: the switch plans the eager step, and compiled, a step keeps what inductor "
         "and its partitioner keep (over the budget on a ResNet, docs/recipes.md "
-        "'torch.compile'). Planning the compiled step for every batch length is not "
-        "supported yet: leave a margin, or plan one batch shape with "
-        "planner.optimize(..., compiled='model', optimizer=...) and planner.apply() "
-        "yourself, without this switch", PlanMismatchWarning, stacklevel=3)
+        f"'torch.compile'). The compiled step is not planned here: {why}. Leave a margin, or "
+        "plan with planner.optimize(..., compiled='model', envelope=..., optimizer=...) and "
+        "planner.apply() yourself, without this switch", PlanMismatchWarning, stacklevel=3)

@@ -15,6 +15,12 @@ Dynamo compiles a function again for each new input shape up to its recompile li
 shapes compiled one by one (torchvision's MobileNetV2: 17) reach it: the step measured is
 then partly eager, as training under the same limit will be. ``recompile_limit_hit`` says
 so, and a plan records it (:class:`planner.plan.CompiledFit`).
+
+A trainer gives batches of many lengths (an :class:`~planner.envelope.Envelope`): the first
+length compiles a graph of that shape, the next another with the length dynamic, and every
+later length runs that one. ``batches`` lists the batches in that order (a shorter one first,
+then the longest of each mask branch); each is stepped, compiling where it is new, then
+measured, and the step's peak is the largest.
 """
 
 from __future__ import annotations
@@ -34,9 +40,15 @@ from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
 from planner.runtime.install import _plan_suspended, remove
 from planner.runtime.partitioner import partitioner_budget_set
-from planner.verification import _autocast, _grads_kept, measure_step
+from planner.verification import (
+    _autocast,
+    _grads_kept,
+    bound_tensors,
+    measure_step,
+    step_residents,
+)
 
-__all__ = ["TIMED_STEPS", "CompiledMeasure", "CompiledStep", "compiled"]
+__all__ = ["TIMED_STEPS", "Batch", "CompiledMeasure", "CompiledStep", "compiled"]
 
 # steps timed after the measured one; the least is the step's time (a busy host only adds
 # to a step, and schedules are timed one after another, not in turns)
@@ -44,10 +56,20 @@ TIMED_STEPS = 9
 
 
 class CompiledMeasure(NamedTuple):
-    """A schedule's compiled step: its peak, and the least of its timed steps (ms)."""
+    """A schedule's compiled step: its peak (the largest of its batches'), the least of its
+    timed steps (ms), and each batch's peak in the order of ``CompiledStep.batches``."""
 
     peak_bytes: int
     step_ms: float | None  # None: not timed
+    batch_peaks: tuple[int, ...] = ()
+
+
+class Batch(NamedTuple):
+    """One batch a compiled step is measured on: what it is, in words, and its inputs."""
+
+    label: str
+    args: tuple
+    kwargs: dict
 
 
 @contextlib.contextmanager
@@ -72,11 +94,14 @@ def compiled(model: nn.Module, mode: str, blocks: list[str]) -> Iterator[None]:
 
 class CompiledStep:
     """One training step of ``model`` on fixed inputs, compiled ``mode``: ``peak_bytes(plan)``
-    measures it with ``plan`` applied (``None``: without a plan)."""
+    measures it with ``plan`` applied (``None``: without a plan). ``batches``: the batches
+    measured, in the order training meets them (module docstring; default: ``args`` and
+    ``kwargs`` alone, which are the ones timed)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
-                 autocast_dtype: str | None = None, grads_at_start: bool = False) -> None:
+                 autocast_dtype: str | None = None, grads_at_start: bool = False,
+                 batches: list[Batch] | None = None) -> None:
         if mode == "blocks" and not blocks:
             raise ValueError(f"compiled='blocks' compiles each repeated block, and "
                              f"{type(model).__name__} has none the profile found; use "
@@ -84,8 +109,10 @@ class CompiledStep:
         self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
         self.mode, self.blocks = mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        self.batches = batches or [Batch("", args, kwargs)]
         # dynamo's recompile limit where a step measured reached it (calls past it ran eager)
         self.recompile_limit_hit: int | None = None
+        self._compile_left = 0  # bytes the latest compiling step left alive
 
     @property
     def measure(self) -> str:
@@ -110,20 +137,51 @@ class CompiledStep:
             if plan is not None:
                 apply(model, plan)
             try:
+                self._compile_left = 0
                 with partitioner_budget_set(partitioner_budget), \
                         compiled(model, self.mode, self.blocks):
-                    hits = _recompile_limit_hits()
-                    self._step()  # compiles
-                    if _recompile_limit_hits() > hits:
-                        self.recompile_limit_hit = torch._dynamo.config.recompile_limit
-                    restore()
-                    peak, _, _ = measure_step(model, self.args, self.kwargs, self.loss_fn,
-                                              self.autocast_dtype, compiled=True,
-                                              grads_at_start=self.grads_at_start)
+                    peaks = tuple(self._measured(batch, restore) for batch in self.batches)
                     step_ms = self._least_ms(timed_steps) if timed_steps else None
             finally:
                 remove(model)
-        return CompiledMeasure(peak, step_ms)
+        return CompiledMeasure(max(peaks), step_ms, peaks)
+
+    def _measured(self, batch: Batch, restore: Callable[[], None]) -> int:
+        """``batch``'s peak in training: its step compiling where its shape is new (a step
+        of training too), and the next measured from the state the model was given in,
+        with what the latest compiling step left alive."""
+        from torch._dynamo.utils import counters
+
+        hits, graphs = _recompile_limit_hits(), counters["stats"]["unique_graphs"]
+        compiling_peak, left = self._compiling(batch)
+        compiled_now = counters["stats"]["unique_graphs"] > graphs
+        if compiled_now:
+            self._compile_left = left
+        if _recompile_limit_hits() > hits:
+            self.recompile_limit_hit = torch._dynamo.config.recompile_limit
+        restore()
+        peak, _, _ = measure_step(self.model, batch.args, batch.kwargs, self.loss_fn,
+                                  self.autocast_dtype, compiled=True,
+                                  grads_at_start=self.grads_at_start)
+        return max(peak + self._compile_left, compiling_peak if compiled_now else 0)
+
+    def _compiling(self, batch: Batch) -> tuple[int, int]:
+        """``batch``'s step, which compiles where its shape is new: its peak, and the bytes it
+        leaves allocated when it returns (the CPU allocator's events). It is a step of
+        training too (its peak counts where it is the larger), and a compile can leave a
+        tensor alive until the next one (HF GPT-2 on the CPU kept one step's logits, 1 MiB
+        beside a 13 MiB step), which training holds through every later step and a step
+        measured from its own start does not see. On a GPU neither is measured yet (0, 0):
+        a step there is measured above what the process held at its start."""
+        if _model_device(self.model).type == "cuda":
+            self._step(batch.args, batch.kwargs)
+            return 0, 0
+        from planner.measure import allocator_peak, storages_bytes
+
+        resident = [*step_residents(self.model, batch.args, batch.kwargs),
+                    *bound_tensors(self.loss_fn)]
+        seen = allocator_peak(lambda: self._step(batch.args, batch.kwargs))
+        return storages_bytes(resident) + seen.peak_bytes, max(seen.end_bytes, 0)
 
     def _least_ms(self, steps: int) -> float:
         """The least wall time of ``steps`` steps (forward, loss, backward), each waited
@@ -132,15 +190,15 @@ class CompiledStep:
         times = []
         for _ in range(steps):
             began = time.perf_counter()
-            self._step()
+            self._step(self.args, self.kwargs)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - began) * 1e3)
         return min(times)
 
-    def _step(self) -> None:
+    def _step(self, args: tuple, kwargs: dict) -> None:
         with _autocast(_model_device(self.model).type, self.autocast_dtype):
-            loss = self.loss_fn(self.model(*self.args, **self.kwargs))
+            loss = self.loss_fn(self.model(*args, **kwargs))
         loss.backward()
         self.model.zero_grad(set_to_none=True)
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-__all__ = ["SCANNED_ROWS", "Envelope", "bucket_batches", "mask_inputs", "padded",
+__all__ = ["SCANNED_ROWS", "Envelope", "bucket_batches", "mask_inputs", "padded", "ragged",
            "resident_bytes", "row_lengths"]
 
 InputKey = tuple[bool, str]  # (keyword, name) as InputSpec addresses an input
@@ -163,6 +163,25 @@ def padded(masks: list[InputKey], args: tuple, kwargs: dict) -> bool:
         if isinstance(value, torch.Tensor) and not bool(value.all()):
             return True
     return False
+
+
+def ragged(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The batch with each mask padded as a collator pads rows of many lengths: row ``r`` of
+    ``R`` keeps its first ``L * (r + 1) // R`` tokens (at least one), the rest zeros. A
+    compiled step's memory can follow the mask's values, not only its shape (HF Llama tiny
+    under one schedule: 1.0 MB more with 88 of 256 tokens padded than with one)."""
+    masks = set(mask_inputs(args, kwargs))
+
+    def padded_rows(key: InputKey, value: Any) -> Any:
+        if key not in masks:
+            return value
+        rows, length = value.shape
+        kept = torch.arange(length, device=value.device)[None, :] < torch.tensor(
+            [max(1, length * (r + 1) // rows) for r in range(rows)], device=value.device)[:, None]
+        return kept.to(value.dtype)
+
+    return (tuple(padded_rows((False, str(k)), v) for k, v in enumerate(args)),
+            {k: padded_rows((True, k), v) for k, v in kwargs.items()})
 
 
 def _resized(key: InputKey, value: Any, length0: int | None, rows0: int,

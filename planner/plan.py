@@ -262,6 +262,11 @@ class CompiledFit(_Strict):
         default=None, description="dynamo's recompile_limit when compiling reached it: the "
         "calls past it ran eager in the measured step, as they will in training under that "
         "limit (None: not reached)")
+    batches: list[tuple[str, Bytes]] = Field(
+        default_factory=list, description="planned with an envelope: each batch this "
+        "schedule's compiled step was measured on, in the order training meets them (a "
+        "shorter one first, whose length the next compile makes dynamic), and its peak; "
+        "peak_bytes is the largest (empty: the profiled batch alone)")
 
     def describe(self, budget_bytes: int) -> str:
         what = self.mode if self.mode == "model" else \
@@ -269,8 +274,8 @@ class CompiledFit(_Strict):
         return (f"compiled ({what}): measured peak {format_bytes(self.peak_bytes)} of "
                 f"the compiled step within budget {format_bytes(budget_bytes)} ("
                 f"{self.measure}; {self.compiles} schedules compiled{self._optimizer()}); "
-                f"the schedule: {self._chosen()}, and the eager numbers below are the "
-                "eager step's" + (
+                f"the schedule: {self._chosen()}{self._batches()}, and the eager numbers "
+                "below are the eager step's" + (
                     "" if self.recompile_limit_hit is None else
                     f"; dynamo's recompile limit ({self.recompile_limit_hit}) was reached: "
                     "the calls past it ran eager, measured as such"))
@@ -285,6 +290,12 @@ class CompiledFit(_Strict):
             f"{self.unplanned_step_ms:.1f} ms with nothing checkpointed)"
         return (f"{source}, the fastest that fit (within noise, the least recompute), "
                 f"{self.step_ms:.1f} ms a step compiled{overhead}")
+
+    def _batches(self) -> str:
+        if not self.batches:
+            return ""
+        return "; measured on the batches " + ", then ".join(
+            f"{label} ({format_bytes(peak)})" for label, peak in self.batches)
 
     def _optimizer(self) -> str:
         if not self.optimizer_state_bytes and not self.optimizer_step_peak_bytes:

@@ -97,6 +97,14 @@ def bound_tensors(fn: Callable[..., Any]) -> list[torch.Tensor]:
     return [t for t in tree_leaves(found) if isinstance(t, torch.Tensor)]
 
 
+def step_residents(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """What a training step holds from its start to its end: the model's parameters,
+    buffers and gradients, and the batch's tensors."""
+    return [*module.parameters(), *module.buffers(),
+            *(p.grad for p in module.parameters() if p.grad is not None),
+            *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+
+
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None, *,
@@ -126,9 +134,7 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
 
     if grads_at_start:
         _grads_as_one_backward_left_them(module, device, run)
-    static = [*module.parameters(), *module.buffers(),
-              *(p.grad for p in module.parameters() if p.grad is not None),
-              *[t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]]
+    static = step_residents(module, args, kwargs)
     if device.type == "cuda" or compiled:
         held: list[torch.Tensor] = []
         peak = _peak_above([*static, *bound_tensors(loss_fn)], device,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -23,12 +24,13 @@ from planner import (
     zoo,
 )
 from planner.arguments import SolveOptions
-from planner.compile_fit import MAX_COMPILES, TIME_NOISE, fit_compiled
-from planner.compiled_step import CompiledStep, compiled
+from planner.compile_fit import MAX_COMPILES, TIME_NOISE, fit_compiled, training_batches
+from planner.compiled_step import Batch, CompiledMeasure, CompiledStep, compiled
+from planner.envelope import Envelope
 from planner.runtime.emit import checkpointed_modules
 from planner.runtime.install import _plan_suspended
 from planner.solving import plan_for_schedule, solve_profiled
-from planner.verification import measure_training_step
+from planner.verification import measure_step, measure_training_step
 from solvers.baselines import policy_schedule
 from solvers.schedule import Schedule
 
@@ -47,11 +49,11 @@ class RuledStep:
         self.rule, self.time_rule, self.partitioner = rule, time_rule, partitioner
         self.measured: list[tuple[Schedule, float | None]] = []
 
-    def run(self, plan: Plan, partitioner_budget: float | None = None) -> tuple[int, float]:
+    def run(self, plan: Plan, partitioner_budget: float | None = None) -> CompiledMeasure:
         self.measured.append((plan.schedule, partitioner_budget))
         if self.partitioner is not None and partitioner_budget not in (None, 1.0):
-            return self.partitioner(partitioner_budget)
-        return self.rule(plan), self.time_rule(plan)
+            return CompiledMeasure(*self.partitioner(partitioner_budget))
+        return CompiledMeasure(self.rule(plan), self.time_rule(plan))
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +152,12 @@ def test_a_compiled_plan_edited_over_its_budget_is_refused(mlp_step, tmp_path: P
         Plan.load(tmp_path / "edited.json")
 
 
-@pytest.mark.parametrize("option", [dict(offload=True), dict(envelope=dict(max_length=64))])
-def test_what_a_compiled_plan_does_not_cover_is_refused_before_profiling(option) -> None:
+@pytest.mark.parametrize(("option", "said"), [
+    (dict(offload=True), "not planned yet"),
+    (dict(envelope=dict(max_length=64, buckets="pow2")), "buckets='one'")])
+def test_what_a_compiled_plan_does_not_cover_is_refused_before_profiling(option, said) -> None:
     zm = zoo.get("mlp", batch=4, width=32, depth=2)
-    with pytest.raises(ValueError, match="not planned yet"):
+    with pytest.raises(ValueError, match=said):
         optimize(zm.model, zm.example_inputs, budget_gb=1, compiled="model", **option)
 
 
@@ -412,3 +416,143 @@ def test_where_the_partitioners_least_fraction_does_not_fit_a_larger_one_is_stil
     plan = fit_compiled(mlp_step, _options(budget), step)
     assert 0.25 <= plan.compiled.partitioner_budget <= 0.6
     assert plan.compiled.peak_bytes == partitioner(plan.compiled.partitioner_budget)[0]
+
+
+class _Tokens(torch.nn.Module):
+    """A small language model of token ids (no masks): an embedding, two MLP blocks, a
+    head; its memory grows with the batch's length."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width,
+                                                                                   width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.Sequential(*[self.Block(width) for _ in range(2)])
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+def _token_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def test_a_compiled_plan_of_an_envelope_is_measured_on_a_shorter_batch_then_each_branch() -> None:
+    """The batches a compiled plan of an envelope is measured on, in training's order: one
+    shorter (dynamo's next compile makes the length dynamic; never of 1 token, a shape dynamo
+    compiles on its own), then the longest padded, profiled, then unpadded; one length
+    alone where the envelope has one; the example alone without an envelope."""
+    ids = torch.randint(2, 64, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    envelope = Envelope(max_length=64, min_length=1)
+    got, profiled = training_batches((), batch, envelope)
+    assert [b.label for b in got] == [
+        "of 2 tokens, padded", "of 64 tokens, padded", "of 64 tokens, unpadded",
+        "of 64 tokens, padded (rows of 1 to all tokens)"]
+    assert profiled is got[1]
+    assert got[3].kwargs["attention_mask"].sum(1).tolist() == [32, 64]
+    assert [tuple(b.kwargs["input_ids"].shape) for b in got] == [(2, 2), *[(2, 64)] * 3]
+    assert not got[1].kwargs["attention_mask"].all() and got[2].kwargs["attention_mask"].all()
+    one, _ = training_batches((ids,), {}, Envelope(max_length=32, min_length=32, batch_size=3))
+    assert [(b.label, b.args[0].shape) for b in one] == [("of 32 tokens", (3, 32))]
+    assert training_batches((ids,), {}, None)[1].args[0] is ids
+
+
+def test_a_compiled_plan_of_an_envelope_records_each_batchs_peak_and_holds_the_largest(
+        mlp_step) -> None:
+    """Each probe is measured on every batch of the envelope (the rule here: the shorter
+    batch at 40 % of the schedule's eager peak, the unpadded one at 110 %, the profiled one
+    at 100 %): the plan's peak is the largest, within the budget, and its record and
+    summary list each batch's."""
+    budget = int(0.7 * mlp_step.unplanned_peak_bytes)
+    shares = (0.4, 1.0, 1.1)
+
+    class Batched(RuledStep):
+        batches: ClassVar = [Batch(label, (), {}) for label in ("short", "longest",
+                                                               "unpadded")]
+
+        def run(self, plan: Plan, partitioner_budget: float | None = None) -> CompiledMeasure:
+            peaks = tuple(int(share * plan.predicted_peak_bytes) for share in shares)
+            return CompiledMeasure(max(peaks), plan.predicted_overhead, peaks)
+
+    plan = fit_compiled(mlp_step, _options(budget), Batched(lambda plan: 0))
+    eager = plan.predicted_peak_bytes
+    assert plan.compiled.peak_bytes == int(1.1 * eager) <= budget
+    assert plan.compiled.batches == [(label, int(share * eager)) for label, share in
+                                     zip(("short", "longest", "unpadded"), shares,
+                                         strict=True)]
+    assert "then unpadded" in plan.compiled.describe(budget)
+
+
+def test_a_compiled_plan_of_an_envelope_holds_every_length_training_gives_it() -> None:
+    """inductor for real: planned for batches of 8 to 64 tokens, the plan applied and the
+    model compiled as training compiles it, a stream of lengths (the first compiles a graph
+    of its shape, the second one with the length dynamic, which the rest run) stays within
+    the budget at every step, and the longest measures the peak the plan records for it."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    longest = torch.randint(0, 64, (4, 64))
+    unplanned = profile_model(model, (longest,), loss_fn=_token_loss, timing="estimate",
+                              progress=False).unplanned_peak_bytes
+    budget = int(0.8 * unplanned)
+    plan = optimize(model, (longest[:, :16],), budget_gb=budget / 2**30, loss_fn=_token_loss,
+                    compiled="model", envelope=Envelope(max_length=64, min_length=8),
+                    timing="estimate", solver="dp", progress=False)  # exact, and quick here
+    assert [label for label, _ in plan.compiled.batches] == ["of 8 tokens", "of 64 tokens"]
+    apply(model, plan)
+    try:
+        with compiled(model, "model", []):
+            peaks = {}
+            for length in (8, 64, 24, 64, 40):
+                _token_loss(model(longest[:, :length])).backward()  # compiles where new
+                model.zero_grad(set_to_none=True)
+                peaks[length] = measure_step(model, (longest[:, :length],), {}, _token_loss,
+                                             compiled=True)[0]
+    finally:
+        remove(model)
+    assert max(peaks.values()) <= budget
+    assert peaks[64] == plan.compiled.batches[1][1] == plan.compiled.peak_bytes
+
+
+def test_a_compiling_steps_own_peak_and_what_it_leaves_alive_are_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile that keeps a tensor alive after its step (HF GPT-2 under inductor kept one
+    step's logits until the next compile) holds it through every step training runs after:
+    the measured peak counts it on each batch (a backend here keeps 1 MiB per graph it
+    compiles, beside dynamo's eager run of the graph); and the compiling step's own peak
+    (a backward compiled during it) counts where it is the larger."""
+    kept: list[torch.Tensor] = []
+
+    def keeping(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        kept.append(torch.ones(2**18))  # 1 MiB, alive after the compiling step
+        return graph.forward
+
+    compile_module = torch.nn.Module.compile
+    torch.manual_seed(0)
+    model, ids = _Tokens(), torch.randint(0, 64, (4, 64))
+    batches = [Batch("short", (ids[:, :16],), {}), Batch("long", (ids,), {})]
+
+    def peaks(backend: Any) -> tuple[int, ...]:
+        monkeypatch.setattr(torch.nn.Module, "compile",
+                            lambda self: compile_module(self, backend=backend))
+        step = CompiledStep(model, (ids,), {}, _token_loss, "model", [], batches=batches)
+        return step.run(None, timed_steps=0).batch_peaks
+
+    def passing(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        torch.ones(2**20).sum()  # 4 MiB while compiling, in the compiling step only
+        return graph.forward
+
+    plain = peaks("eager")
+    keeping_peaks = peaks(keeping)
+    assert kept  # compiled: each new shape's step kept its MiB
+    assert [k - p for k, p in zip(keeping_peaks, plain, strict=True)] == [2**20, 2**20]
+    # the compiling step is a step of training: its peak is the batch's where it is larger
+    assert max(plain) < 2**21 and min(peaks(passing)) >= 2**22

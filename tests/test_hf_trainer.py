@@ -138,13 +138,61 @@ def test_the_trainers_own_checkpointing_with_the_switch_is_refused(tmp_path: Pat
                    [PlannedCheckpointing(budget_gb=1.0)], **{flag: True})
 
 
-def test_a_trainer_that_compiles_is_told_the_plan_is_the_eager_steps(tmp_path: Path) -> None:
-    """The Trainer's torch_compile=True runs another step than the one planned: said when
-    the Trainer is built, with what to do instead."""
+class _Planned(Exception):
+    """Raised by a stand-in for optimize: what the switch asked for is all a test needs."""
+
+
+def test_a_trainer_that_compiles_gets_its_compiled_step_planned_over_its_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Trainer's torch_compile=True on one process: the switch plans the step the
+    Trainer compiles (compiled='model', inductor's C++ measured in
+    tests/test_compile_fit.py), with one plan over the envelope of its batches, and says
+    what the benchmark measured beyond it."""
+    import planner.switches.hf_trainer as hf_trainer
+
+    base = zoo.get("hf-llama", batch=4)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=True,
+                                          per_device_train_batch_size=4, use_cpu=True,
                                           report_to=[])
     switch = PlannedCheckpointing(budget_gb=1.0)
-    with pytest.warns(PlanMismatchWarning, match="compiled='model'"):
+    asked: dict[str, Any] = {}
+
+    def optimize(model: torch.nn.Module, inputs: Any, **options: Any) -> None:
+        asked.update(options)
+        raise _Planned
+
+    monkeypatch.setattr(hf_trainer, "optimize", optimize)
+    loader = torch.utils.data.DataLoader(_rows(base.example_inputs["input_ids"]), batch_size=4)
+    with pytest.warns(PlanMismatchWarning, match="plans the step the Trainer compiles.*margin"):
+        switch.on_init_end(args, transformers.TrainerState(), transformers.TrainerControl())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanMismatchWarning)
+        with pytest.raises(_Planned):
+            switch.on_train_begin(args, transformers.TrainerState(),
+                                  transformers.TrainerControl(), model=base.model,
+                                  train_dataloader=loader)
+    assert asked["compiled"] == "model" and asked["envelope"].buckets == "one"
+
+
+def test_a_compiling_trainer_with_a_plan_per_bucket_is_refused_saying_why(
+        tmp_path: Path) -> None:
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=True,
+                                          report_to=[])
+    switch = PlannedCheckpointing(budget_gb=1.0, buckets="pow2")
+    with pytest.raises(ValueError, match="buckets='one'"):
+        switch.on_init_end(args, transformers.TrainerState(), transformers.TrainerControl())
+
+
+def test_a_compiling_trainer_over_several_processes_is_told_the_plan_is_the_eager_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's compiled step is not measured: said when the Trainer is built, with what to
+    do instead."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile=True,
+                                          report_to=[])
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda _: 2))
+    switch = PlannedCheckpointing(budget_gb=1.0)
+    with pytest.warns(PlanMismatchWarning, match="one process only.*compiled='model'"), \
+            pytest.raises(ValueError, match="example_batch"):
         switch.on_init_end(args, transformers.TrainerState(), transformers.TrainerControl())
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ from planner.arguments import _budget_bytes
 from planner.compile_fit import warn_eager_plan_compiled
 from planner.config import PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
-from planner.plan import Plan
+from planner.plan import Plan, PlanMismatchWarning
 from planner.plan_table import PlanTable
 from planner.switches.loader import first_batch
 from profiles.errors import LossNotFoundError
@@ -81,6 +82,7 @@ class PlannedCheckpointing(TrainerCallback):
         self.max_length = max_length
         self.buckets = buckets
         self.plan: Plan | PlanTable | None = None
+        self.compiled: str | None = None  # "model" where the Trainer compiles
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -93,10 +95,36 @@ class PlannedCheckpointing(TrainerCallback):
                 f"TrainingArguments({flag}=True) would checkpoint every layer again under it: "
                 f"set {flag}=False (TRL's SFTConfig turns it on by default)")
         if getattr(args, "torch_compile", False):
-            warn_eager_plan_compiled("TrainingArguments(torch_compile=True)")
+            self._plan_compiled(args)
         if args.world_size > 1:
             self._plan_each_rank(args, state, kwargs.get("model"),
                                  kwargs.get("processing_class"))
+
+    def _plan_compiled(self, args: TrainingArguments) -> None:
+        """The Trainer compiles the model whole (``torch.compile(model)``, through
+        accelerate): on one process the step it compiles is planned (``compiled='model'``,
+        measured on a short batch, then the longest, padded and not: the length dynamic as
+        dynamo makes it on the second length), with one plan for every batch."""
+        if args.world_size > 1:  # a rank's compiled step is not measured yet
+            warn_eager_plan_compiled("TrainingArguments(torch_compile=True)",
+                                     "a rank's compiled step is measured on one process only")
+            return
+        if self.buckets != "one":
+            raise ValueError("TrainingArguments(torch_compile=True): a compiled step is planned "
+                             "with one plan for every batch length, measured on them; "
+                             f"buckets={self.buckets!r} would switch plans inside the "
+                             "compiled graph: leave buckets='one'")
+        backend, mode = args.torch_compile_backend, args.torch_compile_mode
+        other = "" if backend in (None, "inductor") and mode in (None, "default") else (
+            f" (measured under inductor's default mode, not torch_compile_backend={backend!r}"
+            f", torch_compile_mode={mode!r}, which may keep other buffers)")
+        warnings.warn(
+            "TrainingArguments(torch_compile=True): the switch plans the step the Trainer "
+            f"compiles, measured compiled on its batches{other}; inside the Trainer some "
+            "steps measured above that plan's peak on batches of real padding "
+            "(benchmarks/results/compile-trainer-cpu.md): leave a margin",
+            PlanMismatchWarning, stacklevel=3)
+        self.compiled = "model"
 
     def _plan_each_rank(self, args: TrainingArguments, state: TrainerState,
                         model: torch.nn.Module | None, processing_class: Any) -> None:
@@ -142,7 +170,7 @@ class PlannedCheckpointing(TrainerCallback):
                 model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args),
                 loss_fn=loss_fn, grad_accumulation=args.gradient_accumulation_steps > 1,
                 optimizer=getattr(optimizer, "optimizer", optimizer), envelope=envelope,
-                config=self.config)
+                config=self.config, **({"compiled": self.compiled} if self.compiled else {}))
         apply(model, self.plan)
         if state.is_world_process_zero:
             self.plan.log_summary(log)

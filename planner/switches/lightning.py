@@ -210,7 +210,9 @@ class PlannedCheckpointing(Callback):
                              "strategy's activation_checkpointing_policy would checkpoint its "
                              "modules again under it: leave that policy unset")
         if getattr(pl_module, "_compiler_ctx", None):
-            warn_eager_plan_compiled(f"Trainer.fit(torch.compile({type(pl_module).__name__}))")
+            warn_eager_plan_compiled(f"Trainer.fit(torch.compile({type(pl_module).__name__}))",
+                                     "the switch plans the module's training_step, which "
+                                     "Lightning runs around the compiled forward")
         if trainer.world_size > 1:
             raise ValueError(
                 f"PlannedCheckpointing plans one process; this Trainer runs "
