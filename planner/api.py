@@ -120,7 +120,8 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     (:mod:`planner.compile_fit`; each schedule tried compiles and runs a few steps on the
     model, which is left as it was). ``plan.compiled`` holds what was measured, and
     ``apply`` sets the fraction it was measured under while the plan is applied: compile
-    after ``apply``.
+    after ``apply``. With an envelope (one bucket) the one plan is measured on its batches
+    as training meets them, the length made dynamic (``plan.compiled.batches``).
 
     Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the
     fields of :class:`~planner.config.PlanConfig`, where each is described; an unknown one
