@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from planner.arguments import SolveOptions
-from planner.envelope import Envelope, batch_at, bucket_batches, mask_inputs, resident_bytes
+from planner.envelope import (
+    Envelope,
+    batch_at,
+    bucket_batches,
+    mask_inputs,
+    other_batches_bytes,
+)
 from planner.plan import InfeasibleBudgetError, Plan, format_bytes
 from planner.plan_table import EdgeCheck, PlanTable, TableEntry, entries_in_order
 from planner.profiling import ProfiledStep, profile_model
@@ -91,7 +97,7 @@ def plan_envelope(model: nn.Module, example_inputs: Any, envelope: Envelope,
     longest = batch_at(args, kwargs, envelope.max_length, envelope.batch_size,
                        True if envelope.padding and mask_inputs(args, kwargs) else None)
     planner = BucketPlanner(model, options, profile_options,
-                            (envelope.resident_batches - 1) * resident_bytes(*longest))
+                            other_batches_bytes(envelope, *longest))
     entries = []
     for length, pad, a, k in reversed(bucket_batches(args, kwargs, envelope)):
         label = bucket_label(length, pad)

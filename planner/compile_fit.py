@@ -55,8 +55,8 @@ from planner.envelope import (
     batch_at,
     branches,
     mask_inputs,
+    other_batches_bytes,
     ragged,
-    resident_bytes,
 )
 from planner.plan import (
     CompiledFit,
@@ -404,15 +404,15 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
                          "execution='real'")
     args, kwargs = normalize_inputs(model, example_inputs)
     batches, profiled_batch = training_batches(args, kwargs, config.envelope)
-    resident = 0 if config.envelope is None else \
-        (config.envelope.resident_batches - 1) * resident_bytes(profiled_batch.args,
-                                                                profiled_batch.kwargs)
     options = config.solve_options(budget_bytes)
     profile_options = config.options(STEP, PROFILING, PARALLEL)
-    profiled = profile_model(model, example_inputs, **profile_options) \
-        if config.envelope is None else BucketPlanner(model, options, profile_options,
-                                                      resident).profiled(profiled_batch.args,
-                                                                         profiled_batch.kwargs)
+    if config.envelope is None:
+        profiled = profile_model(model, example_inputs, **profile_options)
+    else:
+        resident = other_batches_bytes(config.envelope, profiled_batch.args,
+                                       profiled_batch.kwargs)
+        profiled = BucketPlanner(model, options, profile_options, resident).profiled(
+            profiled_batch.args, profiled_batch.kwargs)
     step = CompiledStep(model, profiled_batch.args, profiled_batch.kwargs,
                         config.loss_fn or profiles.default_loss, config.compiled,
                         [c.path for c in block_calls(profiled.profile)],

@@ -23,8 +23,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-__all__ = ["SCANNED_ROWS", "Envelope", "bucket_batches", "mask_inputs", "padded", "ragged",
-           "resident_bytes", "row_lengths"]
+__all__ = ["SCANNED_ROWS", "Envelope", "bucket_batches", "mask_inputs", "other_batches_bytes",
+           "padded", "ragged", "resident_bytes", "row_lengths"]
 
 InputKey = tuple[bool, str]  # (keyword, name) as InputSpec addresses an input
 
@@ -233,6 +233,12 @@ def bucket_batches(args: tuple, kwargs: dict, envelope: Envelope
     masks = mask_inputs(args, kwargs)
     return [(length, pad, *batch_at(args, kwargs, length, envelope.batch_size, pad))
             for length in envelope.bounds() for pad in branches(envelope, masks)]
+
+
+def other_batches_bytes(envelope: Envelope, args: tuple, kwargs: dict) -> int:
+    """Bytes of the batches a step holds beside its own (``resident_batches - 1`` of them),
+    each as large as this one (the envelope's longest: a loader gives them in any order)."""
+    return (envelope.resident_batches - 1) * resident_bytes(args, kwargs)
 
 
 def resident_bytes(args: tuple, kwargs: dict) -> int:
