@@ -73,10 +73,12 @@ class Batch(NamedTuple):
 
 
 @contextlib.contextmanager
-def compiled(model: nn.Module, mode: str, blocks: list[str]) -> Iterator[None]:
-    """``model`` compiled whole or each module of ``blocks`` compiled, while inside; dynamo's
-    caches are reset before and after (each schedule compiles afresh, and no recompile
-    limit is reached over many schedules)."""
+def compiled(model: nn.Module, mode: str, blocks: list[str],
+             backend: Any = None) -> Iterator[None]:
+    """``model`` compiled whole or each module of ``blocks`` compiled (with ``backend``;
+    None: ``.compile()``'s own, inductor), while inside; dynamo's caches are reset before
+    and after (each schedule compiles afresh, and no recompile limit is reached over many
+    schedules)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compiled must be one of {list(COMPILE_MODES)}, got {mode!r}")
     targets = [model] if mode == "model" else [model.get_submodule(b) for b in blocks]
@@ -84,7 +86,7 @@ def compiled(model: nn.Module, mode: str, blocks: list[str]) -> Iterator[None]:
     torch._dynamo.reset()
     try:
         for module in targets:
-            module.compile()
+            module.compile() if backend is None else module.compile(backend=backend)
         yield
     finally:
         for module, impl in zip(targets, before, strict=True):

@@ -1,0 +1,130 @@
+"""A compiled training step's peak counted on fake tensors, without running it.
+
+:class:`FakeCompiledStep` takes what :class:`planner.compiled_step.CompiledStep` takes and
+counts the same peak (the step's parameters, buffers, gradients, inputs and loss target,
+and the most its ops and compiled graphs hold above them) on a fake twin of the model: the
+plan applied to the twin, the twin compiled as training compiles it (whole or per block,
+under the partitioner's fraction), inductor compiling each graph for real and its generated
+code run with the kernels stubbed (:func:`profiles.compiled_memory.inductor_on_fake`).
+Nothing is computed, so a schedule is counted whether or not it fits the device, and the
+model's own tensors are not touched.
+
+What it does not count (the measured step does): a kernel's own temporaries (a CPU
+convolution's scratch), what the compiling step itself holds, and a tensor a compile leaves
+alive until the next (:meth:`CompiledStep._compiling`). Time is not counted: ``step_ms`` is
+None. ``benchmarks/compiled_fake.py`` sets the count beside the measure.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from planner.compiled_step import Batch, CompiledMeasure, compiled
+from planner.measure import storages_bytes
+from planner.model_state import _model_device
+from planner.plan import Plan
+from planner.runtime.applying import apply
+from planner.runtime.install import _plan_suspended
+from planner.runtime.partitioner import partitioner_budget_set
+from planner.verification import _autocast, bound_tensors, step_residents
+from profiles.compiled_memory import CountingFakeMode, inductor_on_fake
+
+__all__ = ["FakeCompiledStep"]
+
+
+class FakeCompiledStep:
+    """One training step of ``model`` compiled ``mode``, counted on fake tensors:
+    ``peak_bytes(plan)`` with ``plan`` applied (``None``: without a plan), each of
+    ``batches`` stepped once (compiling where its shape is new), then counted."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
+                 loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
+                 autocast_dtype: str | None = None, grads_at_start: bool = False,
+                 batches: list[Batch] | None = None) -> None:
+        if mode == "blocks" and not blocks:
+            raise ValueError(f"compiled='blocks' compiles each repeated block, and "
+                             f"{type(model).__name__} has none the profile found; use "
+                             "compiled='model'")
+        self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
+        self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        self.batches = batches or [Batch("", args, kwargs)]
+        self._left = 0  # bytes the latest compiling step left alive
+
+    measure = "fake tensors, inductor's generated code run with its kernels stubbed"
+
+    def peak_bytes(self, plan: Plan | None) -> int:
+        return self.run(plan).peak_bytes
+
+    def run(self, plan: Plan | None, partitioner_budget: float | None = None
+            ) -> CompiledMeasure:
+        """The step with ``plan`` compiled under ``partitioner_budget`` (None: the one
+        ``plan`` sets, else the process's), counted on each batch."""
+        fake = CountingFakeMode()
+        twin = self._twin(fake, plan)
+        self._left = 0
+        with partitioner_budget_set(partitioner_budget), \
+                compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)):
+            peaks = tuple(self._counted(twin, fake, batch) for batch in self.batches)
+        return CompiledMeasure(max(peaks), None, peaks)
+
+    def _twin(self, fake: CountingFakeMode, plan: Plan | None) -> nn.Module:
+        """A copy of the model on fake tensors (any plan of its own left out), ``plan``
+        applied to it."""
+        from torch._subclasses.fake_tensor import FakeCopyMode
+
+        with _plan_suspended(self.model), FakeCopyMode(fake.mode):
+            twin = copy.deepcopy(self.model)
+        twin.train(self.model.training)
+        if plan is not None:
+            apply(twin, plan)
+        return twin
+
+    def _counted(self, twin: nn.Module, fake: CountingFakeMode, batch: Batch) -> int:
+        """``batch``'s peak as :meth:`CompiledStep._measured` measures it: its step once,
+        compiling where its shape is new (a step of training too: its peak counts), then
+        counted from the state the model was given in, with what the latest compiling step
+        left alive (a compile can keep a step's output until the next)."""
+        from torch._dynamo.utils import counters
+
+        to_fake = fake.mode.from_tensor
+        args, kwargs = tree_map(lambda v: to_fake(v) if isinstance(v, torch.Tensor) else v,
+                                (batch.args, batch.kwargs))
+        target = bound_tensors(self.loss_fn)  # a loss target: fake mode makes its twin
+        twin.zero_grad(set_to_none=True)
+        graphs = counters["stats"]["unique_graphs"]
+        compiling_peak, left = self._one_step(twin, fake, args, kwargs, target)
+        compiled_now = counters["stats"]["unique_graphs"] > graphs
+        if compiled_now:
+            self._left = left
+        peak, _ = self._one_step(twin, fake, args, kwargs, target)
+        return max(peak + self._left, compiling_peak if compiled_now else 0)
+
+    def _one_step(self, twin: nn.Module, fake: CountingFakeMode, args: tuple, kwargs: dict,
+                  target: list[torch.Tensor]) -> tuple[int, int]:
+        """One step counted: its peak above nothing (the resident tensors and the fake twin
+        of the loss's ``target`` included; the real target is not counted again), and
+        what it leaves alive besides them once its gradients are dropped (or zeroed, where
+        a step starts with them: ``grads_at_start``)."""
+        resident = [*step_residents(twin, args, kwargs), *map(fake.mode.from_tensor, target)]
+        with fake.counting([*resident, *target]):
+            self._step(twin, args, kwargs)
+            if self.grads_at_start:
+                grads = [p.grad for p in twin.parameters() if p.grad is not None]
+                for grad in grads:
+                    grad.zero_()
+                left = fake.live_bytes() - storages_bytes(grads)
+            else:
+                twin.zero_grad(set_to_none=True)
+                left = fake.live_bytes()
+        return storages_bytes(resident) + fake.peak_bytes, left
+
+    def _step(self, twin: nn.Module, args: tuple, kwargs: dict) -> None:
+        with _autocast(_model_device(self.model).type, self.autocast_dtype):
+            loss = self.loss_fn(twin(*args, **kwargs))
+        loss.backward()
