@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from planner.compiled_step import Batch, CompiledMeasure, compiled
-from planner.measure import storages_bytes
+from planner.measure import garbage_kept, storages_bytes
 from planner.model_state import _model_device
 from planner.plan import Plan
 from planner.runtime.applying import apply
@@ -68,7 +68,7 @@ class FakeCompiledStep:
         fake = CountingFakeMode()
         twin = self._twin(fake, plan)
         self._left = 0
-        with partitioner_budget_set(partitioner_budget), \
+        with partitioner_budget_set(partitioner_budget), garbage_kept(), \
                 compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)):
             peaks = tuple(self._counted(twin, fake, batch) for batch in self.batches)
         return CompiledMeasure(max(peaks), None, peaks)

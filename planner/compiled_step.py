@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from planner.config import COMPILE_MODES
+from planner.measure import garbage_kept
 from planner.model_state import _model_device, _training_config, _training_mode
 from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
@@ -140,7 +141,7 @@ class CompiledStep:
                 apply(model, plan)
             try:
                 self._compile_left = 0
-                with partitioner_budget_set(partitioner_budget), \
+                with partitioner_budget_set(partitioner_budget), garbage_kept(), \
                         compiled(model, self.mode, self.blocks):
                     peaks = tuple(self._measured(batch, restore) for batch in self.batches)
                     step_ms = self._least_ms(timed_steps) if timed_steps else None
