@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from planner.compiled_step import Batch, CompiledMeasure, compiled
+from planner.compiled_step import Batch, CompiledMeasure, compiled, step_batches
 from planner.measure import garbage_kept, storages_bytes
 from planner.model_state import _model_device
 from planner.plan import Plan
@@ -47,13 +47,9 @@ class FakeCompiledStep:
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
                  batches: list[Batch] | None = None) -> None:
-        if mode == "blocks" and not blocks:
-            raise ValueError(f"compiled='blocks' compiles each repeated block, and "
-                             f"{type(model).__name__} has none the profile found; use "
-                             "compiled='model'")
+        self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
-        self.batches = batches or [Batch("", args, kwargs)]
         self._left = 0  # bytes the latest compiling step left alive
 
     measure = "fake tensors, inductor's generated code run with its kernels stubbed"

@@ -49,7 +49,8 @@ from planner.verification import (
     step_residents,
 )
 
-__all__ = ["TIMED_STEPS", "Batch", "CompiledMeasure", "CompiledStep", "compiled"]
+__all__ = ["TIMED_STEPS", "Batch", "CompiledMeasure", "CompiledStep", "compiled",
+           "step_batches"]
 
 # steps timed after the measured one; the least is the step's time (a busy host only adds
 # to a step, and schedules are timed one after another, not in turns)
@@ -95,6 +96,17 @@ def compiled(model: nn.Module, mode: str, blocks: list[str],
         torch._dynamo.reset()
 
 
+def step_batches(model: nn.Module, mode: str, blocks: list[str], args: tuple, kwargs: dict,
+                 batches: list[Batch] | None) -> list[Batch]:
+    """The batches a compiled step of ``model`` is measured (or counted) on: ``batches``, or
+    ``args`` and ``kwargs`` alone; refused where ``mode="blocks"`` has no block to compile."""
+    if mode == "blocks" and not blocks:
+        raise ValueError(f"compiled='blocks' compiles each repeated block, and "
+                         f"{type(model).__name__} has none the profile found; use "
+                         "compiled='model'")
+    return batches or [Batch("", args, kwargs)]
+
+
 class CompiledStep:
     """One training step of ``model`` on fixed inputs, compiled ``mode``: ``peak_bytes(plan)``
     measures it with ``plan`` applied (``None``: without a plan). ``batches``: the batches
@@ -105,14 +117,10 @@ class CompiledStep:
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
                  batches: list[Batch] | None = None) -> None:
-        if mode == "blocks" and not blocks:
-            raise ValueError(f"compiled='blocks' compiles each repeated block, and "
-                             f"{type(model).__name__} has none the profile found; use "
-                             "compiled='model'")
+        self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
         self.mode, self.blocks = mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
-        self.batches = batches or [Batch("", args, kwargs)]
         # dynamo's recompile limit where a step measured reached it (calls past it ran eager)
         self.recompile_limit_hit: int | None = None
         self._compile_left = 0  # bytes the latest compiling step left alive

@@ -67,9 +67,11 @@ def test_what_autograd_makes_outside_the_graphs_is_counted() -> None:
     loss_fn = zm.loss_fn or profiles.default_loss
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
     before = {k: v.clone() for k, v in zm.model.state_dict().items()}
+    parameters = list(zm.model.parameters())
     measured = CompiledStep(zm.model, args, kwargs, loss_fn, "model", []).peak_bytes(None)
     counted = FakeCompiledStep(zm.model, args, kwargs, loss_fn, "model", []).peak_bytes(None)
     assert abs(counted - measured) <= TOLERANCE * measured, (counted, measured)
     assert all(zm.model.state_dict()[k].equal(v) for k, v in before.items())
+    assert all(p is q for p, q in zip(zm.model.parameters(), parameters, strict=True))
     assert all(p.grad is None for p in zm.model.parameters())
     assert zm.model._compiled_call_impl is None and not checkpointed_modules(zm.model)
