@@ -13,6 +13,7 @@ spread of the repeats is the noise a row's error is read against.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import platform
@@ -21,6 +22,7 @@ import warnings
 
 import torch
 from frontier_measure import Runner  # benchmarks/, the script's folder
+from kept_memory import keep_freed_memory
 from results_files import write_results
 
 from planner import profile_model, zoo
@@ -29,6 +31,7 @@ from solvers import Schedule
 
 CASES = [("resnet", {}), ("gpt", {"size": "small"}), ("hf-llama", {"batch": 4})]
 STEPS, REPEATS = 30, 3
+DEFAULT_MALLOC = "glibc's malloc as it is"
 
 
 def _groups(blocks: list[tuple[int, int]]) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -72,7 +75,8 @@ def case(name: str, options: dict) -> dict:
 def render(result: dict) -> str:
     lines = ["# Plans of few whole blocks on the CPU: predicted against measured",
              "", f"{result['date']}, torch {result['torch']}, {result['threads']} threads, "
-             f"{STEPS} paired steps x {REPEATS} repeats a plan (`benchmarks/few_regions.py`).",
+             f"{STEPS} paired steps x {REPEATS} repeats a plan (`benchmarks/few_regions.py`); "
+             f"memory: {result.get('allocator', DEFAULT_MALLOC)}.",
              "Error: predicted minus measured overhead (negative: predicted low)."]
     for c in result["cases"]:
         costs = ", ".join(f"{k} {v:.3f}" for k, v in c["costs"].items())
@@ -86,14 +90,24 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=[n for n, _ in CASES],
+                        choices=[n for n, _ in CASES])
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (default: keep freed memory, "
+                             "as the frontier times its rows)")
+    parser.add_argument("--stem", default="few-regions-cpu", help="results file name")
+    args = parser.parse_args(argv)
+    allocator = DEFAULT_MALLOC if args.default_malloc else keep_freed_memory()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
     result = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
               "torch": torch.__version__, "machine": platform.machine(),
-              "threads": torch.get_num_threads(),
-              "cases": [case(name, options) for name, options in CASES]}
-    write_results("few-regions-cpu", result, render)
+              "threads": torch.get_num_threads(), "allocator": allocator,
+              "cases": [case(name, options) for name, options in CASES
+                        if name in args.models]}
+    write_results(args.stem, result, render)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from frontier_compile import COMPILE, COMPILE_BUDGETS, compile_backend, compile_
 from frontier_measure import TIME_UP, Runner, distinct_peaks, grads_match
 from frontier_peers import eager_peer, replay_peers
 from frontier_report import format_row, make_result, write_result
+from kept_memory import keep_freed_memory
 from torch import nn
 
 import planner
@@ -272,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
     autocast = AUTOCAST.get(opts.autocast)
+    # CPU rows are timed on memory the allocator keeps, as a GPU's allocator keeps it
+    allocator = keep_freed_memory() if opts.device == "cpu" else "torch's CUDA caching allocator"
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for name, kwargs in cases(opts.device, opts.quick):
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = make_result(opts.device, "quick" if opts.quick else "full", steps, opts.timing,
                          autocast, started, rows)
     result["passes"] = passes
+    result["allocator"] = allocator
     stem = (f"frontier-{opts.device}" + (f"-{opts.autocast}" if opts.autocast else "")
             + ("-quick" if opts.quick else ""))
     write_result(result, opts.out, stem)

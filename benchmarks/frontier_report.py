@@ -97,6 +97,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Frontier on {result['device_name']} ({result.get('precision', 'fp32')}, "
              f"torch {result['torch']}, {result['date']}, {result['mode']} mode, "
              f"{result['steps']} timed steps)", "",
+             *([f"Memory: {result['allocator']}.", ""] if result.get("allocator") else []),
              "| model | strategy | peak GiB | step ms | no-ckpt ms | overhead | budget GiB "
              "| within | predicted GiB | pred. error | planning s | grads equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
