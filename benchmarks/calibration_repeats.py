@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 import torch
-from kept_memory import keep_freed_memory  # benchmarks/, the script's folder
+from kept_memory import add_allocator_flag, chosen_allocator  # benchmarks/, the script's folder
 
 from planner import region_calibration, zoo
 from planner.profiling import profile_model
@@ -79,11 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (default: keep freed memory, "
-                             "as the frontier times its rows)")
+    add_allocator_flag(parser)
     args = parser.parse_args(argv)
-    print(keep_freed_memory() if not args.default_malloc else "glibc's malloc as it is")
+    print(chosen_allocator(args))
     os.environ.setdefault("CHECKPOINT_PLANNER_CACHE", "off")
     torch.set_num_threads(2)  # as the frontier times its rows
     for name in args.models:

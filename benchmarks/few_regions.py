@@ -22,7 +22,7 @@ import warnings
 
 import torch
 from frontier_measure import Runner  # benchmarks/, the script's folder
-from kept_memory import keep_freed_memory
+from kept_memory import DEFAULT_MALLOC, add_allocator_flag, chosen_allocator
 from results_files import write_results
 
 from planner import profile_model, zoo
@@ -31,7 +31,6 @@ from solvers import Schedule
 
 CASES = [("resnet", {}), ("gpt", {"size": "small"}), ("hf-llama", {"batch": 4})]
 STEPS, REPEATS = 30, 3
-DEFAULT_MALLOC = "glibc's malloc as it is"
 
 
 def _groups(blocks: list[tuple[int, int]]) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -94,12 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=[n for n, _ in CASES],
                         choices=[n for n, _ in CASES])
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (default: keep freed memory, "
-                             "as the frontier times its rows)")
+    add_allocator_flag(parser)
     parser.add_argument("--stem", default="few-regions-cpu", help="results file name")
     args = parser.parse_args(argv)
-    allocator = DEFAULT_MALLOC if args.default_malloc else keep_freed_memory()
+    allocator = chosen_allocator(args)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
     result = {"date": datetime.datetime.now().isoformat(timespec="minutes"),

@@ -17,10 +17,13 @@ against 2.3 / 3.2).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import sys
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["DEFAULT_MALLOC", "add_allocator_flag", "chosen_allocator", "keep_freed_memory"]
+
+DEFAULT_MALLOC = "glibc's malloc as it is"
 
 # mallopt's parameters (malloc.h) and glibc's ceiling for the mmap threshold on 64 bits
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -44,3 +47,16 @@ def keep_freed_memory() -> str:
         return "glibc malloc with its defaults (mallopt refused the settings)"
     return ("glibc malloc keeping freed memory (M_TRIM_THRESHOLD 2 GiB, M_MMAP_THRESHOLD "
             "32 MiB: `benchmarks/kept_memory.py`)")
+
+
+def add_allocator_flag(parser: argparse.ArgumentParser) -> None:
+    """``--default-malloc``: time on glibc's defaults, to compare (`chosen_allocator`)."""
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (default: keep freed memory, "
+                             "as the frontier times its rows)")
+
+
+def chosen_allocator(args: argparse.Namespace) -> str:
+    """Freed memory kept unless ``args`` asked for glibc's defaults; what the process's
+    allocator is, in words."""
+    return DEFAULT_MALLOC if args.default_malloc else keep_freed_memory()
