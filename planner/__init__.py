@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         PlanMismatchWarning,
     )
     from planner.plan_table import PlanTable
+    from planner.runtime.compile_garbage import collect_compile_garbage
     from planner.runtime.table_install import cover
     from profiles.errors import ProfileError
     from profiles.inputs import ToyBatchWarning
@@ -65,14 +66,15 @@ _LAZY = {
     "PlanTable": "planner.plan_table",
     "PlanConfig": "planner.config",
     "cover": "planner.runtime.table_install",
+    "collect_compile_garbage": "planner.runtime.compile_garbage",
 }
 
 __all__ = ["Envelope", "FileFormatError", "InfeasibleBudgetError",
            "InfeasibleRankBudgetError", "Plan", "PlanConfig", "PlanMismatchError",
            "PlanMismatchWarning",
            "PlanTable", "ProfileError", "ProfiledStep", "ToyBatchWarning", "VerifyReport",
-           "apply", "cover", "measure_step", "optimize", "plan_rank", "profile_model",
-           "remove", "replan", "solve", "verify"]
+           "apply", "collect_compile_garbage", "cover", "measure_step", "optimize",
+           "plan_rank", "profile_model", "remove", "replan", "solve", "verify"]
 
 
 def __getattr__(name: str) -> Any:

@@ -121,7 +121,10 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     model, which is left as it was). ``plan.compiled`` holds what was measured, and
     ``apply`` sets the fraction it was measured under while the plan is applied: compile
     after ``apply``. With an envelope (one bucket) the one plan is measured on its batches
-    as training meets them, the length made dynamic (``plan.compiled.batches``).
+    as training meets them, the length made dynamic (``plan.compiled.batches``). A compile
+    can leave its step's output to Python's cycle collector; the peak counts it held by
+    every later step, unless ``compile_garbage_collected=True`` says your loop calls
+    :func:`planner.collect_compile_garbage` after each step (the HF Trainer switch does).
 
     Options (keywords, or whole as ``config=PlanConfig(...)``, keywords over it) are the
     fields of :class:`~planner.config.PlanConfig`, where each is described; an unknown one

@@ -37,6 +37,7 @@ starts afresh and need not end on the same schedule).
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from collections.abc import Callable
@@ -341,6 +342,7 @@ class _Search:
                           optimizer_step_peak_bytes=self.optimizer_step,
                           measure=self.step.measure,
                           recompile_limit_hit=getattr(self.step, "recompile_limit_hit", None),
+                          garbage_collected=getattr(self.step, "garbage_collected", False),
                           batches=self._batch_record(chosen))
         return chosen.plan.model_copy(update={"budget_bytes": budget or self.budget,
                                               "compiled": fit})
@@ -418,7 +420,7 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
                         [c.path for c in block_calls(profiled.profile)],
                         autocast_dtype=profiled.profile.autocast_dtype,
                         grads_at_start=config.grad_accumulation,
-                        batches=batches)
+                        batches=batches, garbage_collected=config.compile_garbage_collected)
     bar = _bar(range(MAX_COMPILES), f"compiled steps ({config.compiled})", config.progress)
 
     def report(line: str) -> None:
@@ -431,6 +433,7 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
     finally:
         bar.close()
         _warn_recompile_limit(step)
+        gc.collect()  # what the fit's compiles left (compile_garbage), before training
 
 
 def training_batches(args: tuple, kwargs: dict, envelope: Envelope | None

@@ -9,15 +9,18 @@ code run with the kernels stubbed (:func:`profiles.compiled_memory.inductor_on_f
 Nothing is computed, so a schedule is counted whether or not it fits the device, and the
 model's own tensors are not touched.
 
-What it does not count (the measured step does): a kernel's own temporaries (a CPU
-convolution's scratch), what the compiling step itself holds, and a tensor a compile leaves
-alive until the next (:meth:`CompiledStep._compiling`). Time is not counted: ``step_ms`` is
-None. ``benchmarks/compiled_fake.py`` sets the count beside the measure.
+Each batch's step is counted as the measure measures it: the compiling step's own peak,
+what it leaves (and what a cycle collection after it does not free), and the next step,
+set together by the same rule (:func:`planner.compiled_step.training_peaks`). What it does
+not count (the measured step does): a kernel's own temporaries (a CPU convolution's
+scratch). Time is not counted: ``step_ms`` is None. ``benchmarks/compiled_fake.py`` sets
+the count beside the measure.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +28,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from planner.compiled_step import Batch, CompiledMeasure, compiled, step_batches
+from planner.compiled_step import (
+    Batch,
+    CompiledMeasure,
+    SteppedBatch,
+    compiled,
+    step_batches,
+    training_peaks,
+)
 from planner.measure import garbage_kept, storages_bytes
 from planner.model_state import _model_device
 from planner.plan import Plan
 from planner.runtime.applying import apply
+from planner.runtime.compile_garbage import graphs_compiled
 from planner.runtime.install import _plan_suspended
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import _autocast, bound_tensors, step_residents
@@ -46,11 +57,11 @@ class FakeCompiledStep:
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
-                 batches: list[Batch] | None = None) -> None:
+                 batches: list[Batch] | None = None, garbage_collected: bool = False) -> None:
         self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
-        self._left = 0  # bytes the latest compiling step left alive
+        self.garbage_collected = garbage_collected  # training_peaks's
 
     measure = "fake tensors, inductor's generated code run with its kernels stubbed"
 
@@ -63,10 +74,10 @@ class FakeCompiledStep:
         ``plan`` sets, else the process's), counted on each batch."""
         fake = CountingFakeMode()
         twin = self._twin(fake, plan)
-        self._left = 0
         with partitioner_budget_set(partitioner_budget), garbage_kept(), \
                 compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)):
-            peaks = tuple(self._counted(twin, fake, batch) for batch in self.batches)
+            steps = [self._counted(twin, fake, batch) for batch in self.batches]
+        peaks = training_peaks(steps, self.garbage_collected)
         return CompiledMeasure(max(peaks), None, peaks)
 
     def _twin(self, fake: CountingFakeMode, plan: Plan | None) -> nn.Module:
@@ -81,44 +92,44 @@ class FakeCompiledStep:
             apply(twin, plan)
         return twin
 
-    def _counted(self, twin: nn.Module, fake: CountingFakeMode, batch: Batch) -> int:
-        """``batch``'s peak as :meth:`CompiledStep._measured` measures it: its step once,
-        compiling where its shape is new (a step of training too: its peak counts), then
-        counted from the state the model was given in, with what the latest compiling step
-        left alive (a compile can keep a step's output until the next)."""
-        from torch._dynamo.utils import counters
-
+    def _counted(self, twin: nn.Module, fake: CountingFakeMode, batch: Batch) -> SteppedBatch:
+        """``batch`` stepped as :meth:`CompiledStep._measured` steps it: once, compiling
+        where its shape is new (a step of training too), then counted from the state the
+        model was given in."""
         to_fake = fake.mode.from_tensor
         args, kwargs = tree_map(lambda v: to_fake(v) if isinstance(v, torch.Tensor) else v,
                                 (batch.args, batch.kwargs))
         target = bound_tensors(self.loss_fn)  # a loss target: fake mode makes its twin
         twin.zero_grad(set_to_none=True)
-        graphs = counters["stats"]["unique_graphs"]
-        compiling_peak, left = self._one_step(twin, fake, args, kwargs, target)
-        compiled_now = counters["stats"]["unique_graphs"] > graphs
-        if compiled_now:
-            self._left = left
-        peak, _ = self._one_step(twin, fake, args, kwargs, target)
-        return max(peak + self._left, compiling_peak if compiled_now else 0)
+        graphs = graphs_compiled()
+        compiling_peak, left, kept = self._one_step(twin, fake, args, kwargs, target,
+                                                    lambda: graphs_compiled() > graphs)
+        compiled_now = graphs_compiled() > graphs
+        peak, _, _ = self._one_step(twin, fake, args, kwargs, target, lambda: False)
+        return SteppedBatch(compiled_now, compiling_peak, left, kept, peak)
 
     def _one_step(self, twin: nn.Module, fake: CountingFakeMode, args: tuple, kwargs: dict,
-                  target: list[torch.Tensor]) -> tuple[int, int]:
+                  target: list[torch.Tensor], collect: Callable[[], bool]
+                  ) -> tuple[int, int, int]:
         """One step counted: its peak above nothing (the resident tensors and the fake twin
-        of the loss's ``target`` included; the real target is not counted again), and
-        what it leaves alive besides them once its gradients are dropped (or zeroed, where
-        a step starts with them: ``grads_at_start``)."""
+        of the loss's ``target`` included; the real target is not counted again), what it
+        leaves alive besides them once its gradients are dropped (or zeroed, where a step
+        starts with them: ``grads_at_start``), and what of that is left after a cycle
+        collection, where ``collect()`` says to run one."""
         resident = [*step_residents(twin, args, kwargs), *map(fake.mode.from_tensor, target)]
         with fake.counting([*resident, *target]):
             self._step(twin, args, kwargs)
-            if self.grads_at_start:
-                grads = [p.grad for p in twin.parameters() if p.grad is not None]
-                for grad in grads:
-                    grad.zero_()
-                left = fake.live_bytes() - storages_bytes(grads)
-            else:
+            grads = [p.grad for p in twin.parameters() if p.grad is not None] \
+                if self.grads_at_start else []
+            for grad in grads:
+                grad.zero_()
+            if not self.grads_at_start:
                 twin.zero_grad(set_to_none=True)
-                left = fake.live_bytes()
-        return storages_bytes(resident) + fake.peak_bytes, left
+            left = fake.live_bytes() - storages_bytes(grads)
+            if collect():
+                gc.collect()
+            kept = fake.live_bytes() - storages_bytes(grads)
+        return storages_bytes(resident) + fake.peak_bytes, left, kept
 
     def _step(self, twin: nn.Module, args: tuple, kwargs: dict) -> None:
         with _autocast(_model_device(self.model).type, self.autocast_dtype):

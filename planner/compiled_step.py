@@ -39,6 +39,7 @@ from planner.measure import garbage_kept
 from planner.model_state import _model_device, _training_config, _training_mode
 from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
+from planner.runtime.compile_garbage import graphs_compiled
 from planner.runtime.install import _plan_suspended, remove
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import (
@@ -49,8 +50,8 @@ from planner.verification import (
     step_residents,
 )
 
-__all__ = ["TIMED_STEPS", "Batch", "CompiledMeasure", "CompiledStep", "compiled",
-           "step_batches"]
+__all__ = ["TIMED_STEPS", "Batch", "CompiledMeasure", "CompiledStep", "SteppedBatch",
+           "compiled", "step_batches", "training_peaks"]
 
 # steps timed after the measured one; the least is the step's time (a busy host only adds
 # to a step, and schedules are timed one after another, not in turns)
@@ -64,6 +65,37 @@ class CompiledMeasure(NamedTuple):
     peak_bytes: int
     step_ms: float | None  # None: not timed
     batch_peaks: tuple[int, ...] = ()
+
+
+class SteppedBatch(NamedTuple):
+    """One batch stepped as training meets it: whether its step compiled a graph, that
+    step's peak, what it left allocated when it returned (``left``) and what of that a
+    cycle collection did not free (``kept``), and the next step's peak, measured from the
+    model's state (``peak``). Bytes."""
+
+    compiled: bool
+    compiling_peak: int
+    left: int
+    kept: int
+    peak: int
+
+
+def training_peaks(steps: list[SteppedBatch], garbage_collected: bool) -> tuple[int, ...]:
+    """Each batch's peak in training, what the compiles before hold included: the one rule
+    for the measure and the fake count. A compile may leave garbage that holds its step's
+    output (:mod:`planner.runtime.compile_garbage`) until Python's collector runs, at no step
+    training chooses: every later step may hold it from every compile, and a compile in
+    training meets whichever length comes first, so each compile counts the most any
+    compile here left. ``garbage_collected`` (the loop calls ``collect_compile_garbage``
+    after each step): a compile leaves only what a collection does not free."""
+    carried = [s.kept if garbage_collected else s.left for s in steps if s.compiled]
+    each = max(carried, default=0)
+    compiles_before, peaks = 0, []
+    for s in steps:
+        compiling = s.compiling_peak + compiles_before * each if s.compiled else 0
+        compiles_before += s.compiled
+        peaks.append(max(s.peak + len(carried) * each, compiling))
+    return tuple(peaks)
 
 
 class Batch(NamedTuple):
@@ -116,14 +148,14 @@ class CompiledStep:
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
-                 batches: list[Batch] | None = None) -> None:
+                 batches: list[Batch] | None = None, garbage_collected: bool = False) -> None:
         self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
         self.mode, self.blocks = mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        self.garbage_collected = garbage_collected  # training_peaks's
         # dynamo's recompile limit where a step measured reached it (calls past it ran eager)
         self.recompile_limit_hit: int | None = None
-        self._compile_left = 0  # bytes the latest compiling step left alive
 
     @property
     def measure(self) -> str:
@@ -148,51 +180,48 @@ class CompiledStep:
             if plan is not None:
                 apply(model, plan)
             try:
-                self._compile_left = 0
                 with partitioner_budget_set(partitioner_budget), garbage_kept(), \
                         compiled(model, self.mode, self.blocks):
-                    peaks = tuple(self._measured(batch, restore) for batch in self.batches)
+                    steps = [self._measured(batch, restore) for batch in self.batches]
                     step_ms = self._least_ms(timed_steps) if timed_steps else None
             finally:
                 remove(model)
+        peaks = training_peaks(steps, self.garbage_collected)
         return CompiledMeasure(max(peaks), step_ms, peaks)
 
-    def _measured(self, batch: Batch, restore: Callable[[], None]) -> int:
-        """``batch``'s peak in training: its step compiling where its shape is new (a step
-        of training too), and the next measured from the state the model was given in,
-        with what the latest compiling step left alive."""
-        from torch._dynamo.utils import counters
-
-        hits, graphs = _recompile_limit_hits(), counters["stats"]["unique_graphs"]
-        compiling_peak, left = self._compiling(batch)
-        compiled_now = counters["stats"]["unique_graphs"] > graphs
-        if compiled_now:
-            self._compile_left = left
+    def _measured(self, batch: Batch, restore: Callable[[], None]) -> SteppedBatch:
+        """``batch`` stepped as training meets it: its step, compiling where its shape is new
+        (a step of training too), and the next measured from the state the model was given
+        in."""
+        hits, graphs = _recompile_limit_hits(), graphs_compiled()
+        compiling_peak, left, kept = self._compiling(batch, lambda: graphs_compiled() > graphs)
+        compiled_now = graphs_compiled() > graphs
         if _recompile_limit_hits() > hits:
             self.recompile_limit_hit = torch._dynamo.config.recompile_limit
         restore()
         peak, _, _ = measure_step(self.model, batch.args, batch.kwargs, self.loss_fn,
                                   self.autocast_dtype, compiled=True,
                                   grads_at_start=self.grads_at_start)
-        return max(peak + self._compile_left, compiling_peak if compiled_now else 0)
+        return SteppedBatch(compiled_now, compiling_peak, left, kept, peak)
 
-    def _compiling(self, batch: Batch) -> tuple[int, int]:
-        """``batch``'s step, which compiles where its shape is new: its peak, and the bytes it
-        leaves allocated when it returns (the CPU allocator's events). It is a step of
-        training too (its peak counts where it is the larger), and a compile can leave a
-        tensor alive until the next one (HF GPT-2 on the CPU kept one step's logits, 1 MiB
-        beside a 13 MiB step), which training holds through every later step and a step
-        measured from its own start does not see. On a GPU neither is measured yet (0, 0):
-        a step there is measured above what the process held at its start."""
+    def _compiling(self, batch: Batch, compiled_now: Callable[[], bool]
+                   ) -> tuple[int, int, int]:
+        """``batch``'s step, which compiles where its shape is new: its peak, the bytes it
+        leaves allocated when it returns, and what of them a cycle collection after it
+        leaves where it compiled (the CPU allocator's events; HF GPT-2's compiling step
+        leaves its logits, 1 MiB beside a 13 MiB step, to the collector:
+        :func:`training_peaks`). On a GPU none is measured yet (0, 0, 0): a step there is
+        measured above what the process held at its start."""
         if _model_device(self.model).type == "cuda":
             self._step(batch.args, batch.kwargs)
-            return 0, 0
+            return 0, 0, 0
         from planner.measure import allocator_peak, storages_bytes
 
         resident = [*step_residents(self.model, batch.args, batch.kwargs),
                     *bound_tensors(self.loss_fn)]
-        seen = allocator_peak(lambda: self._step(batch.args, batch.kwargs))
-        return storages_bytes(resident) + seen.peak_bytes, max(seen.end_bytes, 0)
+        seen = allocator_peak(lambda: self._step(batch.args, batch.kwargs), compiled_now)
+        return (storages_bytes(resident) + seen.peak_bytes, max(seen.end_bytes, 0),
+                max(seen.kept_bytes, 0))
 
     def _least_ms(self, steps: int) -> float:
         """The least wall time of ``steps`` steps (forward, loss, backward), each waited

@@ -85,6 +85,11 @@ class PlanConfig:
         "(torch.compile(model), the Trainer's torch_compile) or 'blocks' (each repeated "
         "block's .compile() after apply, torchtitan's order)", stage=False,
         flag="--compiled", choices=COMPILE_MODES))
+    compile_garbage_collected: bool = field(default=False, metadata=_about(
+        COMPILING, "with compiled: the training loop calls planner.collect_compile_garbage() "
+        "after each step (the HF Trainer switch does), so what a compiling step leaves to "
+        "Python's cycle collector is not counted in later steps; default: every later step "
+        "holds what each compile left", stage=False))
     timing: str = field(default="auto", metadata=_about(
         PROFILING, "measure on this machine, or estimate from FLOPs and the device's "
         "roofline; auto: measure real tensors, estimate meta or fake ones",
@@ -140,7 +145,7 @@ class PlanConfig:
             raise TypeError(f"envelope= takes a planner.Envelope (or its fields as a dict), "
                             f"not {type(self.envelope).__name__}")
         for name in ("grad_accumulation", "progress", "offload", "op_ranges",
-                     "deterministic"):
+                     "deterministic", "compile_garbage_collected"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for f in fields(self):
@@ -152,6 +157,9 @@ class PlanConfig:
                 or self.world_size < 1:
             raise ValueError(f"world_size must be a whole number of ranks, 1 or more, got "
                              f"{self.world_size!r}")
+        if self.compile_garbage_collected and self.compiled is None:
+            raise ValueError("compile_garbage_collected=True says how a compiled step is "
+                             "trained: give compiled='model' or 'blocks' with it")
         _check_solver_options(self.solver, self.time_limit_s)
         host_budget_arg(self.offload, self.host_budget_gb)
 

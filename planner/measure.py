@@ -62,18 +62,24 @@ _host = threading.local()
 class AllocatorPeak(NamedTuple):
     """What the CPU allocator held during a call, in bytes above what it held when the call
     began: at most (``peak_bytes``) and at the end (``end_bytes``); ``events`` counts the
-    allocations and frees seen."""
+    allocations and frees seen; ``kept_bytes``: what the call's allocations still hold once
+    Python's cycle collector has run after it (``end_bytes`` where it did not run)."""
 
     peak_bytes: int
     end_bytes: int
     events: int
+    kept_bytes: int = 0
 
 
-def allocator_peak(call: Callable[[], Any]) -> AllocatorPeak:
+def allocator_peak(call: Callable[[], Any],
+                   collect_after: Callable[[], bool] | None = None) -> AllocatorPeak:
     """Run ``call()`` under torch's profiler with memory profiling and replay the CPU
     allocator's events in time order. Counts every CPU tensor's allocation, also those of a
     compiled graph's generated code and of kernels' internal temporaries, which a dispatch
     mode does not see; not what Python objects or the allocator's own bookkeeping take.
+    ``collect_after``: where it returns True after ``call``, Python's cycle collector runs
+    inside the measure, so ``kept_bytes`` says what more than garbage holds (what a compile leaves:
+    :mod:`planner.runtime.compile_garbage`).
 
     A free counts only where its block was allocated during the call: the profiler reports
     the free of any block whose size it recorded, also in an earlier profiled call, and such
@@ -85,24 +91,36 @@ def allocator_peak(call: Callable[[], Any]) -> AllocatorPeak:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
+        if collect_after is not None and collect_after():
+            with torch.profiler.record_function(_COLLECTING):
+                gc.collect()
     events: list[tuple[int, int, int]] = []
+    collected_at = None  # when the collection began (ns)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.typed[0] == _EventType.Allocation and str(node.typed[1].device) == "cpu":
             fields = node.typed[1]
             events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        elif node.name == _COLLECTING:
+            collected_at = node.start_time_ns
         stack.extend(node.children)
     allocated: dict[int, int] = {}  # address -> size, of blocks this call allocated
     live = peak = 0
-    for _, size, ptr in sorted(events):
+    end = None
+    for when, size, ptr in sorted(events):
+        if collected_at is not None and end is None and when >= collected_at:
+            end = live
         if size < 0 and allocated.pop(ptr, None) is None:
             continue  # allocated before this call
         if size > 0:
             allocated[ptr] = size
         live += size
         peak = max(peak, live)
-    return AllocatorPeak(peak, live, len(events))
+    return AllocatorPeak(peak, live if end is None else end, len(events), live)
+
+
+_COLLECTING = "planner: the cycle collector after the measured call"
 
 
 def least_peak_over_gloo(step: Callable[[], int], steps: int = 2) -> int:

@@ -255,6 +255,10 @@ class CompiledFit(_Strict):
         "partitioner's 0-1 budget for what untagged ops keep) this schedule was compiled "
         "and measured under; apply sets it while the plan is applied, remove puts the "
         "process's value back (None: the process's own)")
+    garbage_collected: bool = Field(False, description="measured for a training loop that "
+                                    "calls planner.collect_compile_garbage() after each "
+                                    "step; False: every later step holds what each compile "
+                                    "left to Python's cycle collector (the peak counts it)")
     compiles: int = Field(ge=1, description="distinct schedules compiled and measured (a "
                           "solve that gave one already measured is not compiled again)")
     measure: str = Field(description="what measured the peaks")
@@ -276,6 +280,8 @@ class CompiledFit(_Strict):
                 f"{self.measure}; {self.compiles} schedules compiled{self._optimizer()}); "
                 f"the schedule: {self._chosen()}{self._batches()}, and the eager numbers "
                 "below are the eager step's" + (
+                    "; for a loop that calls planner.collect_compile_garbage() after each "
+                    "step" if self.garbage_collected else "") + (
                     "" if self.recompile_limit_hit is None else
                     f"; dynamo's recompile limit ({self.recompile_limit_hit}) was reached: "
                     "the calls past it ran eager, measured as such"))

@@ -167,6 +167,12 @@ def test_a_wrong_compile_mode_is_refused_naming_the_choices() -> None:
         optimize(zm.model, zm.example_inputs, budget_gb=1, compiled="whole")
 
 
+def test_collected_compile_garbage_without_a_compiled_step_is_refused() -> None:
+    zm = zoo.get("mlp", batch=4, width=32, depth=2)
+    with pytest.raises(ValueError, match="give compiled='model' or 'blocks' with it"):
+        optimize(zm.model, zm.example_inputs, budget_gb=1, compile_garbage_collected=True)
+
+
 def test_a_compiled_plan_holds_its_budget_compiled_and_leaves_the_model_as_it_was() -> None:
     """inductor for real, on an MLP: the fit's plan, applied and compiled, measures its
     recorded peak, within the budget, with the unplanned compiled step's gradients (within
@@ -524,11 +530,12 @@ def test_a_compiled_plan_of_an_envelope_holds_every_length_training_gives_it() -
 
 def test_a_compiling_steps_own_peak_and_what_it_leaves_alive_are_counted(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compile that keeps a tensor alive after its step (HF GPT-2 under inductor kept one
-    step's logits until the next compile) holds it through every step training runs after:
-    the measured peak counts it on each batch (a backend here keeps 1 MiB per graph it
-    compiles, beside dynamo's eager run of the graph); and the compiling step's own peak
-    (a backward compiled during it) counts where it is the larger."""
+    """What a compile keeps alive after its step is held through every step training runs
+    after, from every compile: a backend here keeps 1 MiB per graph it compiles (beside
+    dynamo's eager run of the graph), so after the short and the long batch compiled, each
+    batch's step holds 2 MiB more, whether or not the loop collects garbage (the MiB is not
+    garbage); and the compiling step's own peak (a backward compiled during it) counts where
+    it is the larger."""
     kept: list[torch.Tensor] = []
 
     def keeping(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
@@ -540,10 +547,11 @@ def test_a_compiling_steps_own_peak_and_what_it_leaves_alive_are_counted(
     model, ids = _Tokens(), torch.randint(0, 64, (4, 64))
     batches = [Batch("short", (ids[:, :16],), {}), Batch("long", (ids,), {})]
 
-    def peaks(backend: Any) -> tuple[int, ...]:
+    def peaks(backend: Any, garbage_collected: bool = False) -> tuple[int, ...]:
         monkeypatch.setattr(torch.nn.Module, "compile",
                             lambda self: compile_module(self, backend=backend))
-        step = CompiledStep(model, (ids,), {}, _token_loss, "model", [], batches=batches)
+        step = CompiledStep(model, (ids,), {}, _token_loss, "model", [], batches=batches,
+                            garbage_collected=garbage_collected)
         return step.run(None, timed_steps=0).batch_peaks
 
     def passing(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
@@ -551,9 +559,11 @@ def test_a_compiling_steps_own_peak_and_what_it_leaves_alive_are_counted(
         return graph.forward
 
     plain = peaks("eager")
-    keeping_peaks = peaks(keeping)
-    assert kept  # compiled: each new shape's step kept its MiB
-    assert [k - p for k, p in zip(keeping_peaks, plain, strict=True)] == [2**20, 2**20]
+    for collected in (False, True):
+        kept.clear()
+        keeping_peaks = peaks(keeping, collected)
+        assert len(kept) == 2  # compiled: each new shape's step kept its MiB
+        assert [k - p for k, p in zip(keeping_peaks, plain, strict=True)] == [2**21, 2**21]
     # the compiling step is a step of training: its peak is the batch's where it is larger
     assert max(plain) < 2**21 and min(peaks(passing)) >= 2**22
 
@@ -563,9 +573,12 @@ def test_a_tensor_only_a_reference_cycle_holds_is_counted_whenever_the_collector
     """HF GPT-2's compiling step leaves its logits in a reference cycle: freed whenever
     Python's collector next runs, which a cold compile's many objects made happen before the
     step ended (the measure then read 0.5 MiB less than with the graph from inductor's
-    cache, and the Trainer's steps ran above the plan). Here a backend's first call leaves
-    1 MiB in a cycle and makes objects enough for the collector to run: the measure counts
-    the MiB as what the compiling step leaves alive."""
+    cache), and in the Trainer at no step in particular (its later steps held one or both
+    compiles' logits). Here a backend's first call leaves 1 MiB in a cycle and makes objects
+    enough for the collector to run. Stepped on a short batch, then the long one: every
+    later step may hold both compiles' MiB, and the peak counts them; where the loop
+    collects garbage after a step that compiled (``garbage_collected``), only the compiling
+    step holds its own."""
     import gc
 
     def cycling(graph: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
@@ -586,10 +599,15 @@ def test_a_tensor_only_a_reference_cycle_holds_is_counted_whenever_the_collector
     torch.manual_seed(0)
     model, ids = _Tokens(), torch.randint(0, 64, (4, 64))
 
-    def peak(backend: Any) -> int:
+    batches = [Batch("short", (ids[:, :16],), {}), Batch("long", (ids,), {})]
+
+    def peak(backend: Any, garbage_collected: bool = False) -> int:
         monkeypatch.setattr(torch.nn.Module, "compile",
                             lambda self: compile_module(self, backend=backend))
-        return CompiledStep(model, (ids,), {}, _token_loss, "model", []).peak_bytes(None)
+        return CompiledStep(model, (ids,), {}, _token_loss, "model", [], batches=batches,
+                            garbage_collected=garbage_collected).peak_bytes(None)
 
     assert gc.isenabled()
-    assert peak(cycling) - peak("eager") == 2**20
+    plain = peak("eager")
+    assert peak(cycling) - plain == 2**21
+    assert peak(cycling, garbage_collected=True) - plain == 2**20

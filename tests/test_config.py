@@ -31,7 +31,8 @@ def test_the_apis_options_are_the_configs_fields() -> None:
     assert set(inspect.signature(planner.profile_model).parameters) == {
         "model", "example_inputs", "config", "bound_routing", *(set(FIELDS) - searched
                                                                 - {"pipeline", "envelope",
-                                                                   "compiled"})}
+                                                                   "compiled",
+                                                                   "compile_garbage_collected"})}
 
 
 def test_an_unknown_option_is_refused_naming_the_one_meant() -> None:

@@ -37,6 +37,7 @@ from planner.config import PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
 from planner.plan import Plan, PlanMismatchWarning
 from planner.plan_table import PlanTable
+from planner.runtime.compile_garbage import collect_compile_garbage
 from planner.switches.loader import first_batch
 from profiles.errors import LossNotFoundError
 
@@ -115,16 +116,30 @@ class PlannedCheckpointing(TrainerCallback):
                              f"buckets={self.buckets!r} would switch plans inside the "
                              "compiled graph: leave buckets='one'")
         backend, mode = args.torch_compile_backend, args.torch_compile_mode
-        other = "" if backend in (None, "inductor") and mode in (None, "default") else (
-            f" (measured under inductor's default mode, not torch_compile_backend={backend!r}"
-            f", torch_compile_mode={mode!r}, which may keep other buffers)")
-        warnings.warn(
-            "TrainingArguments(torch_compile=True): the switch plans the step the Trainer "
-            f"compiles, measured compiled on its batches{other}; inside the Trainer some "
-            "steps measured above that plan's peak on batches of real padding "
-            "(benchmarks/results/compile-trainer-cpu.md): leave a margin",
-            PlanMismatchWarning, stacklevel=3)
+        if backend not in (None, "inductor") or mode not in (None, "default"):
+            warnings.warn(
+                "TrainingArguments(torch_compile=True): the switch plans the step the Trainer "
+                "compiles, measured under inductor's default mode, not torch_compile_backend="
+                f"{backend!r}, torch_compile_mode={mode!r}, which may keep other buffers: "
+                "leave a margin", PlanMismatchWarning, stacklevel=3)
         self.compiled = "model"
+
+    def _compiling(self) -> dict[str, Any]:
+        """``optimize``'s options for the step the Trainer compiles: measured as this
+        switch trains it, collecting what each compile leaves (:meth:`on_step_end`)."""
+        if self.compiled is None:
+            return {}
+        return {"compiled": self.compiled, "compile_garbage_collected": True}
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        """After a step in which torch.compile compiled, what the compile left to Python's
+        cycle collector (the step's output, for a forward of several graphs) is freed, as
+        the plan was measured (:mod:`planner.runtime.compile_garbage`)."""
+        if self.compiled is not None:
+            collect_compile_garbage()
+
+    on_substep_end = on_step_end  # a micro-batch of gradient accumulation
 
     def _plan_each_rank(self, args: TrainingArguments, state: TrainerState,
                         model: torch.nn.Module | None, processing_class: Any) -> None:
@@ -170,7 +185,7 @@ class PlannedCheckpointing(TrainerCallback):
                 model, inputs, budget_gb=self.budget_gb, autocast=_autocast(args),
                 loss_fn=loss_fn, grad_accumulation=args.gradient_accumulation_steps > 1,
                 optimizer=getattr(optimizer, "optimizer", optimizer), envelope=envelope,
-                config=self.config, **({"compiled": self.compiled} if self.compiled else {}))
+                config=self.config, **self._compiling())
         apply(model, self.plan)
         if state.is_world_process_zero:
             self.plan.log_summary(log)
