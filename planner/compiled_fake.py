@@ -40,7 +40,7 @@ from planner.measure import garbage_kept, storages_bytes
 from planner.model_state import _model_device
 from planner.plan import Plan
 from planner.runtime.applying import apply
-from planner.runtime.compile_garbage import graphs_compiled
+from planner.runtime.compile_garbage import frames_traced
 from planner.runtime.install import _plan_suspended
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import _autocast, bound_tensors, step_residents
@@ -101,10 +101,10 @@ class FakeCompiledStep:
                                 (batch.args, batch.kwargs))
         target = bound_tensors(self.loss_fn)  # a loss target: fake mode makes its twin
         twin.zero_grad(set_to_none=True)
-        graphs = graphs_compiled()
+        frames = frames_traced()
         compiling_peak, left, kept = self._one_step(twin, fake, args, kwargs, target,
-                                                    lambda: graphs_compiled() > graphs)
-        compiled_now = graphs_compiled() > graphs
+                                                    lambda: frames_traced() > frames)
+        compiled_now = frames_traced() > frames
         peak, _, _ = self._one_step(twin, fake, args, kwargs, target, lambda: False)
         return SteppedBatch(compiled_now, compiling_peak, left, kept, peak)
 

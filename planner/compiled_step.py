@@ -39,7 +39,7 @@ from planner.measure import garbage_kept
 from planner.model_state import _model_device, _training_config, _training_mode
 from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
-from planner.runtime.compile_garbage import graphs_compiled
+from planner.runtime.compile_garbage import frames_traced
 from planner.runtime.install import _plan_suspended, remove
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import (
@@ -68,7 +68,7 @@ class CompiledMeasure(NamedTuple):
 
 
 class SteppedBatch(NamedTuple):
-    """One batch stepped as training meets it: whether its step compiled a graph, that
+    """One batch stepped as training meets it: whether its step traced a frame, that
     step's peak, what it left allocated when it returned (``left``) and what of that a
     cycle collection did not free (``kept``), and the next step's peak, measured from the
     model's state (``peak``). Bytes."""
@@ -193,9 +193,9 @@ class CompiledStep:
         """``batch`` stepped as training meets it: its step, compiling where its shape is new
         (a step of training too), and the next measured from the state the model was given
         in."""
-        hits, graphs = _recompile_limit_hits(), graphs_compiled()
-        compiling_peak, left, kept = self._compiling(batch, lambda: graphs_compiled() > graphs)
-        compiled_now = graphs_compiled() > graphs
+        hits, frames = _recompile_limit_hits(), frames_traced()
+        compiling_peak, left, kept = self._compiling(batch, lambda: frames_traced() > frames)
+        compiled_now = frames_traced() > frames
         if _recompile_limit_hits() > hits:
             self.recompile_limit_hit = torch._dynamo.config.recompile_limit
         restore()

@@ -84,13 +84,29 @@ class StepPeaks(pl.Callback):
         self.losses.append(outputs["loss"].item())
 
 
+class Losses(pl.Callback):
+    """Each training batch's loss and how many frames dynamo had traced by its end
+    (`StepPeaks` without its tracker: a dispatch mode, under which dynamo compiles nothing)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.frames: list[int] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        from planner.runtime.compile_garbage import frames_traced
+
+        self.losses.append(outputs["loss"].item())
+        self.frames.append(frames_traced())
+
+
 def _rows(ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in torch.cat([ids, ids.flip(0)])]
 
 
 def _fit(module: pl.LightningModule, rows: list, callbacks: list, **options: Any) -> None:
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=options.pop("max_steps", 2),
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, **options)
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=4))
@@ -155,15 +171,69 @@ def test_a_changed_batch_is_named_at_the_step() -> None:
         module.training_step({"input_ids": longer, "labels": longer}, 0)
 
 
-def test_a_compiled_module_is_told_the_plan_is_the_eager_steps() -> None:
-    """Trainer.fit(torch.compile(module)) runs another step than the one planned: said when
-    fitting is set up, with what to do instead."""
+def test_a_compiled_module_has_its_compiled_step_planned_and_run_compiled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainer.fit(torch.compile(module)): the switch plans the step Lightning compiles
+    (compiled='model', measured as inductor compiles it in tests/test_compile_fit.py and
+    benchmarks/compile_lightning.py; here the plan is made eager to keep the suite fast), the
+    planned step runs compiled by the user's own torch.compile call (its backend here counts
+    the graphs it is given: none would reach it from an eager wrapper), what each compile
+    leaves is collected after each batch, and a backend other than the one measured is
+    said. Losses are those of the same compiled module without the switch, and no step
+    after the second compiles (the batch index dynamic, as Lightning's own compiled step
+    makes it)."""
+    import dataclasses
+
+    import planner.switches.lightning as lightning
+    from planner.api import optimize as real_optimize
+
+    asked: list[Any] = []
+
+    def optimize(model: torch.nn.Module, inputs: Any, **options: Any) -> Any:
+        asked.append(options["config"])
+        eager = dataclasses.replace(options["config"], compiled=None,
+                                    compile_garbage_collected=False)
+        return real_optimize(model, inputs, **{**options, "config": eager})
+
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    collected: list[int] = []
+    monkeypatch.setattr(lightning, "optimize", optimize)
+    monkeypatch.setattr(lightning, "collect_compile_garbage", lambda: collected.append(1))
+    base = zoo.get("hf-llama", batch=4)
+    ids = base.example_inputs["input_ids"]
+    planned, unplanned = CausalLM(base.model), CausalLM(copy.deepcopy(base.model))
+    switch, losses = PlannedCheckpointing(budget_gb=_half_budget_gb(
+        base.model, {"input_ids": ids, "labels": ids}), timing="estimate"), Losses()
+    torch._dynamo.reset()
+    rows = _rows(ids) * 2  # four batches an epoch: batch indices 0 to 3
+    with pytest.warns(PlanMismatchWarning, match="default mode, not backend='backend'"):
+        _fit(torch.compile(planned, backend=backend), rows, [switch, losses], max_steps=4)
+    assert asked[0].compiled == "model" and asked[0].compile_garbage_collected
+    assert switch.plan.checkpointing and graphs, "the planned step ran eager"
+    assert isinstance(planned.training_step.__self__, TrainingStep)
+    assert len(collected) == 4  # one per batch
+    assert losses.frames[1] == losses.frames[3], "a step after the second compiled"
+    expected = Losses()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanMismatchWarning)
+        _fit(torch.compile(unplanned, backend=backend), rows, [expected], max_steps=4)
+    torch._dynamo.reset()
+    assert losses.losses == expected.losses and len(losses.losses) == 4
+
+
+def test_a_compiled_module_with_a_plan_per_bucket_is_refused_saying_why() -> None:
     module = CausalLM(zoo.get("hf-llama", batch=4).model)
     module._compiler_ctx = {"compiler": "dynamo"}  # as Lightning's fit leaves a compiled one
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.warns(PlanMismatchWarning, match=r"torch.compile\(CausalLM\)"):
-        PlannedCheckpointing(budget_gb=1.0).setup(trainer, module, "fit")
+    with pytest.raises(ValueError, match=r"one plan for every batch length.*buckets='pow2'"):
+        PlannedCheckpointing(budget_gb=1.0, buckets="pow2").setup(trainer, module, "fit")
 
 
 def test_lightnings_own_checkpointing_or_manual_optimization_is_refused() -> None:

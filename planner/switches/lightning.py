@@ -11,10 +11,15 @@ The callback plans at ``on_fit_start``: the strategy has moved the model to its 
 built the optimizers, and the data loader is known. ``self.log`` is silent while planning
 (the planned steps are not training steps). The step is planned with ``.grad`` allocated
 when it starts: Lightning zeroes gradients after ``training_step``, so each forward but the
-first runs beside the last step's gradients. Refused: the strategy's own activation
-checkpointing, manual optimization (the step is not one backward), and a run over several
-processes (the strategy wraps the model before ``on_fit_start``: plan in ``configure_model``
-with :func:`plan_in_configure_model`).
+first runs beside the last step's gradients. ``Trainer.fit(torch.compile(module))``
+(Lightning then compiles the module's ``training_step`` and ``forward``) has its compiled
+step planned (``compiled="model"``: the wrapper compiled whole, measured on the loader's
+batches), and the planned ``training_step`` runs compiled by the same ``torch.compile``
+call; what each compile leaves to Python's cycle collector is freed after each batch, as
+it was measured.
+Refused: the strategy's own activation checkpointing, manual optimization (the step is not
+one backward), and a run over several processes (the strategy wraps the model before
+``on_fit_start``: plan in ``configure_model`` with :func:`plan_in_configure_model`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,11 +38,11 @@ from torch.utils._pytree import SequenceKey, tree_flatten_with_path, tree_unflat
 
 from planner.api import apply, optimize, replan
 from planner.arguments import _budget_bytes
-from planner.compile_fit import warn_eager_plan_compiled
 from planner.config import SEARCH, PlanConfig
 from planner.envelope import Envelope, row_lengths, sequence_length
-from planner.plan import GIB, InfeasibleBudgetError, Plan, format_bytes
+from planner.plan import GIB, InfeasibleBudgetError, Plan, PlanMismatchWarning, format_bytes
 from planner.plan_table import PlanTable
+from planner.runtime.compile_garbage import collect_compile_garbage
 from planner.switches.loader import first_batch
 
 log = logging.getLogger(__name__)
@@ -54,7 +60,8 @@ class TrainingStep(nn.Module):
     def __init__(self, module: LightningModule) -> None:
         super().__init__()
         self.module = module
-        self._step = type(module).training_step.__get__(module)
+        self._eager = type(module).training_step.__get__(module)
+        self._step = self._eager
         self._spec: Any = None
         self._metadata: dict[int, Any] = {}
         self._mapping: type | None = None
@@ -82,6 +89,15 @@ class TrainingStep(nn.Module):
         self._metadata = _metadata(found)
         self._batch_idx = batch_idx
         return tuple(leaf for k, (_, leaf) in enumerate(found) if k not in self._metadata)
+
+    def compiled_by(self, compiler: Callable[[Any], Any] | None) -> None:
+        """Run ``training_step`` compiled by ``compiler`` (None: as written, which planning
+        profiles, and whose compiled step it measures compiling this wrapper whole). Compiled
+        as Lightning compiles it: the step's own frame, whose batch index is an argument
+        (dynamo makes it dynamic), not this wrapper, whose attributes dynamo specializes on
+        (HF GPT-2 in Lightning: a recompile at every step for the batch index, and 2 MiB
+        more in each, over the budget)."""
+        self._step = self._eager if compiler is None else compiler(self._eager)
 
     def run(self, batch: Any, batch_idx: int, *rest: Any) -> Any:
         """What ``module.training_step`` is once planned: the step, under the plan's guard."""
@@ -134,8 +150,11 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
 
 
 def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
-               settings: dict[str, Any], config: PlanConfig) -> Plan | PlanTable:
-    """Plan and install ``module``'s training step on ``batch`` (module docstring)."""
+               settings: dict[str, Any], config: PlanConfig,
+               compiler: Callable[[Any], Any] | None = None) -> Plan | PlanTable:
+    """Plan and install ``module``'s training step on ``batch`` (module docstring);
+    ``compiler``: what compiles ``training_step`` (Lightning's ``torch.compile`` call), for
+    a plan with ``compiled="model"``."""
     if not module.automatic_optimization:
         raise ValueError("Planned checkpointing plans Lightning's automatic optimization (one "
                          "backward of the loss training_step returns); this module sets "
@@ -143,6 +162,7 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     step = getattr(module.training_step, "__self__", None)
     if not isinstance(step, TrainingStep):  # planned before: the same wrapper plans again
         step = TrainingStep(module)
+    step.compiled_by(None)
     per_rank = config.parallelize is not None
     with _quiet_logging(module):
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
@@ -155,6 +175,7 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     elif per_rank:
         plan = _room_for_last_gradients(plan, config)
     apply(step, plan)
+    step.compiled_by(compiler)
     module.training_step = step.run
     return plan
 
@@ -201,6 +222,7 @@ class PlannedCheckpointing(Callback):
         self.max_length = max_length
         self.buckets = buckets
         self.plan: Plan | PlanTable | None = None
+        self.compiler: Callable[[Any], Any] | None = None  # Lightning's torch.compile call
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -209,16 +231,13 @@ class PlannedCheckpointing(Callback):
             raise ValueError("PlannedCheckpointing plans activation checkpointing itself; the "
                              "strategy's activation_checkpointing_policy would checkpoint its "
                              "modules again under it: leave that policy unset")
-        if getattr(pl_module, "_compiler_ctx", None):
-            warn_eager_plan_compiled(f"Trainer.fit(torch.compile({type(pl_module).__name__}))",
-                                     "the switch plans the module's training_step, which "
-                                     "Lightning runs around the compiled forward")
         if trainer.world_size > 1:
             raise ValueError(
                 f"PlannedCheckpointing plans one process; this Trainer runs "
                 f"{trainer.world_size}, whose model the strategy wraps before fitting starts. "
                 "Plan in configure_model: planner.switches.lightning.plan_in_configure_model(self, "
                 "batch, budget_gb=..., parallelize=...) before fully_shard (docs/recipes.md)")
+        self.compiler = _lightnings_compiler(pl_module, self.buckets)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.fit_loop.setup_data()
@@ -231,10 +250,64 @@ class PlannedCheckpointing(Callback):
             dataclasses.replace(self.config, optimizer=optimizer)
         if "envelope" not in self.config.given():
             config = dataclasses.replace(config, envelope=envelope)
+        if self.compiler is not None:
+            config = dataclasses.replace(config, compiled="model",
+                                         compile_garbage_collected=True)
         self.plan = _plan_step(pl_module, batch, self.budget_gb, _trainer_settings(trainer),
-                               config)
+                               config, self.compiler)
         if trainer.is_global_zero:
             self.plan.log_summary(log)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """After a batch in which dynamo traced a frame, what the compile left to Python's
+        cycle collector (a forward of several graphs keeps its output in cycles) is freed,
+        as the plan was measured (:mod:`planner.runtime.compile_garbage`)."""
+        if self.compiler is not None:
+            collect_compile_garbage()
+
+
+def _lightnings_compiler(module: LightningModule, buckets: Any) -> Callable[[Any], Any] | None:
+    """How ``Trainer.fit(torch.compile(module))`` compiles (the ``torch.compile`` call it
+    took, which Lightning keeps on the module), or None where it does not compile. The plan
+    is measured under inductor's default mode: another backend or mode is said."""
+    compiling = getattr(module, "_compiler_ctx", None)
+    if not compiling:
+        return None
+    if buckets != "one":
+        raise ValueError(f"Trainer.fit(torch.compile({type(module).__name__})): a compiled step "
+                         "is planned with one plan for every batch length, measured on them; "
+                         f"buckets={buckets!r} would switch plans inside the compiled graph: "
+                         "leave buckets='one'")
+    compiler = compiling.get("dynamo_ctx") or torch.compile
+    other = _not_as_measured(compiler)
+    if other is not None:
+        warnings.warn(
+            f"Trainer.fit(torch.compile({type(module).__name__})): the switch plans the step "
+            f"Lightning compiles, measured under inductor's default mode, not {other}, which "
+            "may keep other buffers: leave a margin", PlanMismatchWarning, stacklevel=3)
+    return compiler
+
+
+def _not_as_measured(compiler: Any) -> str | None:
+    """How a ``torch.compile`` call differs from inductor's default mode (the one a compiled
+    plan is measured under), in words, or None. Read from what dynamo keeps of the call
+    (private: "a backend this switch cannot read" where this torch keeps it elsewhere)."""
+    if compiler is torch.compile:
+        return None
+    backend = getattr(getattr(getattr(compiler, "callback", None),
+                              "_torchdynamo_orig_backend", None), "_torchdynamo_orig_backend",
+                      None)
+    name = getattr(backend, "_compiler_name", None)
+    if name is None:
+        return "a backend this switch cannot read"
+    options, dynamic = getattr(backend, "config", None), getattr(backend, "dynamic", None)
+    said = [f"backend={name!r}"] if name != "inductor" else []
+    if options:
+        said.append(f"options {options}")
+    if dynamic is not None:
+        said.append(f"dynamic={dynamic}")
+    return ", ".join(said) or None
 
 
 def _loaders_envelope(loader: Any, batch: Any, max_length: int | None,
