@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,7 @@ from planner.compiled_step import (
 )
 from planner.measure import garbage_kept, storages_bytes
 from planner.model_state import _model_device
-from planner.plan import Plan
+from planner.plan import Plan, PlanMismatchWarning
 from planner.runtime.applying import apply
 from planner.runtime.compile_garbage import frames_traced
 from planner.runtime.install import _plan_suspended
@@ -75,7 +76,10 @@ class FakeCompiledStep:
         fake = CountingFakeMode()
         twin = self._twin(fake, plan)
         with partitioner_budget_set(partitioner_budget), garbage_kept(), \
-                compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)):
+                compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)), \
+                warnings.catch_warnings():
+            # a candidate is an eager plan, compiled here on purpose: its guard says so
+            warnings.simplefilter("ignore", PlanMismatchWarning)
             steps = [self._counted(twin, fake, batch) for batch in self.batches]
         peaks = training_peaks(steps, self.garbage_collected)
         return CompiledMeasure(max(peaks), None, peaks)

@@ -256,6 +256,22 @@ def _retyped_in_place(model: Net) -> None:
     model.head.weight.data = model.head.weight.data.double()  # same Parameter, new dtype
 
 
+def test_an_eager_plan_whose_modules_are_compiled_after_apply_warns_once() -> None:
+    """torchtitan applies its checkpointing policy, then compiles each block in place
+    (``block.compile()``): an eager plan's step is then not the one planned, said at the
+    first step, once (a model left eager does not warn: above)."""
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    model.head.compile(backend="eager")
+    try:
+        with pytest.warns(PlanMismatchWarning, match=r"module 'head' compiled \(torch.compile"
+                          r"\), and its plan is the eager step's.*compiled='blocks'"):
+            _step(model, x)
+        _quiet_step(model, x)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("change", [
     lambda m: m.double(), _retyped_in_place,
     lambda m: setattr(m.inner, "b", nn.Linear(16, 16)),

@@ -137,3 +137,21 @@ def test_a_pipeline_part_is_refused_with_the_reason(elsewhere: tuple[str, ...]) 
 def test_a_budget_that_is_no_budget_is_refused_when_the_policy_is_built() -> None:
     with pytest.raises(TypeError, match="budget_gb"):
         _policy("70")  # type: ignore[arg-type]
+
+
+def test_blocks_compiled_after_the_policy_are_told_the_plan_is_the_eager_steps() -> None:
+    """torchtitan's compile (``compile.enable``) compiles each block in place after the
+    policy is applied: the plan is the eager step's, said at the first step."""
+    policy = _policy(1e3)
+    planned = _meta_llama()
+    policy.apply(planned)
+    _materialise(planned)
+    for block in planned.layers.children():
+        block.compile(backend="eager")  # torchtitan's order (its backend: inductor)
+    tokens = torch.randint(2048, (BATCH, SEQ))
+    try:
+        with pytest.warns(PlanMismatchWarning, match=r"modules 'layers.0', 'layers.1'.* "
+                          r"compiled \(torch.compile\), and its plan is the eager step's"):
+            planned(tokens).float().mean().backward()
+    finally:
+        torch._dynamo.reset()

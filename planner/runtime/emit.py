@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +38,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.plan import PlanMismatchError, PlanMismatchWarning
+from planner.runtime.guard import compiled_modules
 from planner.runtime.offload import KEEPS_THROUGH_HOOKS, keeps_next, offload_paused
 from planner.runtime.skipping import with_skips
 from planner.runtime.traced_program import Program, Range
@@ -292,12 +292,8 @@ class _Checkpoint:
         the first training call, after the compile of torchtitan's order), as a model of
         many modules would pay for the walk at every call of a region that keeps ops."""
         inside = getattr(self, "_compiled", None)
-        if inside is None:  # torch.compile(module)'s wrapper, where dynamo is imported
-            frame = sys.modules.get("torch._dynamo.eval_frame")
-            wrapper = frame.OptimizedModule if frame is not None else ()
-            inside = self._compiled = any(
-                m._compiled_call_impl is not None or isinstance(m, wrapper)
-                for m in self.module.modules())
+        if inside is None:
+            inside = self._compiled = bool(compiled_modules(self.module))
         return inside
 
     def _check_ops(self, ran: Counter[str]) -> None:

@@ -12,6 +12,7 @@ instance. A change warns once (:class:`PlanMismatchWarning`) or, ``strict``, rai
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,13 +24,23 @@ from planner.plan import InputSpec, Plan, PlanMismatchError, PlanMismatchWarning
 from planner.runtime.partitioner import partitioner_budget
 from profiles.parallel import describe_parallel, job_backend, layout_changes
 
-__all__ = ["PlanGuard"]
+__all__ = ["PlanGuard", "compiled_modules"]
 
 _Tensors = dict[str, tuple[tuple[int, ...], str, str]]  # name: (shape, dtype, device type)
 
 
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     return model.named_modules(remove_duplicate=False)
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s modules that torch.compile compiles on their own: compiled
+    in place (``module.compile()``, as torchtitan compiles each block) or wrapped
+    (``torch.compile(module)`` set as a child)."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # imported once anything compiled
+    wrapper = frame.OptimizedModule if frame is not None else ()
+    return [path or "<model>" for path, m in _walk(model)
+            if m._compiled_call_impl is not None or isinstance(m, wrapper)]
 
 
 def _tensors(model: nn.Module) -> _Tensors:
@@ -160,6 +171,7 @@ class PlanGuard:
         self.names = _argument_names(model)
         self.parallel = plan.profile.parallel
         self.parallel_checked = False
+        self.compile_checked = plan.compiled is not None  # an eager plan's: at its first step
         self._told: set[str] = set()
 
     def _complain(self, message: str, about: str | None = None) -> None:
@@ -191,7 +203,28 @@ class PlanGuard:
                 self.as_applied = _AsApplied(module)  # a copy of the model: its own ids
         if not getattr(self, "parallel_checked", True):
             self._check_parallel(module)
+        if not getattr(self, "compile_checked", True):
+            self._check_compiled(module)
         self._check_partitioner()
+
+    def _check_compiled(self, model: nn.Module) -> None:
+        """On the first training step of an eager plan: modules compiled since ``apply``
+        (torchtitan compiles each block after its checkpointing policy is applied) run
+        another step than the one planned."""
+        self.compile_checked = True
+        compiled = compiled_modules(model)
+        if not compiled:
+            return
+        self._complain(
+            f"{self.model_name} runs with module{'s' * (len(compiled) > 1)} "
+            f"{', '.join(repr(p) for p in compiled[:3])}"
+            f"{f' and {len(compiled) - 3} more' if len(compiled) > 3 else ''} compiled "
+            "(torch.compile), and its plan is the eager step's: compiled, a step keeps what "
+            "inductor and its partitioner keep (more than eager on a ResNet: docs/recipes.md, "
+            f"'torch.compile'), so the {self.budget} budget was not measured for it. Plan the "
+            "compiled step: planner.optimize(..., compiled='blocks') where each block is "
+            "compiled, compiled='model' where the model is, then apply() that plan.",
+            about="compiled")
 
     def _check_partitioner(self) -> None:
         """A compiled plan's budget holds under the partitioner's budget it was measured

@@ -9,7 +9,10 @@ its training step there, on the meta model, at
 the per-rank budget (``data_parallel_shard_degree`` > 1: FSDP2 over that many ranks), and
 installs the plan on the part's own modules; the model is then materialised
 (``to_empty``, ``init_weights``) and trained by torchtitan as usual. The plan's memory is
-estimated for ``device`` (default an H100: nothing runs on the meta device). A pipeline
+estimated for ``device`` (default an H100: nothing runs on the meta device). With
+torchtitan's compile on, each block is compiled after ``apply``: the plan is the eager
+step's (a rank's compiled step is not measured yet), and the plan's guard says so at the
+first step. A pipeline
 stage is refused with the reason (its step holds microbatches under a schedule this config
 does not name): plan stages with ``planner.optimize(..., pipeline=...)``.
 """
