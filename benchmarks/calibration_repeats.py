@@ -20,7 +20,8 @@ import os
 from typing import Any
 
 import torch
-from kept_memory import add_allocator_flag, chosen_allocator  # benchmarks/, the script's folder
+from frontier_measure import CPU_THREADS  # benchmarks/, the script's folder
+from kept_memory import add_allocator_flag, chosen_allocator
 
 from planner import region_calibration, zoo
 from planner.profiling import profile_model
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(chosen_allocator(args))
     os.environ.setdefault("CHECKPOINT_PLANNER_CACHE", "off")
-    torch.set_num_threads(2)  # as the frontier times its rows
+    torch.set_num_threads(CPU_THREADS)  # as the frontier times its rows
     for name in args.models:
         rows = [repeat(name) for _ in range(args.repeats)]
         for row in rows:

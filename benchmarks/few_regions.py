@@ -21,7 +21,7 @@ import statistics
 import warnings
 
 import torch
-from frontier_measure import Runner  # benchmarks/, the script's folder
+from frontier_measure import CPU_THREADS, Runner  # benchmarks/, the script's folder
 from kept_memory import DEFAULT_MALLOC, add_allocator_flag, chosen_allocator
 from results_files import write_results
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     allocator = chosen_allocator(args)
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(2)
+    torch.set_num_threads(CPU_THREADS)  # as the frontier times its rows
     result = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
               "torch": torch.__version__, "machine": platform.machine(),
               "threads": torch.get_num_threads(), "allocator": allocator,

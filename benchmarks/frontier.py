@@ -36,7 +36,7 @@ import frontier_peers
 import torch
 from frontier_auto_sac import AUTO_SAC, auto_sac_not_run, auto_sac_peer
 from frontier_compile import COMPILE, COMPILE_BUDGETS, compile_backend, compile_peer
-from frontier_measure import TIME_UP, Runner, distinct_peaks, grads_match
+from frontier_measure import CPU_THREADS, TIME_UP, Runner, distinct_peaks, grads_match
 from frontier_peers import eager_peer, replay_peers
 from frontier_report import format_row, make_result, write_result
 from kept_memory import keep_freed_memory
@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="*", default=None, help="zoo names to keep")
     parser.add_argument("--peers", nargs="*", default=None, choices=ALL_PEERS,
                         help="peer strategies to run ('none' always runs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (default: 1 on the CPU, see CPU_THREADS)")
     opts = parser.parse_args(argv)
     steps = opts.steps or (2 if opts.quick else 15)
     passes = opts.passes if opts.passes is not None else (0 if opts.quick else 2)
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     autocast = AUTOCAST.get(opts.autocast)
     # CPU rows are timed on memory the allocator keeps, as a GPU's allocator keeps it
     allocator = keep_freed_memory() if opts.device == "cpu" else "torch's CUDA caching allocator"
+    if opts.threads or opts.device == "cpu":
+        torch.set_num_threads(opts.threads or CPU_THREADS)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for name, kwargs in cases(opts.device, opts.quick):

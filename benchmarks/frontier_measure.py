@@ -24,6 +24,12 @@ from planner.runtime.guard import PlanGuard
 
 GIB = 2**30
 TIME_UP = "not run: the run's time limit was reached"
+# CPU rows run on one intra-op thread: on a 2-vCPU host, forty plain HF GPT-2 steps with two
+# threads spread 3-11 % of their median (p10 to p90; the second thread shares a core with
+# the host's own work, and each op waits for the slower one), with one 0.8-1.6 % on memory
+# the allocator keeps (10.5 % on glibc's defaults). The planner's calibration then times
+# with the process's CPU clock (`planner.region_calibration`), the frontier with the wall's.
+CPU_THREADS = 1
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,44 @@ def slower(pair: dict[str, Any]) -> bool:
     (the median of the rounds' differences), else the two rows' overheads."""
     duel = pair.get("head_to_head")
     return (duel["median"] if duel else pair["ours"] - pair["theirs"]) > NOISE
+
+
+TOLERANCE = (0.03, 0.15)  # issue 62: predicted within max(3 points, 15 % of the measure)
+
+
+def predicted_within(r: dict[str, Any]) -> bool:
+    """Whether a timed row's predicted overhead is within `TOLERANCE` of its measured one."""
+    points, share = TOLERANCE
+    return abs(r["predicted_overhead"] - r["overhead"]) <= max(points, share * abs(r["overhead"]))
+
+
+def prediction_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """How many rows of ours are predicted within `TOLERANCE`, per model, with the signed
+    median error and the median span of a row's own passes (what the measure repeats to)."""
+    ours = [r for r in rows if r["kind"] == "ours" and r.get("status") == "ok"
+            and r.get("predicted_overhead") is not None]
+    if not ours:
+        return []
+    points, share = TOLERANCE
+    lines = ["", f"Rows of ours predicted within max({100 * points:.0f} points, "
+             f"{100 * share:.0f} %) of their measured overhead: "
+             f"**{sum(map(predicted_within, ours))} of {len(ours)}**.", "",
+             "| model | within | signed median error | errors | median span of a row's passes |",
+             "|---|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in ours):
+        mine = [r for r in ours if r["model"] == model]
+        errors = [r["predicted_overhead"] - r["overhead"] for r in mine]
+        spans = [max(r["overhead_passes"]) - min(r["overhead_passes"]) for r in mine
+                 if r.get("overhead_passes")]
+        lines.append(f"| {model} | {sum(map(predicted_within, mine))} of {len(mine)} | "
+                     f"{_points(statistics.median(errors))} | {_points(min(errors))} to "
+                     f"{_points(max(errors))} | "
+                     f"{f'{100 * statistics.median(spans):.1f} pts' if spans else ''} |")
+    return lines
+
+
+def _points(x: float) -> str:
+    return f"{100 * x:+.1f} pts"
 
 
 def _pct(x: float | None) -> str:
@@ -132,6 +171,7 @@ def markdown(result: dict[str, Any]) -> str:
               "(MemTracker, RuntimeEstimator, SACEstimator on a fake-tensor step). The JSON "
               "rows hold its decisions (`ac_decisions`, `saved_ops`) and the adaptations made "
               "(see frontier_auto_sac.py)."]
+    lines += prediction_lines(result["rows"])
     lines += host_split(result["rows"])
     if any(r["strategy"].startswith(COMPILE) for r in result["rows"]):
         lines += ["", f"{COMPILE} (activation_memory_budget b): the model compiled once per "
@@ -233,7 +273,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return (f"CPU {platform.processor() or platform.machine()}, {threads} "
+            f"thread{'' if threads == 1 else 's'}")
 
 
 def make_result(device: str, mode: str, steps: int, timing: str, autocast: torch.dtype | None,

@@ -55,11 +55,31 @@ def test_frontier_quick(tmp_path: Path) -> None:
                <= p["head_to_head"]["high"] for p in differ)
     assert all(p["head_to_head"] is None for p in result["pairings"] if p["same_plan"])
     assert "Ours against each peer" in (tmp_path / "frontier-cpu-quick.md").read_text()
+    assert "Rows of ours predicted within" in (tmp_path / "frontier-cpu-quick.md").read_text()
     # strategies that cannot run here are recorded with a reason, not dropped
     assert all(r["status"].startswith(("ok", "not run", "failed", "infeasible"))
                for r in result["rows"])
     # torch's auto-SAC has rows (measured, or why not: e.g. pulp not installed)
     assert any(r["strategy"].startswith(frontier.AUTO_SAC) for r in result["rows"])
+
+
+def test_rows_predicted_within_max_3_points_or_15_percent() -> None:
+    """Issue 62's criterion: a row of ours predicted within max(3 points, 15 % of its
+    measured overhead); the report counts them per model."""
+    from frontier_report import predicted_within, prediction_lines
+
+    def row(measured: float, predicted: float, model: str = "m") -> dict:
+        return {"kind": "ours", "status": "ok", "model": model, "overhead": measured,
+                "predicted_overhead": predicted, "overhead_passes": [measured, measured + 0.01]}
+
+    assert predicted_within(row(0.10, 0.129)) and predicted_within(row(0.10, 0.071))
+    assert not predicted_within(row(0.10, 0.131))  # 3 points is the floor
+    assert predicted_within(row(0.40, 0.459)) and not predicted_within(row(0.40, 0.461))
+    lines = prediction_lines([row(0.10, 0.12), row(0.40, 0.50), row(0.2, 0.2, "n"),
+                              {"kind": "peer", "status": "ok", "model": "m"}])
+    assert "**2 of 3**" in lines[1]
+    assert "| m | 1 of 2 | +6.0 pts | +2.0 pts to +10.0 pts | 1.0 pts |" in lines
+    assert "| n | 1 of 1 |" in "\n".join(lines)
 
 
 def test_retimed_rows_keep_the_median_of_their_passes() -> None:
