@@ -119,6 +119,13 @@ def arguments(description: str, models: list[str], argv: list[str]) -> argparse.
     return args
 
 
+def command(script: str, argv: list[str]) -> str:
+    """The command that reproduces a run, as its results' heading says it: ``argv`` without
+    ``--out`` (where the files went is not how they were measured)."""
+    kept = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    return " ".join(["python", f"benchmarks/{script}", *kept])
+
+
 def run_and_write(args: argparse.Namespace, run: Callable[[str], dict], stem: str,
                   heading: list[str]) -> None:
     """``run`` each model ``args`` names, saying each verdict, then write ``stem``'s json

@@ -29,7 +29,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from allocator_steps import AllocatorSteps, arguments, pad_to_longest, random_rows, run_and_write
+from allocator_steps import (
+    AllocatorSteps,
+    arguments,
+    command,
+    pad_to_longest,
+    random_rows,
+    run_and_write,
+)
 
 from planner import InfeasibleBudgetError, zoo
 from planner.switches.lightning import PlannedCheckpointing
@@ -150,7 +157,7 @@ def main(argv: list[str]) -> None:
     run_and_write(args, lambda name: run_model(name, args.steps, args.shortest, args.longest,
                                                args.share), "compile-lightning-cpu",
                   [f"# Lightning, Trainer.fit(torch.compile(module)), padded batches of every "
-                   f"length (`python benchmarks/compile_lightning.py {' '.join(argv)}`)", "",
+                   f"length (`{command('compile_lightning.py', argv)}`)", "",
                    f"torch {torch.__version__}, lightning {pl.__version__}, "
                    f"{platform.machine()}; CPU, inductor's C++; peaks of each training_step "
                    "with its backward by the CPU allocator's events, MiB."])

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 import transformers
-from allocator_steps import AllocatorSteps, arguments, pad_to_longest, random_rows, run_and_write
+from allocator_steps import (
+    AllocatorSteps,
+    arguments,
+    command,
+    pad_to_longest,
+    random_rows,
+    run_and_write,
+)
 
 from planner import InfeasibleBudgetError, zoo
 from planner.switches.hf_trainer import PlannedCheckpointing
@@ -139,7 +146,7 @@ def main(argv: list[str]) -> None:
     run_and_write(args, lambda name: run_model(name, args.steps, args.shortest, args.longest,
                                                args.share, work), "compile-trainer-cpu",
                   [f"# HF Trainer, torch_compile=True, padded batches of every length "
-                   f"(`python benchmarks/compile_trainer.py {' '.join(argv)}`)", "",
+                   f"(`{command('compile_trainer.py', argv)}`)", "",
                    f"torch {torch.__version__}, transformers {transformers.__version__}, "
                    f"{platform.machine()}; CPU, inductor's C++; peaks of each training_step "
                    "(forward and backward) by the CPU allocator's events, MiB."])

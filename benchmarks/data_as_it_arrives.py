@@ -174,8 +174,12 @@ def _lightning_run(build: Any, precision: str | None, budget: int,
                      if isinstance(t, torch.Tensor)]
             self.lengths.append(batch["input_ids"].shape[1])
             if switch is not None:
+                # the last step's gradients count until zero_grad() frees them, after
+                # the forward (Lightning's order)
                 self.tracker = PeakTracker([*module.parameters(), *module.buffers(), *state,
-                                            *ds.tensors_of(batch)])
+                                            *ds.tensors_of(batch)],
+                                           held=[p.grad for p in module.parameters()
+                                                 if p.grad is not None])
                 self.tracker.__enter__()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any,

@@ -58,8 +58,10 @@ def optimize(model: nn.Module, example_inputs: Any = None, *, budget_gb: float,
     Gradients: by default each step starts with no ``.grad`` (``zero_grad()``'s default,
     ``set_to_none=True``); ``grad_accumulation=True`` plans steps that start with every
     ``.grad`` allocated (micro-batches of gradient accumulation,
-    ``zero_grad(set_to_none=False)``). The planned model warns when a step starts with
-    gradients its plan did not count.
+    ``zero_grad(set_to_none=False)``); ``zero_grad_after_forward=True`` plans steps that
+    start with the last backward's ``.grad`` and free them between their forward and
+    backward (Lightning's ``training_step``, ``zero_grad``, ``backward``). The planned model
+    warns when a step starts with gradients its plan did not count.
 
     Any state of the object plans the same training step: a plan already applied (it stays
     installed until :func:`apply` replaces it), gradients left by a backward, eval mode
@@ -169,7 +171,8 @@ def _plan_stage(model: nn.Module, microbatch: Any, budget_gb: float,
                          "its backward starts from the gradient the next stage sends; "
                          "give loss_fn to the last stage only")
     profile_options = {k: v for k, v in config.options(STEP, PROFILING).items()
-                       if k not in ("loss_fn", "grad_accumulation", "progress")}
+                       if k not in ("loss_fn", "grad_accumulation", "zero_grad_after_forward",
+                                    "progress")}
     steps = StageSteps(model, microbatch, spec, config.loss_fn, target_bytes,
                        **profile_options)
     return steps.plan(_budget_bytes(budget_gb), config.time_limit_s, config.solver,

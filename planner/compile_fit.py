@@ -420,6 +420,7 @@ def plan_compiled(model: nn.Module, example_inputs: Any, budget_bytes: int,
                         [c.path for c in block_calls(profiled.profile)],
                         autocast_dtype=profiled.profile.autocast_dtype,
                         grads_at_start=config.grad_accumulation,
+                        grads_in_forward=config.zero_grad_after_forward,
                         batches=batches, garbage_collected=config.compile_garbage_collected)
     bar = _bar(range(MAX_COMPILES), f"compiled steps ({config.compiled})", config.progress)
 

@@ -148,11 +148,13 @@ class CompiledStep:
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
-                 batches: list[Batch] | None = None, garbage_collected: bool = False) -> None:
+                 grads_in_forward: bool = False, batches: list[Batch] | None = None,
+                 garbage_collected: bool = False) -> None:
         self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.args, self.kwargs, self.loss_fn = model, args, kwargs, loss_fn
         self.mode, self.blocks = mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        self.grads_in_forward = grads_in_forward
         self.garbage_collected = garbage_collected  # training_peaks's
         # dynamo's recompile limit where a step measured reached it (calls past it ran eager)
         self.recompile_limit_hit: int | None = None
@@ -201,7 +203,8 @@ class CompiledStep:
         restore()
         peak, _, _ = measure_step(self.model, batch.args, batch.kwargs, self.loss_fn,
                                   self.autocast_dtype, compiled=True,
-                                  grads_at_start=self.grads_at_start)
+                                  grads_at_start=self.grads_at_start,
+                                  grads_in_forward=self.grads_in_forward)
         return SteppedBatch(compiled_now, compiling_peak, left, kept, peak)
 
     def _compiling(self, batch: Batch, compiled_now: Callable[[], bool]

@@ -80,6 +80,11 @@ class PlanConfig:
         STEP, "steps start with every .grad allocated (micro-batches of gradient "
         "accumulation, zero_grad(set_to_none=False)); default: without .grad",
         stage=False, flag="--grad-accumulation"))
+    zero_grad_after_forward: bool = field(default=False, metadata=_about(
+        STEP, "steps start with the last backward's .grad and call zero_grad() between "
+        "their forward and backward (Lightning's order): the gradients count through the "
+        "forward and loss, not the backward; default: steps start without .grad",
+        stage=False, flag="--zero-grad-after-forward"))
     compiled: str | None = field(default=None, metadata=_about(
         COMPILING, "plan the step torch.compile runs, its peak measured compiled: 'model' "
         "(torch.compile(model), the Trainer's torch_compile) or 'blocks' (each repeated "
@@ -144,7 +149,8 @@ class PlanConfig:
         elif self.envelope is not None and not isinstance(self.envelope, Envelope):
             raise TypeError(f"envelope= takes a planner.Envelope (or its fields as a dict), "
                             f"not {type(self.envelope).__name__}")
-        for name in ("grad_accumulation", "progress", "offload", "op_ranges",
+        for name in ("grad_accumulation", "zero_grad_after_forward", "progress", "offload",
+                     "op_ranges",
                      "deterministic", "compile_garbage_collected"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -182,11 +182,12 @@ class PeakTracker(TorchDispatchMode):
 
     ``static_tensors`` (parameters, buffers, inputs) count for the whole step, each storage
     once, as does any other tensor from before the step that an op reads (a loss target);
-    everything ops allocate counts while alive.
+    everything ops allocate counts while alive, and so do ``held`` tensors from before the
+    step (the last step's gradients, which ``zero_grad()`` frees half-way).
     """
 
     def __init__(self, static_tensors: Iterable[torch.Tensor], *,
-                 follow_resizes: bool = False) -> None:
+                 follow_resizes: bool = False, held: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._static: set[StorageWeakRef] = set()
         self.static_bytes = 0
@@ -194,7 +195,10 @@ class PeakTracker(TorchDispatchMode):
             self._keep_static(tensor)
         self._live: dict[StorageWeakRef, int] = {}
         self._live_bytes = self.static_bytes
-        self.peak_bytes = self.static_bytes
+        for tensor in held:
+            if StorageWeakRef(_storage(tensor)) not in self._static:
+                self._track(tensor)
+        self.peak_bytes = self._live_bytes
         # FSDP2 frees and re-allocates unsharded parameters by resizing their storages
         # (``untyped_storage().resize_``, no op a dispatch mode sees): with
         # ``follow_resizes`` every tensor alive in the process when the step starts counts

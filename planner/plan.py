@@ -599,9 +599,14 @@ class Plan(_Strict):
         """The training step the budget holds for: how its gradients start, and whether
         the optimizer's step is in it."""
         static = self.profile.static
-        start = ("steps start with every .grad allocated (gradient accumulation, "
-                 "zero_grad(set_to_none=False))" if static.grads_at_start else
-                 "steps start without .grad (zero_grad() before each)")
+        if static.grads_at_start:
+            start = ("steps start with every .grad allocated (gradient accumulation, "
+                     "zero_grad(set_to_none=False))")
+        elif static.grads_in_forward:
+            start = ("steps start with the last .grad and free them before the backward "
+                     "(zero_grad() between forward and backward)")
+        else:
+            start = "steps start without .grad (zero_grad() before each)"
         optimizer = (", optimizer state and step included" if static.optimizer_state_bytes
                      or static.optimizer_step_bytes else ", no optimizer counted")
         return f"forward + backward{optimizer}; {start}"

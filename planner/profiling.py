@@ -108,7 +108,8 @@ def profile_model(model: nn.Module, example_inputs: Any = None, *,
         again = functools.partial(
             profiles.profile, model, _as_inputs(args, kwargs), loss_fn=c.loss_fn,
             optimizer=c.optimizer, autocast=autocast, timing=c.timing, device=c.device,
-            execution=c.execution, grad_accumulation=c.grad_accumulation, parallel=parallel,
+            execution=c.execution, grad_accumulation=c.grad_accumulation,
+            zero_grad_after_forward=c.zero_grad_after_forward, parallel=parallel,
             whole_step=not on_host)
         prof = again(progress=c.progress)
         routed, routing = _routed_loops(model, prof), None

@@ -24,6 +24,7 @@ from planner.runtime.emit import checkpointed_modules
 from planner.runtime.install import _guards, remove
 from planner.runtime.offload import offloaded_modules
 from profiles.inputs import normalize_inputs
+from profiles.step import GradLayout
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def step_residents(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.T
 def measure_step(module: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor],
                  autocast_dtype: str | None = None, *,
-                 grads_at_start: bool = False,
+                 grads_at_start: bool = False, grads_in_forward: bool = False,
                  compiled: bool = False) -> tuple[int, torch.Tensor, dict]:
     """Peak allocated bytes of one training step (the CUDA allocator, or on CPU
     :class:`planner.measure.PeakTracker`), the loss and the gradients. As on the CPU, the
@@ -119,21 +120,33 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     (``grads_at_start``) as a later micro-batch of gradient accumulation does: with the
     gradients one backward before it left, zeroed, laid out as that backward laid them out
     (AccumulateGrad keeps an incoming gradient, a slice of a larger one included); that
-    backward's random draws and buffer updates are undone. ``compiled``: the step runs
+    backward's random draws and buffer updates are undone. ``grads_in_forward``: as a step
+    in Lightning's order, which starts with the ``.grad`` one backward left (laid out so,
+    allocated in the step) and frees them (``zero_grad()``) between its forward and its
+    backward. ``compiled``: the step runs
     compiled code, whose buffers a dispatch mode does not see; on the CPU the allocator's
     own events measure it (:func:`planner.measure.allocator_peak`), above the same tensors.
     Gradients are cleared afterwards."""
     device = _model_device(module)
     module.zero_grad(set_to_none=True)
 
+    left: GradLayout | None = None
+
     def run() -> torch.Tensor:
+        if left is not None:
+            left.allocate(dict(module.named_parameters(remove_duplicate=False)))
         with _autocast(device.type, autocast_dtype):
             loss = loss_fn(module(*args, **kwargs))
+        if left is not None:
+            module.zero_grad(set_to_none=True)
         loss.backward()
         return loss.detach()
 
-    if grads_at_start:
+    if grads_at_start or grads_in_forward:
         _grads_as_one_backward_left_them(module, device, run)
+    if grads_in_forward:
+        left = GradLayout.of(dict(module.named_parameters(remove_duplicate=False)))
+        module.zero_grad(set_to_none=True)
     static = step_residents(module, args, kwargs)
     if device.type == "cuda" or compiled:
         held: list[torch.Tensor] = []
@@ -287,19 +300,20 @@ def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
     loss_fn = loss_fn or profiles.default_loss
     was_planned = bool(checkpointed_modules(model) or _guards(model) or offloaded_modules(model))
     dtype = plan.autocast_dtype
-    accumulate = plan.profile.static.grads_at_start
+    grads = {"grads_at_start": plan.profile.static.grads_at_start,
+             "grads_in_forward": plan.profile.static.grads_in_forward}
     with _state_kept(model) as restore, _grads_kept(model), warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanMismatchWarning)
         remove(model)
         with _training_config(model):
             _, base_loss, base_grads = measure_step(model, args, kwargs, loss_fn, dtype,
-                                                    grads_at_start=accumulate)
+                                                    **grads)
             restore()
             unplanned_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
             restore()
         apply(model, plan)
-        peak, loss, grads = measure_step(model, args, kwargs, loss_fn, dtype,
-                                         grads_at_start=accumulate)
+        peak, loss, planned_grads = measure_step(model, args, kwargs, loss_fn, dtype,
+                                                 **grads)
         restore()
         step_ms = _time_step(model, args, kwargs, loss_fn, repeats, dtype)
         if not was_planned:
@@ -314,6 +328,6 @@ def verify(model: nn.Module, plan: Plan, example_inputs: Any = None,
         step_ms=step_ms,
         unplanned_step_ms=unplanned_ms,
         losses_equal=bool(torch.equal(loss, base_loss)),
-        grads_equal=base_grads.keys() == grads.keys()
-        and all(torch.equal(base_grads[k], grads[k]) for k in grads),
+        grads_equal=base_grads.keys() == planned_grads.keys()
+        and all(torch.equal(base_grads[k], planned_grads[k]) for k in planned_grads),
     )

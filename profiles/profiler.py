@@ -104,6 +104,7 @@ def profile(
     device: str | DeviceSpec | None = None,
     execution: str = "auto",
     grad_accumulation: bool = False,
+    zero_grad_after_forward: bool = False,
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = True,
@@ -140,11 +141,15 @@ def profile(
             unless the model is on the meta device.
         grad_accumulation: the step starts with every ``.grad`` allocated and adds into it
             (micro-batches of gradient accumulation, ``zero_grad(set_to_none=False)``),
-            laid out as one backward leaves them (``profiles.step._GradLayout``: a
+            laid out as one backward leaves them (``profiles.step.GradLayout``: a
             gradient that is a slice of a larger one keeps all of it), found by running
             that backward once, fake or real as the profile runs; default: it starts with
             none, as ``zero_grad()`` leaves them. The ``.grad`` the model holds now never
             matter.
+        zero_grad_after_forward: the step starts with the ``.grad`` one backward left (laid
+            out as it left them) and frees them between its forward and its backward
+            (``zero_grad()`` there: Lightning's order): the backward is a fresh one, the
+            forward and the loss hold the gradients too.
         progress: show a progress bar (on a terminal or in a notebook).
         parallel: profile one rank of this parallelism (``profiles.parallel``): the user's
             ``parallelize`` runs on a copy of the model over a fake process group of the
@@ -164,7 +169,8 @@ def profile(
     _refuse_active_tools(type(model).__name__)
     request = _request(model, example_inputs, loss_fn=loss_fn, autocast=autocast,
                        timing=timing, device=device, execution=execution,
-                       grad_accumulation=grad_accumulation, parallel=parallel)
+                       grad_accumulation=grad_accumulation,
+                       zero_grad_after_forward=zero_grad_after_forward, parallel=parallel)
     step, spec = request.step, request.spec
     if parallel is not None:  # the backend its collectives run on, said once for every run
         parallel = parallel.for_target(step.device_type, spec.name.lower() != "cpu")
@@ -201,8 +207,13 @@ class _Request:
 def _request(model: nn.Module, example_inputs: Any, *,
              loss_fn: Callable[[Any], torch.Tensor] | None, autocast: torch.dtype | None,
              timing: str, device: str | DeviceSpec | None, execution: str,
-             grad_accumulation: bool, parallel: Parallelism | None) -> _Request:
+             grad_accumulation: bool, zero_grad_after_forward: bool,
+             parallel: Parallelism | None) -> _Request:
     """:func:`profile`'s options checked and resolved, in this order."""
+    if grad_accumulation and zero_grad_after_forward:
+        raise ValueError("grad_accumulation=True and zero_grad_after_forward=True: a step "
+                         "either adds into the .grad it starts with or frees them before its "
+                         "backward; plan the one whose peak is higher (accumulation's)")
     args, kwargs = normalize_inputs(model, example_inputs)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -215,7 +226,7 @@ def _request(model: nn.Module, example_inputs: Any, *,
     abstract = _abstract(everything)
     execution = _resolve_execution(execution, abstract)
     step = _Step(model, args, kwargs, loss_fn or default_loss, autocast, device_type,
-                 bool(grad_accumulation))
+                 bool(grad_accumulation), grads_in_forward=bool(zero_grad_after_forward))
     if parallel is not None:
         resolved = _check_parallel(timing, step)
     return _Request(step, input_tensors, resolved, execution, abstract, spec)
@@ -226,10 +237,12 @@ def _backward_memory(step: _Step, rec: _Recorded, kernels: DeviceSpec | None
     """What the backward holds at each node, observed with ``kernels``
     (``profiles.backward._observe_backward``). With ``grads_at_start`` it starts from the
     gradients laid out as one backward leaves them, which are then the static gradient
-    bytes of ``rec``."""
-    if step.grads_at_start:
-        step.grad_layout = _grad_layout(step, rec.real, kernels)
-        rec.static = _laid_out_grads(rec.static, step.grad_layout)
+    bytes of ``rec``; with ``grads_in_forward`` those bytes are the forward's, and the
+    backward starts from none."""
+    if step.grads_at_start or step.grads_in_forward:
+        layout = _grad_layout(step, rec.real, kernels)
+        rec.static = _laid_out_grads(rec.static, layout)
+        step.grad_layout = layout if step.grads_at_start else None
     return _observe_backward(step, [r.name for r in rec.recorder.records], rec.real, kernels)
 
 
@@ -248,7 +261,8 @@ def _graph_profile(model: nn.Module, request: _Request, rec: _Recorded,
         device=_device_name(request.step.device_type) if measured else request.spec.name,
         torch_version=torch.__version__,
         fingerprint=trace_fingerprint(model, rec.recorder.records, rec.recorder.calls,
-                                      request.inputs, autocast, request.step.grads_at_start),
+                                      request.inputs, autocast, request.step.grads_at_start,
+                                      request.step.grads_in_forward),
         autocast_dtype=_dtype_name(autocast) if autocast is not None else None,
         nodes=nodes,
         storages=[StorageInfo(**info) for info in rec.storages.infos],
@@ -275,10 +289,11 @@ def observe_forward(model: nn.Module, args: tuple, kwargs: dict,
 
 def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
                       inputs: list[torch.Tensor], autocast_dtype: torch.dtype | None,
-                      grads_at_start: bool = False) -> str:
+                      grads_at_start: bool = False, grads_in_forward: bool = False) -> str:
     """Hash of what a plan depends on: the ops in order and the module call that ran each,
     the module calls' spans, parameter/buffer shapes and dtypes, input shapes and dtypes, the
-    autocast dtype and whether the step starts with gradients allocated. No generated names,
+    autocast dtype and whether the step starts with gradients allocated (or holds them
+    through its forward only). No generated names,
     so it is stable across runs."""
     structure: list[object] = [[r.name, r.call] for r in records]
     structure.append([[c.path, c.start, c.stop, c.parent] for c in calls])
@@ -289,6 +304,8 @@ def trace_fingerprint(model: nn.Module, records: list[Any], calls: list[Any],
     structure.append(str(autocast_dtype))
     if grads_at_start:  # appended only then: fingerprints of fresh-start steps stay as they were
         structure.append("gradients allocated at step start")
+    if grads_in_forward:
+        structure.append("gradients held through the forward, freed before the backward")
     return fingerprint(structure)
 
 
@@ -442,6 +459,7 @@ def _record(step: _Step, real: bool, spec: DeviceSpec | None,
         optimizer_state_bytes=state_bytes,
         optimizer_step_bytes=step_bytes,
         grads_at_start=step.grads_at_start,
+        grads_in_forward=step.grads_in_forward,
     )
     return rec
 
@@ -500,9 +518,10 @@ def _check_parallel(timing: str, step: _Step) -> str:
         raise ValueError("timing='measure' times one process's ops, but a rank's step runs "
                          "its collectives on a fake process group, where they take no time: "
                          "plan a rank with timing='estimate' (or 'auto') and device=")
-    if step.grads_at_start:
-        raise ValueError("grad_accumulation=True is not planned per rank yet: FSDP2 keeps "
-                         "its sharded gradients; plan the first micro-batch's step")
+    if step.grads_at_start or step.grads_in_forward:
+        option = "grad_accumulation" if step.grads_at_start else "zero_grad_after_forward"
+        raise ValueError(f"{option}=True is not planned per rank yet: FSDP2 keeps its "
+                         "sharded gradients; plan the first micro-batch's step")
     return "estimate"
 
 

@@ -248,6 +248,10 @@ class StaticMemory(_Strict):
     grads_at_start: bool = Field(False, description="the step starts with every .grad "
                                  "allocated (gradient accumulation, zero_grad(set_to_none="
                                  "False)); False: with none, as zero_grad() leaves them")
+    grads_in_forward: bool = Field(False, description="the step starts with the .grad one "
+                                   "backward left and frees them after its forward and "
+                                   "loss, before its own backward (zero_grad() between the "
+                                   "two, Lightning's order): they count in the forward only")
 
     @property
     def total_bytes(self) -> int:

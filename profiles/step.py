@@ -4,7 +4,7 @@
 run). A step runs on the model's own tensors (copies of its buffers) or on fake twins under
 ``FakeTensorMode`` as the target device runs it (``profiles.fake``, ``profiles.kernels``).
 A step with ``grads_at_start`` starts from gradients laid out as a backward leaves them
-(``_GradLayout``). Profiling hands back the RNG state it drew from.
+(``GradLayout``). Profiling hands back the RNG state it drew from.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class _Step:
     autocast_dtype: torch.dtype | None
     device_type: str
     grads_at_start: bool = False  # every .grad allocated when the step starts
-    grad_layout: _GradLayout | None = None  # how, with grads_at_start (`_grad_layout`)
+    grad_layout: GradLayout | None = None  # how, with grads_at_start (`_grad_layout`)
+    grads_in_forward: bool = False  # the last .grad held through the forward, freed before
     meta_as: str = "cpu"  # a fake step runs meta tensors as fake tensors of this device
     twin: Callable[[Any], nn.Module] | None = None  # a parallel step: a fresh twin per run
 
@@ -155,14 +156,14 @@ def _rng_state_preserved() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _GradView:
-    storage: int  # index into _GradLayout.storages
+    storage: int  # index into GradLayout.storages
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
 
 @dataclass(frozen=True)
-class _GradLayout:
+class GradLayout:
     """Where a backward from no gradients leaves each parameter's ``.grad``.
 
     AccumulateGrad keeps an incoming gradient as ``.grad`` when nothing else holds it and
@@ -180,7 +181,7 @@ class _GradLayout:
         return sum(nbytes for nbytes, _ in self.storages)
 
     @classmethod
-    def of(cls, params: dict[str, torch.Tensor]) -> _GradLayout:
+    def of(cls, params: dict[str, torch.Tensor]) -> GradLayout:
         """The layout of the ``.grad`` that ``params`` hold now."""
         index: dict[StorageWeakRef, int] = {}
         storages: list[tuple[int, torch.dtype]] = []
@@ -213,7 +214,7 @@ class _GradLayout:
             p.grad = bases[view.storage].as_strided(view.shape, view.stride, view.offset)
 
 
-def _grad_layout(step: _Step, real: bool, spec: DeviceSpec | None) -> _GradLayout | None:
+def _grad_layout(step: _Step, real: bool, spec: DeviceSpec | None) -> GradLayout | None:
     """Where one backward from no gradients leaves the gradients, on a fake step, or on a
     real one when the forward ran on real tensors and fake ones cannot run the backward;
     None when neither can (each ``.grad`` is then taken as a tensor of its own)."""
@@ -223,7 +224,7 @@ def _grad_layout(step: _Step, real: bool, spec: DeviceSpec | None) -> _GradLayou
                 for p in state.params.values():
                     p.grad = None
                 step.forward_loss(state.args, state.kwargs).backward()
-                return _GradLayout.of(state.params)
+                return GradLayout.of(state.params)
         except Exception as error:
             log.info("could not run the backward of %s on %s tensors to lay out its "
                      "gradients (%s)", type(step.model).__name__,
@@ -246,7 +247,7 @@ def _start_grads(params: dict[str, torch.Tensor], step: _Step) -> None:
         p.grad = torch.zeros_like(p) if step.grads_at_start and p.requires_grad else None
 
 
-def _laid_out_grads(static: StaticMemory, layout: _GradLayout | None) -> StaticMemory:
+def _laid_out_grads(static: StaticMemory, layout: GradLayout | None) -> StaticMemory:
     """Static memory whose gradients are the storages ``layout`` holds, each once (more
     than the parameters where a gradient is a view of a larger one, less where a parameter
     gets none); as it was without a layout."""

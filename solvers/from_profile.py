@@ -321,9 +321,19 @@ def problem_from_profile(profile: GraphProfile, block_prefix: str | None = None,
         observed_backward=observed,
         host_link=host_link(profile.device),
         host_overlaps_device=profile.for_gpu,
-        fwd_runtime_bytes=[nd.fwd_runtime_bytes or 0 for nd in nodes]
-        if profile.parallel is not None else None,
+        fwd_runtime_bytes=_forward_held(profile),
     )
+
+
+def _forward_held(profile: GraphProfile) -> list[int] | None:
+    """What each node's first forward holds beside the activations, the same under every
+    schedule: a parallel runtime's buffers, and the last step's gradients where the step
+    frees them only after its forward (``StaticMemory.grads_in_forward``)."""
+    grads = profile.static.grad_bytes if profile.static.grads_in_forward else 0
+    if profile.parallel is None and not grads:
+        return None
+    runtime = profile.parallel is not None
+    return [((nd.fwd_runtime_bytes or 0) if runtime else 0) + grads for nd in profile.nodes]
 
 
 def host_link(device: str) -> HostLink | None:

@@ -137,8 +137,9 @@ def caller_held(problem: Problem) -> frozenset[int]:
 
 def fwd_event_bytes(problem: Problem) -> tuple[int, ...]:
     """What node i's first forward holds beyond the activations live then: its
-    temporaries and what a parallel runtime holds meanwhile (a rerun holds only the
-    temporaries: it runs in the backward, whose events count the runtime)."""
+    temporaries and `fwd_runtime_bytes` (a parallel runtime's, gradients freed after the
+    forward; a rerun holds only the temporaries: it runs in the backward, whose events count
+    the runtime)."""
     runtime = problem.fwd_runtime_bytes or [0] * problem.n_nodes
     return tuple(t + r for t, r in zip(problem.fwd_temp_bytes, runtime, strict=True))
 

@@ -178,10 +178,12 @@ class Problem(BaseModel):
     Optional `host_link`: how fast saved activations move to host memory and back; a
     schedule may offload only on a problem that has one.
 
-    Optional `fwd_runtime_bytes[i]`: what a parallel runtime holds while node i's forward
-    first runs (FSDP2's gathered parameters and collective buffers, as measured on one
-    rank), the same under every schedule. A rerun of node i happens in the backward, where
-    the runtime's bytes are in the observed backward instead (`fwd_event_bytes`).
+    Optional `fwd_runtime_bytes[i]`: what the step holds beside its state and activations
+    while node i's forward first runs, the same under every schedule: a parallel runtime's
+    (FSDP2's gathered parameters and collective buffers, as measured on one rank), and the
+    last step's gradients where they are freed only after the forward (Lightning's order).
+    A rerun of node i happens in the backward, where the runtime's bytes are in the observed
+    backward instead (`fwd_event_bytes`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

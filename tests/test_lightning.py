@@ -64,7 +64,8 @@ def shard_layers(module: pl.LightningModule, mesh: Any) -> None:
 
 class StepPeaks(pl.Callback):
     """The peak allocated bytes of each training batch (forward, backward, optimizer step)
-    with the parameters, buffers and optimizer state counted, and its loss."""
+    with the parameters, buffers and optimizer state counted, and the last step's gradients
+    while they live (Lightning frees them after the forward), and its loss."""
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
@@ -74,7 +75,9 @@ class StepPeaks(pl.Callback):
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
         state = [t for s in trainer.optimizers[0].state.values() for t in s.values()
                  if isinstance(t, torch.Tensor)]
-        self._tracker = PeakTracker([*module.parameters(), *module.buffers(), *state])
+        self._tracker = PeakTracker([*module.parameters(), *module.buffers(), *state],
+                                    held=[p.grad for p in module.parameters()
+                                          if p.grad is not None])
         self._tracker.__enter__()
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:

@@ -151,7 +151,9 @@ class PlanGuard:
                  restore_use_cache: list[Any], installed: dict[str, Any]) -> None:
         self.inputs = list(plan.inputs)
         self.autocast_dtype = plan.autocast_dtype
-        self.grads_at_start = plan.profile.static.grads_at_start
+        # gradients counted when a step starts: added into, or held through the forward
+        static = plan.profile.static
+        self.grads_at_start = static.grads_at_start or static.grads_in_forward
         self.device_type = device_type
         self.strict = strict
         self.restore_use_cache = restore_use_cache
@@ -337,8 +339,9 @@ class PlanGuard:
                 f"{self.model_name} starts a training step with .grad allocated (gradient "
                 "accumulation, or zero_grad(set_to_none=False)), but its plan counted "
                 f"gradients from the backward on: the {self.budget} budget does not hold. "
-                "Plan with optimize(..., grad_accumulation=True), or call "
-                "zero_grad() (set_to_none=True) before each step.")
+                "Plan with optimize(..., grad_accumulation=True) (or "
+                "zero_grad_after_forward=True where zero_grad() runs between the forward "
+                "and the backward), or call zero_grad() (set_to_none=True) before each step.")
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         planned = {(spec.keyword, spec.name): spec for spec in self.inputs}

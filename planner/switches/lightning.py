@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PlannedCheckpointing", "TrainingStep", "plan_in_configure_model"]
 
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_DECIDED = frozenset({"autocast", "grad_accumulation", "loss_fn"})
+_DECIDED = frozenset({"autocast", "grad_accumulation", "zero_grad_after_forward", "loss_fn"})
 
 
 class TrainingStep(nn.Module):
@@ -145,8 +145,11 @@ def _trainer_settings(trainer: Trainer) -> dict[str, Any]:
         raise ValueError(f"PlannedCheckpointing plans precision '32-true', 'bf16-mixed', "
                          f"'16-mixed' or a '-true' precision, not {precision!r}")
     # Lightning's automatic optimization zeroes gradients after training_step's forward,
-    # so every step but the first runs its forward with the last step's .grad allocated
-    return {"autocast": _AUTOCAST.get(precision), "grad_accumulation": True}
+    # so every step but the first runs its forward with the last step's .grad allocated;
+    # accumulating, the later micro-batches of a window also add into them in the backward
+    accumulating = trainer.accumulate_grad_batches > 1
+    return {"autocast": _AUTOCAST.get(precision), "grad_accumulation": accumulating,
+            "zero_grad_after_forward": not accumulating}
 
 
 def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
@@ -166,8 +169,7 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     per_rank = config.parallelize is not None
     with _quiet_logging(module):
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
-                        config=config, **{**settings, "grad_accumulation":
-                                          settings["grad_accumulation"] and not per_rank})
+                        config=config, **(_fresh_start(settings) if per_rank else settings))
     if per_rank and isinstance(plan, PlanTable):
         plan = plan.model_copy(update={"entries": [
             e.model_copy(update={"plan": _room_for_last_gradients(e.plan, config)})
@@ -178,6 +180,12 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     step.compiled_by(compiler)
     module.training_step = step.run
     return plan
+
+
+def _fresh_start(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` for a rank's plan: per-rank planning has steps that start without
+    gradients only (`_room_for_last_gradients` makes room for the last step's)."""
+    return {**settings, "grad_accumulation": False, "zero_grad_after_forward": False}
 
 
 def _room_for_last_gradients(plan: Plan, config: PlanConfig) -> Plan:
