@@ -238,8 +238,8 @@ def _backward_memory(step: _Step, rec: _Recorded, kernels: DeviceSpec | None
     (``profiles.backward._observe_backward``). With ``grads_at_start`` it starts from the
     gradients laid out as one backward leaves them, which are then the static gradient
     bytes of ``rec``; with ``grads_in_forward`` those bytes are the forward's, and the
-    backward starts from none."""
-    if step.grads_at_start or step.grads_in_forward:
+    backward starts from none (a rank's: its parameters' shards, as FSDP2 leaves them)."""
+    if step.grads_at_start or (step.grads_in_forward and step.twin is None):
         layout = _grad_layout(step, rec.real, kernels)
         rec.static = _laid_out_grads(rec.static, layout)
         step.grad_layout = layout if step.grads_at_start else None
@@ -518,10 +518,9 @@ def _check_parallel(timing: str, step: _Step) -> str:
         raise ValueError("timing='measure' times one process's ops, but a rank's step runs "
                          "its collectives on a fake process group, where they take no time: "
                          "plan a rank with timing='estimate' (or 'auto') and device=")
-    if step.grads_at_start or step.grads_in_forward:
-        option = "grad_accumulation" if step.grads_at_start else "zero_grad_after_forward"
-        raise ValueError(f"{option}=True is not planned per rank yet: FSDP2 keeps its "
-                         "sharded gradients; plan the first micro-batch's step")
+    if step.grads_at_start:
+        raise ValueError("grad_accumulation=True is not planned per rank yet: FSDP2 keeps "
+                         "its sharded gradients; plan the first micro-batch's step")
     return "estimate"
 
 

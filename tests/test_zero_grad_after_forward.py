@@ -85,6 +85,6 @@ def test_measure_step_runs_lightnings_order() -> None:
 
 def test_both_gradient_orders_at_once_are_refused() -> None:
     zm = _gpt()
-    with pytest.raises(ValueError, match="either adds into the .grad"):
+    with pytest.raises(ValueError, match=r"either adds into the \.grad"):
         profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                       progress=False, grad_accumulation=True, zero_grad_after_forward=True)

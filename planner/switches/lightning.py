@@ -167,14 +167,18 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
         step = TrainingStep(module)
     step.compiled_by(None)
     per_rank = config.parallelize is not None
+    # a rank's plan cannot start from gradients to accumulate into: plan a fresh start,
+    # then make room for them (`_room_for_last_gradients`)
+    room = per_rank and settings["grad_accumulation"]
     with _quiet_logging(module):
         plan = optimize(step, step.leaves(batch), budget_gb=budget_gb, loss_fn=_loss,
-                        config=config, **(_fresh_start(settings) if per_rank else settings))
-    if per_rank and isinstance(plan, PlanTable):
+                        config=config,
+                        **({**settings, "grad_accumulation": False} if room else settings))
+    if room and isinstance(plan, PlanTable):
         plan = plan.model_copy(update={"entries": [
             e.model_copy(update={"plan": _room_for_last_gradients(e.plan, config)})
             for e in plan.entries]})
-    elif per_rank:
+    elif room:
         plan = _room_for_last_gradients(plan, config)
     apply(step, plan)
     step.compiled_by(compiler)
@@ -182,16 +186,10 @@ def _plan_step(module: LightningModule, batch: Any, budget_gb: float,
     return plan
 
 
-def _fresh_start(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` for a rank's plan: per-rank planning has steps that start without
-    gradients only (`_room_for_last_gradients` makes room for the last step's)."""
-    return {**settings, "grad_accumulation": False, "zero_grad_after_forward": False}
-
-
 def _room_for_last_gradients(plan: Plan, config: PlanConfig) -> Plan:
-    """A rank's plan is made for a step that starts with no gradients (per-rank planning
-    has no other), but Lightning frees the last step's sharded gradients only after the
-    forward: plan for the budget less those, so that the forward beside them fits too."""
+    """A rank's plan under gradient accumulation is made for a step that starts with no
+    gradients (per-rank planning cannot start from gradients to add into), but its later
+    micro-batches hold the sharded gradients throughout: plan for the budget less those."""
     grads = plan.profile.static.grad_bytes
     try:
         return replan(plan, budget_bytes=plan.budget_bytes - grads,
@@ -200,8 +198,8 @@ def _room_for_last_gradients(plan: Plan, config: PlanConfig) -> Plan:
         least = error.min_budget_bytes + grads
         raise InfeasibleBudgetError(
             f"No plan of this rank's Lightning step fits {format_bytes(plan.budget_bytes)} "
-            f"with the last step's {format_bytes(grads)} of sharded gradients beside its "
-            f"forward; the least that fits is {format_bytes(least)}: budget_gb={least / GIB!r}"
+            f"with {format_bytes(grads)} of sharded gradients accumulating beside it; "
+            f"the least that fits is {format_bytes(least)}: budget_gb={least / GIB!r}"
             f"\n{error}", least, plan=error.plan) from error
 
 
