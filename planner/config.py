@@ -150,8 +150,7 @@ class PlanConfig:
             raise TypeError(f"envelope= takes a planner.Envelope (or its fields as a dict), "
                             f"not {type(self.envelope).__name__}")
         for name in ("grad_accumulation", "zero_grad_after_forward", "progress", "offload",
-                     "op_ranges",
-                     "deterministic", "compile_garbage_collected"):
+                     "op_ranges", "deterministic", "compile_garbage_collected"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for f in fields(self):

@@ -123,13 +123,15 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
     backward's random draws and buffer updates are undone. ``grads_in_forward``: as a step
     in Lightning's order, which starts with the ``.grad`` one backward left (laid out so,
     allocated in the step) and frees them (``zero_grad()``) between its forward and its
-    backward. ``compiled``: the step runs
-    compiled code, whose buffers a dispatch mode does not see; on the CPU the allocator's
-    own events measure it (:func:`planner.measure.allocator_peak`), above the same tensors.
-    Gradients are cleared afterwards."""
+    backward. ``compiled``: the step runs compiled code, whose buffers a dispatch mode does
+    not see; on the CPU the allocator's own events measure it
+    (:func:`planner.measure.allocator_peak`), above the same tensors. Gradients are
+    cleared afterwards."""
     device = _model_device(module)
     module.zero_grad(set_to_none=True)
 
+    # the last step's gradients, once laid out (None while `_last_gradients` runs the step
+    # that leaves them)
     left: GradLayout | None = None
 
     def run() -> torch.Tensor:
@@ -142,11 +144,7 @@ def measure_step(module: nn.Module, args: tuple, kwargs: dict,
         loss.backward()
         return loss.detach()
 
-    if grads_at_start or grads_in_forward:
-        _grads_as_one_backward_left_them(module, device, run)
-    if grads_in_forward:
-        left = GradLayout.of(dict(module.named_parameters(remove_duplicate=False)))
-        module.zero_grad(set_to_none=True)
+    left = _last_gradients(module, device, run, grads_at_start, grads_in_forward)
     static = step_residents(module, args, kwargs)
     if device.type == "cuda" or compiled:
         held: list[torch.Tensor] = []
@@ -209,6 +207,24 @@ def _peak_above(resident: list[torch.Tensor], device: torch.device,
     call()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - max(bystanders, 0)
+
+
+def _last_gradients(module: nn.Module, device: torch.device, run: Callable[[], torch.Tensor],
+                    grads_at_start: bool, grads_in_forward: bool) -> GradLayout | None:
+    """The gradients `measure_step`'s step starts from: with ``grads_at_start``, those one
+    ``run()`` leaves, zeroed, on the model; with ``grads_in_forward``, their layout (the
+    step allocates them itself, so that they count until ``zero_grad()`` frees them)."""
+    if grads_at_start and grads_in_forward:
+        raise ValueError("measure_step: a step either adds into the .grad it starts with "
+                         "(grads_at_start) or frees them after its forward "
+                         "(grads_in_forward), not both")
+    if grads_at_start or grads_in_forward:
+        _grads_as_one_backward_left_them(module, device, run)
+    if not grads_in_forward:
+        return None
+    layout = GradLayout.of(dict(module.named_parameters(remove_duplicate=False)))
+    module.zero_grad(set_to_none=True)
+    return layout
 
 
 def _grads_as_one_backward_left_them(module: nn.Module, device: torch.device,
