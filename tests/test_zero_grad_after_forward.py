@@ -88,3 +88,6 @@ def test_both_gradient_orders_at_once_are_refused() -> None:
     with pytest.raises(ValueError, match=r"either adds into the \.grad"):
         profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, timing="estimate",
                       progress=False, grad_accumulation=True, zero_grad_after_forward=True)
+    with pytest.raises(ValueError, match="not both"):
+        measure_step(zm.model, zm.example_inputs, {}, zm.loss_fn, grads_at_start=True,
+                     grads_in_forward=True)
