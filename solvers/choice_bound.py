@@ -26,7 +26,13 @@ every schedule `simulate` replays (so the LP is a relaxation):
   at most `h2d` bandwidth x that same time, and what came back before the backward began
   (no more than either queue moves in the forward and `w`) the device holds until needed;
 - a synchronous link (a CPU: copies hold up compute): `w` is at least every copy out and
-  every copy back of a storage a node saves.
+  every copy back of a storage a node saves;
+- ``copies_end_in_forward`` (our runtime's rule: an offload is released, its copies out
+  waited for, at the end of a call of the forward, `solvers.schedule.Offload.release`):
+  every copy out ends before the backward begins, so the device-to-host queue moves all
+  of them in the forward's time and `w`. Without it the bound covers runtimes that let
+  copies out run on into the backward (torchtune's activation offloading frees a tensor
+  whenever its copy has landed).
 
 Regenerated copies, frames, the order of a storage's copy out and back and every overhead
 are optimistic omissions: they only make real schedules cost more. Without `w` (before
@@ -54,12 +60,14 @@ class ChoiceBound:
     """`added_ms`: no per-tensor choice fitting `budget_bytes` adds less time to the step,
     reruns and stalls on copies (None: none fits at all: the budget is below every
     schedule's peak); `recompute_ms` and `stall_ms` its two parts at the LP's optimum.
-    `offload`: whether offloading was among the choices. The fractional split of the saved
-    bytes at the optimum says where the bound comes from."""
+    `offload`: whether offloading was among the choices; `copies_end_in_forward`: whether
+    the bound holds the copies out to the forward (the module docstring). The fractional
+    split of the saved bytes at the optimum says where the bound comes from."""
 
     budget_bytes: int
     offload: bool
     added_ms: float | None
+    copies_end_in_forward: bool = False
     recompute_ms: float = 0.0
     stall_ms: float = 0.0
     kept_bytes: float = 0.0
@@ -101,10 +109,12 @@ class _Terms:
         self.first_need = {s: max(ctx.savers[s]) for s in self.saved}
 
 
-def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -> ChoiceBound:
+def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True,
+                 copies_end_in_forward: bool = False) -> ChoiceBound:
     """The least time any per-tensor keep / recompute (/ offload) choice fitting
     `budget_bytes` adds to the step, reruns and copy stalls (see the module docstring);
-    offload only where the problem has a `host_link`."""
+    offload only where the problem has a `host_link`; ``copies_end_in_forward``: only
+    choices whose copies out all end in the forward, as every schedule `simulate` replays."""
     p = problem
     offload = offload and p.host_link is not None
     terms = _Terms(p)
@@ -128,11 +138,11 @@ def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -
     stall = _stall(lp, p, terms, o) if offload else 0.0
     _forward_rows(lp, p, terms, x, o, budget, stall)
     queued = offload and not p.host_link.synchronous
-    _backward_rows(lp, p, terms, x, budget,
-                   _copy_rows(lp, p, terms, o, rerun, stall) if queued else {})
+    ahead = _copy_rows(lp, p, terms, o, rerun, stall, copies_end_in_forward) if queued else {}
+    _backward_rows(lp, p, terms, x, budget, ahead)
     lp.Minimize(rerun + stall)
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
-        return ChoiceBound(budget_bytes, offload, None)
+        return ChoiceBound(budget_bytes, offload, None, copies_end_in_forward)
     nbytes = p.storage_bytes
     kept = sum(x[s].solution_value() * nbytes[s] for s in terms.saved)
     moved = sum(o[s].solution_value() * nbytes[s] for s in terms.saved)
@@ -140,8 +150,8 @@ def choice_bound(problem: Problem, budget_bytes: int, *, offload: bool = True) -
     rerun_ms = sum(p.fwd_time_ms[i] * v.solution_value() for i, v in y.items())
     stall_ms = 0.0 if isinstance(stall, float) else stall.solution_value()
     return ChoiceBound(budget_bytes, offload, max(0.0, lp.Objective().Value()),
-                       max(0.0, rerun_ms), max(0.0, stall_ms), kept, moved,
-                       max(0.0, total - kept - moved))
+                       copies_end_in_forward, max(0.0, rerun_ms), max(0.0, stall_ms), kept,
+                       moved, max(0.0, total - kept - moved))
 
 
 def _running_sums(lp: pywraplp.Solver, n: int, adds: dict[int, list], name: str) -> list:
@@ -202,14 +212,17 @@ def _stall(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict) -> object:
 
 
 def _copy_rows(lp: pywraplp.Solver, p: Problem, terms: _Terms, o: dict, rerun: object,
-               stall: object) -> dict[int, object]:
+               stall: object, end_in_forward: bool) -> dict[int, object]:
     """The copies at each backward event j (module docstring): the MiB whose copy out cannot
-    have ended, and those come back ahead of their need; what the device holds of both."""
+    have ended, and those come back ahead of their need; what the device holds of both.
+    ``end_in_forward``: every copy out has ended when the backward begins."""
     link = p.host_link
     assert link is not None and not link.synchronous
     d2h, h2d = (_mib_per_ms(link, to_host) for to_host in (True, False))
     moved = lp.NumVar(0.0, lp.infinity(), "moved")
     lp.Add(moved == sum(p.storage_bytes[s] / _MIB * o[s] for s in terms.held))
+    if end_in_forward:
+        lp.Add(moved <= d2h * (terms.forward_ms + stall))
     early = lp.NumVar(0.0, lp.infinity(), "early")  # back before the backward began: out
     lp.Add(early <= min(d2h, h2d) * (terms.forward_ms + stall))  # and back in that time
     by_need: dict[int, list] = {}

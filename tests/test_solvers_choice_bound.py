@@ -42,6 +42,11 @@ def test_no_offloading_schedule_beats_the_bound(case: tuple[Problem, Schedule],
     assert bound.added_ms <= timeline.added_time_ms + 1e-6
     plain = choice_bound(p, timeline.peak_bytes, offload=False)
     assert not plain.feasible or bound.added_ms <= plain.added_ms + 1e-6
+    # every copy out of a schedule simulate replays ends in the forward (its releases are
+    # forward calls), so the runtime's bound holds it too, and is no looser
+    ours = choice_bound(p, timeline.peak_bytes, copies_end_in_forward=True)
+    assert ours.feasible and ours.copies_end_in_forward
+    assert bound.added_ms - 1e-6 <= ours.added_ms <= timeline.added_time_ms + 1e-6
 
 
 def test_a_schedule_that_waits_for_its_copies_is_above_the_bound() -> None:
@@ -73,3 +78,18 @@ def test_the_bound_is_close_to_the_plans_and_says_when_nothing_fits() -> None:
     assert 0.25 * answer < bound <= answer
     assert choice_bound(p, unplanned, offload=False).added_ms == pytest.approx(0.0, abs=1e-9)
     assert not choice_bound(p, int(0.8 * lowest), offload=False).feasible
+
+
+def test_copies_held_to_the_forward_bound_more() -> None:
+    """On a transformer whose copies out could run on into the backward, holding them to the
+    forward (our runtime's rule) raises the bound: the link moves less in the forward than
+    the relaxed bound sends."""
+    p = transformer(6)
+    p = p.model_copy(update={"host_link": HostLink(d2h_gbps=1.0, h2d_gbps=1.0)})
+    lowest = simulate(p, auto.lowest_peak(p, 10).schedule).peak_bytes
+    unplanned = simulate(p, Schedule.store_all(p.n_nodes)).peak_bytes
+    budget = int(lowest + 0.3 * (unplanned - lowest))
+    relaxed = choice_bound(p, budget)
+    ours = choice_bound(p, budget, copies_end_in_forward=True)
+    plain = choice_bound(p, budget, offload=False)
+    assert relaxed.added_ms < ours.added_ms - 0.05 < plain.added_ms
