@@ -272,6 +272,66 @@ def test_an_eager_plan_whose_modules_are_compiled_after_apply_warns_once() -> No
         torch._dynamo.reset()
 
 
+def _plain_step(model: nn.Module, as_called: nn.Module, x: torch.Tensor
+                ) -> tuple[torch.Tensor, dict]:
+    """A step without `measure_step`'s tracker (dynamo does not compile under a dispatch
+    mode): ``as_called`` (the model, or what compiles it) called, ``model``'s gradients."""
+    loss = _loss(as_called(x))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("whole", ["torch.compile(model)", "model.compile()"])
+def test_an_eager_plan_compiled_whole_warns_once_without_a_recompile(whole: str) -> None:
+    """The model compiled whole after ``apply`` (its guard's hook is traced, not run): said
+    while dynamo traces it, once, with ``fullgraph=True`` as well (no graph break), and the
+    saying sets nothing dynamo guards on (no recompile at the next step); the compiled
+    step's losses and gradients are the eager plan's."""
+    from torch._dynamo.testing import CompileCounter
+
+    model, (x,), plan = _planned()
+    apply(model, plan)
+    eager = _plain_step(model, model, x)
+    counter = CompileCounter()
+    compiled = model
+    if whole == "model.compile()":
+        model.compile(backend=counter, fullgraph=True)
+    else:
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+    try:
+        with pytest.warns(PlanMismatchWarning, match=r"module '<model>' compiled "
+                          r"\(torch.compile\), and its plan is the eager step's.*"
+                          r"compiled='model'"):
+            first = _plain_step(model, compiled, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = _plain_step(model, compiled, x)
+        assert counter.frame_count == 1
+        assert _same(first, eager) and _same(second, eager)
+    finally:
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+
+
+def test_a_strict_eager_plan_compiled_whole_stops_at_its_trace() -> None:
+    """``strict``: the compile stops with the guard's error (dynamo wraps it, its message
+    kept) before any step runs compiled."""
+    model, (x,), plan = _planned()
+    apply(model, plan, strict=True)
+    try:
+        with pytest.raises(Exception, match="its plan is the eager step's") as raised:
+            torch.compile(model, backend="eager")(x)
+        chain, error = [], raised.value
+        while error is not None and len(chain) < 8:
+            chain.append(error)
+            error = error.__cause__ or error.__context__
+        assert any(isinstance(e, PlanMismatchError) for e in chain), chain
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("change", [
     lambda m: m.double(), _retyped_in_place,
     lambda m: setattr(m.inner, "b", nn.Linear(16, 16)),

@@ -12,8 +12,10 @@ instance. A change warns once (:class:`PlanMismatchWarning`) or, ``strict``, rai
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -173,8 +175,19 @@ class PlanGuard:
         self.names = _argument_names(model)
         self.parallel = plan.profile.parallel
         self.parallel_checked = False
-        self.compile_checked = plan.compiled is not None  # an eager plan's: at its first step
+        self.eager_plan = plan.compiled is None
+        self.compile_checked = not self.eager_plan  # an eager plan's: at its first step
         self._told: set[str] = set()
+        self._register()
+
+    def _register(self) -> None:
+        """A number that finds this guard while dynamo traces it (`_at_trace_time`)."""
+        self.token = next(_TOKENS)
+        _TRACED[self.token] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a copy or an unpickled guard
+        self.__dict__.update(state)
+        self._register()
 
     def _complain(self, message: str, about: str | None = None) -> None:
         """Warn once per ``about`` (an input's name; default the message): a value that
@@ -187,8 +200,11 @@ class PlanGuard:
             warnings.warn(message, PlanMismatchWarning, stacklevel=8)  # the model(...) call
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return  # inference is not planned; compiled graphs were checked when traced
+        if not torch.is_grad_enabled():
+            return  # inference is not planned
+        if torch.compiler.is_compiling():  # the model compiled whole: this hook is traced
+            _at_trace_time(self.token)
+            return  # the rest was checked when the graph was traced, eagerly before it
         self.check(module, args, kwargs)
 
     def check(self, module: nn.Module, args: tuple, kwargs: dict, inputs: bool = True) -> None:
@@ -213,8 +229,16 @@ class PlanGuard:
         """On the first training step of an eager plan: modules compiled since ``apply``
         (torchtitan compiles each block after its checkpointing policy is applied) run
         another step than the one planned."""
+        self._compiled_said(compiled_modules(model))
+
+    def _check_traced(self) -> None:
+        """While dynamo traces an eager plan's model as a whole (``torch.compile(model)``,
+        ``model.compile()``): it runs another step than the one planned."""
+        if getattr(self, "eager_plan", False):  # (said once: `_complain`)
+            self._compiled_said(["<model>"])
+
+    def _compiled_said(self, compiled: list[str]) -> None:
         self.compile_checked = True
-        compiled = compiled_modules(model)
         if not compiled:
             return
         self._complain(
@@ -381,6 +405,28 @@ class PlanGuard:
                 f"{self.model_name} was planned under {planned} but runs under {running}: "
                 f"activations change size, so the {self.budget} budget does not hold. "
                 "Plan with optimize(..., autocast=...) matching how you train.")
+
+
+_TOKENS = itertools.count()
+_TRACED: weakref.WeakValueDictionary[int, PlanGuard] = weakref.WeakValueDictionary()
+
+
+def _at_trace_time(token: int) -> None:
+    """The check of guard ``token`` (`PlanGuard._check_traced`) run by dynamo while it
+    traces the guard's hook, once per graph it compiles: no graph break, nothing it reads
+    or sets guarded on (a comptime function sees the traced frame's constants, not its
+    objects: the guard is found by number). Nothing where this torch has no comptime."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:
+        return
+    comptime(lambda ctx: _check_traced(ctx.get_local("token").as_python_constant()))
+
+
+def _check_traced(token: int) -> None:
+    guard = _TRACED.get(token)
+    if guard is not None:
+        guard._check_traced()
 
 
 def _autocast_around_forward(module: nn.Module) -> torch.autocast | None:
