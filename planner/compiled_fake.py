@@ -46,6 +46,7 @@ from planner.runtime.install import _plan_suspended
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import _autocast, bound_tensors, step_residents
 from profiles.compiled_memory import CountingFakeMode, inductor_on_fake
+from profiles.step import GradLayout
 
 __all__ = ["FakeCompiledStep"]
 
@@ -58,10 +59,16 @@ class FakeCompiledStep:
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
-                 batches: list[Batch] | None = None, garbage_collected: bool = False) -> None:
+                 grads_in_forward: bool = False, batches: list[Batch] | None = None,
+                 garbage_collected: bool = False) -> None:
+        if grads_at_start and grads_in_forward:
+            raise ValueError("FakeCompiledStep: a step either adds into the .grad it starts "
+                             "with (grads_at_start) or frees them after its forward "
+                             "(grads_in_forward), not both")
         self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
         self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
+        self.grads_in_forward = grads_in_forward
         self.garbage_collected = garbage_collected  # training_peaks's
 
     measure = "fake tensors, inductor's generated code run with its kernels stubbed"
@@ -109,20 +116,25 @@ class FakeCompiledStep:
         compiling_peak, left, kept = self._one_step(twin, fake, args, kwargs, target,
                                                     lambda: frames_traced() > frames)
         compiled_now = frames_traced() > frames
-        peak, _, _ = self._one_step(twin, fake, args, kwargs, target, lambda: False)
+        # in Lightning's order, the counted step starts with the gradients the one before
+        # it left (as `measure_step`'s, the compiling step with none: training's first)
+        last = self._last if self.grads_in_forward else None
+        peak, _, _ = self._one_step(twin, fake, args, kwargs, target, lambda: False, last)
         return SteppedBatch(compiled_now, compiling_peak, left, kept, peak)
 
     def _one_step(self, twin: nn.Module, fake: CountingFakeMode, args: tuple, kwargs: dict,
-                  target: list[torch.Tensor], collect: Callable[[], bool]
-                  ) -> tuple[int, int, int]:
+                  target: list[torch.Tensor], collect: Callable[[], bool],
+                  last: GradLayout | None = None) -> tuple[int, int, int]:
         """One step counted: its peak above nothing (the resident tensors and the fake twin
         of the loss's ``target`` included; the real target is not counted again), what it
         leaves alive besides them once its gradients are dropped (or zeroed, where a step
         starts with them: ``grads_at_start``), and what of that is left after a cycle
-        collection, where ``collect()`` says to run one."""
+        collection, where ``collect()`` says to run one. ``last``: the gradients the step
+        starts with and frees after its forward (Lightning's order), allocated in it."""
         resident = [*step_residents(twin, args, kwargs), *map(fake.mode.from_tensor, target)]
         with fake.counting([*resident, *target]):
-            self._step(twin, args, kwargs)
+            self._step(twin, args, kwargs, last)
+            self._last = GradLayout.of(dict(twin.named_parameters(remove_duplicate=False)))
             grads = [p.grad for p in twin.parameters() if p.grad is not None] \
                 if self.grads_at_start else []
             for grad in grads:
@@ -135,7 +147,12 @@ class FakeCompiledStep:
             kept = fake.live_bytes() - storages_bytes(grads)
         return storages_bytes(resident) + fake.peak_bytes, left, kept
 
-    def _step(self, twin: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _step(self, twin: nn.Module, args: tuple, kwargs: dict,
+              last: GradLayout | None = None) -> None:
+        if last is not None:
+            last.allocate(dict(twin.named_parameters(remove_duplicate=False)))
         with _autocast(_model_device(self.model).type, self.autocast_dtype):
             loss = self.loss_fn(twin(*args, **kwargs))
+        if last is not None:
+            twin.zero_grad(set_to_none=True)
         loss.backward()

@@ -209,8 +209,9 @@ class GradLayout:
                 continue
             if view.storage not in bases:
                 nbytes, dtype = self.storages[view.storage]
-                bases[view.storage] = torch.zeros(-(-nbytes // dtype.itemsize), dtype=dtype,
-                                                  device=p.device)
+                # made from the parameter: a fake one's mode makes (and counts) it, active
+                # or not
+                bases[view.storage] = p.new_zeros(-(-nbytes // dtype.itemsize), dtype=dtype)
             p.grad = bases[view.storage].as_strided(view.shape, view.stride, view.offset)
 
 
