@@ -33,6 +33,7 @@ from planner.compiled_step import (
     Batch,
     CompiledMeasure,
     SteppedBatch,
+    _recompile_limit_hits,
     compiled,
     step_batches,
     training_peaks,
@@ -69,6 +70,7 @@ class FakeCompiledStep:
         self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
         self.grads_in_forward = grads_in_forward
+        self.recompile_limit_hit: int | None = None  # as `CompiledStep`'s
         self.garbage_collected = garbage_collected  # training_peaks's
 
     measure = "fake tensors, inductor's generated code run with its kernels stubbed"
@@ -112,10 +114,12 @@ class FakeCompiledStep:
                                 (batch.args, batch.kwargs))
         target = bound_tensors(self.loss_fn)  # a loss target: fake mode makes its twin
         twin.zero_grad(set_to_none=True)
-        frames = frames_traced()
+        hits, frames = _recompile_limit_hits(), frames_traced()
         compiling_peak, left, kept = self._one_step(twin, fake, args, kwargs, target,
                                                     lambda: frames_traced() > frames)
         compiled_now = frames_traced() > frames
+        if _recompile_limit_hits() > hits:
+            self.recompile_limit_hit = torch._dynamo.config.recompile_limit
         # in Lightning's order, the counted step starts with the gradients the one before
         # it left (as `measure_step`'s, the compiling step with none: training's first)
         last = self._last if self.grads_in_forward else None

@@ -314,6 +314,108 @@ def test_where_a_hand_policy_compiled_fits_and_runs_faster_the_fit_chooses_it() 
         plan.summary()
 
 
+class DeviceStep(RuledStep):
+    """A `RuledStep` on a device of ``capacity`` bytes: a schedule that peaks above it raises
+    the device's out-of-memory error, as a GPU's allocator does."""
+
+    def __init__(self, rule: Callable[[Plan], int], capacity: int) -> None:
+        super().__init__(rule)
+        self.capacity = capacity
+
+    def run(self, plan: Plan, partitioner_budget: float | None = None) -> CompiledMeasure:
+        if self.rule(plan) > self.capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().run(plan, partitioner_budget)
+
+
+def test_a_schedule_that_runs_the_device_out_of_memory_is_counted_and_the_fit_goes_on(
+        mlp_step) -> None:
+    """A model whose unplanned step does not fit the device (the users who need a plan):
+    the first probe, nothing checkpointed, runs out of memory; the fit counts it on fake
+    tensors instead, scales the next probe by that count, and ends on a measured plan
+    within the budget. Without a counter the error is the device's, raised."""
+    rule = lambda plan: plan.predicted_peak_bytes * 3 // 4  # noqa: E731
+    budget = int(0.6 * mlp_step.unplanned_peak_bytes)
+    capacity = int(0.7 * mlp_step.unplanned_peak_bytes)
+    counters: list[RuledStep] = []
+
+    def counter() -> RuledStep:
+        counters.append(RuledStep(rule, time_rule=lambda plan: None))
+        return counters[-1]
+
+    step = DeviceStep(rule, capacity)
+    lines: list[str] = []
+    plan = fit_compiled(mlp_step, _options(budget), step, lines.append, counter=counter)
+    assert plan.compiled.peak_bytes <= budget and plan.compiled.step_ms is not None
+    unplanned = plan.compiled.probes[0]
+    assert unplanned == (mlp_step.unplanned_peak_bytes, rule_of_unplanned(mlp_step, rule))
+    assert unplanned[1] > capacity and plan.compiled.probe_step_ms[0] is None
+    assert [s for c in counters for s, _ in c.measured] and \
+        all(rule_of_schedule(mlp_step, s, rule) > capacity
+            for c in counters for s, _ in c.measured)
+    assert "counted on fake tensors: it ran the device out of memory" in lines[0]
+    with pytest.raises(torch.OutOfMemoryError):
+        fit_compiled(mlp_step, _options(budget), DeviceStep(rule, capacity))
+
+
+def rule_of_unplanned(profiled: Any, rule: Callable[[Plan], int]) -> int:
+    return rule_of_schedule(profiled, policy_schedule("none", profiled.problem()), rule)
+
+
+def rule_of_schedule(profiled: Any, schedule: Schedule, rule: Callable[[Plan], int]) -> int:
+    return rule(plan_for_schedule(profiled.profile, schedule, profiled.inputs,
+                                  profiled.structure))
+
+
+def test_counted_on_fake_tensors_the_fit_keeps_the_fitting_schedule_that_keeps_most(
+        mlp_step) -> None:
+    """Untimed (every schedule counted on fake tensors, nothing run), the plan is the one
+    of the largest compiled peak that fits: the least recompute, ours or the partitioner's
+    (before: the largest eager budget, which put the partitioner's probes, made at the
+    unplanned step's budget, first whatever they kept)."""
+    budget = int(0.6 * mlp_step.unplanned_peak_bytes)
+    unplanned_compiled = mlp_step.unplanned_peak_bytes * 3 // 4
+    step = RuledStep(lambda plan: plan.predicted_peak_bytes * 3 // 4,
+                     time_rule=lambda plan: None,
+                     partitioner=lambda fraction: (int(unplanned_compiled * (0.5 + fraction
+                                                                              / 4)), None))
+    plan = fit_compiled(mlp_step, _options(budget), step)
+    fitting = [peak for _, peak in plan.compiled.probes if peak <= budget]
+    assert plan.compiled.peak_bytes == max(fitting) and plan.compiled.step_ms is None
+    assert any(fraction not in (None, 1.0) for _, fraction in step.measured)
+
+
+def test_execution_fake_counts_every_compiled_schedule_on_fake_tensors(monkeypatch) -> None:
+    """``optimize(..., compiled=, execution='fake')`` plans the compiled step without
+    running it: the eager step profiled on fake tensors, every schedule counted
+    (`FakeCompiledStep`); with real execution each runs, and the count is only for one
+    that runs the device out of memory."""
+    from planner import compile_fit
+    from planner.compiled_fake import FakeCompiledStep
+
+    seen: dict[str, Any] = {}
+
+    def fit(profiled, options, step, report=None, *, counter=None):
+        seen.update(step=step, counter=counter, execution=profiled.profile.execution)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(compile_fit, "fit_compiled", fit)
+    zm = zoo.get("mlp", batch=4, width=32, depth=2)
+    for execution, kind in (("fake", FakeCompiledStep), ("real", CompiledStep)):
+        with pytest.raises(RuntimeError, match="stop here"):
+            optimize(zm.model, zm.example_inputs, loss_fn=zm.loss_fn, budget_gb=1,
+                     compiled="model", execution=execution, progress=False)
+        assert type(seen["step"]) is kind and seen["execution"] == execution
+        assert (seen["counter"] is None) == (execution == "fake")
+    assert isinstance(seen["counter"](), FakeCompiledStep)
+    # counted, a convolution's workspace is not seen: said where the step has one
+    resnet = zoo.get("resnet")
+    with pytest.warns(PlanMismatchWarning, match="convolution's workspace"), \
+            pytest.raises(RuntimeError, match="stop here"):
+        optimize(resnet.model, resnet.example_inputs, loss_fn=resnet.loss_fn, budget_gb=1,
+                 compiled="model", execution="fake", progress=False)
+
+
 def test_among_schedules_timed_within_noise_the_fit_keeps_the_one_that_recomputes_least(
         mlp_step) -> None:
     """Schedules timed one after another differ by noise: where every schedule that fits
