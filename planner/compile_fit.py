@@ -141,7 +141,9 @@ class _Search:
                  counter: Callable[[], FakeCompiledStep] | None = None) -> None:
         self.profiled, self.options, self.step, self.report = profiled, options, step, report
         self.counter = counter  # where a schedule runs the device out of memory
-        self.counted: set[tuple[Any, float]] = set()  # (schedule, fraction) counted so
+        # (schedule, fraction) counted because it ran the device out of memory: it never
+        # fits, whatever its count (a budget above the device's memory would let it)
+        self.counted: set[tuple[Any, float]] = set()
         self.budget = options.budget_bytes
         self.optimizer_state = profiled.profile.static.optimizer_state_bytes
         self.resident = profiled.profile.static.resident_input_bytes
@@ -210,7 +212,8 @@ class _Search:
         return len({(p.plan.schedule, p.fraction) for p in self.probes})
 
     def fitting(self) -> list[_Probe]:
-        return [p for p in self.probes if p.peak <= self.budget]
+        return [p for p in self.probes if p.peak <= self.budget
+                and (p.plan.schedule, p.fraction) not in self.counted]
 
     def next_budget(self) -> int | None:
         """The eager budget to try next; None when the search is done."""
@@ -473,9 +476,8 @@ def _compiled_steps(model: nn.Module, profiled: ProfiledStep, profiled_batch: Ba
                                Callable[[], FakeCompiledStep] | None]:
     """The step the fit measures each schedule on, and what counts a schedule that runs
     the device out of memory: with ``execution='fake'`` every schedule is counted on fake
-    tensors (nothing runs: untimed, the fit keeps the fitting schedule of the least
-    recompute by the eager clock); else each runs, and one that does not fit the device is
-    counted."""
+    tensors (nothing runs: untimed, `_fastest` keeps the fitting one of the largest compiled
+    peak); else each runs, and one that does not fit the device is counted."""
     def make(kind: type) -> Any:
         return kind(model, profiled_batch.args, profiled_batch.kwargs,
                     config.loss_fn or profiles.default_loss, config.compiled,

@@ -356,6 +356,11 @@ def test_a_schedule_that_runs_the_device_out_of_memory_is_counted_and_the_fit_go
     assert "counted on fake tensors: it ran the device out of memory" in lines[0]
     with pytest.raises(torch.OutOfMemoryError):
         fit_compiled(mlp_step, _options(budget), DeviceStep(rule, capacity))
+    # a budget above what the device holds: a schedule that ran it out of memory is not a
+    # plan, whatever its count says (here none runs)
+    with pytest.raises(InfeasibleBudgetError):
+        fit_compiled(mlp_step, _options(budget), DeviceStep(rule, capacity=0),
+                     counter=counter)
 
 
 def rule_of_unplanned(profiled: Any, rule: Callable[[Plan], int]) -> int:
