@@ -334,7 +334,9 @@ def test_a_schedule_that_runs_the_device_out_of_memory_is_counted_and_the_fit_go
     the first probe, nothing checkpointed, runs out of memory; the fit counts it on fake
     tensors instead, scales the next probe by that count, and ends on a measured plan
     within the budget. Without a counter the error is the device's, raised."""
-    rule = lambda plan: plan.predicted_peak_bytes * 3 // 4  # noqa: E731
+    def rule(plan: Plan) -> int:
+        return plan.predicted_peak_bytes * 3 // 4
+
     budget = int(0.6 * mlp_step.unplanned_peak_bytes)
     capacity = int(0.7 * mlp_step.unplanned_peak_bytes)
     counters: list[RuledStep] = []
@@ -348,10 +350,10 @@ def test_a_schedule_that_runs_the_device_out_of_memory_is_counted_and_the_fit_go
     plan = fit_compiled(mlp_step, _options(budget), step, lines.append, counter=counter)
     assert plan.compiled.peak_bytes <= budget and plan.compiled.step_ms is not None
     unplanned = plan.compiled.probes[0]
-    assert unplanned == (mlp_step.unplanned_peak_bytes, rule_of_unplanned(mlp_step, rule))
+    assert unplanned == (mlp_step.unplanned_peak_bytes, _rule_of_unplanned(mlp_step, rule))
     assert unplanned[1] > capacity and plan.compiled.probe_step_ms[0] is None
     assert [s for c in counters for s, _ in c.measured] and \
-        all(rule_of_schedule(mlp_step, s, rule) > capacity
+        all(_rule_of_schedule(mlp_step, s, rule) > capacity
             for c in counters for s, _ in c.measured)
     assert "counted on fake tensors: it ran the device out of memory" in lines[0]
     with pytest.raises(torch.OutOfMemoryError):
@@ -363,11 +365,11 @@ def test_a_schedule_that_runs_the_device_out_of_memory_is_counted_and_the_fit_go
                      counter=counter)
 
 
-def rule_of_unplanned(profiled: Any, rule: Callable[[Plan], int]) -> int:
-    return rule_of_schedule(profiled, policy_schedule("none", profiled.problem()), rule)
+def _rule_of_unplanned(profiled: Any, rule: Callable[[Plan], int]) -> int:
+    return _rule_of_schedule(profiled, policy_schedule("none", profiled.problem()), rule)
 
 
-def rule_of_schedule(profiled: Any, schedule: Schedule, rule: Callable[[Plan], int]) -> int:
+def _rule_of_schedule(profiled: Any, schedule: Schedule, rule: Callable[[Plan], int]) -> int:
     return rule(plan_for_schedule(profiled.profile, schedule, profiled.inputs,
                                   profiled.structure))
 
