@@ -30,9 +30,11 @@ recompute); timed, the choice may differ from one run to the next; the budget ho
 either.
 
 With ``execution='fake'`` every schedule is counted on fake tensors instead
-(:class:`planner.compiled_fake.FakeCompiledStep`: nothing runs, nothing is timed, and the
-plan is the fitting schedule of the largest compiled peak, the least recompute); measuring
-for real, a schedule that runs the device out of memory is counted, and the search goes on.
+(:class:`planner.compiled_fake.FakeCompiledStep`: nothing runs, and each step's time is
+predicted from the kernels its generated code calls on the profile's device,
+:mod:`profiles.compiled_time`; on a CPU the host's roofline measured, and its matmuls timed
+per shape), and the same rule picks among the predicted times; measuring for real, a
+schedule that runs the device out of memory is counted, and the search goes on.
 
 A schedule already measured under a fraction is not compiled again. The plan records every probe
 (``plan.compiled``); where none fits, :class:`InfeasibleBudgetError` names the least
@@ -76,6 +78,8 @@ from planner.plan import (
 from planner.profiling import ProfiledStep, profile_model
 from planner.runtime.partitioner import partitioner_budget
 from planner.solving import plan_for_schedule, solve_profiled
+from profiles.devices import DeviceSpec, device_spec
+from profiles.host_roofline import host_roofline
 from profiles.inputs import normalize_inputs
 from profiles.progress import _bar
 from solvers.baselines import policy_schedule
@@ -151,6 +155,7 @@ class _Search:
         self.probes: list[_Probe] = []
         self.least_eager: int | None = None  # the eager budget of the least eager peak
         self.fraction = partitioner_budget()  # what the process's compiles use
+        self.timed_how = " predicted" if isinstance(step, FakeCompiledStep) else ""
 
     def solve(self, eager_budget: int) -> tuple[int, Plan]:
         """The eager plan at ``eager_budget``, or below the eager minimum the least one."""
@@ -179,7 +184,7 @@ class _Search:
         probe = _Probe(eager_budget, plan, peak, step_ms, source, fraction, batch_peaks)
         self.probes.append(probe)
         if seen is None:
-            timed = "" if step_ms is None else f", {step_ms:.1f} ms"
+            timed = "" if step_ms is None else f", {step_ms:.1f} ms{self.timed_how}"
             self.report(f"{source}: compiled peak {format_bytes(peak)}{timed}")
         return probe
 
@@ -383,11 +388,11 @@ class _Search:
 
 
 def _fastest(fitting: list[_Probe]) -> _Probe:
-    """The fastest probe measured; among those within `TIME_NOISE` of it, the one of the
-    largest compiled peak (the least recompute: exact where the times are not). Untimed
-    (counted on fake tensors), that rule alone: the one of the largest compiled peak, our
-    schedules and the partitioner's alike (the eager clock knows neither what compiling
-    fuses into a rerun nor what the partitioner recomputes)."""
+    """The fastest probe measured (or predicted, counted on fake tensors); among those
+    within `TIME_NOISE` of it, the one of the largest compiled peak (the least recompute:
+    exact where the times are not). Untimed, that rule alone: the one of the largest
+    compiled peak, our schedules and the partitioner's alike (the eager clock knows neither
+    what compiling fuses into a rerun nor what the partitioner recomputes)."""
     timed = [p for p in fitting if p.step_ms is not None]
     if not timed:
         return max(fitting, key=lambda p: (p.peak, p.eager_budget))
@@ -476,20 +481,28 @@ def _compiled_steps(model: nn.Module, profiled: ProfiledStep, profiled_batch: Ba
                                Callable[[], FakeCompiledStep] | None]:
     """The step the fit measures each schedule on, and what counts a schedule that runs
     the device out of memory: with ``execution='fake'`` every schedule is counted on fake
-    tensors (nothing runs: untimed, `_fastest` keeps the fitting one of the largest compiled
-    peak); else each runs, and one that does not fit the device is counted."""
-    def make(kind: type) -> Any:
+    tensors and its time predicted on the profile's device (:func:`compiled_clock`); else
+    each runs, and one that does not fit the device is counted (untimed: it never fits)."""
+    def make(kind: type, **options: Any) -> Any:
         return kind(model, profiled_batch.args, profiled_batch.kwargs,
                     config.loss_fn or profiles.default_loss, config.compiled,
                     [c.path for c in block_calls(profiled.profile)],
                     autocast_dtype=profiled.profile.autocast_dtype,
                     grads_at_start=config.grad_accumulation,
                     grads_in_forward=config.zero_grad_after_forward,
-                    batches=batches, garbage_collected=config.compile_garbage_collected)
+                    batches=batches, garbage_collected=config.compile_garbage_collected,
+                    **options)
 
     if config.execution == "fake":
-        return make(FakeCompiledStep), None
+        return make(FakeCompiledStep, spec=compiled_clock(profiled.profile.device)), None
     return make(CompiledStep), lambda: make(FakeCompiledStep)
+
+
+def compiled_clock(device: str) -> DeviceSpec:
+    """The roofline a counted compiled step is timed on: the profile's device, except the
+    CPU's rough stand-in, for which this host's own is measured (the CPU a model on it
+    runs on; :func:`profiles.host_roofline.host_roofline`)."""
+    return host_roofline() if device == "cpu" else device_spec(device)
 
 
 def training_batches(args: tuple, kwargs: dict, envelope: Envelope | None

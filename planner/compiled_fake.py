@@ -13,8 +13,10 @@ Each batch's step is counted as the measure measures it: the compiling step's ow
 what it leaves (and what a cycle collection after it does not free), and the next step,
 set together by the same rule (:func:`planner.compiled_step.training_peaks`). What it does
 not count (the measured step does): a kernel's own temporaries (a CPU convolution's
-scratch). Time is not counted: ``step_ms`` is None. ``benchmarks/compiled_fake.py`` sets
-the count beside the measure.
+scratch). Given a device's roofline (``spec``), the step on the example inputs is also
+timed from the kernels its generated code calls (:mod:`profiles.compiled_time`):
+``step_ms`` predicted, where the measure times it; without one ``step_ms`` is None.
+``benchmarks/compiled_fake.py`` sets the count and the time beside the measure.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from planner.runtime.install import _plan_suspended
 from planner.runtime.partitioner import partitioner_budget_set
 from planner.verification import _autocast, bound_tensors, step_residents
 from profiles.compiled_memory import CountingFakeMode, inductor_on_fake
+from profiles.compiled_time import KernelClock
+from profiles.devices import DeviceSpec
+from profiles.host_roofline import HOST
 from profiles.step import GradLayout
 
 __all__ = ["FakeCompiledStep"]
@@ -55,25 +60,34 @@ __all__ = ["FakeCompiledStep"]
 class FakeCompiledStep:
     """One training step of ``model`` compiled ``mode``, counted on fake tensors:
     ``peak_bytes(plan)`` with ``plan`` applied (``None``: without a plan), each of
-    ``batches`` stepped once (compiling where its shape is new), then counted."""
+    ``batches`` stepped once (compiling where its shape is new), then counted; with a
+    ``spec``, the step on ``args`` and ``kwargs`` timed on its roofline (this host's, from
+    :func:`profiles.host_roofline.host_roofline`: its compute ops timed here too)."""
 
     def __init__(self, model: nn.Module, args: tuple, kwargs: dict,
                  loss_fn: Callable[[Any], torch.Tensor], mode: str, blocks: list[str], *,
                  autocast_dtype: str | None = None, grads_at_start: bool = False,
                  grads_in_forward: bool = False, batches: list[Batch] | None = None,
-                 garbage_collected: bool = False) -> None:
+                 garbage_collected: bool = False, spec: DeviceSpec | None = None) -> None:
         if grads_at_start and grads_in_forward:
             raise ValueError("FakeCompiledStep: a step either adds into the .grad it starts "
                              "with (grads_at_start) or frees them after its forward "
                              "(grads_in_forward), not both")
         self.batches = step_batches(model, mode, blocks, args, kwargs, batches)
+        self.timed = Batch("", args, kwargs)
+        self.spec = spec
         self.model, self.loss_fn, self.mode, self.blocks = model, loss_fn, mode, blocks
         self.autocast_dtype, self.grads_at_start = autocast_dtype, grads_at_start
         self.grads_in_forward = grads_in_forward
         self.recompile_limit_hit: int | None = None  # as `CompiledStep`'s
         self.garbage_collected = garbage_collected  # training_peaks's
 
-    measure = "fake tensors, inductor's generated code run with its kernels stubbed"
+    @property
+    def measure(self) -> str:
+        """What counts the peak (and predicts the time), in words."""
+        counted = "fake tensors, inductor's generated code run with its kernels stubbed"
+        return counted if self.spec is None else \
+            f"{counted}; time predicted from its kernels on {self.spec.name}"
 
     def peak_bytes(self, plan: Plan | None) -> int:
         return self.run(plan).peak_bytes
@@ -82,16 +96,25 @@ class FakeCompiledStep:
             ) -> CompiledMeasure:
         """The step with ``plan`` compiled under ``partitioner_budget`` (None: the one
         ``plan`` sets, else the process's), counted on each batch."""
-        fake = CountingFakeMode()
+        fake = CountingFakeMode(None if self.spec is None else KernelClock(
+            self.spec, on_host=self.spec.name == HOST and _model_device(self.model).type
+            == "cpu"))
         twin = self._twin(fake, plan)
         with partitioner_budget_set(partitioner_budget), garbage_kept(), \
                 compiled(twin, self.mode, self.blocks, backend=inductor_on_fake(fake)), \
                 warnings.catch_warnings():
             # a candidate is an eager plan, compiled here on purpose: its guard says so
             warnings.simplefilter("ignore", PlanMismatchWarning)
-            steps = [self._counted(twin, fake, batch) for batch in self.batches]
+            steps, step_ms = [], None
+            for batch in self.batches:
+                steps.append(self._counted(twin, fake, batch))
+                if batch.args is self.timed.args and batch.kwargs is self.timed.kwargs:
+                    step_ms = self._step_ms
+            if self.spec is not None and step_ms is None:  # the timed batch is not a batch
+                self._counted(twin, fake, self.timed)
+                step_ms = self._step_ms
         peaks = training_peaks(steps, self.garbage_collected)
-        return CompiledMeasure(max(peaks), None, peaks)
+        return CompiledMeasure(max(peaks), step_ms if self.spec is not None else None, peaks)
 
     def _twin(self, fake: CountingFakeMode, plan: Plan | None) -> nn.Module:
         """A copy of the model on fake tensors (any plan of its own left out), ``plan``
@@ -138,6 +161,8 @@ class FakeCompiledStep:
         resident = [*step_residents(twin, args, kwargs), *map(fake.mode.from_tensor, target)]
         with fake.counting([*resident, *target]):
             self._step(twin, args, kwargs, last)
+            # the step's time: its forward, loss and backward, as `CompiledStep` times it
+            self._step_ms = fake.clock.ms if fake.clock is not None else None
             self._last = GradLayout.of(dict(twin.named_parameters(remove_duplicate=False)))
             grads = [p.grad for p in twin.parameters() if p.grad is not None] \
                 if self.grads_at_start else []

@@ -241,10 +241,12 @@ class CompiledFit(_Strict):
                                               "compiled peak measured), in order")
     probe_step_ms: list[float | None] = Field(
         default_factory=list, description="each probe's compiled step, timed (the least "
-        "of its timed steps, ms; None: not timed), in the order of probes")
+        "of its timed steps, ms; counted on fake tensors: predicted from its kernels, as "
+        "`measure` says; None: not timed), in the order of probes")
     step_ms: float | None = Field(None, description="this schedule's compiled step, timed "
-                                  "(ms): among the probes that fit, the fastest, or within "
-                                  "noise of it the largest peak")
+                                  "or predicted as the probes are (ms): among the probes "
+                                  "that fit, the fastest, or within noise of it the "
+                                  "largest peak")
     source: str = Field("", description="where this schedule came from: the eager optimum "
                         "at a budget, a hand policy, or the partitioner at a budget")
     unplanned_step_ms: float | None = Field(
@@ -294,8 +296,9 @@ class CompiledFit(_Strict):
         overhead = "" if not self.unplanned_step_ms else \
             f" ({self.step_ms / self.unplanned_step_ms - 1:+.1%} against " \
             f"{self.unplanned_step_ms:.1f} ms with nothing checkpointed)"
+        how = " (predicted)" if "predicted" in self.measure else ""
         return (f"{source}, the fastest that fit (within noise, the least recompute), "
-                f"{self.step_ms:.1f} ms a step compiled{overhead}")
+                f"{self.step_ms:.1f} ms a step compiled{how}{overhead}")
 
     def _batches(self) -> str:
         if not self.batches:

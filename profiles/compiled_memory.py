@@ -18,6 +18,10 @@ runs on fake tensors *without* the mode active: a fake tensor brings its mode in
 it takes part in, and the wrappers enter the mode themselves (their allocations take no
 fake tensor). What fake tensors do not show: a kernel's own temporaries (a CPU convolution's
 scratch: ResNet's compiled step measured 2.7 % above its count; a cuDNN workspace).
+
+Given a :class:`profiles.compiled_time.KernelClock`, the same run times the step: each
+stubbed kernel and each aten op counted is charged on the clock's roofline, and each graph
+called its call cost.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from profiles.compiled_time import KernelClock
+
 __all__ = ["CountingFakeMode", "inductor_on_fake"]
 
 # the wrapper's allocating helpers (torch._C._dynamo.guards' C functions, which make plain
@@ -45,9 +51,10 @@ class CountingFakeMode:
     whose ops, inside :meth:`counting`, are counted: the bytes of the storages they make
     and still alive, at most (``peak_bytes``) and now (:meth:`live_bytes`), beside the
     storages of ``resident`` tensors (counted by the caller). A storage is freed when its
-    last tensor is: the count drops before the next op."""
+    last tensor is: the count drops before the next op. ``clock``: times the same ops, and
+    the kernels of :func:`inductor_on_fake`, while counting (restarted each time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: KernelClock | None = None) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -57,6 +64,7 @@ class CountingFakeMode:
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._resident: set[int] = set()
         self.peak_bytes = 0
+        self.clock = clock
 
     @contextlib.contextmanager
     def counting(self, resident: Iterable[torch.Tensor] = ()) -> Iterator[None]:
@@ -65,10 +73,15 @@ class CountingFakeMode:
                           for t in resident if isinstance(t, torch.Tensor)}
         self.peak_bytes = 0
         self._counting = True
+        if self.clock is not None:
+            self.clock.restart()
+            self.clock.running = True
         try:
             yield
         finally:
             self._counting = False
+            if self.clock is not None:
+                self.clock.running = False
 
     def live_bytes(self) -> int:
         dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
@@ -91,6 +104,8 @@ class CountingFakeMode:
             self._depth -= 1
         if counted:
             self._note(out)
+            if self.clock is not None:
+                self.clock.aten(func, args, kwargs or {}, out)
         return out
 
     def note_real(self, values: Iterable[Any]) -> None:
@@ -125,16 +140,21 @@ def _compiling() -> bool:
 def inductor_on_fake(counter: CountingFakeMode) -> Callable[..., Any]:
     """A ``torch.compile`` backend: inductor's own compile (``compile_fx``: its decompositions,
     joint-graph passes, partitioner and scheduling), each graph's generated wrapper then run
-    inside ``counter``'s mode with its kernels stubbed, real tensors among its inputs
-    counted."""
+    inside ``counter``'s mode with its kernels stubbed (timed on ``counter.clock``, where it
+    has one), real tensors among its inputs counted."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    clock = counter.clock
+    kernel = (lambda name: _NO_OP) if clock is None else (lambda name: _Timed(clock, name))
 
     def inner_compile(graph: torch.fx.GraphModule, example_inputs: list, **options: Any):
         compiled = compile_fx_inner(graph, example_inputs, **options)
-        wrapper = _kernels_stubbed(compiled.current_callable)
+        wrapper = _kernels_stubbed(compiled.current_callable, kernel)
 
         def run(args: list) -> Any:
             counter.note_real(args)
+            if counter.clock is not None:
+                counter.clock.graph(sum(isinstance(a, torch.Tensor) for a in args))
             with counter.mode:
                 return wrapper(args)
 
@@ -150,15 +170,17 @@ def inductor_on_fake(counter: CountingFakeMode) -> Callable[..., Any]:
     return backend
 
 
-def _kernels_stubbed(call: Callable[[list], Any]) -> Callable[[list], Any]:
+def _kernels_stubbed(call: Callable[[list], Any],
+                     kernel: Callable[[str], Any] = lambda name: _NO_OP
+                     ) -> Callable[[list], Any]:
     """The generated wrapper ``call`` (a function, or a method of inductor's ``Runner``) with
-    its module's kernels replaced by no-ops and its allocating helpers by ones fake tensors
-    run; the module itself is not changed."""
+    each of its module's kernels replaced by ``kernel(its name)`` (default: a no-op) and its
+    allocating helpers by ones fake tensors run; the module itself is not changed."""
     function = getattr(call, "__func__", call)
     names = dict(function.__globals__)
     # every generated kernel: one left would get a fake tensor's address (a crash)
     for name in [n for n in names if n.startswith(("cpp_", "triton_"))]:
-        names[name] = _NO_OP
+        names[name] = kernel(name)
     for device in _EMPTY_STRIDED:
         names[f"empty_strided_{device}"] = _empty_strided_on(device)
     names["reinterpret_tensor"] = _reinterpret
@@ -180,6 +202,20 @@ class _NoOp:
 
 
 _NO_OP = _NoOp()
+
+
+class _Timed(_NoOp):
+    """A kernel that does nothing but charge its call on a clock (its tensor arguments are
+    the buffers it reads and writes)."""
+
+    def __init__(self, clock: KernelClock, name: str) -> None:
+        self._clock, self._name = clock, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self._clock.fused(args, self._name)
+
+    def __getattr__(self, name: str) -> _Timed:
+        return self
 
 
 def _empty_strided_on(device: str) -> Callable[..., torch.Tensor]:

@@ -68,6 +68,12 @@ entries are ASSUMED, not measured: the same host work runs while the GPU execute
 queued earlier, so on a GPU-bound step most of it is hidden; we charge small values (50 us
 per region, 2 us per saved tensor, 5 us per SAC op, 8 to 24 times less than the CPU entry).
 Profile with ``timing="measure"`` on the GPU to measure them instead.
+
+A compiled graph's call (``compiled_graph_us`` and ``compiled_input_us`` per tensor it
+takes, for ``profiles.compiled_time``): 50 and 3 us on the ``cpu`` entry, measured
+(``benchmarks/compiled_call_cost.py``: compiled steps of 1-128 parameters against their
+inputs, 47 and 2.7 us on the 2-core VM, one thread); the GPUs' entries assume the same host
+work (their hosts run the same Python; on a GPU-bound step much of it overlaps kernels).
 """
 
 from __future__ import annotations
@@ -78,7 +84,10 @@ from typing import Any
 
 from profiles.schema import CheckpointCosts
 
-OP_CLASSES = ("view", "factory", "pointwise", "reduction", "copy", "matmul", "attention")
+# "transcendental": a fused kernel computing exp, a root and the like per element
+# (``profiles.compiled_time``); an aten op is never of it
+OP_CLASSES = ("view", "factory", "pointwise", "reduction", "copy", "matmul", "attention",
+              "transcendental")
 COMPUTE_CLASSES = frozenset({"matmul", "attention"})
 
 # op names as in the schema, without namespace, overload or an in-place trailing underscore
@@ -197,7 +206,7 @@ def _dtype(kind: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> str:
 # assumptions for a DeviceSpec made without an efficiency table (the named ones carry theirs)
 DEFAULT_EFFICIENCY: dict[str, float] = {
     "matmul": 0.7, "attention": 0.7, "pointwise": 0.8, "reduction": 0.8, "copy": 0.8,
-    "factory": 0.8}
+    "factory": 0.8, "transcendental": 0.8}
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,11 @@ class DeviceSpec:
     checkpoint_region_us: float = 50.0
     checkpoint_pack_us: float = 2.0
     checkpoint_sac_op_us: float = 5.0
+    # per compiled graph called: dynamo's guards, the AOT runtime wrapper, autograd's
+    # function and the generated wrapper's own Python (``profiles.compiled_time``), and per
+    # tensor it takes (a guard and a check each, a parameter's accumulation node)
+    compiled_graph_us: float = 50.0
+    compiled_input_us: float = 3.0
     # offload: GB/s each way between device and pinned host memory; synchronous: the copy
     # holds up compute (a CPU, where "host" and "device" are one memory)
     host_link_gbps: float | None = None
@@ -253,10 +267,13 @@ class DeviceSpec:
 
 # measured by profiles.calibrate (benchmarks/checkpoint_overhead.py), rounded
 CPU_REGION_US, CPU_PACK_US, CPU_SAC_OP_US = 400.0, 45.0, 120.0
+# measured on the same VM (benchmarks/compiled_call_cost.py, one thread): 47 us a compiled
+# graph called, 2.7 us a tensor it takes, rounded
+CPU_GRAPH_US, CPU_INPUT_US = 50.0, 3.0
 
 # efficiencies of eager PyTorch kernels on NVIDIA data-center GPUs; sources in the docstring
 _GPU_EFFICIENCY = {"matmul": 0.75, "attention": 0.35, "pointwise": 0.85, "reduction": 0.6,
-                   "copy": 0.7, "factory": 0.85}
+                   "copy": 0.7, "factory": 0.85, "transcendental": 0.85}
 _GPU_SOURCES = {
     "matmul": "cuBLAS large GEMMs reach 75-97 % of peak (fast.cu README: 741-798 TFLOPS BF16 "
               "on H100 SXM; YHs_Sample issue 4: SGEMM 18.9 of 19.5 TFLOPS on A100); training "
@@ -270,6 +287,8 @@ _GPU_SOURCES = {
     "copy": "assumption: copies stream like pointwise kernels, gathers, scatters and "
             "embedding backward (sort then scatter, pytorch/pytorch#24912) do not",
     "factory": "assumption: fills write at streaming speed, as pointwise kernels (0.85)",
+    "transcendental": "assumption: a fused kernel's exp or root per element hides behind "
+                      "its memory traffic on a GPU, as a pointwise kernel's (0.85)",
     "launch_overhead_us": "assumption: ~5 us host launch and dispatch per eager op that runs "
                           "a kernel (none for views and empty)",
 }
@@ -318,7 +337,9 @@ DEVICES: dict[str, DeviceSpec] = {
                                                  "half the memory bandwidth (it reads and "
                                                  "writes), holding up compute"},
                       checkpoint_region_us=CPU_REGION_US, checkpoint_pack_us=CPU_PACK_US,
-                      checkpoint_sac_op_us=CPU_SAC_OP_US, host_link_gbps=10.0,
+                      checkpoint_sac_op_us=CPU_SAC_OP_US, compiled_graph_us=CPU_GRAPH_US,
+                      compiled_input_us=CPU_INPUT_US,
+                      host_link_gbps=10.0,
                       host_link_synchronous=True),
 }
 

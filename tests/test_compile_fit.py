@@ -415,6 +415,16 @@ def test_execution_fake_counts_every_compiled_schedule_on_fake_tensors(monkeypat
         assert type(seen["step"]) is kind and seen["execution"] == execution
         assert (seen["counter"] is None) == (execution == "fake")
     assert isinstance(seen["counter"](), FakeCompiledStep)
+    assert seen["counter"]().spec is None  # a schedule that ran out of memory never fits
+    # counted, each schedule's time is predicted on the profile's device: this CPU's own
+    # roofline, measured, for a model on it; a named device's, estimated for it
+    optimize_fake = dict(loss_fn=zm.loss_fn, budget_gb=1, compiled="model", progress=False)
+    for device, timing, name in ((None, "auto", "cpu (measured)"),
+                                 ("H100", "estimate", "H100")):
+        with pytest.raises(RuntimeError, match="stop here"):
+            optimize(zm.model, zm.example_inputs, execution="fake", device=device,
+                     timing=timing, **optimize_fake)
+        assert seen["step"].spec.name == name
     # counted, a convolution's workspace is not seen: said where the step has one
     resnet = zoo.get("resnet")
     with pytest.warns(PlanMismatchWarning, match="convolution's workspace"), \

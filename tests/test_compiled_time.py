@@ -1,0 +1,124 @@
+"""A compiled step's time from its kernels (`profiles.compiled_time`, the host's roofline in
+`profiles.host_roofline`) and its use by the count and the compiled fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner import zoo
+from planner.compiled_fake import FakeCompiledStep
+from planner.solving import plan_for_schedule
+from profiles import host_roofline as roofline
+from profiles.compiled_time import KernelClock
+from profiles.devices import device_spec
+from profiles.inputs import normalize_inputs
+from solvers.baselines import policy_schedule
+
+H100 = device_spec("H100")
+
+
+def _running(clock: KernelClock) -> KernelClock:
+    clock.running = True
+    return clock
+
+
+def test_a_fused_kernel_costs_the_roofline_of_each_buffer_it_takes_once() -> None:
+    """A fused kernel reads and writes each buffer it is passed once, however often it is
+    passed (an in-out buffer), at the device's streaming rate, plus one launch; a clock
+    not running charges nothing."""
+    clock = _running(KernelClock(H100))
+    x, out = torch.empty(1024), torch.empty(4096)
+    clock.fused((x, out, out, 3, 1.5))
+    expected = H100.op_time_ms(0, 4 * (1024 + 4096), "float32", "pointwise")
+    assert clock.ms == pytest.approx(expected) and clock.kernels == 1
+    clock.running = False
+    clock.fused((x, out))
+    assert clock.ms == pytest.approx(expected)
+
+
+def test_an_op_that_returns_no_tensor_runs_no_kernel() -> None:
+    """A query the wrapper dispatches (``prim.device``: 204 a step in GPT small's compiled
+    graphs) is not a kernel (before: each was charged a read of its tensor, 6 of GPT
+    small's 29 ms); an ``out=`` op charges its matmul once, its output not read."""
+    clock = _running(KernelClock(H100))
+    a, b, out = torch.empty(64, 32), torch.empty(32, 16), torch.empty(64, 16)
+    clock.aten(torch.ops.prim.device.default, (a,), {}, a.device)
+    assert clock.ms == 0 and clock.kernels == 0
+    clock.aten(torch.ops.aten.mm.out, (a, b), {"out": out}, out)
+    assert clock.ms == pytest.approx(H100.op_time_ms(2 * 64 * 32 * 16, 4 * (64 * 32 + 32 * 16
+                                                                            + 64 * 16),
+                                                     "float32", "matmul"))
+
+
+def test_on_the_host_a_matmul_is_timed_once_per_shape(monkeypatch) -> None:
+    """On the host a compute op is timed on real tensors of its shapes, once per shape and
+    strides (the cache), and a pointwise op is not timed (the roofline)."""
+    from profiles import compiled_time
+
+    timed: list[float] = []
+
+    def least_ms(run) -> float:
+        run()
+        timed.append(0.25)
+        return 0.25
+
+    monkeypatch.setattr(compiled_time, "_least_ms", least_ms)
+    clock = _running(KernelClock(roofline.host_roofline(), on_host=True))
+    a, b = torch.empty(8, 4), torch.empty(4, 2)
+    for _ in range(3):
+        clock.aten(torch.ops.aten.mm.default, (a, b), {}, torch.empty(8, 2))
+    clock.aten(torch.ops.aten.mm.default, (a.t().contiguous().t(), b), {}, torch.empty(8, 2))
+    assert timed == [0.25, 0.25] and clock.ms == pytest.approx(4 * 0.25)
+    clock.aten(torch.ops.aten.add.Tensor, (a, a), {}, torch.empty(8, 4))
+    assert len(timed) == 2 and clock.ms > 1.0
+    # a product too long to time on the host runs at the fitted rate
+    big = torch.empty(4096, 4096)
+    before = clock.ms
+    clock.aten(torch.ops.aten.mm.default, (big, big), {}, big)
+    assert len(timed) == 2 and clock.ms - before > compiled_time.HOST_TIMED_MAX_MS
+
+
+def test_the_host_rate_is_fitted_per_call_and_per_unit_of_work() -> None:
+    """``seconds = per call + work / rate``: recovered from exact samples; a negative
+    per-call cost (noise) is none, the rate then the samples' total."""
+    rate, per_call = roofline._fit([(w, 2e-6 + w / 5e10) for w in (1e5, 1e6, 1e7, 1e8)])
+    assert rate == pytest.approx(5e10, rel=1e-6) and per_call == pytest.approx(2e-6, rel=1e-6)
+    rate, per_call = roofline._fit([(1e6, 1e-4), (2e6, 3e-4), (4e6, 7e-4)])
+    assert per_call == 0 and rate == pytest.approx(7e6 / 1.1e-3)
+
+
+def test_a_compiled_step_counted_with_a_roofline_predicts_its_recompute() -> None:
+    """GPT tiny compiled whole, counted on fake tensors: with a device's roofline the step
+    is timed from the kernels its generated code calls (before: None), and every block
+    checkpointed predicts a slower step than nothing checkpointed (the forward's matmuls
+    again), at the peak counted without a clock."""
+    zm = zoo.get("gpt", size="tiny", dropout=0.0)
+    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
+    from planner import profile_model
+
+    profiled = profile_model(zm.model, zm.example_inputs, loss_fn=zm.loss_fn,
+                             timing="estimate", progress=False)
+    every = plan_for_schedule(profiled.profile,
+                              policy_schedule("every-layer", profiled.problem()),
+                              profiled.inputs, profiled.structure)
+    step = FakeCompiledStep(zm.model, args, kwargs, zm.loss_fn, "model", [], spec=H100)
+    plain, rerun = step.run(None), step.run(every)
+    assert plain.step_ms == step.run(None).step_ms  # H100's: nothing timed on this host
+    assert 0 < plain.step_ms < rerun.step_ms
+    assert "predicted" in step.measure and "H100" in step.measure
+    untimed = FakeCompiledStep(zm.model, args, kwargs, zm.loss_fn, "model", []).run(every)
+    assert untimed.step_ms is None and untimed.peak_bytes == rerun.peak_bytes
+
+
+def test_a_graph_call_costs_its_call_and_each_tensor_it_takes() -> None:
+    """Rule 3: a compiled graph's call is host work, per call and per tensor it takes
+    (guards, checks, a parameter's accumulation): a graph of 200 tensors costs more than one
+    of 2 by 198 of the per-tensor cost."""
+    clock = _running(KernelClock(H100))
+    clock.graph(2)
+    small = clock.ms
+    clock.graph(200)
+    assert clock.graphs == 2 and small == pytest.approx((H100.compiled_graph_us
+                                                         + 2 * H100.compiled_input_us) / 1e3)
+    assert clock.ms - 2 * small == pytest.approx(198 * H100.compiled_input_us / 1e3)
