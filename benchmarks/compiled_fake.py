@@ -12,6 +12,13 @@ same compile, its generated code run on fake tensors with the kernels stubbed), 
 seconds each took. GPT small also under ``torch.autocast(bfloat16)``. Models run with dropout
 0 (inductor draws its own masks).
 
+Time too: the measured step's (the least of its timed steps) against the count's prediction
+from the kernels its generated code calls (`profiles.compiled_time`) on this host's roofline
+(`profiles.host_roofline`, measured at the start; matmuls timed per shape), and each
+schedule's overhead over its model's step with nothing checkpointed, measured and predicted.
+Timed on one thread with freed memory kept (``kept_memory``: no page faults a step), as the
+CPU frontiers time.
+
 Writes benchmarks/results/compiled-fake-cpu.{json,md} (``--quick``: compiled-fake-cpu-quick.*).
 """
 
@@ -28,12 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kept_memory import keep_freed_memory
 
 import profiles
 from planner import InfeasibleBudgetError, Plan, optimize, profile_model, zoo
 from planner.compiled_fake import FakeCompiledStep
 from planner.compiled_step import CompiledStep
 from planner.solving import plan_for_schedule
+from profiles.devices import DeviceSpec
+from profiles.host_roofline import host_roofline
 from profiles.inputs import normalize_inputs
 from solvers.baselines import policy_schedule
 
@@ -72,7 +82,8 @@ def schedules(zm: zoo.ZooModel, autocast: str | None) -> list[tuple[str, Plan | 
     return found
 
 
-def run_model(name: str, zm: zoo.ZooModel, autocast: str | None) -> list[dict[str, Any]]:
+def run_model(name: str, zm: zoo.ZooModel, autocast: str | None, spec: DeviceSpec
+              ) -> list[dict[str, Any]]:
     loss_fn = zm.loss_fn or profiles.default_loss
     zm.loss_fn = loss_fn
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
@@ -82,12 +93,15 @@ def run_model(name: str, zm: zoo.ZooModel, autocast: str | None) -> list[dict[st
     for label, plan in schedules(zm, autocast):
         for mode in ("model", "blocks"):
             row: dict[str, Any] = {"model": name, "mode": mode, "schedule": label}
-            for kind, step_class in (("measured", CompiledStep), ("counted", FakeCompiledStep)):
-                step = step_class(zm.model, args, kwargs, loss_fn, mode, blocks,
-                                  autocast_dtype=autocast)
+            for kind, step in (
+                    ("measured", CompiledStep(zm.model, args, kwargs, loss_fn, mode, blocks,
+                                              autocast_dtype=autocast)),
+                    ("counted", FakeCompiledStep(zm.model, args, kwargs, loss_fn, mode, blocks,
+                                                 autocast_dtype=autocast, spec=spec))):
                 began = time.perf_counter()
                 try:
-                    row[f"{kind}_bytes"] = step.peak_bytes(plan)
+                    measure = step.run(plan)
+                    row[f"{kind}_bytes"], row[f"{kind}_ms"] = measure[:2]
                 except Exception as error:  # a row failing is a result to record
                     row[f"{kind}_failed"] = f"{type(error).__name__}: {error}"[:200]
                 row[f"{kind}_s"] = time.perf_counter() - began
@@ -121,24 +135,78 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's step time, measured and predicted, and its overhead over its model's step
+    with nothing checkpointed (same model and compile mode), both ways."""
+    timed = [r for r in rows if r.get("measured_ms") and r.get("counted_ms")]
+    plain = {(r["model"], r["mode"]): r for r in timed if r["schedule"] == "no checkpoint"}
+    errors = [r["counted_ms"] / r["measured_ms"] - 1 for r in timed]
+    gaps, lines = [], []
+    for r in timed:
+        base = plain.get((r["model"], r["mode"]))
+        over = ("-", "-", "-")
+        if base is not None and r is not base:
+            measured = 100 * (r["measured_ms"] / base["measured_ms"] - 1)
+            predicted = 100 * (r["counted_ms"] / base["counted_ms"] - 1)
+            gaps.append(predicted - measured)
+            over = (f"{measured:+.1f}", f"{predicted:+.1f}", f"{predicted - measured:+.1f}")
+        lines.append(f"| {r['model']} | {r['mode']} | {r['schedule']} | "
+                     f"{r['measured_ms']:.2f} | {r['counted_ms']:.2f} | "
+                     f"{100 * (r['counted_ms'] / r['measured_ms'] - 1):+.1f} % | "
+                     + " | ".join(over) + " |")
+    if not timed:
+        return []
+    within = sum(abs(g) <= 3.0 for g in gaps)
+    picked, groups = picks(timed)
+    return ["", "## Time: predicted from the kernels against the step measured", "",
+            f"Step times predicted {100 * min(errors):+.1f} to {100 * max(errors):+.1f} % "
+            f"of the measured (median {100 * sorted(errors)[len(errors) // 2]:+.1f} %); "
+            f"overheads over nothing checkpointed predicted within 3 points of the measured "
+            f"in {within} of {len(gaps)} rows (median |gap| "
+            f"{sorted(abs(g) for g in gaps)[len(gaps) // 2]:.1f} points). Among each "
+            f"model's and mode's checkpointing schedules, the fastest predicted measured "
+            f"within 5 % of the fastest measured in {picked} of {groups} (the pick a "
+            f"counted fit makes).", "",
+            "| model | compiled | schedule | measured ms | predicted ms | error | "
+            "measured overhead % | predicted overhead % | gap (points) |",
+            "|---|---|---|---|---|---|---|---|---|", *lines]
+
+
+def picks(timed: list[dict[str, Any]]) -> tuple[int, int]:
+    """In how many groups (model, mode) the checkpointing schedule predicted fastest
+    measured within 5 % of the one measured fastest, and of how many groups."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in timed:
+        if r["schedule"] != "no checkpoint":
+            groups.setdefault((r["model"], r["mode"]), []).append(r)
+    picked = sum(min(g, key=lambda r: r["counted_ms"])["measured_ms"]
+                 <= 1.05 * min(r["measured_ms"] for r in g) for g in groups.values())
+    return picked, len(groups)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="GPT tiny only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # plan mismatch warnings of schedules applied as given
+    allocator = keep_freed_memory()
+    torch.set_num_threads(1)
+    spec = host_roofline()
     models = QUICK if args.quick else MODELS
     began = time.perf_counter()
     rows = [r for name, (build, autocast) in models.items()
-            for r in run_model(name, build(), autocast)]
+            for r in run_model(name, build(), autocast, spec)]
     meta = (f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
-            f"{torch.get_num_threads()} threads, torch {torch.__version__}, inductor C++; "
-            f"{time.perf_counter() - began:.0f} s.")
+            f"{torch.get_num_threads()} thread, torch {torch.__version__}, inductor C++, "
+            f"{allocator}; {time.perf_counter() - began:.0f} s. Roofline: "
+            f"{spec.sources['all']}, {spec.launch_overhead_us:.1f} us a call.")
     stem = "compiled-fake-cpu-quick" if args.quick else "compiled-fake-cpu"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / f"{stem}.md").write_text(report(rows, meta))
-    print(report(rows, meta))
+    text = report(rows, meta) + "\n".join(time_report(rows)) + "\n"
+    (args.out / f"{stem}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ and counts each schedule's compiled step on fake tensors (`planner.compiled_fake
 runs, so a model whose unplanned step does not fit the device can be planned. Each plan is
 then run, compiled as it was counted (`planner.compiled_step.CompiledStep`, the CPU
 allocator's events, as the measured fit measures): its measured peak against its budget and
-against the count its plan records, and the seconds planning took. GPT tiny, the zoo's HF
+against the count its plan records, its step time against the one its plan predicts (from
+its kernels, `profiles.compiled_time`: the fit picks the fastest predicted), and the seconds
+planning took. GPT tiny, the zoo's HF
 Llama and its ResNet (dropout 0: inductor draws its own masks), compiled whole and per
 block, at 0.9 / 0.75 / 0.6 of the eager step's peak; GPT tiny again under
 ``torch.autocast(bfloat16)``, a setting nothing here was tuned for.
@@ -62,14 +64,20 @@ def _row(name: str, make: Callable[[], zoo.ZooModel], autocast: torch.dtype | No
         plan, fits = error.plan, False
     planning_s = time.perf_counter() - began
     args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
-    measured = CompiledStep(zm.model, args, kwargs, loss_fn, mode, plan.compiled.blocks,
-                            autocast_dtype=plan.autocast_dtype).peak_bytes(plan)
+    measured, measured_ms, _ = CompiledStep(zm.model, args, kwargs, loss_fn, mode,
+                                            plan.compiled.blocks,
+                                            autocast_dtype=plan.autocast_dtype).run(plan)
     counted = plan.compiled.peak_bytes
     return {"model": name, "mode": mode, "fraction": fraction, "budget": budget,
             "eager_unplanned": eager, "fits": fits, "counted": counted, "measured": measured,
             "within_budget": measured <= budget, "error": (counted - measured) / measured,
             "source": plan.compiled.source, "compiles": plan.compiled.compiles,
-            "planning_s": planning_s}
+            "planning_s": planning_s, "predicted_ms": plan.compiled.step_ms,
+            "measured_ms": measured_ms}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -83,14 +91,16 @@ def markdown(result: dict[str, Any]) -> str:
            f"**{held} of {sum(r['fits'] for r in rows)} plans measured within their budget; "
            f"{close} of {len(rows)} counts within 1 % of the measured peak.**", "",
            "| model | compiled | budget (of eager peak) | plan | counted | measured | "
-           "count - measure | within budget | schedule | compiles | planning |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "count - measure | within budget | schedule | step predicted | step measured | "
+           "compiles | planning |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['mode']} | {r['budget'] / MIB:.3f} MiB "
                    f"({r['fraction']:.2f}) | {'fits' if r['fits'] else 'least (error.plan)'} | "
                    f"{r['counted'] / MIB:.3f} MiB | {r['measured'] / MIB:.3f} MiB | "
                    f"{r['error']:+.3%} | {'yes' if r['within_budget'] else 'no'} | "
-                   f"{r['source']} | {r['compiles']} | {r['planning_s']:.0f} s |")
+                   f"{r['source']} | {_ms(r.get('predicted_ms'))} | "
+                   f"{_ms(r.get('measured_ms'))} | {r['compiles']} | {r['planning_s']:.0f} s |")
     return "\n".join(out) + "\n"
 
 
