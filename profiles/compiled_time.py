@@ -31,6 +31,7 @@ and why the eager clock cannot time a compiled schedule.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -148,8 +149,6 @@ def _outside_modes() -> Any:
 
 
 def _least_ms(run: Any) -> float:
-    import time
-
     run()
     times = []
     for _ in range(REPEATS):

@@ -37,6 +37,18 @@ def test_a_fused_kernel_costs_the_roofline_of_each_buffer_it_takes_once() -> Non
     assert clock.ms == pytest.approx(expected)
 
 
+def test_a_fused_kernel_is_transcendental_by_the_ops_its_name_lists() -> None:
+    """Inductor names a kernel by the aten ops it fused: a softmax, a layer norm or a GELU
+    is computed per element, a transpose's copy or a logical and streams."""
+    from profiles.compiled_time import fused_class
+
+    for name in ("cpp_fused__softmax_masked_fill_mul_view_2",
+                 "cpp_fused_native_layer_norm_backward_view_0", "triton_poi_fused_gelu_3"):
+        assert fused_class(name) == "transcendental", name
+    for name in ("cpp_fused_clone_split_transpose_view_1", "cpp_fused_logical_and_0"):
+        assert fused_class(name) == "pointwise", name
+
+
 def test_an_op_that_returns_no_tensor_runs_no_kernel() -> None:
     """A query the wrapper dispatches (``prim.device``: 204 a step in GPT small's compiled
     graphs) is not a kernel (before: each was charged a read of its tensor, 6 of GPT
