@@ -145,7 +145,8 @@ def inductor_on_fake(counter: CountingFakeMode) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     clock = counter.clock
-    kernel = (lambda name: _NO_OP) if clock is None else (lambda name: _Timed(clock, name))
+    kernel = (lambda name, real: _NO_OP) if clock is None else \
+        (lambda name, real: _Timed(clock, name, real if name.startswith("cpp_") else None))
 
     def inner_compile(graph: torch.fx.GraphModule, example_inputs: list, **options: Any):
         compiled = compile_fx_inner(graph, example_inputs, **options)
@@ -171,16 +172,17 @@ def inductor_on_fake(counter: CountingFakeMode) -> Callable[..., Any]:
 
 
 def _kernels_stubbed(call: Callable[[list], Any],
-                     kernel: Callable[[str], Any] = lambda name: _NO_OP
+                     kernel: Callable[[str, Any], Any] = lambda name, real: _NO_OP
                      ) -> Callable[[list], Any]:
     """The generated wrapper ``call`` (a function, or a method of inductor's ``Runner``) with
-    each of its module's kernels replaced by ``kernel(its name)`` (default: a no-op) and its
-    allocating helpers by ones fake tensors run; the module itself is not changed."""
+    each of its module's kernels replaced by ``kernel(its name, the kernel)`` (default: a
+    no-op) and its allocating helpers by ones fake tensors run; the module itself is not
+    changed."""
     function = getattr(call, "__func__", call)
     names = dict(function.__globals__)
     # every generated kernel: one left would get a fake tensor's address (a crash)
     for name in [n for n in names if n.startswith(("cpp_", "triton_"))]:
-        names[name] = kernel(name)
+        names[name] = kernel(name, names[name])
     for device in _EMPTY_STRIDED:
         names[f"empty_strided_{device}"] = _empty_strided_on(device)
     names["reinterpret_tensor"] = _reinterpret
@@ -206,13 +208,14 @@ _NO_OP = _NoOp()
 
 class _Timed(_NoOp):
     """A kernel that does nothing but charge its call on a clock (its tensor arguments are
-    the buffers it reads and writes)."""
+    the buffers it reads and writes); ``real``: the generated C++ kernel, which the clock
+    may run on real buffers of the same layout (rule 1 on the host)."""
 
-    def __init__(self, clock: KernelClock, name: str) -> None:
-        self._clock, self._name = clock, name
+    def __init__(self, clock: KernelClock, name: str, real: Any = None) -> None:
+        self._clock, self._name, self._real = clock, name, real
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self._clock.fused(args, self._name)
+        self._clock.fused(args, self._name, self._real)
 
     def __getattr__(self, name: str) -> _Timed:
         return self

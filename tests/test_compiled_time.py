@@ -9,6 +9,7 @@ import torch
 from planner import zoo
 from planner.compiled_fake import FakeCompiledStep
 from planner.solving import plan_for_schedule
+from profiles import compiled_time, default_loss
 from profiles import host_roofline as roofline
 from profiles.compiled_time import KernelClock
 from profiles.devices import device_spec
@@ -64,9 +65,8 @@ def test_an_op_that_returns_no_tensor_runs_no_kernel() -> None:
 
 
 def test_on_the_host_a_matmul_is_timed_once_per_shape(monkeypatch) -> None:
-    """On the host a compute op is timed on real tensors of its shapes, once per shape and
-    strides (the cache), and a pointwise op is not timed (the roofline)."""
-    from profiles import compiled_time
+    """On the host a compute or reduction op is timed on real tensors of its shapes, once
+    per shape and strides (the cache), and a pointwise op is not timed (the roofline)."""
 
     timed: list[float] = []
 
@@ -84,11 +84,14 @@ def test_on_the_host_a_matmul_is_timed_once_per_shape(monkeypatch) -> None:
     assert timed == [0.25, 0.25] and clock.ms == pytest.approx(4 * 0.25)
     clock.aten(torch.ops.aten.add.Tensor, (a, a), {}, torch.empty(8, 4))
     assert len(timed) == 2 and clock.ms > 1.0
+    # a reduction is timed too (an eager loss's log-softmax: 7 x its roofline on GPT small)
+    clock.aten(torch.ops.aten._log_softmax.default, (a, 1, False), {}, torch.empty(8, 4))
+    assert len(timed) == 3
     # a product too long to time on the host runs at the fitted rate
     big = torch.empty(4096, 4096)
     before = clock.ms
     clock.aten(torch.ops.aten.mm.default, (big, big), {}, big)
-    assert len(timed) == 2 and clock.ms - before > compiled_time.HOST_TIMED_MAX_MS
+    assert len(timed) == 3 and clock.ms - before > compiled_time.HOST_TIMED_MAX_MS
 
 
 def test_the_host_rate_is_fitted_per_call_and_per_unit_of_work() -> None:
@@ -134,3 +137,83 @@ def test_a_graph_call_costs_its_call_and_each_tensor_it_takes() -> None:
     assert clock.graphs == 2 and small == pytest.approx((H100.compiled_graph_us
                                                          + 2 * H100.compiled_input_us) / 1e3)
     assert clock.ms - 2 * small == pytest.approx(198 * H100.compiled_input_us / 1e3)
+
+
+def test_on_the_host_a_generated_kernel_runs_on_real_buffers_laid_out_as_its_own() -> None:
+    """Rule 1 on the host: the kernel is called on real tensors of its arguments' shapes,
+    strides and offsets, one real storage per storage they share (an in-out buffer stays
+    one; as far as they reach into it), integers zero (an index in range), floats drawn without touching the process's
+    RNG; once per kernel and layout; a kernel that raises on them keeps its roofline."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    seen: list[tuple] = []
+
+    def kernel(*args):
+        seen.append(args)
+
+    mode = FakeTensorMode()
+    with mode:
+        buffer = torch.empty(64)
+        view = torch.as_strided(buffer, (4, 8), (8, 1), 16)
+        index = torch.empty(32, dtype=torch.int64)
+    clock = _running(KernelClock(roofline.host_roofline(), on_host=True))
+    rng = torch.random.get_rng_state()
+    for _ in range(2):
+        clock.fused((buffer, view, index, 7), "cpp_fused_add_0", kernel)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    calls = len(seen)
+    assert calls == 1 + compiled_time.REPEATS  # one warm run, then the timed ones, once
+    real_buffer, real_view, real_index, scalar = seen[0]
+    assert not any(isinstance(t, FakeTensor) for t in seen[0])
+    assert real_view.untyped_storage().data_ptr() == real_buffer.untyped_storage().data_ptr()
+    assert (real_view.shape, real_view.stride(), real_view.storage_offset()) == \
+        ((4, 8), (8, 1), 16) and scalar == 7
+    assert int(real_index.abs().sum()) == 0 and float(real_buffer.abs().sum()) > 0
+    with mode:  # a slice of a large buffer: its storage as far as the slice reaches
+        large = torch.empty(1 << 20)
+    clock.fused((large[8:16],), "cpp_fused_copy_2", kernel)
+    assert seen[-1][0].untyped_storage().nbytes() == 16 * 4
+
+    def failing(*args):
+        raise RuntimeError("index out of bounds")
+
+    before = clock.ms
+    clock.fused((buffer,), "cpp_fused_gather_1", failing)
+    assert clock.ms - before == pytest.approx(roofline.host_roofline().op_time_ms(
+        0, 4 * 64, "float32", "pointwise"))
+
+
+def test_on_the_host_a_compiled_steps_kernels_are_the_ones_timed(monkeypatch) -> None:
+    """HF GPT-2 (dropout on: inductor draws its random numbers in the kernels, which a
+    roofline per byte put 13 x short) compiled whole and counted with the host's clock:
+    every fused kernel its graphs call is run on real buffers, and none raises (none falls
+    back to its roofline)."""
+    runs: list[str] = []
+
+    def least_ms(run) -> float:
+        try:
+            run()
+        except Exception as error:  # recorded, then the clock's own fallback
+            runs.append(f"raised {error}")
+            raise
+        runs.append(run.__qualname__)
+        return 0.01
+
+    monkeypatch.setattr(compiled_time, "_least_ms", least_ms)
+    zm = zoo.get("hf-gpt2", n_layer=1)
+    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
+    names: set[str] = set()
+    fused = KernelClock.fused
+
+    def noted(self, args, name="", kernel=None):
+        if self.running and kernel is not None:
+            names.add(name)
+        fused(self, args, name, kernel)
+
+    monkeypatch.setattr(KernelClock, "fused", noted)
+    step = FakeCompiledStep(zm.model, args, kwargs, zm.loss_fn or default_loss, "model", [],
+                            spec=roofline.host_roofline())
+    assert step.run(None).step_ms > 0
+    kernels_run = [r for r in runs if "_kernel_ms" in r]
+    assert any("dropout" in name for name in names)
+    assert len(kernels_run) >= len(names) > 0 and not [r for r in runs if "raised" in r]
