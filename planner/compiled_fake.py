@@ -81,6 +81,8 @@ class FakeCompiledStep:
         self.grads_in_forward = grads_in_forward
         self.recompile_limit_hit: int | None = None  # as `CompiledStep`'s
         self.garbage_collected = garbage_collected  # training_peaks's
+        # the last timed step's ms by kind (fused kernels, aten ops, graph calls)
+        self.step_ms_by_kind: dict[str, float] = {}
 
     @property
     def measure(self) -> str:
@@ -109,10 +111,10 @@ class FakeCompiledStep:
             for batch in self.batches:
                 steps.append(self._counted(twin, fake, batch))
                 if batch.args is self.timed.args and batch.kwargs is self.timed.kwargs:
-                    step_ms = self._step_ms
+                    step_ms, self.step_ms_by_kind = self._step_ms, self._by_kind
             if self.spec is not None and step_ms is None:  # the timed batch is not a batch
                 self._counted(twin, fake, self.timed)
-                step_ms = self._step_ms
+                step_ms, self.step_ms_by_kind = self._step_ms, self._by_kind
         peaks = training_peaks(steps, self.garbage_collected)
         return CompiledMeasure(max(peaks), step_ms if self.spec is not None else None, peaks)
 
@@ -163,6 +165,7 @@ class FakeCompiledStep:
             self._step(twin, args, kwargs, last)
             # the step's time: its forward, loss and backward, as `CompiledStep` times it
             self._step_ms = fake.clock.ms if fake.clock is not None else None
+            self._by_kind = dict(fake.clock.by_kind) if fake.clock is not None else {}
             self._last = GradLayout.of(dict(twin.named_parameters(remove_duplicate=False)))
             grads = [p.grad for p in twin.parameters() if p.grad is not None] \
                 if self.grads_at_start else []
