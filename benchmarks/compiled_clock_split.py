@@ -25,31 +25,20 @@ Writes benchmarks/results/compiled-clock-split-cpu.{json,md} (``--quick``: ...-q
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import re
 import sys
-import time
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-from compiled_fake import MODELS, QUICK
-from kept_memory import keep_freed_memory
+from compiled_fake import drive, step_of
 
-import profiles
 from planner import Plan, profile_model, zoo
 from planner.compiled_fake import FakeCompiledStep
 from planner.compiled_step import CompiledStep
 from planner.solving import plan_for_schedule
 from profiles.devices import DeviceSpec
-from profiles.host_roofline import host_roofline
-from profiles.inputs import normalize_inputs
 from solvers.baselines import policy_schedule
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PROFILED = 5  # steps under the profiler
 KINDS = ("fused", "aten", "host")
 
@@ -88,10 +77,7 @@ def schedules(zm: zoo.ZooModel, autocast: str | None) -> list[tuple[str, Plan | 
 
 def run_model(name: str, zm: zoo.ZooModel, autocast: str | None, spec: DeviceSpec
               ) -> list[dict[str, Any]]:
-    zm.loss_fn = zm.loss_fn or profiles.default_loss
-    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
-    blocks = [f"{zm.block_prefix}.{child}" for child, _ in
-              zm.model.get_submodule(zm.block_prefix).named_children()]
+    args, kwargs, blocks = step_of(zm)
     rows = []
     for label, plan in schedules(zm, autocast):
         for mode in ("model", "blocks"):
@@ -146,26 +132,7 @@ def report(rows: list[dict[str, Any]], meta: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="GPT tiny only")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    warnings.simplefilter("ignore")  # plan mismatch warnings of schedules applied as given
-    allocator = keep_freed_memory()
-    torch.set_num_threads(1)
-    spec = host_roofline()
-    began = time.perf_counter()
-    rows = [r for name, (build, autocast) in (QUICK if args.quick else MODELS).items()
-            for r in run_model(name, build(), autocast, spec)]
-    meta = (f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, 1 thread, torch "
-            f"{torch.__version__}, inductor C++, {allocator}; "
-            f"{time.perf_counter() - began:.0f} s. Roofline: {spec.sources['all']}.")
-    stem = "compiled-clock-split-cpu" + ("-quick" if args.quick else "")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    text = report(rows, meta)
-    (args.out / f"{stem}.md").write_text(text)
-    print(text)
+    drive(__doc__.splitlines()[0], "compiled-clock-split-cpu", run_model, report)
 
 
 if __name__ == "__main__":

@@ -85,13 +85,19 @@ def schedules(zm: zoo.ZooModel, autocast: str | None) -> list[tuple[str, Plan | 
     return found
 
 
+def step_of(zm: zoo.ZooModel) -> tuple[tuple, dict, list[str]]:
+    """A zoo model's step: its inputs, its blocks' paths; its loss made the default's where
+    it has none."""
+    zm.loss_fn = zm.loss_fn or profiles.default_loss
+    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
+    return args, kwargs, [f"{zm.block_prefix}.{child}" for child, _ in
+                          zm.model.get_submodule(zm.block_prefix).named_children()]
+
+
 def run_model(name: str, zm: zoo.ZooModel, autocast: str | None, spec: DeviceSpec
               ) -> list[dict[str, Any]]:
-    loss_fn = zm.loss_fn or profiles.default_loss
-    zm.loss_fn = loss_fn
-    args, kwargs = normalize_inputs(zm.model, zm.example_inputs)
-    blocks = [f"{zm.block_prefix}.{child}" for child, _ in
-              zm.model.get_submodule(zm.block_prefix).named_children()]
+    args, kwargs, blocks = step_of(zm)
+    loss_fn = zm.loss_fn
     rows = []
     for label, plan in schedules(zm, autocast):
         for mode in ("model", "blocks"):
@@ -196,8 +202,13 @@ def picks(timed: list[dict[str, Any]]) -> tuple[int, int]:
     return picked, len(groups)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def drive(description: str, stem: str, run: Callable[..., list[dict[str, Any]]],
+          write: Callable[[list[dict[str, Any]], str], str]) -> None:
+    """A CPU benchmark of compiled steps: ``run(name, model, autocast, spec)`` on each model
+    (one thread, freed memory kept, this host's roofline), its rows into
+    ``results/{stem}.json`` and ``write(rows, meta)`` into ``results/{stem}.md``
+    (``--quick``: GPT tiny, ``{stem}-quick``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="GPT tiny only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -205,20 +216,24 @@ def main() -> None:
     allocator = keep_freed_memory()
     torch.set_num_threads(1)
     spec = host_roofline()
-    models = QUICK if args.quick else MODELS
     began = time.perf_counter()
-    rows = [r for name, (build, autocast) in models.items()
-            for r in run_model(name, build(), autocast, spec)]
+    rows = [r for name, (build, autocast) in (QUICK if args.quick else MODELS).items()
+            for r in run(name, build(), autocast, spec)]
     meta = (f"{time.strftime('%Y-%m-%d %H:%M')}, {platform.machine()}, "
             f"{torch.get_num_threads()} thread, torch {torch.__version__}, inductor C++, "
             f"{allocator}; {time.perf_counter() - began:.0f} s. Roofline: "
             f"{spec.sources['all']}, {spec.launch_overhead_us:.1f} us a call.")
-    stem = "compiled-fake-cpu-quick" if args.quick else "compiled-fake-cpu"
+    stem += "-quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    text = report(rows, meta) + "\n".join(time_report(rows)) + "\n"
+    text = write(rows, meta)
     (args.out / f"{stem}.md").write_text(text)
     print(text)
+
+
+def main() -> None:
+    drive(__doc__.splitlines()[0], "compiled-fake-cpu", run_model,
+          lambda rows, meta: report(rows, meta) + "\n".join(time_report(rows)) + "\n")
 
 
 if __name__ == "__main__":
