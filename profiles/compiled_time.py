@@ -130,18 +130,17 @@ class KernelClock:
                                    + inputs * self.spec.compiled_input_us) * 1e-3)
             self.graphs += 1
 
-
     def _kernel_ms(self, kernel: Any, args: tuple, roofline_ms: float) -> float:
         """The generated ``kernel`` run on real buffers laid out as ``args`` (rule 1), once
         per kernel and layout; ``roofline_ms`` where it raises on them."""
         key = (kernel, *_layout(args))
         if key not in self._timed:
             with _outside_modes():
-                buffers = _real_buffers(args)
                 try:
+                    buffers = _real_buffers(args)
                     self._timed[key] = _least_ms(lambda: kernel(*buffers))
-                except Exception:  # an index check the zeros fail: the roofline stands
-                    self._timed[key] = roofline_ms
+                except Exception:  # an index check the zeros fail, a dtype without random
+                    self._timed[key] = roofline_ms  # numbers (float8): the roofline stands
         return self._timed[key]
 
     def _host_ms(self, func: Any, args: tuple, kwargs: dict) -> float:
