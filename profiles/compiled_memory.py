@@ -163,9 +163,11 @@ def inductor_on_fake(counter: CountingFakeMode) -> Callable[..., Any]:
         return compiled
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
-        # a cached graph would come back with its kernels, past inner_compile
-        with torch._functorch.config.patch(enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False):
+        # AOT autograd's cache would return a whole compiled step, past inner_compile, with
+        # its real kernels; inductor's graph cache (the user's setting) returns generated
+        # code through compile_fx_inner, whose kernels inner_compile stubs as any other's:
+        # a graph counted or measured before is not generated again
+        with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(graph, example_inputs, inner_compile=inner_compile)
 
     return backend
